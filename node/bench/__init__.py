@@ -1,0 +1,14 @@
+"""``locoswarm bench ...``: benchmark commands. Each writes a report: JSON + markdown + PNG."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from node.bench import convergence
+
+    p = sub.add_parser("bench", help="benchmarks that write a report (JSON + markdown + PNG)")
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
+                                 parser_class=type(p))
+    convergence.register(bench_sub)

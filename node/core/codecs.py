@@ -1,0 +1,449 @@
+"""Payload codecs for pseudo-gradients, and error feedback.
+
+Streaming DiLoCo sends each fragment's outer gradient as low-bit floats (4-bit E3M0 with a scale in
+the paper) and the receiver dequantizes and accumulates in fp32. The bytes produced here are exactly
+what the transport carries, so every format is specified to the byte (see ``ALGORITHMS.md`` §2):
+
+- ``fp32``: raw little-endian float32.
+- ``bf16``: raw little-endian bfloat16 (round to nearest even).
+- ``int8``: blockwise absmax. Per block of ``block_size`` elements a float32 scale ``s = max|x|``,
+  codes ``q = round(x / s * 127)`` in [-127, 127]. Layout: all scales, then all codes.
+- ``fp4``: E3M0. Per block a float32 scale ``s = max|x|``; each element is one nibble, 1 sign bit
+  (bit 3) and a 3-bit exponent code ``k``: 0 is zero, 1..7 is ``s * 2**(k - 7)``. Rounding is to the
+  nearest level in the linear domain, ties toward the larger magnitude. Two nibbles per byte, low
+  nibble first, an odd count padded with a zero nibble. Layout: all scales, then the packed codes.
+
+The quantization math runs in fp32 on the input's device (so CUDA tensors are quantized on the GPU)
+and only the final scales and codes are moved to the CPU as bytes. Decoding always yields an fp32
+CPU tensor. Everything is vectorised torch; there are no Python loops over elements.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CODECS",
+    "FP4_LEVELS",
+    "Bf16Codec",
+    "Codec",
+    "ErrorFeedback",
+    "Fp4Codec",
+    "Fp32Codec",
+    "Int8Codec",
+    "get_codec",
+    "quantization_error",
+]
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")
+
+_SCALE_BYTES = 4  # one little-endian float32 scale per block
+_INT8_MAX = 127
+_FP4_MAX_EXP_CODE = 7  # exponent codes 1..7 map to s * 2**(k - 7)
+_FP4_SIGN_BIT = 0x8
+# |x| / s at or above each threshold bumps the exponent code by one. The first is half of the
+# smallest level (values below it become zero); the others are the linear midpoints 1.5 * 2**j
+# between consecutive levels 2**j and 2**(j + 1).
+_FP4_THRESHOLDS: tuple[float, ...] = (2.0**-7, *(1.5 * 2.0**j for j in range(-6, 0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers shared by the codecs
+# --------------------------------------------------------------------------------------------------
+
+
+def _flatten_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Return ``x`` as a contiguous 1-D fp32 tensor on its own device (fp32 math everywhere)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"codec input must have a floating dtype, got {x.dtype}")
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _raise_non_finite(x: torch.Tensor) -> None:
+    """Raise the one-line error for a pseudo-gradient with nan/inf (counted only on failure)."""
+    count = int((~torch.isfinite(x)).sum().item())
+    raise ValueError(
+        f"pseudo-gradient has {count} non-finite value(s) (nan/inf) out of {x.numel()}; "
+        "the pseudo-gradient must be finite to be encoded"
+    )
+
+
+def _check_all_finite(x: torch.Tensor) -> None:
+    """Reject nan/inf anywhere in ``x``: one of them would poison every peer's average."""
+    if x.numel() and not bool(torch.isfinite(x).all().item()):
+        _raise_non_finite(x)
+
+
+def _check_numel(numel: int) -> None:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+
+
+def _check_length(codec: Codec, data: bytes, numel: int) -> None:
+    """A truncated or oversized payload means a transport or peer bug; never decode garbage."""
+    expected = codec.encoded_size(numel)
+    if len(data) != expected:
+        raise ValueError(
+            f"{codec.name} payload has {len(data)} bytes but {expected} are expected for {numel} "
+            f"elements (block_size={codec.block_size}); the payload is truncated or mismatched"
+        )
+
+
+def _to_cpu_bytes(t: torch.Tensor, le_dtype: str) -> bytes:
+    """Serialize a tensor as little-endian bytes (``le_dtype`` is a numpy dtype like ``'<f4'``)."""
+    arr = t.detach().to("cpu").contiguous().numpy()
+    return arr.astype(le_dtype, copy=False).tobytes()
+
+
+def _from_bytes(data: bytes | bytearray | memoryview, le_dtype: str, count: int, offset: int) -> np.ndarray:
+    """Read ``count`` little-endian values into a fresh, writable, native-order numpy array."""
+    arr = np.frombuffer(data, dtype=le_dtype, count=count, offset=offset)
+    return arr.astype(arr.dtype.newbyteorder("="), copy=True)
+
+
+def _num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """View ``flat`` as (num_blocks, block_size), zero-padding the last partial block.
+
+    Zero padding never changes a block's absmax, and the padded codes are dropped afterwards.
+    """
+    pad = (-flat.numel()) % block_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block_size)
+
+
+def _absmax_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-block scale ``max|x|``; nan/inf propagate, so a finite check on scales covers the input."""
+    return blocks.abs().amax(dim=1)
+
+
+def _check_scales_finite(scales: torch.Tensor, flat: torch.Tensor) -> None:
+    """Cheap finite check: amax propagates nan and inf, so only the (small) scales are scanned."""
+    if scales.numel() and not bool(torch.isfinite(scales).all().item()):
+        _raise_non_finite(flat)
+
+
+def _normalized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x / s`` per block, in [-1, 1].
+
+    Division (not multiplication by ``1/s``) because ``1/s`` overflows for tiny subnormal scales,
+    and ``x / s`` cannot overflow since ``|x| <= s``. All-zero blocks divide by 1 and stay zero.
+    """
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return blocks / safe.unsqueeze(1)
+
+
+def _scale_per_block(values: torch.Tensor, scales: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+    """Multiply decoded unit values (length >= numel) by their block's scale, return ``numel`` values."""
+    values = values[:numel]
+    blocks = _as_blocks(values, block_size)
+    blocks.mul_(scales.unsqueeze(1))
+    return blocks.view(-1)[:numel]
+
+
+# --------------------------------------------------------------------------------------------------
+# The codec interface
+# --------------------------------------------------------------------------------------------------
+
+
+class Codec(ABC):
+    """Turns a pseudo-gradient into the exact bytes peers exchange, and back into fp32."""
+
+    name: str
+    bits: int
+
+    def __init__(self, block_size: int = 64) -> None:
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+    @abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """Exact ``len(encode(x))`` for ``x.numel() == numel``, so transports can size buffers."""
+
+    def bits_per_element(self, numel: int) -> float:
+        """Real wire cost per element, scales included (what bandwidth budgets should use)."""
+        _check_numel(numel)
+        if numel == 0:
+            return float(self.bits)
+        return 8.0 * self.encoded_size(numel) / numel
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Flatten ``x`` (any shape, float dtype, CPU or CUDA) and return its wire bytes."""
+
+    @abstractmethod
+    def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
+        """Decode a payload whose length is already validated."""
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """Return the fp32 CPU 1-D tensor of ``numel`` values that ``data`` encodes."""
+        _check_numel(numel)
+        _check_length(self, data, numel)
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        return self._decode_checked(data, numel)
+
+    def decode_accumulate(self, data: bytes, numel: int, acc: torch.Tensor, weight: float = 1.0) -> None:
+        """``acc += weight * decode(data)`` in fp32: the receiver's averaging path.
+
+        Accumulating in fp32 (never in the wire format) is what makes low-bit payloads lossless in
+        practice: the quantization error of each peer averages out instead of compounding.
+        """
+        if acc.dtype != torch.float32 or acc.dim() != 1 or acc.numel() != numel:
+            raise ValueError(
+                f"accumulator must be a 1-D float32 tensor of {numel} elements, "
+                f"got dtype={acc.dtype} shape={tuple(acc.shape)}"
+            )
+        decoded = self.decode(data, numel)
+        if decoded.numel():
+            acc.add_(decoded.to(acc.device, non_blocking=False), alpha=float(weight))
+
+
+class Fp32Codec(Codec):
+    """Lossless reference: raw little-endian float32."""
+
+    name = "fp32"
+    bits = 32
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return 4 * numel
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        flat = _flatten_fp32(x)
+        _check_all_finite(flat)
+        return _to_cpu_bytes(flat, "<f4")
+
+    def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
+        return torch.from_numpy(_from_bytes(data, "<f4", numel, 0))
+
+
+class Bf16Codec(Codec):
+    """Raw bfloat16: halves the bytes, keeps fp32's range, 8 bits of mantissa."""
+
+    name = "bf16"
+    bits = 16
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        flat = _flatten_fp32(x)
+        _check_all_finite(flat)
+        # Finite fp32 values near float max round to bf16 inf; clamp to bf16's largest finite value
+        # so that huge (finite) pseudo-gradients never become inf on the wire.
+        bf16_max = torch.finfo(torch.bfloat16).max
+        halves = flat.to(torch.bfloat16)
+        if not bool(torch.isfinite(halves).all().item()):
+            halves = flat.clamp(-bf16_max, bf16_max).to(torch.bfloat16)
+        return _to_cpu_bytes(halves.view(torch.int16), "<i2")
+
+    def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
+        raw = torch.from_numpy(_from_bytes(data, "<i2", numel, 0))
+        return raw.view(torch.bfloat16).to(torch.float32)
+
+
+class _BlockCodec(Codec):
+    """Shared layout of the blockwise codecs: ``num_blocks`` float32 scales, then the codes."""
+
+    def _codes_size(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return _SCALE_BYTES * _num_blocks(numel, self.block_size) + self._codes_size(numel)
+
+    def _read_scales(self, data: bytes, numel: int) -> torch.Tensor:
+        nblocks = _num_blocks(numel, self.block_size)
+        return torch.from_numpy(_from_bytes(data, "<f4", nblocks, 0))
+
+    def _codes_offset(self, numel: int) -> int:
+        return _SCALE_BYTES * _num_blocks(numel, self.block_size)
+
+
+class Int8Codec(_BlockCodec):
+    """Blockwise absmax int8: 8 bits plus 32/block_size bits of scale per element."""
+
+    name = "int8"
+    bits = 8
+
+    def _codes_size(self, numel: int) -> int:
+        return numel
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        flat = _flatten_fp32(x)
+        if flat.numel() == 0:
+            return b""
+        blocks = _as_blocks(flat, self.block_size)
+        scales = _absmax_scales(blocks)
+        _check_scales_finite(scales, flat)
+        q = _normalized(blocks, scales).mul_(_INT8_MAX).round_().clamp_(-_INT8_MAX, _INT8_MAX)
+        codes = q.to(torch.int8).view(-1)[: flat.numel()]
+        return _to_cpu_bytes(scales, "<f4") + _to_cpu_bytes(codes, "i1")
+
+    def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
+        scales = self._read_scales(data, numel)
+        codes = torch.from_numpy(_from_bytes(data, "i1", numel, self._codes_offset(numel)))
+        # (q / 127) * s rather than q * s / 127: q * s overflows when s is near float max.
+        unit = codes.to(torch.float32).div_(_INT8_MAX)
+        return _scale_per_block(unit, scales, self.block_size, numel)
+
+
+def _fp4_decode_table() -> torch.Tensor:
+    """(256, 2) table: a packed byte -> its (low nibble, high nibble) values in units of the scale.
+
+    Decoding by one gather over whole bytes is much faster than unpacking nibbles and then
+    computing signs and powers of two separately.
+    """
+    nibble = torch.zeros(16, dtype=torch.float32)
+    for code in range(1, _FP4_MAX_EXP_CODE + 1):
+        nibble[code] = 2.0 ** (code - _FP4_MAX_EXP_CODE)
+        nibble[code | _FP4_SIGN_BIT] = -(2.0 ** (code - _FP4_MAX_EXP_CODE))
+    byte = torch.arange(256)
+    return torch.stack([nibble[byte & 0xF], nibble[byte >> 4]], dim=1)
+
+
+_FP4_TABLE = _fp4_decode_table()
+
+
+def _fp4_exponent_codes(unit_abs: torch.Tensor) -> torch.Tensor:
+    """Exponent code 0..7 of the nearest E3M0 level for ``|x| / s`` in [0, 1] (ties round up).
+
+    Counting passed thresholds is deterministic, exact in the normalized domain, and faster on CPU
+    than ``bucketize`` or ``frexp``.
+    """
+    codes = torch.zeros(unit_abs.shape, dtype=torch.uint8, device=unit_abs.device)
+    for threshold in _FP4_THRESHOLDS:
+        codes += unit_abs >= threshold
+    return codes
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte, low nibble first; an odd count gets a zero high nibble."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+class Fp4Codec(_BlockCodec):
+    """E3M0 4-bit floats with a per-block absmax scale (Streaming DiLoCo's outer-gradient format)."""
+
+    name = "fp4"
+    bits = 4
+
+    def _codes_size(self, numel: int) -> int:
+        return (numel + 1) // 2
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        flat = _flatten_fp32(x)
+        if flat.numel() == 0:
+            return b""
+        blocks = _as_blocks(flat, self.block_size)
+        scales = _absmax_scales(blocks)
+        _check_scales_finite(scales, flat)
+        unit = _normalized(blocks, scales).view(-1)[: flat.numel()]
+        codes = _fp4_exponent_codes(unit.abs())
+        # The sign only goes on nonzero codes, so every zero is the canonical nibble 0.
+        negative = (unit < 0) & (codes > 0)
+        codes |= negative.to(torch.uint8) << 3
+        return _to_cpu_bytes(scales, "<f4") + _to_cpu_bytes(_pack_nibbles(codes), "u1")
+
+    def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
+        scales = self._read_scales(data, numel)
+        packed = torch.from_numpy(_from_bytes(data, "u1", self._codes_size(numel), self._codes_offset(numel)))
+        unit = torch.index_select(_FP4_TABLE, 0, packed.to(torch.int32)).view(-1)
+        return _scale_per_block(unit, scales, self.block_size, numel)
+
+
+_CODEC_CLASSES: dict[str, type[Codec]] = {
+    "fp32": Fp32Codec,
+    "bf16": Bf16Codec,
+    "int8": Int8Codec,
+    "fp4": Fp4Codec,
+}
+
+
+def get_codec(name: str, block_size: int = 64) -> Codec:
+    """Build a codec by name; ``block_size`` (elements per scale) matters for int8 and fp4 only."""
+    if name not in _CODEC_CLASSES:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"codec block_size must be a positive int, got {block_size!r}")
+    return _CODEC_CLASSES[name](block_size)
+
+
+def quantization_error(x: torch.Tensor, codec: Codec) -> float:
+    """Relative L2 error ``||decode(encode(x)) - x|| / (||x|| + tiny)`` for reports.
+
+    Norms are taken in float64 so that huge finite values (near float32 max) do not overflow.
+    """
+    flat = _flatten_fp32(x).to("cpu")
+    decoded = codec.decode(codec.encode(flat), flat.numel())
+    ref = flat.to(torch.float64)
+    err = torch.linalg.vector_norm(decoded.to(torch.float64) - ref).item()
+    norm = torch.linalg.vector_norm(ref).item()
+    return err / (norm + torch.finfo(torch.float32).tiny)
+
+
+class ErrorFeedback:
+    """Carries each sync's quantization error into the next one (EF: e <- (x + e) - Q(x + e)).
+
+    Without it, a low-bit codec drops the same part of a slowly varying pseudo-gradient every sync
+    and that bias accumulates in the outer optimizer; with it the dropped part is sent later, so the
+    time-average of what peers receive tracks the true pseudo-gradient.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def encode(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+        """Return ``(payload, decoded)``; ``decoded`` is fp32 1-D on ``x``'s device.
+
+        ``decoded`` is obtained by decoding the payload itself, so it is bit-identical to what every
+        receiver reconstructs for this sender. When ``residual`` is given it is added first and then
+        overwritten in place with ``(x + residual_old) - decoded``.
+        """
+        flat = _flatten_fp32(x)
+        if residual is None:
+            payload = self.codec.encode(flat)
+            return payload, self.codec.decode(payload, flat.numel()).to(flat.device)
+        self._check_residual(residual, flat)
+        target = flat + residual.detach().reshape(-1)
+        payload = self.codec.encode(target)
+        decoded = self.codec.decode(payload, target.numel()).to(target.device)
+        residual.copy_((target - decoded).view(residual.shape))
+        return payload, decoded
+
+    @staticmethod
+    def _check_residual(residual: torch.Tensor, flat: torch.Tensor) -> None:
+        if residual.dtype != torch.float32 or residual.numel() != flat.numel():
+            raise ValueError(
+                f"error-feedback residual must be float32 with {flat.numel()} elements, "
+                f"got dtype={residual.dtype} numel={residual.numel()}"
+            )
+        if residual.device != flat.device:
+            raise ValueError(
+                f"error-feedback residual is on {residual.device} but the input is on {flat.device}"
+            )
+
+
+def _fp4_levels() -> tuple[float, ...]:
+    """Nonnegative E3M0 levels in units of the scale (for docs and tests): 0, 2**-6, ..., 1."""
+    return (0.0, *(math.ldexp(1.0, k - _FP4_MAX_EXP_CODE) for k in range(1, _FP4_MAX_EXP_CODE + 1)))
+
+
+FP4_LEVELS: tuple[float, ...] = _fp4_levels()

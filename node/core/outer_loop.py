@@ -1,0 +1,299 @@
+"""``OuterLoop``: one worker's outer loop over F fragments, shared by the simulator and the daemon.
+
+Per inner step ``t`` of the swarm clock the driver calls ``step(t, tokens)`` (or, when several
+workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``collect(t)``):
+
+1. ``collect``: every sync due at ``t`` (sent at ``t_s`` with ``t_s + tau = t``) is waited for; a
+   complete result gets the Nesterov outer step on (phi_p, b_p), then the method's merge rule sets
+   theta_p. A failed result changes nothing: the local progress stays in theta_p and the next sync of
+   the fragment carries it (weighted by all the tokens it represents).
+2. ``send``: every fragment the schedule names at ``t`` is sent: catch up first if peers hold a newer
+   version (fetch phi_p, b_p and rebase the local progress onto them), then Delta_p = phi_p - theta_p
+   (+ error feedback), encode, snapshot theta_p, start the asynchronous average.
+
+``eager`` differs (tau = H): at a send, its own fresh Delta and the late group average of the
+previous round form the outer gradient (see ``node.core.merge``), theta_p <- phi_p, and the fresh
+Delta is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from node.config import OuterSection
+from node.core.codecs import get_codec
+from node.core.merge import eager_outer_gradient, merge_alpha, merge_compensate, merge_rebase, merge_replace
+from node.core.outer_optimizer import NesterovOuterOptimizer
+from node.core.payload import encode_with_feedback
+from node.core.schedule import ScheduleView, make_schedule
+from node.core.state import FragmentState
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+
+
+@dataclass
+class SyncEvent:
+    kind: str                 # "sent" | "merged" | "failed" | "caught_up"
+    fragment: int
+    step: int
+    version: int
+    group_size: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    error: str = ""
+
+
+@dataclass
+class OuterStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    syncs_ok: int = 0
+    syncs_failed: int = 0
+    catch_ups: int = 0
+    bytes_by_round: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def peak_bytes_per_sync(self) -> int:
+        """Most bytes this worker sent for the syncs started at one step."""
+        return max(self.bytes_by_round.values(), default=0)
+
+
+@dataclass
+class _Pending:
+    handle: AverageHandle
+    sent_step: int
+    due_step: int
+    weight: float
+    snapshot: torch.Tensor | None
+    residual_before: torch.Tensor | None
+    own: torch.Tensor | None = None
+    own_share: float = 0.0
+
+
+class OuterLoop:
+    """The outer loop of one worker (see module docstring).
+
+    Args:
+        model: the worker's model; its parameters are theta.
+        fragments: the partition (``node.partition.partition``); each has ``index`` and ``names``.
+        outer: the ``[outer]`` settings.
+        transport: where averages happen.
+        expected_group_size: group size assumed for the eager rule's own share before a group result
+            has told the real share.
+        wait_timeout: seconds to wait for a due result before counting the round as failed.
+    """
+
+    def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
+                 *, expected_group_size: int = 2, wait_timeout: float | None = None) -> None:
+        self.cfg = outer
+        self.transport = transport
+        self.codec = get_codec(outer.codec, outer.block_size)
+        self.optimizer = NesterovOuterOptimizer(outer.lr, outer.momentum)
+        self.schedule = make_schedule(outer.schedule, outer.h, len(fragments), outer.sends_per_h)
+        named = dict(model.named_parameters())
+        self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback)
+                       for f in fragments]
+        self.pending: dict[int, _Pending] = {}
+        self.shared_r: torch.Tensor | None = None
+        self.stats = OuterStats()
+        self.expected_share = 1.0 / max(1, expected_group_size)
+        self.wait_timeout = wait_timeout
+
+    # ---- the driver's calls -------------------------------------------------------------------
+    def add_tokens(self, tokens: float) -> None:
+        for st in self.states:
+            st.tokens_since_send += tokens
+
+    def step(self, step: int, tokens: float) -> list[SyncEvent]:
+        """After inner step ``step`` processed ``tokens`` tokens: merge due results and start due syncs."""
+        self.add_tokens(tokens)
+        return self.collect(step) + self.send(step) + self.collect(step)
+
+    def collect(self, step: int) -> list[SyncEvent]:
+        events = []
+        for p in sorted(self.pending):
+            pend = self.pending[p]
+            if pend.due_step > step or self.cfg.method == "eager":
+                continue  # eager consumes its late result at the next send of the fragment
+            del self.pending[p]
+            events.append(self._merge(self.states[p], pend, self._wait(pend), step))
+        return events
+
+    def send(self, step: int) -> list[SyncEvent]:
+        view = ScheduleView(last_send=[s.last_send for s in self.states],
+                            in_flight=set(self.pending) if self.cfg.method != "eager" else set(),
+                            shared_r=self.shared_r)
+        events = []
+        for p in self.schedule.due(step, view):
+            st = self.states[p]
+            if self.cfg.method == "eager":
+                events.extend(self._send_eager(st, step))
+            else:
+                events.extend(self._send(st, step))
+        return events
+
+    def drain(self, step: int) -> list[SyncEvent]:
+        """Merge every in-flight sync now (end of a run)."""
+        events = []
+        for p in sorted(self.pending):
+            pend = self.pending.pop(p)
+            res = self._wait(pend)
+            if self.cfg.method == "eager":
+                st = self.states[p]
+                if res.ok:
+                    share = pend.weight / res.total_weight if res.total_weight else pend.own_share
+                    g = eager_outer_gradient(res.average, pend.own, share, torch.zeros_like(st.phi), 0.0)
+                    self._outer_step(st, g)
+                    st.set_theta(st.phi)
+                events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
+            else:
+                events.append(self._merge(self.states[p], pend, res, step))
+        return events
+
+    # ---- sends ----------------------------------------------------------------------------------
+    def _send(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        events = self._catch_up(st, step)
+        theta = st.theta()
+        delta = st.phi - theta
+        residual_before = st.residual.clone() if st.residual is not None else None
+        chunks, decoded = encode_with_feedback(self.codec, delta, st.residual)
+        st.last_quant_error = _relative_error(decoded, delta)
+        handle = self._start(st, step, chunks)
+        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
+                                          snapshot=theta, residual_before=residual_before)
+        st.tokens_since_send = 0.0
+        st.last_send = step
+        events.append(SyncEvent("sent", st.index, step, st.version))
+        return events
+
+    def _send_eager(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        events = []
+        theta = st.theta()
+        own_now_raw = st.phi - theta
+        chunks, own_now = encode_with_feedback(self.codec, own_now_raw, st.residual)
+        st.last_quant_error = _relative_error(own_now, own_now_raw)
+        late = self.pending.pop(st.index, None)
+        late_avg, own_prev, share_prev = None, None, 0.0
+        if late is not None:
+            res = self._wait(late)
+            if res.ok:
+                late_avg, own_prev = res.average, late.own
+                share_prev = late.weight / res.total_weight if res.total_weight else late.own_share
+                self.expected_share = share_prev
+            else:
+                # Nobody else's progress arrived: apply the rest of our own previous contribution.
+                late_avg, own_prev, share_prev = late.own, late.own, late.own_share
+            events.append(self._event("merged" if res.ok else "failed", st, step, res, late.sent_step))
+        share_now = self.expected_share
+        g = eager_outer_gradient(late_avg, own_prev, share_prev, own_now, share_now)
+        self._outer_step(st, g)
+        st.set_theta(st.phi)
+        handle = self._start(st, step, chunks)
+        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
+                                          snapshot=None, residual_before=None, own=own_now,
+                                          own_share=share_now)
+        st.tokens_since_send = 0.0
+        st.last_send = step
+        events.append(SyncEvent("sent", st.index, step, st.version))
+        return events
+
+    def _start(self, st: FragmentState, step: int, chunks: list[bytes]) -> AverageHandle:
+        return self.transport.start_average(AverageRequest(
+            fragment=st.index, round=step, chunks=chunks, numel=st.numel,
+            weight=st.tokens_since_send, version=st.version, extras=self._r_vector(step)))
+
+    def _r_vector(self, step: int) -> torch.Tensor:
+        """CoCoDC's R_p = |phi_p - theta_p|_1 / (I_p |p|) for every fragment (adaptive schedule only)."""
+        if self.cfg.schedule != "adaptive":
+            return torch.zeros(0)
+        r = torch.zeros(len(self.states))
+        for st in self.states:
+            interval = max(1, step - (st.last_send if st.last_send is not None else 0))
+            r[st.index] = float((st.phi - st.theta()).abs().sum()) / (interval * max(1, st.numel))
+        return r
+
+    # ---- results --------------------------------------------------------------------------------
+    def _wait(self, pend: _Pending) -> AverageResult:
+        return pend.handle.result(timeout=self.wait_timeout)
+
+    def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> SyncEvent:
+        if not res.ok:
+            # Keep the local progress (it is still phi - theta) and the tokens it represents; undo
+            # the residual update, since nothing of this payload was applied.
+            st.tokens_since_send += pend.weight
+            if pend.residual_before is not None and st.residual is not None:
+                st.residual.copy_(pend.residual_before)
+            return self._event("failed", st, step, res, pend.sent_step)
+        self._outer_step(st, res.average)
+        if res.extras is not None and res.extras.numel():
+            self.shared_r = res.extras.clone()
+        theta = st.theta()
+        method = self.cfg.method
+        if method == "replace":
+            new = merge_replace(theta, st.phi)
+        elif method == "alpha":
+            new = merge_alpha(theta, st.phi, self.cfg.alpha)
+        elif method == "rebase":
+            new = merge_rebase(theta, st.phi, pend.snapshot)
+        elif method == "compensate":
+            new = merge_compensate(theta, st.phi, pend.snapshot, self.cfg.lambda0, st.bounds)
+        else:
+            raise ValueError(f"unknown merge method {method!r}")
+        st.set_theta(new)
+        return self._event("merged", st, step, res, pend.sent_step)
+
+    def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> None:
+        self.optimizer.step(st.phi, st.momentum, delta)
+        st.version += 1
+
+    def _event(self, kind: str, st: FragmentState, step: int, res: AverageResult,
+               sent_step: int) -> SyncEvent:
+        if res.ok:
+            self.stats.syncs_ok += 1
+        else:
+            self.stats.syncs_failed += 1
+        self.stats.bytes_sent += res.bytes_sent
+        self.stats.bytes_received += res.bytes_received
+        self.stats.bytes_by_round[sent_step] += res.bytes_sent
+        return SyncEvent(kind, st.index, step, st.version, res.group_size, res.bytes_sent,
+                         res.bytes_received, res.error)
+
+    # ---- catching up ----------------------------------------------------------------------------
+    def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        """Fetch a newer phi_p from peers and carry the local progress onto it (delay-compensated)."""
+        if self.transport.latest_version(st.index) <= st.version:
+            return []
+        snap = self.transport.fetch_fragment(st.index)
+        if snap is None or snap.version <= st.version:
+            return []
+        theta = st.theta()
+        phi_old = st.phi.clone()
+        st.phi.copy_(snap.phi.to(st.phi.device))
+        st.momentum.copy_(snap.momentum.to(st.momentum.device))
+        st.version = snap.version
+        if self.cfg.method == "compensate":
+            new = merge_compensate(theta, st.phi, phi_old, self.cfg.lambda0, st.bounds)
+        else:
+            new = merge_rebase(theta, st.phi, phi_old)
+        st.set_theta(new)
+        self.stats.catch_ups += 1
+        return [SyncEvent("caught_up", st.index, step, st.version)]
+
+    def snapshot(self, fragment: int) -> FragmentSnapshot:
+        st = self.states[fragment]
+        return FragmentSnapshot(fragment, st.version, st.phi.detach().cpu().clone(),
+                                st.momentum.detach().cpu().clone())
+
+    def version(self, fragment: int) -> int:
+        return self.states[fragment].version
+
+
+def _relative_error(decoded: torch.Tensor, target: torch.Tensor) -> float:
+    denom = float(torch.linalg.vector_norm(target))
+    if denom == 0 or not math.isfinite(denom):
+        return 0.0
+    return float(torch.linalg.vector_norm(decoded.to(target.device) - target)) / denom

@@ -1,0 +1,402 @@
+"""The data pipeline: tokenizers, file discovery, the train/eval split and sharded batches.
+
+Everything here is deterministic and offline: every worker of a swarm derives the same split from
+the same files and ``[data]`` settings, draws its training windows only from its own shard, and
+evaluates on the same fixed windows, so losses of workers and methods are comparable.
+
+Token tensors of a ``Corpus`` are 1-D **int32** (half the memory of int64: the default 64 MB byte
+budget is 256 MB of tokens instead of 512 MB, and a simulation shares them between workers); batches
+handed to the model are int64 (``torch.long``), as embeddings and the loss require.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from node.config import DataSection
+from node.errors import UserError
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 plus an end-of-document token 256.
+
+    Needs no files and no download, works for every language and for code, and makes token counts
+    equal byte counts, which keeps the data budget and throughput easy to reason about.
+    """
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        """Raw bytes to tokens without decoding (the fast path of the loader)."""
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local ``transformers`` tokenizer behind the same small interface as ``ByteTokenizer``."""
+
+    def __init__(self, tokenizer, path: str) -> None:
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            eos = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.pad_token_id
+        if eos is None:
+            raise UserError(f"model.tokenizer = {path!r} defines no eos/sep/pad token; documents need an "
+                            "end marker: add an eos_token to the tokenizer or use 'bytes'")
+        self.eos_id = int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return self._tok.decode(values, skip_special_tokens=True)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """'bytes' -> ByteTokenizer; otherwise a local tokenizer directory (never downloaded)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise UserError(f"model.tokenizer = {spec!r} is not a directory; use 'bytes' or a local "
+                        "tokenizer directory (written by save_pretrained)")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.tokenizer = {spec!r} could not be loaded: "
+                        f"{str(exc).splitlines()[0]}") from None
+    return HFTokenizer(tok, spec)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files
+
+_GLOB_CHARS = frozenset("*?[")
+_EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def _walk(root: Path, extensions: frozenset[str], excluded: frozenset[str] = frozenset()) -> list[Path]:
+    """Files under ``root`` with one of ``extensions``; hidden entries (.git, .cache, ...) and
+    ``excluded`` directory names are pruned during the walk rather than filtered afterwards,
+    so a huge site-packages costs nothing."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in excluded]
+        for name in filenames:
+            if not name.startswith(".") and os.path.splitext(name)[1].lower() in extensions:
+                out.append(Path(os.path.abspath(os.path.join(dirpath, name))))
+    return out
+
+
+def _normalize_extensions(extensions: Sequence[str]) -> frozenset[str]:
+    return frozenset(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
+
+
+def _expand(entry: str, extensions: frozenset[str]) -> list[Path]:
+    path = Path(entry).expanduser()
+    if path.is_file():
+        return [Path(os.path.abspath(path))]
+    if path.is_dir():
+        files = _walk(path, extensions)
+        if not files:
+            raise UserError(f"data path {entry!r} has no files with extensions "
+                            f"{', '.join(sorted(extensions))}; set data.extensions or name files")
+        return files
+    if _GLOB_CHARS & set(entry):
+        # A glob is the user's own filter: matched files are taken as named, matched dirs are walked.
+        out = []
+        for match in glob.glob(str(path), recursive=True):
+            m = Path(match)
+            out.extend(_walk(m, extensions) if m.is_dir() else [Path(os.path.abspath(m))])
+        if out:
+            return out
+        raise UserError(f"data path {entry!r} matches no files")
+    raise UserError(f"data path {entry!r} does not exist; give files, directories or globs")
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard-library directory (the default corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def discover_files(paths: Sequence[str], extensions: Sequence[str]) -> list[Path]:
+    """Expand files, directories (recursive, by extension) and globs into a sorted, unique list.
+
+    With no paths, the Python standard library's ``*.py`` sources (without site-packages): real text
+    that exists on every machine that can run the node, so a swarm can train with zero setup.
+    """
+    if not paths:
+        files = _walk(stdlib_dir(), frozenset({".py"}), _EXCLUDED_STDLIB_DIRS)
+        if not files:
+            raise UserError(f"no data paths given and no Python sources found under {stdlib_dir()}; "
+                            "pass data files or directories")
+        return sorted(set(files))
+    exts = _normalize_extensions(extensions)
+    found: set[Path] = set()
+    for entry in paths:
+        found.update(_expand(str(entry), exts))
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Corpus
+
+
+@dataclass
+class Corpus:
+    """Train and eval tokens (1-D int32, documents joined, each ending with eos) and counts."""
+
+    train: torch.Tensor
+    eval: torch.Tensor
+    n_docs: int
+    n_train_docs: int
+    n_eval_docs: int
+    n_files: int
+    skipped_lines: int
+    description: str
+
+
+class _Reader:
+    """Yields (key, bytes) documents in file order until the byte budget is spent.
+
+    The key (path relative to the common root, plus the line number for .jsonl) is what the split
+    hashes, so the split does not depend on where the data lives on each machine.
+    """
+
+    def __init__(self, files: list[Path], text_field: str, max_bytes: int) -> None:
+        self.files = files
+        self.text_field = text_field
+        self.remaining = max_bytes
+        self.skipped_lines = 0
+        self.files_read = 0
+        parents = [str(f.parent) for f in files]
+        self.root = os.path.commonpath(parents) if parents else ""
+
+    def _take(self, data: bytes) -> bytes:
+        data = data[: self.remaining]
+        self.remaining -= len(data)
+        return data
+
+    def documents(self) -> Iterator[tuple[str, bytes]]:
+        for path in self.files:
+            if self.remaining <= 0:
+                return
+            self.files_read += 1
+            key = Path(os.path.relpath(path, self.root)).as_posix()
+            if path.suffix.lower() == ".jsonl":
+                yield from self._jsonl(path, key)
+            else:
+                with open(path, "rb") as fh:
+                    data = self._take(fh.read(self.remaining))
+                if data:
+                    yield key, data
+
+    def _jsonl(self, path: Path, key: str) -> Iterator[tuple[str, bytes]]:
+        with open(path, "rb") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if self.remaining <= 0:
+                    return
+                if not line.strip():
+                    continue
+                text = self._field(line)
+                if text is None:
+                    self.skipped_lines += 1
+                    continue
+                data = self._take(text.encode("utf-8"))
+                if data:
+                    yield f"{key}#{lineno}", data
+
+    def _field(self, line: bytes) -> str | None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        value = record.get(self.text_field) if isinstance(record, dict) else None
+        return value if isinstance(value, str) else None
+
+
+def _split_value(key: str, seed: int) -> float:
+    """A uniform number in [0, 1) fixed by (document key, seed)."""
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def _tokenize(tokenizer, data: bytes) -> np.ndarray:
+    if hasattr(tokenizer, "encode_bytes"):
+        return tokenizer.encode_bytes(data)
+    return np.asarray(tokenizer.encode(data.decode("utf-8", errors="replace")), dtype=np.int32)
+
+
+def _join(docs: list[np.ndarray], eos: int) -> torch.Tensor:
+    """Concatenate documents, each followed by eos, into one int32 tensor (one allocation)."""
+    out = np.empty(sum(len(d) + 1 for d in docs), dtype=np.int32)
+    pos = 0
+    for d in docs:
+        out[pos: pos + len(d)] = d
+        out[pos + len(d)] = eos
+        pos += len(d) + 1
+    return torch.from_numpy(out)
+
+
+def _eval_mask(values: list[float], eval_fraction: float) -> list[bool]:
+    """Docs whose hash is under eval_fraction go to eval; with >= 2 docs both sides get at least one."""
+    mask = [v < eval_fraction for v in values]
+    if len(values) >= 2:
+        if not any(mask):
+            mask[min(range(len(values)), key=values.__getitem__)] = True
+        if all(mask):
+            mask[max(range(len(values)), key=values.__getitem__)] = False
+    return mask
+
+
+def _name_paths(paths: Sequence[str]) -> str:
+    named = [str(p) for p in paths] if paths else [f"{stdlib_dir()} (default)"]
+    return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+
+
+def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
+                min_train_tokens: int = 2) -> Corpus:
+    """Read, tokenize and split the corpus.
+
+    Files are read in sorted order until ``data_cfg.max_bytes`` bytes of text (the last document is
+    cut), so every worker with the same files and settings reads the same prefix. A document goes to
+    eval iff blake2b(seed, key) < eval_fraction (see ``_eval_mask``). A corpus of exactly one document
+    (e.g. one big .txt) is split by tokens instead: its last ``eval_fraction`` goes to eval.
+    ``min_train_tokens`` lets the caller require one batch worth of training tokens.
+    """
+    start = time.perf_counter()
+    files = discover_files(paths, data_cfg.extensions)
+    reader = _Reader(files, data_cfg.text_field, data_cfg.max_bytes)
+    keys, docs = [], []
+    for key, data in reader.documents():
+        keys.append(key)
+        docs.append(_tokenize(tokenizer, data))
+    where = _name_paths(paths)
+    if not docs:
+        raise UserError(f"no text found in {where} (skipped {reader.skipped_lines} bad .jsonl lines; "
+                        f"text field is data.text_field = {data_cfg.text_field!r})")
+    if len(docs) == 1:
+        train, eval_ = _split_single(docs[0], data_cfg.eval_fraction, tokenizer.eos_id)
+        n_train_docs = n_eval_docs = 1
+    else:
+        mask = _eval_mask([_split_value(k, data_cfg.seed) for k in keys], data_cfg.eval_fraction)
+        train = _join([d for d, m in zip(docs, mask, strict=True) if not m], tokenizer.eos_id)
+        eval_ = _join([d for d, m in zip(docs, mask, strict=True) if m], tokenizer.eos_id)
+        n_eval_docs = sum(mask)
+        n_train_docs = len(docs) - n_eval_docs
+    if len(train) < max(min_train_tokens, 2) or len(eval_) < 2:
+        raise UserError(f"corpus too small: {where} gives {len(train)} train and {len(eval_)} eval tokens, "
+                        f"need at least {max(min_train_tokens, 2)} train tokens; add data or raise "
+                        "data.max_bytes")
+    seconds = time.perf_counter() - start
+    n_bytes = data_cfg.max_bytes - reader.remaining
+    description = (f"{where}: {reader.files_read} files, {len(docs)} docs ({n_train_docs} train / "
+                   f"{n_eval_docs} eval), {n_bytes / 1e6:.1f} MB, {len(train):,} train + "
+                   f"{len(eval_):,} eval tokens, {reader.skipped_lines} skipped lines, {seconds:.1f} s")
+    return Corpus(train=train, eval=eval_, n_docs=len(docs), n_train_docs=n_train_docs,
+                  n_eval_docs=n_eval_docs, n_files=reader.files_read, skipped_lines=reader.skipped_lines,
+                  description=description)
+
+
+def _split_single(doc: np.ndarray, eval_fraction: float, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n_eval = max(1, round(len(doc) * eval_fraction))
+    cut = max(1, len(doc) - n_eval)
+    return _join([doc[:cut]], eos), _join([doc[cut:]], eos)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batches
+
+
+def _mix_seed(*parts: int) -> int:
+    """A 63-bit generator seed from integers; hashing avoids correlated streams of nearby seeds."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
+class TrainBatches:
+    """Random training windows from this worker's own contiguous shard of the train tokens.
+
+    Shards are disjoint, so workers of a swarm see different data (what data-parallel averaging
+    assumes); a batch depends only on (seed, rank, step), so training resumes from a step counter
+    without saving sampler state.
+    """
+
+    def __init__(self, tokens: torch.Tensor, rank: int, world_size: int, batch_size: int, seq_len: int,
+                 seed: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise UserError(f"rank = {rank} with world size {world_size}; need 0 <= rank < world size")
+        n = len(tokens)
+        self.start, self.end = rank * n // world_size, (rank + 1) * n // world_size
+        if self.end - self.start < seq_len:
+            raise UserError(f"the train shard of worker {rank}/{world_size} has {self.end - self.start} "
+                            f"tokens, fewer than inner.seq_len = {seq_len}; add data, raise "
+                            "data.max_bytes, lower inner.seq_len or use fewer workers")
+        self.shard = tokens[self.start: self.end]
+        self.rank, self.world_size = rank, world_size
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self._offsets = torch.arange(seq_len)
+
+    def starts(self, step: int) -> torch.Tensor:
+        """Window starts (relative to the shard) of the batch of ``step``."""
+        gen = torch.Generator().manual_seed(_mix_seed(self.seed, self.rank, step))
+        high = len(self.shard) - self.seq_len + 1
+        return torch.randint(0, high, (self.batch_size,), generator=gen)
+
+    def get(self, step: int) -> torch.Tensor:
+        """The [batch_size, seq_len] int64 batch of ``step``."""
+        index = self.starts(step)[:, None] + self._offsets
+        return self.shard[index].long()
+
+
+def eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, n_batches: int) -> list[torch.Tensor]:
+    """Fixed, evenly spaced windows over the eval tokens: the same for every worker and method."""
+    if len(tokens) < seq_len:
+        raise UserError(f"the eval split has {len(tokens)} tokens, fewer than inner.seq_len = {seq_len}; "
+                        "raise data.eval_fraction, add data or lower inner.seq_len")
+    n_windows = batch_size * n_batches
+    starts = torch.linspace(0, len(tokens) - seq_len, n_windows).round().long()
+    windows = tokens[starts[:, None] + torch.arange(seq_len)].long()
+    return list(windows.split(batch_size))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Sequence[torch.Tensor], device: torch.device | str) -> float:
+    """Mean loss over ``batches`` in eval mode; the model's train/eval mode is restored afterwards."""
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        for batch in batches:
+            x = batch.to(device)
+            total += float(model(input_ids=x, labels=x).loss)
+        return total / len(batches)
+    finally:
+        model.train(was_training)

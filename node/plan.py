@@ -1,0 +1,546 @@
+"""``locoswarm plan``: an analytical compute-utilization planner (the model behind Table 4 of
+Streaming DiLoCo).
+
+Given a model size N, the time S of one inner step and a link (bandwidth, latency), it estimates
+for each training method the share of wall time spent in inner steps, the bandwidth needed to reach a
+target utilization, and recommends (H, F, tau, codec) for the link.
+
+The model
+---------
+*Communication.* A sync averages a payload of P bits over a group of n workers (``--workers``,
+default 2, the paper's 2-worker setting; pairwise gossip) with a reduce-scatter then an all-gather
+in which every worker exchanges with all others at once (hivemind's butterfly all-reduce). Each
+worker sends ``r·P`` bits, ``r = 2·(n−1)/n`` (1 for n = 2, up to 2 for large groups), and each of the
+two phases pays the one-way latency L once::
+
+    T_sync(P) = r·P / bandwidth + 2·L
+
+The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
+uncontended, so a group is as fast as one link.
+
+*Payload.* ``P = params_in_sync · b_eff`` with ``b_eff`` bits per parameter including codec scale
+overhead (one fp32 scale per block of 64): fp32 32, bf16 16, int8 8 + 32/64 = 8.5, fp4 (E3M0)
+4 + 32/64 = 4.5.
+
+*Schedule.* A method is a period of H inner steps (compute ``C = H·S``) with K = F sync events of
+N/F parameters each (fragment p at its own offset, one every H/F steps). A sync started at step
+t_s may run for a free window ``W = (tau + o)·S`` without stalling training: tau inner steps of
+overlap (Streaming DiLoCo's τ) plus the optional ``--backward-overlap`` o, the fraction of a step's
+backward pass that the reduction can hide behind (the paper's simulator overlaps all reductions with
+the backward pass; default 0 = not overlapped). Past W, training waits. The link carries one sync at
+a time, so if syncs come faster than it can carry them, the link sets the pace. Per period::
+
+    stall = K · max(0, T_sync − W)
+    wall  = max(C + stall, K · T_sync)          (steady state)
+    utilization = C / wall
+
+Quantization, dequantization and the outer step / merge are assumed free (cost 0); real runs pay a
+little for them (ALGORITHMS.md §8). Steps have a constant duration; no stragglers, churn or failed
+groups.
+
+*Required bandwidth* (closed form). ``utilization ≥ u`` holds iff ``T_sync ≤ T_max`` with
+``T_max = min(W + C·(1/u − 1)/K, C/(u·K))``, so ``bandwidth ≥ r·P / (T_max − 2·L)`` (infinite if the
+latency alone exceeds T_max).
+
+*Methods* (rows of the table):
+- dp: every step all-reduces all N gradients (``--baseline-codec``, fp32 default), blocking:
+  ``util = S / (S + T_sync)`` when o = 0.
+- diloco: every H steps a blocking sync of all N parameters (baseline codec).
+- streaming: F fragments, one sync of N/F parameters every H/F steps, blocking (tau = 0).
+- streaming-overlap: the same with tau steps of overlap, in the baseline codec and in fp4.
+- eager: eager updates / one-round delay: F = 1, tau = H, the whole sync overlaps a whole round.
+- locoswarm: CoCoDC as run by this node (fragments, fp4, overlap tau). Delay compensation changes
+  what is done with a late result, not the bytes, so its row equals streaming-overlap fp4.
+
+Calibration against Streaming DiLoCo's Table 4 (1B model, 95% utilization: 222 Gbit/s data-parallel,
+23.3 DiLoCo, 2.0 Streaming DiLoCo with overlap and FP4). The paper's exact simulator settings were
+not available here. With S = 0.1 s, n = 2, bf16 baselines, reductions overlapped with the backward
+pass (o = 2/3, backward ≈ 2/3 of a step), H = 100, F = 8 (24 layers / 3), tau = 1 this model gives
+222 Gbit/s for dp (matches), 27.0 for diloco (+16%) and 2.42 for locoswarm/fp4 (+21%, or 2.15 with
+no scale overhead): the same orders of magnitude and ratios (8.2× and 11×) close to the paper's
+(9.5× and 11.7×). ``tests/test_plan.py`` checks this within a tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from node.errors import UserError
+
+# --------------------------------------------------------------------------------------------------
+# Constants
+# --------------------------------------------------------------------------------------------------
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
+BLOCK_SIZE = 64  # elements per fp32 codec scale (node.core.codecs default)
+PHASES = 2  # reduce-scatter + all-gather, one latency each
+
+GRID_H: tuple[int, ...] = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
+GRID_F: tuple[int, ...] = (1, 2, 4, 8, 16)
+GRID_TAU: tuple[int, ...] = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+# Defaults mirror the node's [outer] defaults (node/config.py): h = 50, fragments = 2, tau = 2.
+DEFAULT_H = 50
+DEFAULT_FRAGMENTS = 2
+DEFAULT_TAU = 2
+DEFAULT_WORKERS = 2
+DEFAULT_TARGET = 0.95
+
+# --------------------------------------------------------------------------------------------------
+# Parsing of flag values
+# --------------------------------------------------------------------------------------------------
+
+_NUMBER = r"(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
+_COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<suffix>[kKmMbBgGtT]?)\s*$")
+_COUNT_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+_SECONDS_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[a-zA-Zµ]*)\s*$")
+_SECONDS_UNIT = {"": 1.0, "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+                 "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9,
+                 "min": 60.0, "h": 3600.0}
+
+_RATE_RE = re.compile(
+    rf"^\s*{_NUMBER}\s*(?P<prefix>(?:[kKmMgGtT]i?)?)\s*"
+    r"(?P<unit>bits/s|bit/s|bps|b/s|bits|bit|b|bytes/s|byte/s|Bps|B/s|bytes|byte|B)?\s*$")
+_RATE_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+                "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_BYTE_UNITS = {"bytes/s", "byte/s", "Bps", "B/s", "bytes", "byte", "B"}
+
+_COUNT_FORMS = "a positive count such as 125e6, 150M, 25m (million), 1B or 1.3b"
+_SECONDS_FORMS = "seconds such as 0.5, 2s, 500ms or 250us"
+_RATE_FORMS = ("a positive rate such as 1Gbit/s, 100Mbps, '2.5 Gbit/s', 10MB/s (bytes per second) "
+               "or 1e9 (bit/s)")
+
+
+def _bad(flag: str, value: str, forms: str) -> UserError:
+    return UserError(f"{flag}: cannot use {value!r}; expected {forms}")
+
+
+def parse_count(value: str, flag: str = "--params") -> float:
+    """Parse a parameter count: ``125e6``, ``1B``, ``150M``, ``25m`` (million), ``1.3b``, ``7k``.
+
+    Suffixes are decimal and case-insensitive (k = 1e3, m = 1e6, b/g = 1e9, t = 1e12).
+    Raises ``UserError`` naming ``flag`` for anything else, zero or a non-finite value.
+    """
+    match = _COUNT_RE.match(str(value))
+    if not match:
+        raise _bad(flag, value, _COUNT_FORMS)
+    count = float(match["num"]) * _COUNT_SUFFIX[match["suffix"].lower()]
+    if not math.isfinite(count) or count <= 0:
+        raise _bad(flag, value, _COUNT_FORMS)
+    return count
+
+
+def parse_seconds(value: str, flag: str = "--step-time", *, allow_zero: bool = False) -> float:
+    """Parse a duration in seconds: ``0.5``, ``2s``, ``500ms``, ``250us``, ``1min``.
+
+    A bare number is seconds. Zero is refused unless ``allow_zero`` (e.g. for a latency).
+    Raises ``UserError`` naming ``flag`` otherwise.
+    """
+    forms = _SECONDS_FORMS + (" (0 allowed)" if allow_zero else ", greater than 0")
+    match = _SECONDS_RE.match(str(value))
+    if not match or match["unit"] not in _SECONDS_UNIT:
+        raise _bad(flag, value, forms)
+    seconds = float(match["num"]) * _SECONDS_UNIT[match["unit"]]
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise _bad(flag, value, forms)
+    return seconds
+
+
+def parse_rate(value: str, flag: str = "--bandwidth") -> float:
+    """Parse a link rate and return it in **bit/s**.
+
+    Accepts ``1Gbit/s``, ``100Mbps``, ``2.5 Gbit/s``, ``10Gb/s``, ``10MB/s`` / ``10MBps`` (bytes: an
+    upper-case ``B`` or the word byte), binary prefixes (``1Gibit/s``) and a bare number in bit/s
+    (``1e9``). Decimal prefixes k, M, G, T (either case). Raises ``UserError`` naming ``flag``.
+    """
+    match = _RATE_RE.match(str(value))
+    if not match:
+        raise _bad(flag, value, _RATE_FORMS)
+    unit = match["unit"] or ""
+    rate = float(match["num"]) * _RATE_PREFIX[match["prefix"].lower()]
+    if unit in _BYTE_UNITS:
+        rate *= 8.0
+    if not math.isfinite(rate) or rate <= 0:
+        raise _bad(flag, value, _RATE_FORMS)
+    return rate
+
+
+def parse_fraction(value: str, flag: str = "--target", *, allow_zero: bool = False) -> float:
+    """Parse a fraction: ``0.95`` or ``95%`` (a bare number in (1, 100] is read as a percent)."""
+    text = str(value).strip()
+    percent = text.endswith("%")
+    try:
+        number = float(text[:-1] if percent else text)
+    except ValueError:
+        number = math.nan
+    if percent or 1 < number <= 100:
+        number /= 100
+    low_ok = number >= 0 if allow_zero else number > 0
+    if not (math.isfinite(number) and low_ok and number <= 1):
+        lo = "0" if allow_zero else "just above 0"
+        raise UserError(f"{flag}: cannot use {value!r}; expected a fraction from {lo} to 1, e.g. 0.95 or 95%")
+    return number
+
+
+def _parse_int(value: str, flag: str, low: int, high: int | None = None) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        bound = f"from {low} to {high}" if high is not None else f"{low} or more"
+        raise UserError(f"{flag}: cannot use {value!r}; expected a whole number {bound}")
+    return number
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+def codec_bits(codec: str, block_size: int = BLOCK_SIZE) -> float:
+    """Wire bits per parameter of a codec, scale overhead included (fp4 at block 64: 4.5)."""
+    if codec == "fp32":
+        return 32.0
+    if codec == "bf16":
+        return 16.0
+    if codec == "int8":
+        return 8.0 + 32.0 / block_size
+    if codec == "fp4":
+        return 4.0 + 32.0 / block_size
+    raise UserError(f"codec: cannot use {codec!r}; expected one of {', '.join(CODECS)}")
+
+
+def ring_factor(workers: int) -> float:
+    """Share of the payload each worker sends in reduce-scatter + all-gather: ``2·(n−1)/n``."""
+    return 2.0 * (workers - 1) / workers
+
+
+@dataclass(frozen=True)
+class _Period:
+    compute: float  # C, seconds of inner steps per period
+    syncs: int  # K, sync events per period
+    wire_bits: float  # r·P, bits each worker sends per sync
+    window: float  # W, seconds a sync may run without stalling
+
+
+def _period(params: float, step_time: float, *, h: int, fragments: int, tau: float, codec: str,
+            workers: int, backward_overlap: float, block_size: int) -> _Period:
+    payload = params / fragments * codec_bits(codec, block_size)
+    return _Period(compute=h * step_time, syncs=fragments, wire_bits=ring_factor(workers) * payload,
+                   window=(tau + backward_overlap) * step_time)
+
+
+def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds of one sync: ``wire_bits / bandwidth + 2·latency``."""
+    return wire_bits / bandwidth + PHASES * latency
+
+
+def utilization(params: float, step_time: float, bandwidth: float, *, h: int = 1, fragments: int = 1,
+                tau: float = 0, codec: str = "fp32", latency: float = 0.0, workers: int = DEFAULT_WORKERS,
+                backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE) -> float:
+    """Compute utilization in [0, 1] of a schedule (see the module docstring for the model).
+
+    ``h`` inner steps per period, ``fragments`` syncs of ``params / fragments`` parameters per period,
+    each overlapping ``tau`` inner steps; ``bandwidth`` in bit/s, ``latency`` and ``step_time`` in
+    seconds. ``h=1, fragments=1, tau=0`` is data-parallel.
+    """
+    p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
+                backward_overlap=backward_overlap, block_size=block_size)
+    if p.wire_bits == 0:  # a single worker: nothing to send
+        return 1.0
+    t_sync = sync_time(p.wire_bits, bandwidth, latency)
+    wall = max(p.compute + p.syncs * max(0.0, t_sync - p.window), p.syncs * t_sync)
+    return p.compute / wall
+
+
+def _max_sync_time(p: _Period, target: float) -> float:
+    """Longest sync (seconds) that still reaches ``target`` utilization."""
+    budget = p.compute * (1.0 / target - 1.0) / p.syncs
+    return min(p.window + budget, p.compute / (target * p.syncs))
+
+
+def required_bandwidth(params: float, step_time: float, *, target: float = DEFAULT_TARGET, h: int = 1,
+                       fragments: int = 1, tau: float = 0, codec: str = "fp32", latency: float = 0.0,
+                       workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
+                       block_size: int = BLOCK_SIZE) -> float:
+    """Smallest bandwidth (bit/s) at which the schedule reaches ``target`` utilization.
+
+    Closed form of the model: ``r·P / (T_max − 2·L)``; ``math.inf`` when latency alone prevents it.
+    """
+    p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
+                backward_overlap=backward_overlap, block_size=block_size)
+    if p.wire_bits == 0:
+        return 0.0
+    room = _max_sync_time(p, target) - PHASES * latency
+    return p.wire_bits / room if room > 0 else math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Methods and the recommendation
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    """One method's schedule and its figures on the given link."""
+
+    method: str
+    h: int
+    fragments: int
+    tau: int
+    codec: str
+    bytes_per_sync: float  # bytes each worker sends per sync
+    avg_bandwidth: float  # bit/s sustained over compute time (all periods' bytes / H·S)
+    peak_bandwidth: float  # bit/s for one sync to finish in its window + stall budget at the target
+    utilization: float  # at the given bandwidth, in [0, 1]
+    required_bandwidth: float  # bit/s to reach the target (math.inf if unreachable)
+
+
+def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: int, fragments: int,
+         tau: int, codec: str, target: float, latency: float, workers: int, backward_overlap: float,
+         block_size: int) -> Row:
+    kw = dict(h=h, fragments=fragments, tau=tau, codec=codec, latency=latency, workers=workers,
+              backward_overlap=backward_overlap, block_size=block_size)
+    p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
+                backward_overlap=backward_overlap, block_size=block_size)
+    budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency
+    return Row(method=method, h=h, fragments=fragments, tau=tau, codec=codec,
+               bytes_per_sync=p.wire_bits / 8.0,
+               avg_bandwidth=p.syncs * p.wire_bits / p.compute,
+               peak_bandwidth=p.wire_bits / budget if budget > 0 else math.inf,
+               utilization=utilization(params, step_time, bandwidth, **kw),
+               required_bandwidth=required_bandwidth(params, step_time, target=target, **kw))
+
+
+def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = DEFAULT_H,
+                fragments: int = DEFAULT_FRAGMENTS, tau: int = DEFAULT_TAU, target: float = DEFAULT_TARGET,
+                latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
+                baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE) -> list[Row]:
+    """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm)."""
+    specs = [
+        ("dp", 1, 1, 0, baseline_codec),
+        ("diloco", h, 1, 0, baseline_codec),
+        ("streaming", h, fragments, 0, baseline_codec),
+        ("streaming-overlap", h, fragments, tau, baseline_codec),
+        ("streaming-overlap", h, fragments, tau, "fp4"),
+        ("eager", h, 1, h, baseline_codec),
+        ("locoswarm", h, fragments, tau, "fp4"),
+    ]
+    return [_row(name, params, step_time, bandwidth, h=rh, fragments=rf, tau=rt, codec=rc, target=target,
+                 latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size)
+            for name, rh, rf, rt, rc in specs]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The preferred grid setting (see ``recommend``)."""
+
+    reached: bool  # whether it reaches the target at the given bandwidth
+    h: int
+    fragments: int
+    tau: int
+    codec: str
+    utilization: float  # at the given bandwidth
+    required_bandwidth: float  # bit/s at which this setting reaches the target
+    target: float
+
+
+def _grid(h_values: tuple[int, ...], f_values: tuple[int, ...], tau_values: tuple[int, ...],
+          codecs: tuple[str, ...]):
+    """Settings in order of preference: smallest H, widest codec, smallest tau, smallest F."""
+    for h in sorted(h_values):
+        for codec in codecs:
+            for tau in sorted(tau_values):
+                for f in sorted(f_values):
+                    if f <= h and h % f == 0 and tau <= h // f:
+                        yield h, f, tau, codec
+
+
+def recommend(params: float, step_time: float, bandwidth: float, *, target: float = DEFAULT_TARGET,
+              latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
+              block_size: int = BLOCK_SIZE, h_values: tuple[int, ...] = GRID_H,
+              f_values: tuple[int, ...] = GRID_F, tau_values: tuple[int, ...] = GRID_TAU,
+              codecs: tuple[str, ...] = CODECS) -> Recommendation:
+    """Search the (H, F, tau, codec) grid for the first setting reaching ``target`` on the link.
+
+    Preference order: the smallest H (more frequent syncs converge better), then the widest codec
+    (less quantization), then the smallest tau (less staleness), then the smallest F. F must divide H
+    and tau is at most H/F. If nothing reaches the target, returns the setting with the highest
+    utilization (ties broken by the same preference) with ``reached=False``.
+    """
+    kw = dict(latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size)
+    best: tuple[float, tuple[int, int, int, str]] | None = None
+    for h, f, tau, codec in _grid(h_values, f_values, tau_values, codecs):
+        util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
+        reached = util >= target * (1 - 1e-12)
+        if reached or best is None or util > best[0]:
+            best = (util, (h, f, tau, codec))
+        if reached:
+            break
+    if best is None:
+        raise UserError("plan: the search grid is empty; no (H, F, tau) combination is valid")
+    util, (h, f, tau, codec) = best
+    need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=tau, codec=codec, **kw)
+    return Recommendation(reached=util >= target * (1 - 1e-12), h=h, fragments=f, tau=tau, codec=codec,
+                          utilization=util, required_bandwidth=need, target=target)
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting and the CLI
+# --------------------------------------------------------------------------------------------------
+
+def format_rate(bits_per_s: float) -> str:
+    """``2.42e9`` -> ``'2.42 Gbit/s'`` (3 significant digits); ``inf`` -> ``'unreachable'``."""
+    if math.isinf(bits_per_s):
+        return "unreachable"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:.3g} {prefix}bit/s"
+    return f"{bits_per_s:.3g} bit/s"
+
+
+def format_bytes(n_bytes: float) -> str:
+    """``6.25e7`` -> ``'62.5 MB'`` (decimal units, 3 significant digits)."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.3g} {prefix}B"
+    return f"{n_bytes:.3g} B"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Parse the ``plan`` flags and compute the rows and the recommendation (JSON-ready dict)."""
+    params = parse_count(args.params, "--params")
+    step_time = parse_seconds(args.step_time, "--step-time")
+    bandwidth = parse_rate(args.bandwidth, "--bandwidth")
+    latency = parse_seconds(args.latency, "--latency", allow_zero=True)
+    workers = _parse_int(args.workers, "--workers", 2, 100_000)
+    h = _parse_int(args.h, "--h", 1, 1_000_000)
+    fragments = _parse_int(args.fragments, "--fragments", 1, h)
+    tau = _parse_int(args.tau, "--tau", 0, h)
+    target = parse_fraction(args.target, "--target")
+    overlap = parse_fraction(args.backward_overlap, "--backward-overlap", allow_zero=True)
+    common = dict(target=target, latency=latency, workers=workers, backward_overlap=overlap)
+    rows = method_rows(params, step_time, bandwidth, h=h, fragments=fragments, tau=tau,
+                       baseline_codec=args.baseline_codec, **common)
+    rec = recommend(params, step_time, bandwidth, **common)
+    return {
+        "inputs": {"params": params, "step_time_s": step_time, "bandwidth_bit_s": bandwidth,
+                   "latency_s": latency, "workers": workers, "h": h, "fragments": fragments, "tau": tau,
+                   "target": target, "backward_overlap": overlap, "baseline_codec": args.baseline_codec},
+        "model": {"ring_factor": ring_factor(workers), "phases_per_sync": PHASES,
+                  "codec_bits": {c: codec_bits(c) for c in CODECS}, "quantize_merge_cost_s": 0.0},
+        "methods": [{**asdict(r), "required_bandwidth": _finite(r.required_bandwidth),
+                     "peak_bandwidth": _finite(r.peak_bandwidth)} for r in rows],
+        "recommendation": {**asdict(rec), "required_bandwidth": _finite(rec.required_bandwidth)},
+    }
+
+
+_DISPLAY = {"streaming-overlap": "stream-overlap"}  # keeps the table within 80 columns
+
+
+def _short_count(n: float) -> str:
+    """``1.3e9`` -> ``'1.3B'``, ``125e6`` -> ``'125M'``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return f"{n:.4g}"
+
+
+def _short_rate(bits_per_s: float | None) -> str:
+    """Compact rate for the table: ``2.42e9`` -> ``'2.42G'``; None / inf -> ``'never'``."""
+    if bits_per_s is None or math.isinf(bits_per_s):
+        return "never"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:.3g}{prefix}"
+    return f"{bits_per_s:.3g}"
+
+
+def _print_plan(plan: dict[str, Any]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    inp = plan["inputs"]
+    target = inp["target"]
+    console = Console(highlight=False)
+    console.print(f"{_short_count(inp['params'])} params, {inp['step_time_s']:g} s per inner step, link "
+                  f"{format_rate(inp['bandwidth_bit_s'])} per worker, latency {inp['latency_s']:g} s, "
+                  f"n = {inp['workers']} workers per sync")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
+    for name, justify in (("method", "left"), ("H", "right"), ("F", "right"), ("tau", "right"),
+                          ("codec", "left"), ("B/sync", "right"), ("avg", "right"),
+                          ("peak", "right"), ("util", "right"), ("need", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for r in plan["methods"]:
+        table.add_row(_DISPLAY.get(r["method"], r["method"]), str(r["h"]), str(r["fragments"]), str(r["tau"]),
+                      r["codec"],
+                      format_bytes(r["bytes_per_sync"]).replace(" ", ""), _short_rate(r["avg_bandwidth"]),
+                      _short_rate(r["peak_bandwidth"]), f"{r['utilization']:.1%}",
+                      _short_rate(r["required_bandwidth"]))
+    console.print(table)
+    ring = plan["model"]["ring_factor"]
+    console.print(f"B/sync: bytes a worker sends per sync (ring factor {ring:.2f}); rates in bit/s: avg = "
+                  "bytes over compute time, peak = one sync within its overlap window and stall budget, "
+                  f"need = minimum bandwidth for {target:.0%} utilization. Quantize/merge cost 0, backward "
+                  f"overlap {inp['backward_overlap']:g} step.")
+    rec = plan["recommendation"]
+    setting = f"H={rec['h']} F={rec['fragments']} tau={rec['tau']} codec={rec['codec']}"
+    need = rec["required_bandwidth"]
+    at = f"reaches {target:.0%} from {format_rate(math.inf if need is None else need)}"
+    if rec["reached"]:
+        console.print(f"recommendation: {setting}: {rec['utilization']:.1%} utilization ({at})")
+    else:
+        console.print(f"recommendation: no setting of the grid reaches {target:.0%} on this link; best "
+                      f"found {setting}: {rec['utilization']:.1%} utilization ({at})")
+
+
+def _handler(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    if args.json:
+        print(json.dumps(plan, indent=2, allow_nan=False))
+    else:
+        _print_plan(plan)
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``plan`` subcommand to the CLI's subparsers."""
+    parser = sub.add_parser(
+        "plan", help="estimate compute utilization and the bandwidth needed per method",
+        description="Analytical compute-utilization planner (Streaming DiLoCo Table 4 model): per "
+                    "method, bytes per sync, bandwidth needed and utilization on a link, and a "
+                    "recommended (H, F, tau, codec). Model and assumptions: see node/plan.py.")
+    parser.add_argument("--params", required=True, metavar="N",
+                        help="parameter count: 125e6, 150M, 25m, 1B, 1.3b")
+    parser.add_argument("--step-time", required=True, metavar="S",
+                        help="seconds per inner step: 0.5, 500ms")
+    parser.add_argument("--bandwidth", required=True, metavar="RATE",
+                        help="per-worker link rate: 1Gbit/s, 100Mbps, 10MB/s (bytes), 1e9 (bit/s)")
+    parser.add_argument("--latency", default="0", metavar="L", help="one-way latency: 50ms, 0.05 (default 0)")
+    parser.add_argument("--workers", default=str(DEFAULT_WORKERS), metavar="M",
+                        help=f"workers averaged per sync, n (default {DEFAULT_WORKERS})")
+    parser.add_argument("--h", default=str(DEFAULT_H), metavar="H",
+                        help=f"inner steps between two syncs of a fragment (default {DEFAULT_H})")
+    parser.add_argument("--fragments", default=str(DEFAULT_FRAGMENTS), metavar="F",
+                        help=f"fragments F (default {DEFAULT_FRAGMENTS})")
+    parser.add_argument("--tau", default=str(DEFAULT_TAU), metavar="T",
+                        help=f"inner steps a sync overlaps with training (default {DEFAULT_TAU})")
+    parser.add_argument("--target", default=str(DEFAULT_TARGET), metavar="U",
+                        help="target utilization: 0.95 or 95%% (default 0.95)")
+    parser.add_argument("--backward-overlap", default="0", metavar="O",
+                        help="fraction of a step every reduction hides behind (backward pass), e.g. "
+                             "0.67 (default 0)")
+    parser.add_argument("--baseline-codec", default="fp32", choices=("fp32", "bf16"),
+                        help="codec of dp, diloco, streaming and eager rows (default fp32)")
+    parser.add_argument("--json", action="store_true", help="print rows and recommendation as JSON")
+    parser.set_defaults(func=_handler)

@@ -1,0 +1,69 @@
+"""The training methods compared by the simulator and the convergence benchmark.
+
+Each method is the swarm configuration of one paper's recipe, applied on top of a base config that
+fixes the model, data, inner optimizer, H, F and the overlap tau. ``dp`` is not an outer-loop
+method: gradients are averaged every step (same global batch).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node.config import SwarmConfig
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    paper: str
+    description: str
+    apply: Callable[[SwarmConfig, int], None] | None   # (cfg, overlap tau) -> None; None for dp
+
+
+def _outer(**values: object) -> Callable[[SwarmConfig, int], None]:
+    def apply(cfg: SwarmConfig, tau: int) -> None:
+        for key, value in values.items():
+            if value == "TAU":
+                value = tau
+            elif value == "H":
+                value = cfg.outer.h
+            elif value == "F":
+                value = cfg.outer.fragments
+            setattr(cfg.outer, key, value)
+    return apply
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("dp", "data-parallel baseline", "gradients averaged every step, same global batch", None),
+    Method("diloco", "DiLoCo (Douillard et al. 2023)", "F=1, blocking sync every H steps, fp32",
+           _outer(fragments=1, tau=0, method="replace", codec="fp32", error_feedback=False, schedule="fixed")),
+    Method("streaming", "Streaming DiLoCo (Douillard et al. 2025)", "F strided fragments, tau=0, fp32",
+           _outer(tau=0, method="replace", codec="fp32", error_feedback=False, schedule="fixed")),
+    Method("streaming-fp4", "Streaming DiLoCo", "F fragments, tau=0, FP4 E3M0 payloads",
+           _outer(tau=0, method="replace", codec="fp4", error_feedback=False, schedule="fixed")),
+    Method("delayed", "one-step delay (DiLoCoX; naive delay of Eager paper)",
+           "F=1, sync overlaps a whole round (tau=H), local progress rebased",
+           _outer(fragments=1, tau="H", method="rebase", codec="fp32", error_feedback=False, schedule="fixed")),
+    Method("eager", "Eager updates (Kale et al. 2025)", "F=1, tau=H, own update applied at once",
+           _outer(fragments=1, tau="H", method="eager", codec="fp32", error_feedback=False, schedule="fixed")),
+    Method("streaming-overlap", "Streaming DiLoCo", "F fragments, tau>0, alpha=0.5 mix, fp32",
+           _outer(tau="TAU", method="alpha", alpha=0.5, codec="fp32", error_feedback=False, schedule="fixed")),
+    Method("cocodc", "CoCoDC (2025)", "F fragments, tau>0, Taylor delay compensation, adaptive schedule, fp32",
+           _outer(tau="TAU", method="compensate", lambda0=0.2, codec="fp32", error_feedback=False,
+                  schedule="adaptive", sends_per_h="F")),
+    Method("locoswarm", "this project's default stack",
+           "F fragments, tau>0, delay compensation, FP4 + error feedback, fixed schedule",
+           _outer(tau="TAU", method="compensate", lambda0=0.2, codec="fp4", error_feedback=True,
+                  schedule="fixed")),
+]}
+
+
+def method_config(base: SwarmConfig, name: str, tau: int) -> SwarmConfig:
+    """A copy of ``base`` configured for method ``name`` (the overlap methods use ``tau``)."""
+    cfg = copy.deepcopy(base)
+    method = METHODS[name]
+    if method.apply is not None:
+        method.apply(cfg, tau)
+    return cfg

@@ -1,0 +1,81 @@
+"""The interface between the outer core and whatever averages pseudo-gradients with peers.
+
+The core starts an average of one fragment's encoded pseudo-gradient and later polls or waits for
+the group's result. A result is atomic: either the complete weighted average, identical on every
+member of the group, or a failure, in which case the core keeps its local progress for the next sync.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AverageRequest:
+    fragment: int
+    round: int                 # swarm clock step at which the sync started: equal on every member
+    chunks: list[bytes]        # codec payload, see node.core.payload
+    numel: int
+    weight: float              # tokens this contribution represents
+    version: int               # sender's outer version of this fragment
+    extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # small fp32 vector, averaged too
+
+
+@dataclass
+class AverageResult:
+    ok: bool
+    average: torch.Tensor | None = None   # fp32 flat, sum_i w_i * delta_i / sum_i w_i
+    extras: torch.Tensor | None = None
+    group_size: int = 0
+    total_weight: float = 0.0
+    own_weight: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    error: str = ""
+
+    @classmethod
+    def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:
+        return cls(ok=False, error=error, own_weight=own_weight)
+
+
+@dataclass
+class FragmentSnapshot:
+    """A peer's outer state of one fragment, fetched by a node that fell behind."""
+
+    fragment: int
+    version: int
+    phi: torch.Tensor
+    momentum: torch.Tensor
+
+
+class AverageHandle(ABC):
+    @abstractmethod
+    def done(self) -> bool:
+        """True once ``result()`` returns without waiting."""
+
+    @abstractmethod
+    def result(self, timeout: float | None = None) -> AverageResult:
+        """The group's result; a failed result (never an exception) on timeout or error."""
+
+    def cancel(self) -> None:  # noqa: B027 - optional for transports that cannot cancel
+        """Give up on this round (the node is leaving)."""
+
+
+class Transport(ABC):
+    @abstractmethod
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        """Start averaging ``request`` with a group of peers; returns at once."""
+
+    @abstractmethod
+    def latest_version(self, fragment: int) -> int:
+        """Newest outer version of ``fragment`` known among peers (-1 if unknown)."""
+
+    @abstractmethod
+    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+        """Outer state of ``fragment`` from a peer holding the newest version, or None."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release resources."""

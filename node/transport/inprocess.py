@@ -1,0 +1,145 @@
+"""An in-process transport: workers of one process meet at a hub that forms groups and reduces.
+
+Used by the simulator and unit tests. It performs the same reduction as the swarm transport
+(``node.transport.reduce``) on the same codec bytes and counts bytes with the same exchange pattern,
+so simulated bandwidth figures are the ones the network would carry. Workers run in lock-step in one
+thread: each calls ``start_average`` during a step's send phase, then the driver calls ``flush()``,
+which completes every round started so far.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from node.core.codecs import Codec
+from node.core.payload import decode_chunks
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.reduce import reduce_group
+
+# Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector.
+HEADER_BYTES = 16
+
+
+class _Handle(AverageHandle):
+    def __init__(self) -> None:
+        self._result: AverageResult | None = None
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        if self._result is None:
+            raise RuntimeError("in-process round not completed: the driver must call hub.flush() first")
+        return self._result
+
+
+@dataclass
+class _Pending:
+    worker: int
+    request: AverageRequest
+    handle: _Handle
+
+
+class InProcessHub:
+    """Rendezvous of the in-process workers.
+
+    Args:
+        codec: the swarm's payload codec.
+        group_size: at most this many members per group; members of a round are shuffled and split
+            into balanced groups (``group_size >= workers`` is an all-reduce).
+        seed: seeds group formation and dropped syncs.
+        drop_prob: probability that a worker's sync is dropped (fails for that worker only).
+    """
+
+    def __init__(self, codec: Codec, group_size: int, seed: int = 0, drop_prob: float = 0.0) -> None:
+        self.codec = codec
+        self.group_size = group_size
+        self.drop_prob = drop_prob
+        self._rng = random.Random(seed)
+        self._pending: dict[tuple[int, int], list[_Pending]] = defaultdict(list)
+        self._sources: dict[int, Callable[[int], FragmentSnapshot]] = {}
+        self._versions: dict[int, Callable[[int], int]] = {}
+        self.n_workers = 0
+
+    def transport(self, worker: int) -> InProcessTransport:
+        self.n_workers = max(self.n_workers, worker + 1)
+        return InProcessTransport(self, worker)
+
+    def register_state(self, worker: int, version: Callable[[int], int],
+                       snapshot: Callable[[int], FragmentSnapshot]) -> None:
+        """Let behind workers fetch this worker's outer state (catch-up)."""
+        self._versions[worker] = version
+        self._sources[worker] = snapshot
+
+    def submit(self, worker: int, request: AverageRequest) -> _Handle:
+        handle = _Handle()
+        self._pending[(request.fragment, request.round)].append(_Pending(worker, request, handle))
+        return handle
+
+    def flush(self) -> None:
+        """Complete every round started so far."""
+        pending, self._pending = self._pending, defaultdict(list)
+        for key in sorted(pending):
+            self._complete_round(sorted(pending[key], key=lambda p: p.worker))
+
+    def _complete_round(self, members: list[_Pending]) -> None:
+        alive = []
+        for m in members:
+            if self.drop_prob > 0 and self._rng.random() < self.drop_prob:
+                m.handle._result = AverageResult.failed("dropped", own_weight=m.request.weight)
+            else:
+                alive.append(m)
+        self._rng.shuffle(alive)
+        n_groups = -(-len(alive) // self.group_size) if alive else 0
+        for g in range(n_groups):
+            self._reduce(sorted(alive[g::n_groups], key=lambda p: p.worker))
+
+    def _reduce(self, group: list[_Pending]) -> None:
+        if len(group) < 2 and self.n_workers > 1:
+            for m in group:
+                m.handle._result = AverageResult.failed("no peer in group", own_weight=m.request.weight)
+            return
+        numel = group[0].request.numel
+        weights = [max(m.request.weight, 0.0) for m in group]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(group)
+        total = float(sum(weights))
+        reduced, sent, received = reduce_group(self.codec, [m.request.chunks for m in group], weights, numel)
+        average = decode_chunks(self.codec, reduced, numel)
+        extras = sum(w / total * m.request.extras.float() for w, m in zip(weights, group, strict=True))
+        n = len(group)
+        header = HEADER_BYTES + 4 * group[0].request.extras.numel()
+        for i, m in enumerate(group):
+            m.handle._result = AverageResult(
+                ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
+                group_size=n, total_weight=total, own_weight=weights[i],
+                bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header)
+
+    def latest_version(self, fragment: int, exclude: int) -> int:
+        versions = [v(fragment) for w, v in self._versions.items() if w != exclude]
+        return max(versions, default=-1)
+
+    def fetch(self, fragment: int, exclude: int) -> FragmentSnapshot | None:
+        best = max((w for w in self._versions if w != exclude),
+                   key=lambda w: self._versions[w](fragment), default=None)
+        return None if best is None else self._sources[best](fragment)
+
+
+class InProcessTransport(Transport):
+    def __init__(self, hub: InProcessHub, worker: int) -> None:
+        self.hub = hub
+        self.worker = worker
+
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        return self.hub.submit(self.worker, request)
+
+    def latest_version(self, fragment: int) -> int:
+        return self.hub.latest_version(fragment, exclude=self.worker)
+
+    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+        return self.hub.fetch(fragment, exclude=self.worker)

@@ -1,0 +1,179 @@
+"""Tokenizers, file discovery, the corpus split and sharded batches."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.config import DataSection, ModelSection
+from node.data import (
+    ByteTokenizer,
+    TrainBatches,
+    discover_files,
+    eval_batches,
+    evaluate,
+    load_corpus,
+    load_tokenizer,
+)
+from node.errors import UserError
+from node.model import build_model
+
+EXTS = [".txt", ".md", ".py", ".jsonl"]
+
+
+def _write_docs(root: Path, n: int, size: int = 300) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = root / f"doc{i:03d}.txt"
+        p.write_text(f"document {i} " + "héllo wörld ✓ " * (size // 16))
+        paths.append(p)
+    return paths
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer()
+    text = "naïve café — 日本語 ✓ 🚀"
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode("utf-8")) and max(ids) < 256
+    assert tok.decode([*ids, tok.eos_id]) == text
+    assert tok.decode(torch.tensor(ids)) == text
+    assert tok.encode_bytes(text.encode()).tolist() == ids
+    assert load_tokenizer("bytes").vocab_size == 257
+
+
+def test_load_tokenizer_errors_and_local_dir(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not a directory"):
+        load_tokenizer(str(tmp_path / "missing"))
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "</s>": 1, "hello": 2,
+                                                              "world": 3}, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="[UNK]").save_pretrained(
+        tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert (tok.vocab_size, tok.eos_id) == (4, 1)
+    assert tok.encode("hello world") == [2, 3]
+    _write_docs(tmp_path / "d", 4)
+    corpus = load_corpus([str(tmp_path / "d")], DataSection(), tok)
+    assert int(corpus.train.max()) < 4
+
+
+def test_discover_files(tmp_path: Path) -> None:
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "a" / "x.txt").write_text("x")
+    (tmp_path / "a" / "sub" / "y.MD").write_text("y")
+    (tmp_path / "a" / "sub" / "z.bin").write_bytes(b"\0")
+    (tmp_path / "a" / ".hidden").mkdir()
+    (tmp_path / "a" / ".hidden" / "h.txt").write_text("h")
+    (tmp_path / "b.jsonl").write_text("{}\n")
+    files = discover_files([str(tmp_path / "a"), str(tmp_path / "*.jsonl"), str(tmp_path / "a" / "x.txt")],
+                           EXTS)
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["a/sub/y.MD", "a/x.txt", "b.jsonl"]
+    with pytest.raises(UserError, match="nothing-here"):
+        discover_files([str(tmp_path / "nothing-here")], EXTS)
+    with pytest.raises(UserError, match=r"\*.csv"):
+        discover_files([str(tmp_path / "*.csv")], EXTS)
+    with pytest.raises(UserError, match="no files with extensions"):
+        discover_files([str(tmp_path / "a" / "sub")], [".rst"])
+
+
+def test_default_is_stdlib_without_site_packages() -> None:
+    files = discover_files([], EXTS)
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any(part in ("site-packages", "dist-packages") for f in files for part in f.parts)
+    assert files == sorted(set(files))
+
+
+def test_stdlib_corpus_loads() -> None:
+    corpus = load_corpus([], DataSection(max_bytes=2_000_000), ByteTokenizer())
+    assert corpus.train.dtype == torch.int32 and corpus.train.dim() == 1
+    assert 1_900_000 < len(corpus.train) + len(corpus.eval) - corpus.n_docs <= 2_000_000
+    assert corpus.n_eval_docs >= 1 and corpus.n_train_docs >= 1
+    assert "default" in corpus.description
+
+
+def test_jsonl_bad_lines(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"record number {i} " * 5}) for i in range(6)]
+    lines += ["not json", json.dumps({"body": "no text field"}), json.dumps({"text": 5}), "[1, 2]", ""]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    corpus = load_corpus([str(tmp_path)], DataSection(eval_fraction=0.3), ByteTokenizer())
+    assert corpus.skipped_lines == 4
+    assert corpus.n_docs == 6 and corpus.n_files == 1
+    eos = ByteTokenizer.eos_id
+    assert int((corpus.train == eos).sum() + (corpus.eval == eos).sum()) == 6
+
+
+def test_split_disjoint_and_deterministic(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "d", 40)
+    cfg = DataSection(eval_fraction=0.2, seed=3)
+    a = load_corpus([str(tmp_path / "d")], cfg, ByteTokenizer())
+    b = load_corpus([str(tmp_path / "d")], cfg, ByteTokenizer())
+    assert torch.equal(a.train, b.train) and torch.equal(a.eval, b.eval)
+    assert a.n_train_docs + a.n_eval_docs == a.n_docs == 40 and a.n_eval_docs >= 1
+
+    def docs(t: torch.Tensor) -> set[str]:
+        return set(ByteTokenizer().decode(t.tolist()).split("document ")[1:])
+
+    assert not docs(a.train) & docs(a.eval)
+    assert len(docs(a.train) | docs(a.eval)) == 40
+    other = load_corpus([str(tmp_path / "d")], DataSection(eval_fraction=0.2, seed=4), ByteTokenizer())
+    assert docs(other.eval) != docs(a.eval)
+
+
+def test_split_guarantees_and_small_corpora(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "two", 2)
+    c = load_corpus([str(tmp_path / "two")], DataSection(eval_fraction=1e-9), ByteTokenizer())
+    assert (c.n_train_docs, c.n_eval_docs) == (1, 1)
+    (tmp_path / "one.txt").write_text("x" * 1000)
+    single = load_corpus([str(tmp_path / "one.txt")], DataSection(eval_fraction=0.1), ByteTokenizer())
+    assert len(single.train) == 901 and len(single.eval) == 101
+    (tmp_path / "tiny.txt").write_text("ab")
+    with pytest.raises(UserError, match=r"tiny\.txt"):
+        load_corpus([str(tmp_path / "tiny.txt")], DataSection(), ByteTokenizer(), min_train_tokens=1024)
+
+
+def test_max_bytes_stops_reading(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "d", 10, size=1000)
+    c = load_corpus([str(tmp_path / "d")], DataSection(max_bytes=2500), ByteTokenizer())
+    assert len(c.train) + len(c.eval) - c.n_docs == 2500 and c.n_files < 10
+
+
+def test_train_batches_deterministic_and_sharded() -> None:
+    tokens = torch.arange(10_000, dtype=torch.int32)
+    world = 3
+    shards = [TrainBatches(tokens, r, world, batch_size=4, seq_len=16, seed=1) for r in range(world)]
+    seen = []
+    for tb in shards:
+        a = tb.get(5)
+        assert a.dtype == torch.long and a.shape == (4, 16)
+        assert torch.equal(a, TrainBatches(tokens, tb.rank, world, 4, 16, seed=1).get(5))
+        assert not torch.equal(a, tb.get(6))
+        assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 15, dtype=torch.long))  # contiguous
+        values = torch.cat([tb.get(s).flatten() for s in range(50)])
+        assert tb.start <= int(values.min()) and int(values.max()) < tb.end
+        seen.append((int(values.min()), int(values.max())))
+    seen.sort()
+    assert all(hi < lo for (_, hi), (lo, _) in itertools.pairwise(seen))
+    assert not torch.equal(shards[0].get(0) - shards[0].start, shards[1].get(0) - shards[1].start)
+    with pytest.raises(UserError, match="seq_len"):
+        TrainBatches(tokens[:40], 0, 4, batch_size=2, seq_len=16, seed=0)
+
+
+def test_eval_batches_and_evaluate() -> None:
+    tokens = torch.randint(0, 256, (5000,), dtype=torch.int32)
+    batches = eval_batches(tokens, batch_size=2, seq_len=32, n_batches=3)
+    assert len(batches) == 3 and all(b.shape == (2, 32) and b.dtype == torch.long for b in batches)
+    assert int(batches[0][0, 0]) == int(tokens[0]) and int(batches[-1][-1, -1]) == int(tokens[-1])
+    assert all(torch.equal(x, y) for x, y in zip(batches, eval_batches(tokens, 2, 32, 3), strict=True))
+    model = build_model(ModelSection(preset="tiny", n_layers=1, max_seq_len=64), 257)
+    loss = evaluate(model, batches, torch.device("cpu"))
+    assert 4.0 < loss < 7.0 and model.training
+    with pytest.raises(UserError, match="eval split"):
+        eval_batches(tokens[:10], 2, 32, 1)

@@ -1,0 +1,341 @@
+"""Tests of ``locoswarm plan`` (node/plan.py): parsing, the utilization model, Table 4, the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node import plan
+from node.errors import UserError
+from node.plan import (
+    CODECS,
+    GRID_F,
+    GRID_H,
+    GRID_TAU,
+    method_rows,
+    parse_count,
+    parse_fraction,
+    parse_rate,
+    parse_seconds,
+    recommend,
+    required_bandwidth,
+    utilization,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("125e6", 125e6), ("1B", 1e9), ("150M", 150e6), ("25m", 25e6), ("1.3b", 1.3e9),
+    (" 7k ", 7e3), ("1000", 1000.0), ("2G", 2e9), (".5B", 5e8),
+])
+def test_parse_count_good(text: str, expected: float) -> None:
+    assert parse_count(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "0", "-5", "1x", "1.2.3", "inf", "nan", "1 billion", "1e999"])
+def test_parse_count_bad(text: str) -> None:
+    with pytest.raises(UserError) as exc:
+        parse_count(text)
+    message = str(exc.value)
+    assert "--params" in message and repr(text) in message and "150M" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0.5", 0.5), ("500ms", 0.5), ("2s", 2.0), ("250us", 250e-6), ("1min", 60.0), (" 0.05 ", 0.05),
+    ("1e-1", 0.1),
+])
+def test_parse_seconds_good(text: str, expected: float) -> None:
+    assert parse_seconds(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["0", "0ms", "-1", "fast", "5 parsecs", "", "1m", "inf"])
+def test_parse_seconds_bad(text: str) -> None:
+    with pytest.raises(UserError) as exc:
+        parse_seconds(text, "--step-time")
+    message = str(exc.value)
+    assert "--step-time" in message and repr(text) in message and "500ms" in message
+    assert "\n" not in message
+
+
+def test_parse_seconds_latency_allows_zero() -> None:
+    assert parse_seconds("0", "--latency", allow_zero=True) == 0.0
+    assert parse_seconds("50ms", "--latency", allow_zero=True) == pytest.approx(0.05)
+    with pytest.raises(UserError, match="--latency"):
+        parse_seconds("-50ms", "--latency", allow_zero=True)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1Gbit/s", 1e9), ("100Mbps", 1e8), ("2.5 Gbit/s", 2.5e9), ("10MB/s", 8e7), ("1e9", 1e9),
+    ("10Gb/s", 1e10), ("125MBps", 1e9), ("1Gibit/s", 2.0**30), ("1 gbps", 1e9), ("500 kbit/s", 5e5),
+    ("1G", 1e9), ("10 MB/s", 8e7), ("1Tbit/s", 1e12),
+])
+def test_parse_rate_good(text: str, expected: float) -> None:
+    assert parse_rate(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["fast", "1Gbps/x", "0", "-1Gbit/s", "1Qbit/s", "", "Gbit/s", "1 Gbit/h"])
+def test_parse_rate_bad(text: str) -> None:
+    with pytest.raises(UserError) as exc:
+        parse_rate(text)
+    message = str(exc.value)
+    assert "--bandwidth" in message and repr(text) in message and "1Gbit/s" in message and "MB/s" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("text", "expected"), [("0.95", 0.95), ("95%", 0.95), ("95", 0.95), ("1", 1.0)])
+def test_parse_fraction(text: str, expected: float) -> None:
+    assert parse_fraction(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "101", "high", "150%"])
+def test_parse_fraction_bad(text: str) -> None:
+    with pytest.raises(UserError, match="--target"):
+        parse_fraction(text)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+SCHEDULES = [
+    dict(h=1, fragments=1, tau=0, codec="fp32"),  # data-parallel
+    dict(h=100, fragments=1, tau=0, codec="fp32"),  # DiLoCo
+    dict(h=100, fragments=8, tau=0, codec="bf16"),  # streaming
+    dict(h=100, fragments=8, tau=2, codec="fp4"),  # streaming + overlap + fp4
+    dict(h=50, fragments=1, tau=50, codec="fp32"),  # eager
+    dict(h=50, fragments=2, tau=2, codec="int8", latency=0.05, workers=4, backward_overlap=0.5),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_utilization_monotone_in_bandwidth(schedule: dict) -> None:
+    rates = [10 ** (k / 4) for k in range(20, 60)]  # 1e5 .. 1e15 bit/s
+    utils = [utilization(1e9, 0.2, r, **schedule) for r in rates]
+    assert all(0 < u <= 1 for u in utils)
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(utils))
+    assert utils[0] < 0.5 and utils[-1] > 0.9
+
+
+def test_full_utilization_when_sync_fits_in_tau() -> None:
+    # 1e8 params / 4 fragments in fp4 (4.5 bits) = 1.125e8 bits = 0.1125 s at 1 Gbit/s (n = 2).
+    kw = dict(h=100, fragments=4, codec="fp4")
+    assert utilization(1e8, 0.1, 1e9, tau=2, **kw) == 1.0  # 0.1125 s <= 2 steps of 0.1 s
+    assert utilization(1e8, 0.1, 1e9, tau=1, **kw) < 1.0  # 0.1125 s > 1 step
+    assert utilization(1e8, 0.1, 1e9, tau=0, **kw) < utilization(1e8, 0.1, 1e9, tau=1, **kw)
+    # the latency counts too: 2 phases of 50 ms push the same sync past 2 steps
+    assert utilization(1e8, 0.1, 1e9, tau=2, latency=0.05, **kw) < 1.0
+
+
+def test_dp_closed_form() -> None:
+    # util = S / (S + T) with T = r·N·32 / bandwidth, r = 1 for n = 2
+    n, s, bw = 1e8, 0.5, 1e10
+    assert utilization(n, s, bw) == pytest.approx(s / (s + n * 32 / bw))
+    # n = 4 workers: each sends 2·3/4 = 1.5× the payload
+    assert utilization(n, s, bw, workers=4) == pytest.approx(s / (s + 1.5 * n * 32 / bw))
+
+
+def test_link_bound_when_syncs_overlap_too_much() -> None:
+    # tau = H/F: every sync fully overlapped, so only the link's throughput limits: util = H·S / (F·T)
+    n, s, h, f = 1e9, 0.1, 100, 4
+    bw = 1e9
+    t_frag = n / f * 32 / bw  # 8 s per fragment, 4 per 10 s of compute
+    util = utilization(n, s, bw, h=h, fragments=f, tau=h // f, codec="fp32")
+    assert util == pytest.approx(h * s / (f * t_frag))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("target", [0.5, 0.9, 0.95, 0.99])
+def test_required_bandwidth_hits_target(schedule: dict, target: float) -> None:
+    need = required_bandwidth(1e9, 0.2, target=target, **schedule)
+    assert math.isfinite(need) and need > 0
+    assert utilization(1e9, 0.2, need, **schedule) == pytest.approx(target, rel=1e-9)
+    assert utilization(1e9, 0.2, need * 0.99, **schedule) < target
+
+
+def test_required_bandwidth_infinite_when_latency_dominates() -> None:
+    # dp with 0.1 s steps allows 5.3 ms of stall per step at 95%; 2 × 50 ms latency cannot fit
+    assert required_bandwidth(1e9, 0.1, latency=0.05) == math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Table 4 of Streaming DiLoCo
+# --------------------------------------------------------------------------------------------------
+
+def _need(method: str, codec: str, rows: list[plan.Row]) -> float:
+    return next(r.required_bandwidth for r in rows if r.method == method and r.codec == codec)
+
+
+@pytest.mark.parametrize(("h", "fragments", "tau"), [(100, 8, 1), (50, 2, 2), (500, 8, 5), (100, 4, 0)])
+def test_ratios_between_methods(h: int, fragments: int, tau: int) -> None:
+    """Default model (fp32, no backward overlap, no latency): dp needs H× diloco; overlap+fp4 >= 8× less."""
+    rows = method_rows(1e9, 0.1, 1e9, h=h, fragments=fragments, tau=tau)
+    dp, diloco = _need("dp", "fp32", rows), _need("diloco", "fp32", rows)
+    assert dp / diloco == pytest.approx(h, rel=1e-9)
+    assert _need("streaming", "fp32", rows) == pytest.approx(diloco)  # no latency: same bytes per step
+    overlap_fp4 = _need("streaming-overlap", "fp4", rows)
+    assert diloco / overlap_fp4 >= 32 / 4.5  # the codec alone
+    if tau > 0:
+        assert diloco / overlap_fp4 >= 8
+    assert _need("locoswarm", "fp4", rows) == overlap_fp4
+    assert _need("eager", "fp32", rows) < diloco
+
+
+def test_table4_orders_of_magnitude() -> None:
+    """Streaming DiLoCo Table 4, 1B at 95%: dp 222 Gbit/s, DiLoCo 23.3, Streaming overlap FP4 2.0.
+
+    Settings (documented in node/plan.py; the paper's own simulator settings were not available):
+    S = 0.1 s, n = 2, bf16 baselines, reductions overlapped with the backward pass (2/3 of a step),
+    H = 100, F = 8, tau = 1. The model gives 222 / 27.0 / 2.42 Gbit/s.
+    """
+    rows = method_rows(1e9, 0.1, 1e9, h=100, fragments=8, tau=1, baseline_codec="bf16",
+                       backward_overlap=2 / 3, workers=2)
+    dp = _need("dp", "bf16", rows) / 1e9
+    diloco = _need("diloco", "bf16", rows) / 1e9
+    ours = _need("locoswarm", "fp4", rows) / 1e9
+    assert dp == pytest.approx(222, rel=0.02)
+    assert diloco == pytest.approx(23.3, rel=0.25)
+    assert ours == pytest.approx(2.0, rel=0.25)
+    assert 5 < dp / diloco < 15  # paper: 9.5
+    assert 8 < diloco / ours < 20  # paper: 11.7
+
+
+# --------------------------------------------------------------------------------------------------
+# Recommendation
+# --------------------------------------------------------------------------------------------------
+
+def _preference_key(h: int, f: int, tau: int, codec: str) -> tuple:
+    return (h, CODECS.index(codec), tau, f)
+
+
+@pytest.mark.parametrize(("params", "step", "bandwidth", "latency"), [
+    (1e9, 0.5, 1e9, 0.05), (1e9, 0.1, 2.5e9, 0.0), (125e6, 0.2, 1e8, 0.02), (1e10, 1.0, 1e10, 0.0),
+])
+def test_recommendation_reaches_target_and_is_preferred(params: float, step: float, bandwidth: float,
+                                                         latency: float) -> None:
+    rec = recommend(params, step, bandwidth, latency=latency)
+    assert rec.reached
+    kw = dict(h=rec.h, fragments=rec.fragments, tau=rec.tau, codec=rec.codec, latency=latency)
+    assert utilization(params, step, bandwidth, **kw) >= 0.95 - 1e-12
+    assert rec.required_bandwidth <= bandwidth * (1 + 1e-9)
+    # brute force: it is the most preferred grid setting that reaches the target
+    hits = [(h, f, tau, c) for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
+            if h % f == 0 and tau <= h // f
+            and utilization(params, step, bandwidth, h=h, fragments=f, tau=tau, codec=c, latency=latency)
+            >= 0.95 - 1e-12]
+    assert min(hits, key=lambda s: _preference_key(*s)) == (rec.h, rec.fragments, rec.tau, rec.codec)
+
+
+def test_recommendation_on_a_fast_link_is_plain_and_frequent() -> None:
+    rec = recommend(1e8, 1.0, 1e12)
+    assert (rec.h, rec.fragments, rec.tau, rec.codec, rec.reached) == (10, 1, 0, "fp32", True)
+
+
+def test_recommendation_when_nothing_reaches_the_target() -> None:
+    rec = recommend(1e10, 0.1, 1e6)
+    assert not rec.reached and rec.utilization < 0.95
+    best = max(utilization(1e10, 0.1, 1e6, h=h, fragments=f, tau=tau, codec=c)
+               for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
+               if h % f == 0 and tau <= h // f)
+    assert rec.utilization == pytest.approx(best)
+    assert rec.required_bandwidth > 1e6
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+# Runs node.cli.main with a parser holding only ``plan``, so these tests do not depend on the
+# other subcommands' modules.
+_PLAN_ONLY = """
+import sys
+import node.cli as cli
+from node import plan
+
+def build_parser():
+    parser = cli._Parser(prog="locoswarm")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=cli._Parser)
+    plan.register(sub)
+    return parser
+
+cli.build_parser = build_parser
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+GOOD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbit/s", "--latency", "50ms"]
+BAD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbps/x"]
+
+
+def _run(args: list[str], plan_only: bool) -> subprocess.CompletedProcess:
+    head = [sys.executable, "-c", _PLAN_ONLY] if plan_only else [sys.executable, "-m", "node.cli"]
+    return subprocess.run([*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+
+
+def _full_cli_or_skip(result: subprocess.CompletedProcess) -> None:
+    """Skip when the full CLI cannot import another subsystem's module (not this one's)."""
+    if "Traceback" in result.stderr and "Error" in result.stderr and "node/plan.py" not in result.stderr:
+        last = result.stderr.strip().splitlines()[-1]
+        if "ImportError" in last or "ModuleNotFoundError" in last:
+            pytest.skip(f"full CLI not importable yet: {last}")
+
+
+@pytest.mark.parametrize("plan_only", [True, False], ids=["plan-only", "full-cli"])
+def test_cli_good_run(plan_only: bool) -> None:
+    result = _run(GOOD, plan_only)
+    if not plan_only:
+        _full_cli_or_skip(result)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for word in ("method", "dp", "diloco", "streaming", "stream-overlap", "eager", "locoswarm",
+                 "recommendation:", "H=", "codec="):
+        assert word in out
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("plan_only", [True, False], ids=["plan-only", "full-cli"])
+def test_cli_bad_rate(plan_only: bool) -> None:
+    result = _run(BAD, plan_only)
+    if not plan_only:
+        _full_cli_or_skip(result)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("locoswarm: error: --bandwidth")
+    assert "1Gbps/x" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_json() -> None:
+    result = _run([*GOOD, "--json", "--h", "100", "--fragments", "8", "--tau", "1"], plan_only=True)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [m["method"] for m in data["methods"]] == [
+        "dp", "diloco", "streaming", "streaming-overlap", "streaming-overlap", "eager", "locoswarm"]
+    assert data["inputs"]["bandwidth_bit_s"] == 1e9 and data["inputs"]["latency_s"] == pytest.approx(0.05)
+    assert data["methods"][0]["required_bandwidth"] is None  # dp: latency alone exceeds the budget
+    rec = data["recommendation"]
+    assert rec["reached"] is True and rec["utilization"] >= 0.95
+    assert set(rec) >= {"h", "fragments", "tau", "codec", "required_bandwidth"}
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--fragments", "0"), ("--tau", "-1"), ("--workers", "1"),
+                                               ("--h", "ten"), ("--target", "150%"), ("--step-time", "0")])
+def test_cli_bad_flags(flag: str, value: str) -> None:
+    args = [*GOOD, flag, value]
+    result = _run(args, plan_only=True)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"locoswarm: error: {flag}"), result.stderr
