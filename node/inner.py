@@ -32,7 +32,7 @@ class InnerOptimizer:
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
         self.steps_done = 0
 
     def lr_at(self, step: int) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -331,34 +330,8 @@ def test_describe_difference():
 
 # ---- the command ----
 
-_STUB_LAUNCHER = """
-import importlib, sys, types
-for name in ("node.partition", "node.plan", "node.sim", "node.bench"):
-    try:
-        importlib.import_module(name)
-        if not hasattr(sys.modules[name], "register"):
-            raise ImportError(name)
-    except ImportError:
-        stub = types.ModuleType(name)
-        stub.register = lambda sub: None
-        sys.modules[name] = stub
-from node.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@functools.cache
-def _cli_ready() -> bool:
-    """Whether every subcommand module imports (other modules are written in parallel)."""
-    res = subprocess.run([sys.executable, "-c", "from node.cli import build_parser; build_parser()"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
-    return res.returncode == 0
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    # The real entry point when the whole CLI imports; otherwise the same main() with the missing
-    # sibling subcommands stubbed, so this module's command is still tested end to end.
-    launcher = ["-m", "node.cli"] if _cli_ready() else ["-c", _STUB_LAUNCHER]
+    launcher = ["-m", "node.cli"]
     env = {k: v for k, v in os.environ.items() if k != "LOCOSWARM_CONFIG"}
     return subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)

@@ -259,44 +259,18 @@ def test_recommendation_when_nothing_reaches_the_target() -> None:
 
 # Runs node.cli.main with a parser holding only ``plan``, so these tests do not depend on the
 # other subcommands' modules.
-_PLAN_ONLY = """
-import sys
-import node.cli as cli
-from node import plan
-
-def build_parser():
-    parser = cli._Parser(prog="locoswarm")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=cli._Parser)
-    plan.register(sub)
-    return parser
-
-cli.build_parser = build_parser
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
 GOOD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbit/s", "--latency", "50ms"]
 BAD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbps/x"]
 
 
-def _run(args: list[str], plan_only: bool) -> subprocess.CompletedProcess:
-    head = [sys.executable, "-c", _PLAN_ONLY] if plan_only else [sys.executable, "-m", "node.cli"]
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    head = [sys.executable, "-m", "node.cli"]
     return subprocess.run([*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "80"})
 
 
-def _full_cli_or_skip(result: subprocess.CompletedProcess) -> None:
-    """Skip when the full CLI cannot import another subsystem's module (not this one's)."""
-    if "Traceback" in result.stderr and "Error" in result.stderr and "node/plan.py" not in result.stderr:
-        last = result.stderr.strip().splitlines()[-1]
-        if "ImportError" in last or "ModuleNotFoundError" in last:
-            pytest.skip(f"full CLI not importable yet: {last}")
-
-
-@pytest.mark.parametrize("plan_only", [True, False], ids=["plan-only", "full-cli"])
-def test_cli_good_run(plan_only: bool) -> None:
-    result = _run(GOOD, plan_only)
-    if not plan_only:
-        _full_cli_or_skip(result)
+def test_cli_good_run() -> None:
+    result = _run(GOOD)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for word in ("method", "dp", "diloco", "streaming", "stream-overlap", "eager", "locoswarm",
@@ -305,11 +279,8 @@ def test_cli_good_run(plan_only: bool) -> None:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("plan_only", [True, False], ids=["plan-only", "full-cli"])
-def test_cli_bad_rate(plan_only: bool) -> None:
-    result = _run(BAD, plan_only)
-    if not plan_only:
-        _full_cli_or_skip(result)
+def test_cli_bad_rate() -> None:
+    result = _run(BAD)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -319,7 +290,7 @@ def test_cli_bad_rate(plan_only: bool) -> None:
 
 
 def test_cli_json() -> None:
-    result = _run([*GOOD, "--json", "--h", "100", "--fragments", "8", "--tau", "1"], plan_only=True)
+    result = _run([*GOOD, "--json", "--h", "100", "--fragments", "8", "--tau", "1"])
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [m["method"] for m in data["methods"]] == [
@@ -335,7 +306,7 @@ def test_cli_json() -> None:
                                                ("--h", "ten"), ("--target", "150%"), ("--step-time", "0")])
 def test_cli_bad_flags(flag: str, value: str) -> None:
     args = [*GOOD, flag, value]
-    result = _run(args, plan_only=True)
+    result = _run(args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"locoswarm: error: {flag}"), result.stderr

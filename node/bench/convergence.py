@@ -43,11 +43,11 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", {"preset": "tiny"}, workers=4, steps=400, h=40, fragments=2, tau=4,
-                     batch_size=8, seq_len=128, lr=2e-3, warmup=40, eval_every=20, eval_batches=8),
-    "default": Profile("default", {"preset": "tiny", "n_layers": 6, "d_model": 192, "n_heads": 6},
-                       workers=4, steps=1600, h=50, fragments=3, tau=5,
-                       batch_size=8, seq_len=128, lr=2e-3, warmup=100, eval_every=25, eval_batches=16),
+    "quick": Profile("quick", {"preset": "tiny"}, workers=4, steps=300, h=30, fragments=2, tau=3,
+                     batch_size=8, seq_len=64, lr=2e-3, warmup=30, eval_every=15, eval_batches=8),
+    "default": Profile("default", {"preset": "tiny"},
+                       workers=4, steps=800, h=40, fragments=2, tau=4,
+                       batch_size=8, seq_len=128, lr=2e-3, warmup=50, eval_every=20, eval_batches=16),
 }
 
 
@@ -158,6 +158,9 @@ def run_convergence(args: argparse.Namespace) -> int:
             res = run(mcfg, corpus, tokenizer.vocab_size, spec, label=name, progress=progress)
             results[name] = _method_entry(res, mcfg, name)
             progress.update(overall, advance=1)
+            progress.console.print(f"{name:<18} final eval loss {res.final_eval_loss:.4f}  "
+                                   f"{_bytes(res.bytes_per_worker_per_step)}/worker/step  "
+                                   f"syncs ok {res.syncs_ok} failed {res.syncs_failed}  {res.wall_seconds:.0f} s")
             # Keep what is done so far on disk: a long run interrupted late still leaves a report.
             write_report(out, setup, results, time.perf_counter() - started)
     report = write_report(out, setup, results, time.perf_counter() - started)

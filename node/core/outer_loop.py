@@ -145,8 +145,7 @@ class OuterLoop:
             if self.cfg.method == "eager":
                 st = self.states[p]
                 if res.ok:
-                    share = pend.weight / res.total_weight if res.total_weight else pend.own_share
-                    g = eager_outer_gradient(res.average, pend.own, share, torch.zeros_like(st.phi), 0.0)
+                    g = eager_outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
                     self._outer_step(st, g)
                     st.set_theta(st.phi)
                 events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
@@ -181,9 +180,11 @@ class OuterLoop:
         if late is not None:
             res = self._wait(late)
             if res.ok:
-                late_avg, own_prev = res.average, late.own
-                share_prev = late.weight / res.total_weight if res.total_weight else late.own_share
-                self.expected_share = share_prev
+                # Our own part was applied last round at the share we assumed then; take out exactly
+                # that, so that over the rounds every member applies exactly the group averages.
+                late_avg, own_prev, share_prev = res.average, late.own, late.own_share
+                if res.total_weight:
+                    self.expected_share = late.weight / res.total_weight
             else:
                 # Nobody else's progress arrived: apply the rest of our own previous contribution.
                 late_avg, own_prev, share_prev = late.own, late.own, late.own_share

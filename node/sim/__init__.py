@@ -67,7 +67,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from node.fsutil import atomic_write_text
     from node.model import resolve_device
     from node.sim.methods import METHODS, method_config
-    from node.sim.simulator import SimSpec, simulate, simulate_dp
+    from node.sim.simulator import SimSpec, check_spec, simulate, simulate_dp
 
     cfg = load_config_from_args(args)
     if args.method is not None and args.method not in METHODS:
@@ -78,6 +78,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec = SimSpec(workers=args.workers, steps=args.steps, eval_every=args.eval_every,
                    eval_batches=args.eval_batches, speeds=parse_speeds(args.speeds, args.workers),
                    drop_prob=args.drop_prob, seed=args.seed, device=str(device))
+    check_spec(spec)  # before loading data: a bad flag fails at once
     console = Console(stderr=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     with console.status("loading data"):

@@ -83,7 +83,7 @@ class _Worker:
         return batch.numel()
 
 
-def _check_spec(spec: SimSpec) -> None:
+def check_spec(spec: SimSpec) -> None:
     from node.errors import UserError
 
     if spec.workers < 1:
@@ -104,7 +104,7 @@ def _check_spec(spec: SimSpec) -> None:
 def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *, label: str = "",
              progress=None) -> SimResult:
     """Run the outer-loop core with ``spec.workers`` in-process workers."""
-    _check_spec(spec)
+    check_spec(spec)
     device = torch.device(spec.device)
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
@@ -163,7 +163,7 @@ def simulate_dp(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec
     Bytes are those of a ring all-reduce of fp32 gradients: 2 (M-1)/M * 4 bytes per parameter per
     worker per step (reduce-scatter + all-gather).
     """
-    _check_spec(spec)
+    check_spec(spec)
     device = torch.device(spec.device)
     start = time.perf_counter()
     model = build_model(cfg.model, vocab_size, seed=cfg.data.seed).to(device)

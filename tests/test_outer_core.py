@@ -1,0 +1,730 @@
+"""The outer-loop core: outer optimizer, merge rules, schedules, payloads, group reduction and
+the OuterLoop driven through the in-process hub (the way node/sim/simulator.py drives it)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from node.config import ModelSection, OuterSection
+from node.core.codecs import get_codec
+from node.core.merge import (
+    eager_outer_gradient,
+    merge_alpha,
+    merge_compensate,
+    merge_rebase,
+    merge_replace,
+)
+from node.core.outer_loop import OuterLoop
+from node.core.outer_optimizer import NesterovOuterOptimizer
+from node.core.payload import (
+    CHUNK_TARGET_ELEMS,
+    chunk_bounds,
+    chunk_elems,
+    decode_chunks,
+    encode_chunks,
+    encode_with_feedback,
+    payload_size,
+)
+from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
+from node.model import build_model
+from node.partition import partition
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, Transport
+from node.transport.inprocess import HEADER_BYTES, InProcessHub
+from node.transport.reduce import part_ranges, reduce_group
+
+VOCAB = 257
+CHUNK = chunk_elems(64)  # elements per chunk with 64-element blocks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The tensors here are small; intra-op threads only add synchronisation cost on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# ==================================================================================================
+# 1. Outer optimizer
+# ==================================================================================================
+
+
+@pytest.mark.parametrize(("eta", "mu"), [(0.7, 0.9), (1.0, 0.5), (0.3, 0.99)])
+def test_outer_step_matches_torch_sgd_nesterov(eta: float, mu: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    phi = torch.randn(257, generator=gen)
+    buf = torch.zeros_like(phi)
+    ref = torch.nn.Parameter(phi.clone())
+    sgd = torch.optim.SGD([ref], lr=eta, momentum=mu, nesterov=True)
+    opt = NesterovOuterOptimizer(eta, mu)
+    phi_ptr, buf_ptr = phi.data_ptr(), buf.data_ptr()
+    for _ in range(6):
+        delta = torch.randn(257, generator=gen)
+        opt.step(phi, buf, delta)
+        ref.grad = delta.clone()
+        sgd.step()
+        assert_close(phi, ref.detach(), atol=1e-6, rtol=0)
+        assert_close(buf, sgd.state[ref]["momentum_buffer"], atol=1e-6, rtol=0)
+    assert (phi.data_ptr(), buf.data_ptr()) == (phi_ptr, buf_ptr)  # in place
+
+
+def test_outer_step_first_step_by_hand() -> None:
+    # b = 0.9*0 + d = d ; phi = phi - 0.5*(d + 0.9*d) = [1, 2] - 0.95*[2, -4] = [-0.9, 5.8]
+    phi, buf = _t(1, 2), _t(0, 0)
+    NesterovOuterOptimizer(0.5, 0.9).step(phi, buf, _t(2, -4))
+    assert_close(buf, _t(2, -4))
+    assert_close(phi, _t(-0.9, 5.8))
+
+
+# ==================================================================================================
+# 2. Merge rules against hand-computed examples
+# ==================================================================================================
+
+THETA = _t(1, 2, -1)
+PHI = _t(3, 0, 1)
+
+
+def test_merge_replace_returns_copy_of_phi() -> None:
+    out = merge_replace(THETA, PHI)
+    assert torch.equal(out, _t(3, 0, 1))
+    out += 1
+    assert torch.equal(PHI, _t(3, 0, 1))  # not an alias of phi
+
+
+@pytest.mark.parametrize(("alpha", "expected"), [
+    (0.5, (2.0, 1.0, 0.0)),    # 0.5*[1,2,-1] + 0.5*[3,0,1]
+    (0.0, (3.0, 0.0, 1.0)),    # alpha = 0 is replace
+    (0.25, (2.5, 0.5, 0.5)),   # 0.25*[1,2,-1] + 0.75*[3,0,1] = [0.25+2.25, 0.5, -0.25+0.75]
+    (1.0, (1.0, 2.0, -1.0)),   # alpha = 1 keeps theta
+])
+def test_merge_alpha(alpha: float, expected: tuple[float, ...]) -> None:
+    assert_close(merge_alpha(THETA, PHI, alpha), _t(*expected))
+
+
+def test_merge_rebase_keeps_local_progress_on_new_phi() -> None:
+    snapshot = _t(2, 2, 0)  # progress since send: snapshot - theta = [1, 0, 1]
+    assert_close(merge_rebase(THETA, PHI, snapshot), _t(2, 0, 0))  # [3,0,1] - [1,0,1]
+
+
+# Two tensors: elements [0, 2) and [2, 4). snapshot s = 1 everywhere.
+#   tensor 1: g = s - theta = [1, 2], D = phi - s = [2, 1], g*g*D = [2, 4]
+#             |g| = sqrt5, |g*g*D| = sqrt20 = 2 sqrt5 -> lambda_1 = 0.2 * sqrt5 / (2 sqrt5) = 0.1
+#             g_hat = [1, 2] + 0.1*[2, 4] = [1.2, 2.4]
+#   tensor 2: g = [3, 0], D = [1, 5], g*g*D = [9, 0], |g| = 3, |g*g*D| = 9 -> lambda_2 = 0.2*3/9 = 1/15
+#             g_hat = [3 + 9/15, 0] = [3.6, 0]
+#   theta = s - g = [0, -1, -2, 1], phi = s + D = [3, 2, 2, 6]
+#   theta_new = phi - g_hat = [1.8, -0.4, -1.6, 6]
+C_SNAP = _t(1, 1, 1, 1)
+C_THETA = _t(0, -1, -2, 1)
+C_PHI = _t(3, 2, 2, 6)
+C_BOUNDS = [(0, 2), (2, 4)]
+
+
+def test_merge_compensate_hand_example() -> None:
+    out = merge_compensate(C_THETA, C_PHI, C_SNAP, 0.2, C_BOUNDS)
+    assert_close(out, _t(1.8, -0.4, -1.6, 6.0))
+    # inputs untouched (pure)
+    assert torch.equal(C_THETA, _t(0, -1, -2, 1)) and torch.equal(C_PHI, _t(3, 2, 2, 6))
+
+
+def test_merge_compensate_lambda_per_tensor_and_correction_norm() -> None:
+    lambda0 = 0.2
+    out = merge_compensate(C_THETA, C_PHI, C_SNAP, lambda0, C_BOUNDS)
+    g = C_SNAP - C_THETA
+    d = C_PHI - C_SNAP
+    correction = (C_PHI - out) - g  # g_hat - g = lambda_i * g*g*D
+    ggd = g * g * d
+    # lambda_i read back from the correction: 0.1 on tensor 1, 1/15 on tensor 2 (where g*g*D != 0)
+    assert_close(correction[0:2] / ggd[0:2], _t(0.1, 0.1))
+    assert_close(correction[2:3] / ggd[2:3], _t(1 / 15))
+    assert correction[3] == 0
+    for a, b in C_BOUNDS:
+        lam = lambda0 * torch.linalg.vector_norm(g[a:b]) / torch.linalg.vector_norm(ggd[a:b])
+        assert_close(correction[a:b], lam * ggd[a:b])
+        assert_close(torch.linalg.vector_norm(correction[a:b]), lambda0 * torch.linalg.vector_norm(g[a:b]))
+
+
+def test_merge_compensate_lambda0_zero_is_rebase() -> None:
+    out = merge_compensate(C_THETA, C_PHI, C_SNAP, 0.0, C_BOUNDS)
+    assert_close(out, _t(2, 0, -1, 6))  # phi - g = [3-1, 2-2, 2-3, 6-0]
+    assert_close(out, merge_rebase(C_THETA, C_PHI, C_SNAP))
+
+
+def test_merge_compensate_without_local_progress_is_replace() -> None:
+    out = merge_compensate(C_SNAP.clone(), C_PHI, C_SNAP, 0.2, C_BOUNDS)  # g = 0
+    assert torch.isfinite(out).all()
+    assert_close(out, C_PHI)
+
+
+def test_eager_outer_gradient_first_round_is_own_share() -> None:
+    g = eager_outer_gradient(None, None, 0.0, _t(2, 4), 0.5)
+    assert_close(g, _t(1, 2))
+
+
+def test_eager_outer_gradient_later_round() -> None:
+    # [3, 1] - 0.25*[2, -2] + 0.5*[2, 4] = [3 - 0.5 + 1, 1 + 0.5 + 2] = [3.5, 3.5]
+    g = eager_outer_gradient(_t(3, 1), _t(2, -2), 0.25, _t(2, 4), 0.5)
+    assert_close(g, _t(3.5, 3.5))
+
+
+# ==================================================================================================
+# 3. Schedules
+# ==================================================================================================
+
+
+def _due_steps(schedule: FixedSchedule, last: int) -> dict[int, list[int]]:
+    return {t: d for t in range(0, last + 1) if (d := schedule.due(t))}
+
+
+def test_fixed_schedule_single_fragment_syncs_every_h() -> None:
+    assert _due_steps(FixedSchedule(100, 1), 400) == {100: [0], 200: [0], 300: [0], 400: [0]}
+
+
+def test_fixed_schedule_four_fragments_every_quarter_h() -> None:
+    due = _due_steps(FixedSchedule(100, 4), 400)
+    assert sorted(due) == list(range(25, 401, 25))
+    assert all(len(d) == 1 for d in due.values())
+    for p in range(4):
+        steps = [t for t, d in due.items() if p in d]
+        assert len(steps) == 4 and all(b - a == 100 for a, b in itertools.pairwise(steps))
+
+
+@pytest.mark.parametrize(("h", "f"), [(1, 1), (10, 1), (10, 3), (7, 7), (50, 2), (30, 4)])
+def test_fixed_schedule_even_offsets_never_two_at_once(h: int, f: int) -> None:
+    due = _due_steps(FixedSchedule(h, f), 3 * h)
+    assert all(len(d) == 1 for d in due.values())
+    for p in range(f):
+        steps = [t for t, d in due.items() if p in d]
+        assert len(steps) == 3 and all(b - a == h for a, b in itertools.pairwise(steps))
+    sends = sorted(due)
+    gaps = [b - a for a, b in itertools.pairwise(sends)]
+    assert all(math.floor(h / f) <= gap <= math.ceil(h / f) for gap in gaps)
+
+
+def test_fixed_schedule_rejects_more_fragments_than_h() -> None:
+    with pytest.raises(ValueError):
+        FixedSchedule(3, 4)
+
+
+def test_adaptive_schedule_sends_only_every_h_over_n() -> None:
+    sched = AdaptiveSchedule(h=100, n_fragments=4, sends_per_h=10)
+    view = ScheduleView(last_send=[None] * 4)
+    sending = [t for t in range(1, 201) if sched.due(t, view)]
+    assert sending == list(range(10, 201, 10))
+    assert all(len(sched.due(t, view)) == 1 for t in sending)
+    default = AdaptiveSchedule(h=100, n_fragments=4)  # sends_per_h = 0 means F
+    assert [t for t in range(1, 101) if default.due(t, view)] == [25, 50, 75, 100]
+
+
+def test_adaptive_schedule_stale_fragment_first_most_stale_first() -> None:
+    sched = AdaptiveSchedule(h=100, n_fragments=3)
+    # staleness at 250: 50, 130, 110 -> fragments 1 and 2 are stale; 1 is the most stale,
+    # picked even though R favours fragment 0.
+    view = ScheduleView(last_send=[200, 120, 140], shared_r=_t(5.0, 0.0, 0.0))
+    assert sched.pick(250, view) == 1
+    view.in_flight = {1}
+    assert sched.pick(250, view) == 2
+
+
+def test_adaptive_schedule_never_sent_before_r() -> None:
+    sched = AdaptiveSchedule(h=100, n_fragments=3)
+    view = ScheduleView(last_send=[30, None, 40], shared_r=_t(9.0, 0.0, 0.0))
+    assert sched.pick(50, view) == 1
+
+
+def test_adaptive_schedule_largest_shared_r_otherwise() -> None:
+    sched = AdaptiveSchedule(h=100, n_fragments=3)
+    view = ScheduleView(last_send=[30, 10, 40], shared_r=_t(0.1, 0.5, 0.3))
+    assert sched.pick(50, view) == 1
+    view.in_flight = {1}
+    assert sched.pick(50, view) == 2
+    view.in_flight = {0, 1, 2}
+    assert sched.pick(50, view) is None
+    assert sched.due(50, view) == []
+
+
+def test_adaptive_schedule_pick_is_a_function_of_the_view() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        f = rng.randint(1, 6)
+        h = rng.randint(f, 40)
+        step = rng.randint(1, 200)
+        last = [None if rng.random() < 0.2 else rng.randint(0, step) for _ in range(f)]
+        flight = {p for p in range(f) if rng.random() < 0.3}
+        r = torch.rand(f, generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
+        a = AdaptiveSchedule(h, f).pick(step, ScheduleView(list(last), set(flight), r.clone()))
+        b = AdaptiveSchedule(h, f).pick(step, ScheduleView(list(last), set(flight), r.clone()))
+        assert a == b
+        assert (a is None) == (len(flight) == f)
+        assert a is None or a not in flight
+
+
+# ==================================================================================================
+# 4. Payload
+# ==================================================================================================
+
+
+@pytest.mark.parametrize("numel", [0, 1, 63, 64, 65535, 65536, 65537, 200_001])
+@pytest.mark.parametrize("block", [1, 48, 64, 1000])
+def test_chunk_bounds_cover_numel_block_aligned(numel: int, block: int) -> None:
+    bounds = chunk_bounds(numel, block)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a_end == b_start for (_, a_end), (b_start, _) in itertools.pairwise(bounds))
+    assert all(a % block == 0 for a, _ in bounds)
+    assert all(b - a == chunk_elems(block) for a, b in bounds[:-1])
+    assert chunk_elems(block) % block == 0 and chunk_elems(block) <= max(block, CHUNK_TARGET_ELEMS)
+    if numel:
+        assert all(b > a for a, b in bounds)
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "fp4", "fp32"])
+@pytest.mark.parametrize("block", [48, 64])
+def test_chunked_round_trip_equals_whole_tensor_codec(codec_name: str, block: int) -> None:
+    codec = get_codec(codec_name, block)
+    x = torch.randn(150_001, generator=torch.Generator().manual_seed(1))
+    x[70_000:70_100] *= 50  # blocks with very different scales
+    chunks = encode_chunks(codec, x)
+    assert len(chunks) == len(chunk_bounds(x.numel(), block)) > 1
+    assert payload_size(codec, x.numel()) == sum(len(c) for c in chunks)
+    assert torch.equal(decode_chunks(codec, chunks, x.numel()), codec.decode(codec.encode(x), x.numel()))
+    with pytest.raises(ValueError):
+        decode_chunks(codec, chunks[:-1], x.numel())
+
+
+def test_encode_with_feedback_updates_residual() -> None:
+    codec = get_codec("fp4", 64)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(70_000, generator=gen)
+    residual = 0.1 * torch.randn(70_000, generator=gen)
+    before = residual.clone()
+    chunks, decoded = encode_with_feedback(codec, x, residual)
+    assert torch.equal(decoded, decode_chunks(codec, chunks, x.numel()))
+    assert_close(residual, (x + before) - decoded, atol=1e-6, rtol=0)
+    assert residual.abs().max() > 0
+    # no residual: plain encoding
+    chunks, decoded = encode_with_feedback(codec, x, None)
+    assert torch.equal(decoded, codec.decode(codec.encode(x), x.numel()))
+
+
+def test_error_feedback_telescopes_over_rounds() -> None:
+    codec = get_codec("fp4", 64)
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.zeros(5000)
+    sent, true = torch.zeros(5000), torch.zeros(5000)
+    for _ in range(8):
+        x = torch.randn(5000, generator=gen)
+        _, decoded = encode_with_feedback(codec, x, residual)
+        sent += decoded
+        true += x
+    assert_close(sent + residual, true, atol=1e-4, rtol=0)
+
+
+# ==================================================================================================
+# 5. Group reduction
+# ==================================================================================================
+
+
+@pytest.mark.parametrize(("n_chunks", "n_members"), [(0, 2), (1, 3), (4, 2), (5, 3), (7, 4), (3, 5)])
+def test_part_ranges_partition_chunk_indices(n_chunks: int, n_members: int) -> None:
+    parts = part_ranges(n_chunks, n_members)
+    assert len(parts) == n_members
+    assert [c for r in parts for c in r] == list(range(n_chunks))
+    sizes = [len(r) for r in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _payloads(codec, n: int, numel: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[bytes]]]:
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(numel, generator=gen) * (i + 1) for i in range(n)]
+    return xs, [encode_chunks(codec, x) for x in xs]
+
+
+def test_reduce_group_fp32_is_weighted_mean() -> None:
+    codec = get_codec("fp32", 64)
+    numel = 4 * CHUNK + 123  # 5 chunks over 3 reducers
+    xs, payloads = _payloads(codec, 3, numel)
+    weights = [1.0, 2.0, 5.0]
+    reduced, _, _ = reduce_group(codec, payloads, weights, numel)
+    expected = (1 * xs[0] + 2 * xs[1] + 5 * xs[2]) / 8
+    assert_close(decode_chunks(codec, reduced, numel), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_reduce_group_fp4_within_codec_tolerance() -> None:
+    codec = get_codec("fp4", 64)
+    numel = 2 * CHUNK + 999
+    xs, payloads = _payloads(codec, 3, numel)
+    weights = [3.0, 1.0, 1.0]
+    avg = decode_chunks(codec, reduce_group(codec, payloads, weights, numel)[0], numel)
+    expected = (3 * xs[0] + xs[1] + xs[2]) / 5
+    rel = float(torch.linalg.vector_norm(avg - expected) / torch.linalg.vector_norm(expected))
+    assert rel < 0.35
+    # what was averaged is each member's decoded contribution; the reduced result is one more fp4 rounding
+    mean_decoded = sum(w * decode_chunks(codec, p, numel) for w, p in zip(weights, payloads, strict=True)) / 5
+    rel_dec = float(torch.linalg.vector_norm(avg - mean_decoded) / torch.linalg.vector_norm(mean_decoded))
+    assert rel_dec < 0.3
+
+
+@pytest.mark.parametrize(("codec_name", "n", "numel"), [
+    ("fp32", 3, 4 * CHUNK + 123), ("fp4", 3, 6 * CHUNK + 17), ("int8", 4, 3 * CHUNK), ("fp4", 2, 100),
+])
+def test_reduce_group_bytes_follow_reduce_scatter_all_gather(codec_name: str, n: int, numel: int) -> None:
+    codec = get_codec(codec_name, 64)
+    _, payloads = _payloads(codec, n, numel)
+    reduced, sent, received = reduce_group(codec, payloads, [1.0] * n, numel)
+    parts = part_ranges(len(reduced), n)
+    for i in range(n):
+        own_part = set(parts[i])
+        to_reducers = sum(len(payloads[i][c]) for c in range(len(reduced)) if c not in own_part)
+        gathered_out = (n - 1) * sum(len(reduced[c]) for c in own_part)
+        assert sent[i] == to_reducers + gathered_out
+        from_members = sum(len(payloads[k][c]) for c in own_part for k in range(n) if k != i)
+        gathered_in = sum(len(reduced[c]) for c in range(len(reduced)) if c not in own_part)
+        assert received[i] == from_members + gathered_in
+    assert sum(sent) == sum(received)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reduce_group_fp32_each_member_sends_2_n_minus_1_over_n_payloads(n: int) -> None:
+    codec = get_codec("fp32", 64)
+    numel = 8 * CHUNK  # divides evenly among 2 or 4 reducers
+    _, payloads = _payloads(codec, n, numel)
+    _, sent, received = reduce_group(codec, payloads, [1.0] * n, numel)
+    payload = 4 * numel
+    assert sent == [2 * (n - 1) * payload // n] * n
+    assert received == sent
+    if n == 2:
+        assert sent == [payload, payload]
+
+
+# ==================================================================================================
+# 6. OuterLoop through the in-process hub
+# ==================================================================================================
+
+
+@pytest.fixture(scope="module")
+def base_model() -> torch.nn.Module:
+    return build_model(ModelSection(), VOCAB)
+
+
+class _FailedHandle(AverageHandle):
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        return AverageResult.failed("scripted drop")
+
+
+class RecordingTransport(Transport):
+    """Delegates to the hub, records every request and handle; drops the rounds in ``drop_rounds``."""
+
+    def __init__(self, inner: Transport, drop_rounds: set[int] | None = None) -> None:
+        self.inner = inner
+        self.drop_rounds = drop_rounds or set()
+        self.calls: list[tuple[AverageRequest, AverageHandle]] = []
+
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        handle = _FailedHandle() if request.round in self.drop_rounds else self.inner.start_average(request)
+        self.calls.append((request, handle))
+        return handle
+
+    def latest_version(self, fragment: int) -> int:
+        return self.inner.latest_version(fragment)
+
+    def fetch_fragment(self, fragment: int):
+        return self.inner.fetch_fragment(fragment)
+
+
+def _outer(**kw) -> OuterSection:
+    cfg = {"method": "replace", "h": 2, "fragments": 1, "tau": 0, "codec": "fp32", "error_feedback": False,
+           "lr": 0.7, "momentum": 0.9, "schedule": "fixed"}
+    cfg.update(kw)
+    return OuterSection(**cfg)
+
+
+class Swarm:
+    """n workers with identical init, driven in lock-step like the simulator."""
+
+    def __init__(self, base: torch.nn.Module, n: int, outer: OuterSection, *, drop_prob: float = 0.0,
+                 seed: int = 0, drops: dict[int, set[int]] | None = None,
+                 expected_group_size: int | None = None) -> None:
+        self.hub = InProcessHub(get_codec(outer.codec, outer.block_size), n, seed=seed, drop_prob=drop_prob)
+        self.fragments = partition(base, outer.fragments)
+        self.models = [copy.deepcopy(base) for _ in range(n)]
+        self.transports = [RecordingTransport(self.hub.transport(i), (drops or {}).get(i)) for i in range(n)]
+        self.loops = [OuterLoop(m, self.fragments, outer, tr, expected_group_size=expected_group_size or n)
+                      for m, tr in zip(self.models, self.transports, strict=True)]
+        for i, loop in enumerate(self.loops):
+            self.hub.register_state(i, loop.version, loop.snapshot)
+        self.gens = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+
+    def train(self, tokens: list[float] | None = None, scale: float = 1e-3) -> None:
+        """Mimic one inner step on every worker: a different small change of every parameter."""
+        for i, (model, loop) in enumerate(zip(self.models, self.loops, strict=True)):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=self.gens[i]), alpha=scale)
+            loop.add_tokens(10.0 if tokens is None else tokens[i])
+
+    def sync(self, t: int) -> list[list]:
+        events: list[list] = [[] for _ in self.loops]
+        for i, loop in enumerate(self.loops):
+            events[i] += loop.collect(t)
+        for i, loop in enumerate(self.loops):
+            events[i] += loop.send(t)
+        self.hub.flush()
+        for i, loop in enumerate(self.loops):
+            events[i] += loop.collect(t)
+        return events
+
+    def step(self, t: int, tokens: list[float] | None = None) -> list[list]:
+        self.train(tokens)
+        return self.sync(t)
+
+    def phi(self, i: int, p: int = 0) -> torch.Tensor:
+        return self.loops[i].states[p].phi.clone()
+
+    def theta(self, i: int, p: int = 0) -> torch.Tensor:
+        return self.loops[i].states[p].theta()
+
+
+def _kinds(events: list, kind: str) -> list:
+    return [e for e in events if e.kind == kind]
+
+
+def test_replace_sync_makes_phi_identical_and_theta_equal_phi(base_model) -> None:
+    swarm = Swarm(base_model, 3, _outer(h=4, fragments=2))  # fragment 0 at 2, 6; fragment 1 at 4, 8
+    merged_steps = {0: [], 1: []}
+    for t in range(1, 9):
+        before = [[swarm.phi(i, p) for p in range(2)] for i in range(3)]
+        events = swarm.step(t)
+        merged = {e.fragment for e in _kinds(events[0], "merged")}
+        for p in range(2):
+            if p in merged:
+                merged_steps[p].append(t)
+                for i in range(3):
+                    assert torch.equal(swarm.phi(i, p), swarm.phi(0, p))
+                    assert torch.equal(swarm.theta(i, p), swarm.phi(i, p))
+                    assert not torch.equal(swarm.phi(i, p), before[i][p])
+                assert all(e.group_size == 3 for e in _kinds(events[0], "merged"))
+            else:
+                for i in range(3):
+                    assert torch.equal(swarm.phi(i, p), before[i][p])
+                    assert not torch.equal(swarm.theta(i, p), swarm.phi(i, p))  # local progress kept
+    assert merged_steps == {0: [2, 6], 1: [4, 8]}
+    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
+
+
+def test_weighted_group_average_is_token_weighted_mean_of_deltas(base_model) -> None:
+    outer = _outer(h=2)
+    swarm = Swarm(base_model, 3, outer)
+    tokens = [1.0, 2.0, 5.0]
+    swarm.step(1, tokens)
+    swarm.train(tokens)
+    phi0 = swarm.phi(0)
+    deltas = [swarm.phi(i) - swarm.theta(i) for i in range(3)]
+    swarm.sync(2)
+    requests = [tr.calls[-1][0] for tr in swarm.transports]
+    results = [tr.calls[-1][1].result() for tr in swarm.transports]
+    assert [r.weight for r in requests] == [2.0, 4.0, 10.0]
+    for req, d in zip(requests, deltas, strict=True):
+        assert torch.equal(decode_chunks(get_codec("fp32"), req.chunks, req.numel), d)
+    expected = (2 * deltas[0] + 4 * deltas[1] + 10 * deltas[2]) / 16
+    for res in results:
+        assert res.ok and res.total_weight == 16.0
+        assert_close(res.average, expected, atol=1e-7, rtol=1e-5)
+    # phi moved by the outer step on that average (fresh momentum)
+    ref_phi, ref_buf = phi0.clone(), torch.zeros_like(phi0)
+    NesterovOuterOptimizer(outer.lr, outer.momentum).step(ref_phi, ref_buf, expected)
+    assert_close(swarm.phi(1), ref_phi, atol=1e-6, rtol=0)
+
+
+def test_failed_sync_is_atomic_and_tokens_carry_over(base_model) -> None:
+    swarm = Swarm(base_model, 3, _outer(h=2), drop_prob=0.35, seed=3)
+    last_ok = [0, 0, 0]
+    n_failed = n_ok = 0
+    for t in range(1, 25):
+        swarm.train()
+        pre = [(swarm.phi(i), swarm.theta(i), swarm.loops[i].states[0].momentum.clone(), swarm.loops[i].version(0))
+               for i in range(3)]
+        events = swarm.sync(t)
+        if t % 2:
+            continue
+        for i in range(3):
+            req = swarm.transports[i].calls[-1][0]
+            assert req.weight == 10.0 * (t - last_ok[i])  # tokens of failed rounds carried over
+            caught_up = bool(_kinds(events[i], "caught_up"))
+            if _kinds(events[i], "failed"):
+                n_failed += 1
+                if not caught_up:
+                    phi, theta, mom, version = pre[i]
+                    assert torch.equal(swarm.phi(i), phi)
+                    assert torch.equal(swarm.theta(i), theta)
+                    assert torch.equal(swarm.loops[i].states[0].momentum, mom)
+                    assert swarm.loops[i].version(0) == version
+                assert swarm.loops[i].states[0].tokens_since_send == req.weight
+            else:
+                assert _kinds(events[i], "merged")
+                n_ok += 1
+                last_ok[i] = t
+                assert torch.equal(swarm.theta(i), swarm.phi(i))
+                assert swarm.loops[i].states[0].tokens_since_send == 0.0
+        ok_workers = [i for i in range(3) if _kinds(events[i], "merged")]
+        for i in ok_workers:
+            assert torch.equal(swarm.phi(i), swarm.phi(ok_workers[0]))
+    assert n_failed > 0 and n_ok > 0
+    assert sum(loop.stats.catch_ups for loop in swarm.loops) > 0
+    assert sum(loop.stats.syncs_failed for loop in swarm.loops) == n_failed
+
+
+def test_behind_worker_catches_up_before_sending(base_model) -> None:
+    # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
+    # and merge of the step-4 sync.
+    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
+    for t in range(1, 4):
+        swarm.step(t)
+    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    assert not torch.equal(swarm.phi(2), swarm.phi(0))
+    swarm.train()
+    phi_old, theta_old = swarm.phi(2), swarm.theta(2)
+    for loop in swarm.loops:
+        loop.collect(4)
+    events = [loop.send(4) for loop in swarm.loops]
+    assert [e.kind for e in events[2]] == ["caught_up", "sent"]
+    assert not _kinds(events[0], "caught_up")
+    assert swarm.loops[2].version(0) == 1
+    assert torch.equal(swarm.phi(2), swarm.phi(0))
+    assert torch.equal(swarm.loops[2].states[0].momentum, swarm.loops[0].states[0].momentum)
+    # local progress carried onto the fetched phi, and sent as one long pseudo-gradient
+    assert_close(swarm.theta(2), swarm.phi(2) - (phi_old - theta_old), atol=1e-6, rtol=0)
+    req = swarm.transports[2].calls[-1][0]
+    assert req.version == 1 and req.weight == 40.0
+    assert_close(decode_chunks(get_codec("fp32"), req.chunks, req.numel), phi_old - theta_old, atol=1e-6, rtol=0)
+    swarm.hub.flush()
+    for t in (5,):
+        swarm.step(t)
+    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
+    assert swarm.loops[2].stats.catch_ups == 1
+
+
+def test_stats_bytes_equal_results_and_reduce_pattern(base_model) -> None:
+    swarm = Swarm(base_model, 3, _outer(h=2, fragments=2))
+    all_events = [[] for _ in range(3)]
+    for t in range(1, 7):
+        for i, ev in enumerate(swarm.step(t)):
+            all_events[i] += ev
+    for i, loop in enumerate(swarm.loops):
+        results = [h.result() for _, h in swarm.transports[i].calls]
+        assert loop.stats.bytes_sent == sum(r.bytes_sent for r in results) == sum(e.bytes_sent for e in all_events[i])
+        assert loop.stats.bytes_received == sum(r.bytes_received for r in results)
+        assert loop.stats.bytes_sent > 0
+    # per round: total sent == total received == 2 (n-1) payloads + headers of the n (n-1) messages
+    n = 3
+    for k in range(len(swarm.transports[0].calls)):
+        req = swarm.transports[0].calls[k][0]
+        res = [tr.calls[k][1].result() for tr in swarm.transports]
+        total = 2 * (n - 1) * 4 * req.numel + n * (n - 1) * HEADER_BYTES
+        assert sum(r.bytes_sent for r in res) == sum(r.bytes_received for r in res) == total
+
+
+def test_eager_runs_rounds_and_theta_equals_phi_after_send(base_model) -> None:
+    outer = _outer(method="eager", h=3, tau=3)
+    swarm = Swarm(base_model, 2, outer)
+    phi0 = swarm.phi(0)
+    for t in range(1, 13):
+        swarm.train()
+        if t == 3:
+            own = phi0 - swarm.theta(0)
+        events = swarm.sync(t)
+        if t % 3 == 0:
+            assert [e.kind for e in events[0]] == (["sent"] if t == 3 else ["merged", "sent"])
+            for i in range(2):
+                assert torch.isfinite(swarm.phi(i)).all()
+                assert torch.equal(swarm.theta(i), swarm.phi(i))
+        if t == 3:
+            # first round: g = own/2, b = g, phi = phi0 - lr (g + mu g)
+            assert_close(swarm.phi(0), phi0 - outer.lr * (1 + outer.momentum) * 0.5 * own, atol=1e-6, rtol=0)
+    assert [loop.stats.syncs_ok for loop in swarm.loops] == [3, 3]
+    assert [loop.version(0) for loop in swarm.loops] == [4, 4]
+
+
+def _eager_cumulative(base_model, tokens: list[float]) -> tuple[Swarm, torch.Tensor, list[torch.Tensor]]:
+    """lr = 1, mu = 0: phi_end = phi0 - sum of all outer gradients applied (two rounds, then drain)."""
+    swarm = Swarm(base_model, 2, _outer(method="eager", h=2, tau=2, lr=1.0, momentum=0.0))
+    phi0 = swarm.phi(0)
+    for t in range(1, 5):
+        swarm.step(t, tokens)
+    for loop in swarm.loops:
+        loop.drain(5)
+    averages = [h.result().average for _, h in swarm.transports[0].calls]
+    assert len(averages) == 2
+    return swarm, phi0, averages
+
+
+def test_eager_applies_exactly_the_group_averages_equal_weights(base_model) -> None:
+    swarm, phi0, averages = _eager_cumulative(base_model, [10.0, 10.0])
+    for i in range(2):
+        assert_close(swarm.phi(i), phi0 - averages[0] - averages[1], atol=1e-6, rtol=0)
+
+
+def test_eager_applies_exactly_the_group_averages_unequal_weights(base_model) -> None:
+    swarm, phi0, averages = _eager_cumulative(base_model, [30.0, 10.0])
+    for i in range(2):
+        assert_close(swarm.phi(i), phi0 - averages[0] - averages[1], atol=1e-6, rtol=0)
+    assert_close(swarm.phi(0), swarm.phi(1), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["alpha", "compensate", "rebase"])
+def test_overlapped_merge_happens_at_send_plus_tau(base_model, method: str) -> None:
+    outer = _outer(method=method, h=4, tau=2, alpha=0.5, lambda0=0.2)
+    swarm = Swarm(base_model, 2, outer)
+    for t in range(1, 4):
+        swarm.step(t)
+    swarm.train()
+    snapshots = [swarm.theta(i) for i in range(2)]
+    events = swarm.sync(4)
+    assert [e.kind for e in events[0]] == ["sent"]
+    phi_sent = swarm.phi(0)
+    events = swarm.step(5)
+    assert events == [[], []]
+    assert torch.equal(swarm.phi(0), phi_sent) and swarm.loops[0].version(0) == 0
+    swarm.train()
+    theta_pre = [swarm.theta(i) for i in range(2)]
+    events = swarm.sync(6)
+    assert [(e.kind, e.step) for e in events[0]] == [("merged", 6)]
+    assert swarm.loops[0].version(0) == 1
+    assert torch.equal(swarm.phi(0), swarm.phi(1)) and not torch.equal(swarm.phi(0), phi_sent)
+    st = swarm.loops[0].states[0]
+    if method == "alpha":
+        expected = merge_alpha(theta_pre[0], st.phi, 0.5)
+    elif method == "rebase":
+        expected = merge_rebase(theta_pre[0], st.phi, snapshots[0])
+    else:
+        expected = merge_compensate(theta_pre[0], st.phi, snapshots[0], 0.2, st.bounds)
+    assert_close(swarm.theta(0), expected, atol=1e-6, rtol=0)
+    assert not torch.equal(swarm.theta(0), st.phi)
+
+
+def test_adaptive_schedule_group_members_pick_the_same_fragment(base_model) -> None:
+    swarm = Swarm(base_model, 2, _outer(method="replace", h=4, fragments=2, schedule="adaptive", sends_per_h=4))
+    picks = []
+    for t in range(1, 13):
+        events = swarm.step(t)
+        sent = [[e.fragment for e in ev if e.kind == "sent"] for ev in events]
+        assert sent[0] == sent[1] and len(sent[0]) == 1
+        picks.append(sent[0][0])
+        assert not _kinds(events[0], "failed")
+    assert picks[:2] == [0, 1]  # never-sent fragments first
+    assert swarm.loops[0].shared_r is not None and swarm.loops[0].shared_r.numel() == 2
+    assert torch.equal(swarm.loops[0].shared_r, swarm.loops[1].shared_r)
