@@ -113,6 +113,16 @@ class OuterLoop:
         self.add_tokens(tokens)
         return self.collect(step) + self.send(step) + self.collect(step)
 
+    def advance(self, prev: int, step: int, tokens: float) -> list[SyncEvent]:
+        """Like ``step`` when the swarm clock jumped from ``prev`` to ``step`` (a slower node adopting
+        the swarm's progress): every send slot crossed is taken, each fragment at most once (its
+        latest slot), and every result due by ``step`` is merged."""
+        self.add_tokens(tokens)
+        events = []
+        for t in range(max(prev + 1, step - self.cfg.h + 1), step + 1):
+            events += self.collect(t) + self.send(t)
+        return events + self.collect(step)
+
     def collect(self, step: int) -> list[SyncEvent]:
         events = []
         for p in sorted(self.pending):
@@ -130,6 +140,8 @@ class OuterLoop:
         events = []
         for p in self.schedule.due(step, view):
             st = self.states[p]
+            if p in self.pending and self.cfg.method != "eager":
+                continue  # still in flight: its progress rides on the next sync
             if self.cfg.method == "eager":
                 events.extend(self._send_eager(st, step))
             else:

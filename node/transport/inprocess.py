@@ -118,7 +118,8 @@ class InProcessHub:
             m.handle._result = AverageResult(
                 ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
                 group_size=n, total_weight=total, own_weight=weights[i],
-                bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header)
+                bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header,
+                max_version=max(m.request.version for m in group))
 
     def latest_version(self, fragment: int, exclude: int) -> int:
         versions = [v(fragment) for w, v in self._versions.items() if w != exclude]

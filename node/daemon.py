@@ -1,0 +1,445 @@
+"""``locoswarm run``: the node daemon.
+
+Config -> model/data -> inner loop -> outer core -> transport, for one volunteer:
+
+1. start (or join) the swarm's DHT with retries; refuse a swarm whose fingerprint differs;
+2. build the model and data; resume from the state dir's checkpoint, if any; when peers already hold
+   outer state, download phi and momentum from them (spread over several peers) before training;
+3. train: an inner AdamW step, then the outer core (``OuterLoop.advance``) on the swarm clock
+   (swarm-wide progress from heartbeats: a slower node adopts the faster ones' clock, so all meet in
+   the same rounds, each contribution weighted by its tokens); averaging runs on the network thread
+   while training goes on; results merge between inner steps;
+4. publish a heartbeat every ``network.heartbeat_interval`` (and ``status.json`` in the state dir);
+   checkpoint atomically every ``--checkpoint-every`` steps;
+5. on SIGTERM/Ctrl+C: wait (bounded) for in-flight rounds and merge them, publish a "leaving"
+   heartbeat, checkpoint, stop the DHT and p2pd. A watchdog kills leftovers if the node is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from node.config import SwarmConfig, fingerprint
+from node.errors import UserError
+
+log = logging.getLogger("locoswarm.node")
+
+
+@dataclass
+class NodeOptions:
+    """Node-local settings: flags and environment, never in peers.toml."""
+
+    state_dir: Path
+    data: list[str] = field(default_factory=list)
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap: list[str] | None = None
+    bootstrap_attempts: int | None = None
+    max_steps: int | None = None
+    checkpoint_every: int = 200
+    eval_every: int = 100
+    eval_batches: int = 4
+    throttle: float = 1.0          # >1 makes this node that many times slower (tests, demos)
+    threads: int | None = None
+    config_path: str | None = None
+    seed: int | None = None        # data sampling seed of this node (default: from its peer id)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+
+
+class Node:
+    def __init__(self, cfg: SwarmConfig, opts: NodeOptions) -> None:
+        self.cfg = cfg
+        self.opts = opts
+        self.fingerprint = fingerprint(cfg)
+        self.stop = threading.Event()
+        self.peer_table: dict = {}
+        self.published: dict = {}
+        self.status: dict = {"state": "starting"}
+        self.events: list[dict] = []
+        self.clock = 0
+        self.local_step = 0
+        self.tokens = 0
+        self.started = time.time()
+        self.compute_seconds = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def run(self) -> int:
+        from node.swarm import process
+
+        process.become_group_leader()
+        watchdog = process.start_watchdog()
+        process.install_signal_handlers(self.stop)
+        try:
+            self._start_network()
+            process.install_signal_handlers(self.stop)  # hivemind may have replaced them
+            self._build()
+            self._join_or_resume()
+            self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+            self._heartbeat_thread.start()
+            self._train()
+            self._leave()
+            return 0
+        finally:
+            self._shutdown_network()
+            process.stop_watchdog(watchdog)
+
+    def _start_network(self) -> None:
+        from node.swarm.dht import join_command, start_dht, visible_maddrs
+        from node.swarm.membership import Membership, swarm_key
+        from node.swarm.runtime import NetworkRuntime
+
+        o = self.opts
+        o.state_dir.mkdir(parents=True, exist_ok=True)
+        bootstrap = o.bootstrap or []
+        self.dht = start_dht(bootstrap, host=o.host, port=o.port, identity_path=o.state_dir / "identity.key",
+                             attempts=o.bootstrap_attempts, log=lambda line: log.warning(line), stop=self.stop)
+        self.runtime = NetworkRuntime(self.dht)
+        self.peer_id = self.runtime.peer_id
+        self.membership = Membership(self.dht, self.cfg, self.peer_id)
+        self.membership.check_fingerprint()
+        self.membership.announce_fingerprint()
+        self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
+        self.maddrs = visible_maddrs(self.dht)
+        log.info("peer %s listening on %s", self.peer_id, " ".join(self.maddrs))
+        if not bootstrap:
+            log.info("started a new swarm %r (fingerprint %s); to join it from another machine run:\n  %s",
+                     self.cfg.swarm.name, self.fingerprint, join_command(self.maddrs, o.config_path))
+
+    def _build(self) -> None:
+        from node.core.codecs import get_codec
+        from node.core.outer_loop import OuterLoop
+        from node.data import TrainBatches, eval_batches, load_corpus, load_tokenizer
+        from node.inner import InnerOptimizer
+        from node.model import build_model, resolve_device
+        from node.partition import partition
+        from node.swarm.averaging import ByteCounters, SwarmTransport
+        from node.swarm.state_sync import StateClient, StateServer
+
+        o, cfg = self.opts, self.cfg
+        if o.threads:
+            torch.set_num_threads(o.threads)
+        self.device = resolve_device(o.device)
+        tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.corpus = load_corpus(o.data, cfg.data, tokenizer)
+        log.info("data: %s", self.corpus.description)
+        self.model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed).to(self.device)
+        self.fragments = partition(self.model, cfg.outer.fragments)
+        self.inner = InnerOptimizer(self.model, cfg.inner)
+        seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
+        self.batches = TrainBatches(self.corpus.train, 0, 1, cfg.inner.batch_size, cfg.inner.seq_len, seed)
+        self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
+        codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
+        self.counters = ByteCounters()
+        self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
+                                        timeout=max(30.0, cfg.network.round_timeout))
+        self.transport = SwarmTransport(
+            self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
+            group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
+            round_timeout=cfg.network.round_timeout, live_peers=lambda: list(self.peer_table),
+            latest_versions=self._latest_versions, fetch=self.state_client.fetch)
+        self.transport.counters = self.counters
+        self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
+                               expected_group_size=cfg.network.group_size,
+                               wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5)
+        self.state_server = StateServer(self.runtime, self.fingerprint, self.published.get, self.counters)
+
+    def _join_or_resume(self) -> None:
+        from node.checkpoint import load_checkpoint
+        from node.swarm.membership import swarm_clock
+
+        doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+                              fingerprint=self.fingerprint)
+        meta = doc["meta"] if doc else None
+        if meta:
+            self.local_step = int(meta.get("local_step", 0))
+            self.clock = int(meta.get("clock", 0))
+            self.tokens = int(meta.get("tokens", 0))
+            self._event("resumed", f"from checkpoint at step {self.local_step}, clock {self.clock}")
+        self.peer_table = self._wait_for_peers()
+        holders = [p for p, hb in self.peer_table.items() if hb.has_state]
+        if holders:
+            fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
+            for p, snap in fetched.items():
+                st = self.outer.states[p]
+                if snap.version < st.version:
+                    continue
+                theta = st.theta()
+                progress = st.phi - theta if meta else torch.zeros_like(theta)  # a resumed node keeps its own
+                st.phi.copy_(snap.phi.to(st.phi.device))
+                st.momentum.copy_(snap.momentum.to(st.momentum.device))
+                st.version = snap.version
+                st.set_theta(st.phi - progress)
+            self.clock = max(self.clock, swarm_clock(self.peer_table, self.clock))
+            self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
+                                  f"{len(holders)} peer(s); swarm clock {self.clock}")
+        for st in self.outer.states:
+            self._publish(st.index)
+        self.initial_eval = self._evaluate()
+        self.eval_curve = [(self.clock, self.initial_eval)]
+        log.info("eval loss at start: %.4f", self.initial_eval)
+
+    def _wait_for_peers(self) -> dict:
+        """A joining node waits (briefly) until the peers' heartbeats are visible in the DHT."""
+        peers = self.membership.peers()
+        if self.opts.bootstrap:
+            deadline = time.monotonic() + max(5.0, 4 * self.cfg.network.heartbeat_interval)
+            while not peers and time.monotonic() < deadline and not self.stop.is_set():
+                time.sleep(0.2)
+                peers = self.membership.peers()
+            if not peers:
+                log.warning("no peer heartbeat seen yet: starting from the initial model; "
+                            "outer state will be fetched from peers when they appear")
+        return peers
+
+    # ---- training ---------------------------------------------------------------------------------
+    def _train(self) -> None:
+        from node.checkpoint import save_checkpoint
+        from node.swarm.membership import swarm_clock
+
+        o = self.opts
+        self.status["state"] = "training"
+        last_log = time.monotonic()
+        window_tokens, window_start = 0, time.monotonic()
+        while not self.stop.is_set() and (o.max_steps is None or self.local_step < o.max_steps):
+            t0 = time.monotonic()
+            batch = self.batches.get(self.local_step)
+            loss = self.inner.step([batch])
+            self.local_step += 1
+            self.tokens += batch.numel()
+            window_tokens += batch.numel()
+            step_time = time.monotonic() - t0
+            self.compute_seconds += step_time
+            if o.throttle > 1:
+                time.sleep(step_time * (o.throttle - 1))
+            prev = self.clock
+            self.clock = max(prev + 1, swarm_clock(self.peer_table, prev + 1))
+            for ev in self.outer.advance(prev, self.clock, batch.numel()):
+                self._on_sync(ev)
+            self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
+            if o.eval_every and self.local_step % o.eval_every == 0:
+                self.eval_curve.append((self.clock, self._evaluate()))
+            if o.checkpoint_every and self.local_step % o.checkpoint_every == 0:
+                save_checkpoint(o.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+                                meta=self._checkpoint_meta())
+            now = time.monotonic()
+            if now - window_start >= 5.0:
+                self.status["tokens_per_s"] = window_tokens / (now - window_start)
+                window_tokens, window_start = 0, now
+            if now - last_log >= 10.0:
+                last_log = now
+                log.info("step=%d clock=%d loss=%.3f tok/s=%.0f peers=%d sent=%s", self.local_step, self.clock,
+                         loss, self.status.get("tokens_per_s", 0.0), len(self.peer_table),
+                         self.counters.total_sent)
+
+    def _on_sync(self, ev) -> None:
+        if ev.kind in ("merged", "caught_up"):
+            self._publish(ev.fragment)
+        if ev.kind == "sent":
+            return
+        detail = f"fragment {ev.fragment} round v{ev.version}"
+        if ev.kind == "merged":
+            detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
+        elif ev.kind == "failed":
+            detail += f": {ev.error}"
+            if not self.peer_table:  # alone in the swarm: every round fails; not news
+                log.debug("%s", detail)
+                return
+        self._event(ev.kind, detail, fragment=ev.fragment, bytes_sent=ev.bytes_sent,
+                    bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version)
+
+    def _evaluate(self) -> float:
+        from node.data import evaluate
+
+        return evaluate(self.model, self.evals, self.device)
+
+    def _publish(self, fragment: int) -> None:
+        """An immutable snapshot for the state server (read from the network thread)."""
+        self.published[fragment] = self.outer.snapshot(fragment)
+
+    def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
+        best, holders = -1, []
+        for pid, hb in self.peer_table.items():
+            for fs in hb.fragments:
+                if fs.fragment == fragment and hb.has_state:
+                    if fs.version > best:
+                        best, holders = fs.version, [pid]
+                    elif fs.version == best:
+                        holders.append(pid)
+        return best, holders
+
+    # ---- heartbeats and status --------------------------------------------------------------------
+    def _heartbeat(self, leaving: bool = False):
+        from hivemind.utils import get_dht_time
+
+        from protocol import swarm_pb2
+
+        frags = []
+        for p, snap in sorted(self.published.items()):
+            frags.append(swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
+                                                  phi_norm=float(snap.phi.norm())))
+        return swarm_pb2.Heartbeat(
+            peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
+            inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
+            loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
+            has_state=True)
+
+    def _heartbeats(self) -> None:
+        interval = self.cfg.network.heartbeat_interval
+        while not self.stop.is_set():
+            try:
+                self.membership.publish(self._heartbeat())
+                self.peer_table = self.membership.peers()
+                self._write_status()
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+            self.stop.wait(interval)
+
+    def _event(self, kind: str, detail: str, **fields) -> None:
+        entry = {"time": time.time(), "kind": kind, "detail": detail, "clock": self.clock, **fields}
+        self.events.append(entry)
+        del self.events[:-200]
+        log.info("%s: %s", kind, detail)
+
+    def _status(self) -> dict:
+        from node.swarm.membership import fragment_spread
+
+        spread = {}
+        with contextlib.suppress(Exception):
+            spread = fragment_spread(self.peer_table, list(self._heartbeat().fragments))
+        uptime = time.time() - self.started
+        return {
+            "peer_id": self.peer_id, "fingerprint": self.fingerprint, "swarm": self.cfg.swarm.name,
+            "addrs": self.maddrs, "pid": os.getpid(), "uptime_s": uptime, "clock": self.clock,
+            "inner_step": self.local_step, "tokens": self.tokens, "state": self.status.get("state"),
+            "loss": self.status.get("loss"), "tokens_per_s": self.status.get("tokens_per_s", 0.0),
+            "compute_utilization": self.compute_seconds / uptime if uptime else 0.0,
+            "eval_curve": getattr(self, "eval_curve", []),
+            "fragments": [{"fragment": s.index, "version": s.version, "numel": s.numel,
+                           "last_send": s.last_send, "quant_error": s.last_quant_error,
+                           "phi_hash": _crc(self.published[s.index].phi) if s.index in self.published else None}
+                          for s in self.outer.states],
+            "peers": {p: {"clock": hb.clock, "inner_step": hb.inner_step, "tokens_per_s": hb.tokens_per_s,
+                          "time": hb.time} for p, hb in self.peer_table.items()},
+            "spread": {str(k): v for k, v in spread.items()},
+            "syncs_ok": self.outer.stats.syncs_ok, "syncs_failed": self.outer.stats.syncs_failed,
+            "catch_ups": self.outer.stats.catch_ups,
+            "bytes": {"sent": self.counters.total_sent, "received": self.counters.total_received,
+                      "sent_by_peer": dict(self.counters.sent_by_peer),
+                      "received_by_peer": dict(self.counters.received_by_peer),
+                      "sent_by_fragment": {str(k): v for k, v in self.counters.sent_by_fragment.items()}},
+            "refusals": list(self.transport.refusals[-20:]),
+            "events": self.events[-50:],
+        }
+
+    def _write_status(self) -> None:
+        from node.fsutil import atomic_write_text
+
+        atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self._status(), indent=1))
+
+    def _checkpoint_meta(self) -> dict:
+        return {"fingerprint": self.fingerprint, "local_step": self.local_step, "clock": self.clock,
+                "tokens": self.tokens, "peer_id": self.peer_id, "time": time.time()}
+
+    # ---- leaving ----------------------------------------------------------------------------------
+    def _leave(self) -> None:
+        from node.checkpoint import save_checkpoint
+
+        self.status["state"] = "leaving"
+        log.info("leaving: finishing %d in-flight round(s)", len(self.outer.pending))
+        for ev in self.outer.drain(self.clock):
+            self._on_sync(ev)
+        save_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+                        meta=self._checkpoint_meta())
+        self.stop.set()
+        try:
+            self.membership.publish(self._heartbeat(leaving=True))
+        except Exception as exc:
+            log.warning("could not announce leaving: %s", exc)
+        self.status["state"] = "stopped"
+        self._write_status()
+        log.info("left the swarm cleanly at step %d (checkpoint saved)", self.local_step)
+
+    def _shutdown_network(self) -> None:
+        self.stop.set()
+        for name in ("transport",):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            runtime.stop()
+        dht = getattr(self, "dht", None)
+        if dht is not None:
+            dht.shutdown()
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def register(sub: argparse._SubParsersAction) -> None:
+    from node.cli import add_config_args
+    from node.sim import add_data_args
+
+    env = os.environ.get
+    p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
+                       description=__doc__.splitlines()[0])
+    add_config_args(p)
+    add_data_args(p)
+    p.add_argument("--state-dir", default=env("LOCOSWARM_STATE_DIR", "locoswarm-state"),
+                   help="identity, checkpoints and status.json (env LOCOSWARM_STATE_DIR; default ./locoswarm-state)")
+    p.add_argument("--host", default=env("LOCOSWARM_HOST", "127.0.0.1"),
+                   help="address to listen on (env LOCOSWARM_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(env("LOCOSWARM_PORT", "0")),
+                   help="TCP port for libp2p (env LOCOSWARM_PORT; default 0 = any free port)")
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                   help="a peer to join through (repeatable; env LOCOSWARM_BOOTSTRAP; default [swarm] bootstrap)")
+    p.add_argument("--bootstrap-attempts", type=int, default=None,
+                   help="give up after this many bootstrap attempts (default: keep trying)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="inner steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=100, help="inner steps between held-out evaluations (0=off)")
+    p.add_argument("--throttle", type=float, default=1.0, help="run this many times slower (tests, demos)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=None, help="data sampling seed (default: from the peer id)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    p.set_defaults(func=run_node)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from node.cli import load_config_from_args
+    from node.sim import data_paths
+    from node.swarm.dht import bootstrap_from_env_and_args
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)-5s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    cfg = load_config_from_args(args)
+    for flag, value, low in (("--max-steps", args.max_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+                             ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value} is not allowed; it must be >= {low}")
+    if not 1.0 <= args.throttle <= 100.0:
+        raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
+    opts = NodeOptions(
+        state_dir=Path(args.state_dir), data=data_paths(args), device=args.device, host=args.host, port=args.port,
+        bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
+        bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, throttle=args.throttle,
+        threads=args.threads, config_path=args.config, seed=args.seed)
+    return Node(cfg, opts).run()

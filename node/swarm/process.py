@@ -1,0 +1,416 @@
+"""Process hygiene: no orphans, however the node exits.
+
+hivemind runs its DHT in a forked child process which starts its own ``p2pd`` daemon; if the main
+process is SIGKILLed both stay alive (re-parented to init), holding ports and ``/tmp/hivemind-*.sock``
+files. Measured with hivemind 1.1.12: importing hivemind also switches torch's sharing strategy to
+``file_system``, which starts a ``torch_shm_manager`` in its *own session* (so a process-group kill
+misses it) and leaves ``/dev/shm/torch_<pid>_*`` files after a SIGKILL.
+
+The remedy, in the order a node calls it:
+
+1. :func:`become_group_leader` - the node leads its own process group (one ``killpg`` reaches
+   everything started in it); ``node.swarm.dht`` puts the DHT child and its p2pd in a group of their
+   own, so a terminal's Ctrl+C (sent to the foreground group) does not kill p2pd before the node has
+   left the swarm gracefully;
+2. :func:`start_watchdog` - forked right away, before anything heavy: a tiny process that notices the
+   node's death (``PR_SET_PDEATHSIG`` plus polling ``getppid``), then SIGTERMs, and after a grace
+   period SIGKILLs, the node's process group and every descendant it last saw, and removes their IPC
+   files;
+3. :func:`install_signal_handlers` - SIGINT/SIGTERM ask for a graceful exit, a second one forces it;
+4. on an orderly exit: shut the DHT down, then :func:`stop_watchdog`.
+
+Linux only (``/proc``, ``prctl``); elsewhere the watchdog degrades to polling and the /proc helpers
+return nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+_WATCHDOG_NAME = b"locoswarm-watch"
+_HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
+
+
+# ---- /proc helpers ----
+
+def proc_stat(pid: int) -> tuple[str, str, int, int, int] | None:
+    """``(comm, state, ppid, pgid, starttime)`` of a process, or None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    left, right = data.find("("), data.rfind(")")
+    if left < 0 or right < 0:
+        return None
+    comm = data[left + 1:right]
+    fields = data[right + 2:].split()
+    try:
+        return comm, fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    st = proc_stat(pid)
+    return st is not None and st[1] not in ("Z", "X")
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (zombies included)."""
+    out: list[int] = []
+    tasks = glob.glob(f"/proc/{pid}/task/*/children")
+    if tasks:
+        for path in tasks:
+            try:
+                with open(path) as fh:
+                    out.extend(int(x) for x in fh.read().split())
+            except (OSError, ValueError):
+                continue
+        return sorted(set(out))
+    if not os.path.exists(f"/proc/{pid}"):
+        return []
+    # kernels without CONFIG_PROC_CHILDREN: scan every process
+    for other in _all_pids():
+        st = proc_stat(other)
+        if st is not None and st[2] == pid:
+            out.append(other)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """All living descendants of ``pid`` (children first)."""
+    out: list[int] = []
+    seen = {pid}
+    queue = [pid]
+    while queue:
+        for child in children(queue.pop(0)):
+            if child not in seen:
+                seen.add(child)
+                if is_alive(child):
+                    out.append(child)
+                queue.append(child)
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Living processes of process group ``pgid``."""
+    out = []
+    for pid in _all_pids():
+        st = proc_stat(pid)
+        if st is not None and st[3] == pgid and st[1] not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
+def p2pd_pids(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` that are living ``p2pd`` daemons."""
+    return [p for p in pids if (st := proc_stat(p)) is not None and st[0] == "p2pd" and st[1] not in ("Z", "X")]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def ipc_files(pids: Iterable[int]) -> set[str]:
+    """IPC files that the given (living) processes own: a p2pd's control socket
+    (``-listen=/unix/tmp/hivemind-p2pd-*.sock``), unix sockets they bound under ``/tmp/hivemind-``,
+    and torch's ``/dev/shm/torch_<pid>_*`` segments. Record them while the processes live; remove
+    them with :func:`cleanup_ipc_files` once they are gone."""
+    pids = list(pids)
+    files: set[str] = set()
+    inodes: set[str] = set()
+    for pid in pids:
+        for arg in _cmdline(pid):
+            if arg.startswith("-listen=/unix/"):
+                path = arg[len("-listen=/unix"):]
+                if path.startswith(_HIVEMIND_SOCKET_PREFIX):
+                    files.add(path)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+        files.update(glob.glob(f"/dev/shm/torch_{pid}_*"))
+    if inodes:
+        for inode, path in _unix_sockets():
+            if inode in inodes and path.startswith(_HIVEMIND_SOCKET_PREFIX):
+                files.add(path)
+    return files
+
+
+def _unix_sockets() -> list[tuple[str, str]]:
+    """``(inode, path)`` of bound unix sockets (from /proc/net/unix)."""
+    out = []
+    try:
+        with open("/proc/net/unix") as fh:
+            next(fh, None)
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 8:
+                    out.append((parts[6], parts[7]))
+    except OSError:
+        pass
+    return out
+
+
+def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = ()) -> list[str]:
+    """Remove IPC files left by the given processes once none of them is alive: ``files`` recorded
+    earlier with :func:`ipc_files` (sockets still bound by a living process are kept) and
+    ``/dev/shm/torch_<pid>_*`` of each pid. Returns the removed paths.
+
+    Measured: a DHT started and shut down normally leaves nothing; one whose process exits without
+    ``shutdown()`` (or whose p2pd failed to bootstrap) leaves ``/tmp/hivemind-p2pd-*.sock``; a SIGKILL
+    of the node also leaves ``/dev/shm/torch_<pid>_*``."""
+    pids = list(pids)
+    if any(is_alive(p) for p in pids):
+        return []
+    candidates = set(files)
+    for pid in pids:
+        candidates.update(glob.glob(f"/dev/shm/torch_{pid}_*"))
+    in_use = {path for _, path in _unix_sockets()} if candidates else set()
+    removed = []
+    for path in sorted(candidates):
+        if path in in_use and not path.startswith("/dev/shm/"):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def terminate_processes(pids: Iterable[int], grace_s: float = 1.0) -> list[int]:
+    """SIGTERM the living ones of ``pids``, wait up to ``grace_s``, SIGKILL what is left.
+    Returns the pids that had to be SIGKILLed. Start times are checked so a reused pid is spared."""
+    start = {p: st[4] for p in pids if (st := proc_stat(p)) is not None and st[1] not in ("Z", "X")}
+    _signal_all(start, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_same_alive(p, t) for p, t in start.items()):
+        time.sleep(0.02)
+    left = {p: t for p, t in start.items() if _same_alive(p, t)}
+    _signal_all(left, signal.SIGKILL)
+    return sorted(left)
+
+
+def _same_alive(pid: int, starttime: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st[4] == starttime and st[1] not in ("Z", "X")
+
+
+def _signal_all(pids: dict[int, int], sig: int) -> None:
+    for pid, starttime in pids.items():
+        if _same_alive(pid, starttime):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
+# ---- process group ----
+
+def become_group_leader() -> bool:
+    """Make this process the leader of its own process group (the DHT child and its p2pd inherit the
+    group, so one ``killpg`` reaches them). Returns True if this process leads its group afterwards.
+
+    A no-op when it already leads one (a shell with job control starts every command that way; a
+    session leader, e.g. PID 1 in a container, always does). It stays put when it shares the
+    terminal's *foreground* group: moving out would stop Ctrl+C from reaching it; the watchdog then
+    relies on its snapshot of descendants instead of the group."""
+    if os.getpgrp() == os.getpid():
+        return True
+    with contextlib.suppress(OSError):
+        if os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp():
+            return False
+    with contextlib.suppress(PermissionError):  # EPERM: a session leader (already leads its group)
+        os.setpgid(0, 0)
+    return os.getpgrp() == os.getpid()
+
+
+# ---- the watchdog ----
+
+def _prctl(option: int, arg: int | bytes) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
+    """Fork a watchdog that cleans up after this process if it dies (SIGKILL included).
+
+    Call it early (right after :func:`become_group_leader`, before importing torch/hivemind or
+    starting threads). When this process is gone, the watchdog SIGTERMs this process group (if this
+    process leads it), every descendant it saw at its last poll (``poll_s``) and the process groups
+    those descendants led (the DHT's), SIGKILLs whatever is
+    left after ``grace_s``, removes their IPC files (:func:`cleanup_ipc_files`) and exits. It ignores
+    SIGINT, SIGTERM and SIGHUP, so a Ctrl+C of the group lets the node shut down cleanly; it holds no
+    inherited file descriptors except stdin/stdout/stderr. Returns the watchdog's pid; call
+    :func:`stop_watchdog` after an orderly shutdown.
+    """
+    parent = os.getpid()
+    pgid = os.getpgrp()
+    kill_group = pgid == parent
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        _watchdog(parent, pgid if kill_group else None, poll_s, grace_s)
+    except BaseException:  # never let the child return into the caller's code
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    _prctl(PR_SET_NAME, _WATCHDOG_NAME)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+    with contextlib.suppress(OSError):
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+    me = os.getpid()
+    seen: dict[int, int] = {}  # pid -> starttime of the parent's descendants at the last poll
+    groups: set[int] = set()  # process groups led by those descendants (e.g. the DHT's, see dht.py)
+    files: set[str] = set()
+    while os.getppid() == parent:
+        snapshot, led = {}, set()
+        for p in descendants(parent):
+            st = proc_stat(p)
+            if p != me and st is not None:
+                snapshot[p] = st[4]
+                if st[3] == p:
+                    led.add(p)
+        seen, groups = snapshot, led
+        files = ipc_files([parent, *seen]) | {f for f in files if os.path.exists(f)}
+        # wakes on SIGUSR1 (parent death; it is blocked, so it cannot be lost) or after poll_s
+        signal.sigtimedwait({signal.SIGUSR1}, poll_s)
+    # the parent is gone: the descendants seen last, its group and the groups they led
+    if pgid is not None:
+        groups.add(pgid)
+
+    def collect(targets: dict[int, int]) -> dict[int, int]:
+        for p in _all_pids():
+            st = proc_stat(p)
+            if p != me and st is not None and st[3] in groups and st[1] not in ("Z", "X"):
+                targets.setdefault(p, st[4])
+        return {p: t for p, t in targets.items() if _same_alive(p, t)}
+
+    targets = collect(dict(seen))
+    stopped = len(targets)
+    if not targets:
+        cleanup_ipc_files([parent], files)
+        return
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGTERM)  # we ignore SIGTERM ourselves
+    _signal_all(targets, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and collect(dict(targets)):
+        time.sleep(0.02)
+    targets = collect(targets)
+    _signal_all(targets, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_same_alive(p, t) for p, t in targets.items()):
+        time.sleep(0.02)
+    cleanup_ipc_files([parent, *seen, *targets], files)
+    with contextlib.suppress(OSError):
+        os.write(2, f"locoswarm watchdog: node process {parent} is gone; stopped {stopped} "
+                    f"leftover process(es)\n".encode())
+
+
+def stop_watchdog(pid: int | None) -> None:
+    """Stop the watchdog after an orderly shutdown (kill it and reap it)."""
+    if not pid:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+
+
+# ---- signals ----
+
+def install_signal_handlers(stop: threading.Event, log: Callable[[str], None] | None = None) -> None:
+    """SIGINT and SIGTERM set ``stop`` the first time (a graceful exit; one line is written to stderr,
+    or passed to ``log``); a second one raises KeyboardInterrupt in the main thread, a third exits at
+    once (``os._exit``; the watchdog cleans up). Must run in the main thread; call it again after
+    starting hivemind components, which may replace the SIGINT handler (its averager ignores SIGINT).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("install_signal_handlers() must be called from the main thread")
+    count = [0]
+
+    def say(text: str) -> None:
+        if log is not None:
+            with contextlib.suppress(Exception):
+                log(text)
+        else:
+            with contextlib.suppress(OSError):
+                os.write(2, (text + "\n").encode())
+
+    owner = os.getpid()
+
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a forked child (hivemind's DHT, a data worker) inherited this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        count[0] += 1
+        if count[0] == 1:
+            stop.set()
+            say("leaving the swarm (Ctrl+C again to force)")
+        elif count[0] <= 2:
+            count[0] = 2
+            say("forced exit")
+            raise KeyboardInterrupt
+        else:
+            os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+__all__ = [
+    "become_group_leader",
+    "children",
+    "cleanup_ipc_files",
+    "descendants",
+    "group_members",
+    "install_signal_handlers",
+    "ipc_files",
+    "is_alive",
+    "p2pd_pids",
+    "proc_stat",
+    "start_watchdog",
+    "stop_watchdog",
+    "terminate_processes",
+]

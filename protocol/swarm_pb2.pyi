@@ -1,0 +1,151 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FragmentStatus(_message.Message):
+    __slots__ = ("fragment", "version", "phi_hash", "phi_norm")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHI_HASH_FIELD_NUMBER: _ClassVar[int]
+    PHI_NORM_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    phi_hash: int
+    phi_norm: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    HAS_STATE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    addrs: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: str
+    clock: int
+    inner_step: int
+    tokens: int
+    tokens_per_s: float
+    loss: float
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
+    time: float
+    leaving: bool
+    has_state: bool
+    control_port: int
+    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ...) -> None: ...
+
+class MatchEntry(_message.Message):
+    __slots__ = ("peer_id", "arrival", "weight", "version")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    arrival: float
+    weight: float
+    version: int
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AverageHeader(_message.Message):
+    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HASH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    fragment: int
+    round: int
+    group_hash: bytes
+    sender: str
+    weight: float
+    version: int
+    extras: _containers.RepeatedScalarFieldContainer[float]
+    n_chunks: int
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AverageRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: AverageHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ReduceHeader(_message.Message):
+    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    total_weight: float
+    extras: _containers.RepeatedScalarFieldContainer[float]
+    n_chunks: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ...) -> None: ...
+
+class AverageReply(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ReduceHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("fingerprint", "fragment", "offset", "min_version")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    fragment: int
+    offset: int
+    min_version: int
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PHI_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    fragment: int
+    version: int
+    numel: int
+    offset: int
+    phi: bytes
+    momentum: bytes
+    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ...) -> None: ...
