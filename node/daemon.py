@@ -76,6 +76,8 @@ class Node:
         self.tokens = 0
         self.started = time.time()
         self.compute_seconds = 0.0
+        self._clock_seen: dict[str, tuple[int, float]] = {}
+        self._clock_rate: dict[str, float] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -88,9 +90,11 @@ class Node:
             self._start_network()
             process.install_signal_handlers(self.stop)  # hivemind may have replaced them
             self._build()
-            self._join_or_resume()
+            # Heartbeats start now so peers see us at once; we count as a member of rounds
+            # ("has_state") only once training starts.
             self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
             self._heartbeat_thread.start()
+            self._join_or_resume()
             self._train()
             self._leave()
             return 0
@@ -150,8 +154,10 @@ class Node:
         self.transport = SwarmTransport(
             self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
-            round_timeout=cfg.network.round_timeout, live_peers=lambda: list(self.peer_table),
-            latest_versions=self._latest_versions, fetch=self.state_client.fetch)
+            round_timeout=cfg.network.round_timeout,
+            live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
+            latest_versions=self._latest_versions, fetch=self.state_client.fetch,
+            pace_peers=self._pace_peers, grace=self._straggler_grace)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -209,7 +215,6 @@ class Node:
     # ---- training ---------------------------------------------------------------------------------
     def _train(self) -> None:
         from node.checkpoint import save_checkpoint
-        from node.swarm.membership import swarm_clock
 
         o = self.opts
         self.status["state"] = "training"
@@ -227,7 +232,7 @@ class Node:
             if o.throttle > 1:
                 time.sleep(step_time * (o.throttle - 1))
             prev = self.clock
-            self.clock = max(prev + 1, swarm_clock(self.peer_table, prev + 1))
+            self.clock = self._swarm_clock(prev + 1)
             for ev in self.outer.advance(prev, self.clock, batch.numel()):
                 self._on_sync(ev)
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
@@ -259,8 +264,9 @@ class Node:
             if not self.peer_table:  # alone in the swarm: every round fails; not news
                 log.debug("%s", detail)
                 return
-        self._event(ev.kind, detail, fragment=ev.fragment, bytes_sent=ev.bytes_sent,
-                    bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version)
+        self._event(ev.kind, detail, fragment=ev.fragment, round=ev.round, bytes_sent=ev.bytes_sent,
+                    bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version,
+                    own_weight=ev.own_weight, total_weight=ev.total_weight)
 
     def _evaluate(self) -> float:
         from node.data import evaluate
@@ -270,6 +276,34 @@ class Node:
     def _publish(self, fragment: int) -> None:
         """An immutable snapshot for the state server (read from the network thread)."""
         self.published[fragment] = self.outer.snapshot(fragment)
+
+    def _pace_peers(self) -> list[str]:
+        """Live peers at least half as fast as this node: the ones a round waits for."""
+        own = self.status.get("tokens_per_s") or 0.0
+        return [p for p, hb in self.peer_table.items() if hb.has_state and hb.tokens_per_s >= 0.5 * own]
+
+    def _straggler_grace(self) -> float:
+        """How long a round may wait for slower peers without stalling training: the overlap tau."""
+        step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
+        return max(0.05, 0.8 * self.cfg.outer.tau * step)
+
+    def _swarm_clock(self, own: int) -> int:
+        """Swarm-wide progress: the peers' clocks, extrapolated from their last heartbeat at their rate."""
+        now = time.time()
+        best = own
+        for pid, hb in self.peer_table.items():
+            # The rate is the peer's own inner steps per second, never its clock's: clocks adopt each
+            # other's estimates, and extrapolating those would feed back into a runaway.
+            prev = self._clock_seen.get(pid)
+            if prev is None or hb.time > prev[1]:
+                if prev is not None and hb.inner_step >= prev[0]:
+                    self._clock_rate[pid] = (hb.inner_step - prev[0]) / max(1e-3, hb.time - prev[1])
+                self._clock_seen[pid] = (hb.inner_step, hb.time)
+            rate = self._clock_rate.get(pid, 0.0)
+            # Heartbeat times are DHT time (wall clock); allow at most one interval of extrapolation.
+            ahead = min(max(0.0, now - hb.time), 2 * self.cfg.network.heartbeat_interval)
+            best = max(best, int(hb.clock + rate * ahead))
+        return best
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         best, holders = -1, []
@@ -296,7 +330,7 @@ class Node:
             peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
             loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
-            has_state=True)
+            has_state=self.status.get("state") == "training")
 
     def _heartbeats(self) -> None:
         interval = self.cfg.network.heartbeat_interval
@@ -318,6 +352,8 @@ class Node:
     def _status(self) -> dict:
         from node.swarm.membership import fragment_spread
 
+        if not hasattr(self, "outer"):
+            return {"peer_id": self.peer_id, "addrs": self.maddrs, "state": self.status.get("state")}
         spread = {}
         with contextlib.suppress(Exception):
             spread = fragment_spread(self.peer_table, list(self._heartbeat().fragments))

@@ -112,9 +112,26 @@ class NodeProc:
         finally:
             self.stop()
 
+    def descendants(self) -> list[int]:
+        """PIDs descending from the node process (the DHT child leads a group of its own)."""
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            kids = [p for p, pp in parents.items() if pp in frontier]
+            found += kids
+            frontier = kids
+        return found
+
     def stop(self) -> None:
         """Make sure nothing of this node is left."""
         if self.proc.poll() is None:
+            for pid in self.descendants():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
             self.kill(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)

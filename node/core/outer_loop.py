@@ -45,6 +45,9 @@ class SyncEvent:
     bytes_sent: int = 0
     bytes_received: int = 0
     error: str = ""
+    round: int = -1            # swarm step at which the sync started (the round id)
+    own_weight: float = 0.0
+    total_weight: float = 0.0
 
 
 @dataclass
@@ -273,7 +276,8 @@ class OuterLoop:
         self.stats.bytes_received += res.bytes_received
         self.stats.bytes_by_round[sent_step] += res.bytes_sent
         return SyncEvent(kind, st.index, step, st.version, res.group_size, res.bytes_sent,
-                         res.bytes_received, res.error)
+                         res.bytes_received, res.error, round=sent_step, own_weight=res.own_weight,
+                         total_weight=res.total_weight)
 
     # ---- catching up ----------------------------------------------------------------------------
     def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:

@@ -100,6 +100,7 @@ class _Reduction:
         self.sizes: dict[int, int] = {}       # chunk index -> numel
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.codec: Codec | None = None
+        self.members: set[str] = set()
         self.replies = 0
         self._replied = asyncio.Condition()
 
@@ -113,8 +114,9 @@ class _Reduction:
         async with self._replied:
             await self._replied.wait_for(lambda: self.replies >= count)
 
-    def configure(self, codec: Codec, n_members: int, part: range, sizes: dict[int, int]) -> None:
-        self.codec, self.n_members, self.part, self.sizes = codec, n_members, part, sizes
+    def configure(self, codec: Codec, members: list[str], part: range, sizes: dict[int, int]) -> None:
+        self.codec, self.n_members, self.part, self.sizes = codec, len(members), part, sizes
+        self.members = set(members)
         self.configured.set()
 
     def add(self, sender: str, weight: float, extras: list[float], chunks: dict[int, bytes]) -> None:
@@ -184,7 +186,10 @@ class SwarmTransport(Transport):
         fingerprint: refused when a peer's header carries another one.
         codec: the swarm's payload codec.
         group_size, matchmaking_timeout, round_timeout: from ``[network]``.
-        live_peers: returns the ids of live peers (from heartbeats), to close matchmaking early.
+        live_peers: returns the ids of live peers (from heartbeats): matchmaking closes as soon as they
+            are all in.
+        pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
+            ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
         fetch: downloads a fragment's outer state from given peers (``node.swarm.state_sync``).
     """
@@ -193,7 +198,9 @@ class SwarmTransport(Transport):
                  group_size: int, matchmaking_timeout: float, round_timeout: float,
                  live_peers: Callable[[], list[str]],
                  latest_versions: Callable[[int], tuple[int, list[str]]],
-                 fetch: Callable[[int, list[str], int], FragmentSnapshot | None]) -> None:
+                 fetch: Callable[[int, list[str], int], FragmentSnapshot | None],
+                 pace_peers: Callable[[], list[str]] | None = None,
+                 grace: Callable[[], float] | None = None) -> None:
         self.runtime = runtime
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
@@ -204,6 +211,8 @@ class SwarmTransport(Transport):
         self.matchmaking_timeout = matchmaking_timeout
         self.round_timeout = round_timeout
         self.live_peers = live_peers
+        self.pace_peers = pace_peers or live_peers
+        self.grace = grace or (lambda: matchmaking_timeout)
         self._latest_versions = latest_versions
         self._fetch = fetch
         self.counters = ByteCounters()
@@ -212,6 +221,7 @@ class SwarmTransport(Transport):
         # fragment -> (version the group reached in its last successful round, its members): heartbeats
         # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
         self.recent: dict[int, tuple[int, list[str]]] = {}
+        self._skipped: dict[tuple[int, int], float] = {}
         runtime.call(runtime.p2p.add_protobuf_handler(
             AVERAGE_HANDLER, self._handle_average, swarm_pb2.AverageRequest, stream_input=True,
             stream_output=True), timeout=30)
@@ -250,11 +260,13 @@ class SwarmTransport(Transport):
     async def _average(self, req: AverageRequest) -> AverageResult:
         matched = await self._matchmake(req)
         if matched is None:
+            self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
         members, versions = matched
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size)
                      if self.peer_id in g)
         if len(group) < 2:
+            self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("no peer in group", own_weight=req.weight)
         max_version = max(versions.get(p, req.version) for p in group)
         result = await self._exchange(req, group)
@@ -291,13 +303,20 @@ class SwarmTransport(Transport):
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.peer_id, return_future=True)
         expected = set(self.live_peers()) | {self.peer_id}
+        core = set(self.pace_peers()) | {self.peer_id}
+        grace = min(self.grace(), self.matchmaking_timeout)
         while True:
             entries = await self._read_entries(key)
             entries.setdefault(self.peer_id, me)
-            window_end = min(e.arrival for e in entries.values()) + self.matchmaking_timeout
-            if set(entries) >= expected or get_dht_time() >= window_end:
+            first = min(e.arrival for e in entries.values())
+            window_end = first + self.matchmaking_timeout
+            now = get_dht_time()
+            if set(entries) >= expected or now >= window_end:
                 break
-            await asyncio.sleep(min(0.1, max(0.01, window_end - get_dht_time())))
+            if set(entries) >= core and now >= first + grace:
+                window_end = now  # stragglers are not waited for beyond the grace
+                break
+            await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
         if not set(entries) >= expected:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
@@ -314,7 +333,8 @@ class SwarmTransport(Transport):
         parts = part_ranges(len(bounds), n)
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         session = self._session((req.fragment, req.round, ghash))
-        session.configure(self.codec, n, parts[me], sizes)
+        session.configure(self.codec, group, parts[me], sizes)
+        self._refuse_other_views(session)
         extras = [float(x) for x in req.extras.tolist()]
         session.add(self.peer_id, req.weight, extras, {c: req.chunks[c] for c in parts[me]})
         session.maybe_reduce()
@@ -370,7 +390,9 @@ class SwarmTransport(Transport):
 
         stream = await self.runtime.p2p.iterate_protobuf_handler(
             PeerID.from_base58(peer), AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply)
-        first = await anext(stream)
+        first = await anext(stream, None)
+        if first is None:
+            raise RuntimeError(f"peer {peer[:12]} closed the stream without an answer")
         self.counters.received(peer, req.fragment, req.round, first.ByteSize())
         if not first.HasField("header") or not first.header.ok:
             raise RuntimeError(f"peer {peer[:12]} refused: {first.header.error or 'bad reply'}")
@@ -381,6 +403,31 @@ class SwarmTransport(Transport):
         if set(chunks) != set(part):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
         return index, (chunks, first.header.total_weight, list(first.header.extras))
+
+    # ---- group disagreement: fail fast, never wait for a contribution that cannot come ----------
+    def _not_in_round(self, fragment: int, round_: int) -> None:
+        """Remember that this node takes no part in a round, so contributions to it fail at once."""
+        self._skipped[(fragment, round_)] = time.monotonic()
+        for key in [k for k, t in self._skipped.items() if t < time.monotonic() - 300]:
+            del self._skipped[key]
+        for (f, r, _), sess in list(self._sessions.items()):
+            if f == fragment and r == round_:
+                sess.fail("this peer is not in the round")
+
+    def _local_view(self, fragment: int, round_: int) -> _Reduction | None:
+        for (f, r, _), sess in self._sessions.items():
+            if f == fragment and r == round_ and sess.configured.is_set():
+                return sess
+        return None
+
+    def _refuse_other_views(self, mine: _Reduction) -> None:
+        """Members that formed another group for this round will not contribute to ours: fail both."""
+        fragment, round_, ghash = mine.key
+        for (f, r, h), sess in list(self._sessions.items()):
+            if f == fragment and r == round_ and h != ghash:
+                sess.fail("group mismatch: members disagree on who is in this round")
+                if mine.members & set(sess.contributions):
+                    mine.fail("group mismatch: a member of our group formed another group")
 
     # ---- serving our part -----------------------------------------------------------------------
     def _session(self, key: tuple[int, int, bytes]) -> _Reduction:
@@ -397,7 +444,15 @@ class SwarmTransport(Transport):
 
     async def _handle_average(self, requests: AsyncIterator[swarm_pb2.AverageRequest],
                               context) -> AsyncIterator[swarm_pb2.AverageReply]:
-        remote = str(context.remote_id)
+        try:
+            async for reply in self._serve_part(requests, str(context.remote_id)):
+                yield reply
+        except Exception as exc:
+            log.debug("average handler failed: %r", exc)
+            yield swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(ok=False, error=f"reducer error: {exc!r}"))
+
+    async def _serve_part(self, requests: AsyncIterator[swarm_pb2.AverageRequest],
+                          remote: str) -> AsyncIterator[swarm_pb2.AverageReply]:
         first = await anext(requests)
         h = first.header
         self.counters.received(remote, h.fragment, h.round, first.ByteSize())
@@ -422,10 +477,20 @@ class SwarmTransport(Transport):
         if len(chunks) != h.n_chunks:
             yield error(f"expected {h.n_chunks} chunks, got {len(chunks)}")
             return
+        if (h.fragment, h.round) in self._skipped:
+            yield error("this peer is not in the round (it arrived after the window or had no group)")
+            return
+        local = self._local_view(h.fragment, h.round)
+        if local is not None and local.key[2] != bytes(h.group_hash):
+            if h.sender in local.members:
+                local.fail(f"group mismatch with {h.sender[:12]}")
+            yield error("group mismatch: this reducer formed another group for the round")
+            return
         session = self._session((h.fragment, h.round, bytes(h.group_hash)))
         session.add(h.sender, h.weight, list(h.extras), chunks)
         try:
-            await asyncio.wait_for(session.configured.wait(), self.matchmaking_timeout + self.round_timeout)
+            # This node must enter the round within the matchmaking window, or it is not a member.
+            await asyncio.wait_for(session.configured.wait(), self.matchmaking_timeout + 2.0)
             if set(chunks) != set(session.part):
                 session.fail(f"{h.sender[:12]} sent chunks of another part")
             reduced, total, extras = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)

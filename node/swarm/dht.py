@@ -203,6 +203,10 @@ def _kill_dht(dht: hivemind.DHT, p2pds: dict[int, int], before: set[int], files:
 _DHT_CLASS: type | None = None
 
 
+def _kill_own_group(signum: int, frame: object) -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def _dht_class() -> type:
     """``hivemind.DHT`` whose child process leads its own process group (p2pd, started by it, joins
     that group): a terminal's Ctrl+C, sent to the node's foreground group, then reaches only the node,
@@ -217,8 +221,14 @@ def _dht_class() -> type:
             def run(self) -> None:
                 with contextlib.suppress(OSError):
                     os.setpgid(0, 0)
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                # Die with the node, p2pd included, even if the node and its watchdog were SIGKILLed
+                # together (e.g. `kill -9 -PGID`): the kernel sends SIGTERM when the node dies, and the
+                # handler takes this whole group (this process and its p2pd) down.
+                signal.signal(signal.SIGTERM, _kill_own_group)
+                _proc._prctl(_proc.PR_SET_PDEATHSIG, signal.SIGTERM)
+                if os.getppid() == 1:  # the node died before the request took effect
+                    _kill_own_group(signal.SIGTERM, None)
                 super().run()
 
         _DHT_CLASS = GroupedDHT
