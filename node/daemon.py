@@ -191,6 +191,7 @@ class Node:
                 st.version = snap.version
                 st.set_theta(st.phi - progress)
             self.clock = max(self.clock, swarm_clock(self.peer_table, self.clock))
+            self._adopt_schedule_state()
             self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
                                   f"{len(holders)} peer(s); swarm clock {self.clock}")
         for st in self.outer.states:
@@ -261,6 +262,9 @@ class Node:
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
+            if "no peer in group" in ev.error and self.peer_table and \
+                    self.clock - getattr(self, "_adopted_at", -10**9) >= self.cfg.outer.h:
+                self._adopt_schedule_state()
             if not self.peer_table:  # alone in the swarm: every round fails; not news
                 log.debug("%s", detail)
                 return
@@ -276,6 +280,22 @@ class Node:
     def _publish(self, fragment: int) -> None:
         """An immutable snapshot for the state server (read from the network thread)."""
         self.published[fragment] = self.outer.snapshot(fragment)
+
+    def _adopt_schedule_state(self) -> None:
+        """The adaptive schedule picks from state every member must share (last sends, the averaged R):
+        take it from the most advanced peer when joining, or when our picks stop meeting anyone's."""
+        if self.cfg.outer.schedule != "adaptive":
+            return
+        donors = [hb for hb in self.peer_table.values() if hb.has_state and hb.fragments]
+        if not donors:
+            return
+        donor = max(donors, key=lambda hb: hb.clock)
+        for fs in donor.fragments:
+            if fs.fragment < len(self.outer.states):
+                self.outer.states[fs.fragment].last_send = None if fs.last_send < 0 else int(fs.last_send)
+        if donor.shared_r:
+            self.outer.shared_r = torch.tensor(list(donor.shared_r), dtype=torch.float32)
+        self._adopted_at = self.clock
 
     def _pace_peers(self) -> list[str]:
         """Live peers at least half as fast as this node: the ones a round waits for."""
@@ -324,13 +344,16 @@ class Node:
 
         frags = []
         for p, snap in sorted(self.published.items()):
+            last = self.outer.states[p].last_send
             frags.append(swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
-                                                  phi_norm=float(snap.phi.norm())))
+                                                  phi_norm=float(snap.phi.norm()),
+                                                  last_send=-1 if last is None else last))
         return swarm_pb2.Heartbeat(
             peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
             loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
-            has_state=self.status.get("state") == "training")
+            has_state=self.status.get("state") == "training",
+            shared_r=[] if self.outer.shared_r is None else [float(x) for x in self.outer.shared_r])
 
     def _heartbeats(self) -> None:
         interval = self.cfg.network.heartbeat_interval
@@ -374,6 +397,8 @@ class Node:
             "spread": {str(k): v for k, v in spread.items()},
             "syncs_ok": self.outer.stats.syncs_ok, "syncs_failed": self.outer.stats.syncs_failed,
             "catch_ups": self.outer.stats.catch_ups,
+            "consensus": {"rounds": self.outer.stats.consensus_rounds,
+                          "last_shift": self.outer.stats.last_consensus_shift},
             "bytes": {"sent": self.counters.total_sent, "received": self.counters.total_received,
                       "sent_by_peer": dict(self.counters.sent_by_peer),
                       "received_by_peer": dict(self.counters.received_by_peer),

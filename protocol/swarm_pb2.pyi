@@ -7,19 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment", "version", "phi_hash", "phi_norm")
+    __slots__ = ("fragment", "version", "phi_hash", "phi_norm", "last_send")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHI_HASH_FIELD_NUMBER: _ClassVar[int]
     PHI_NORM_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEND_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     phi_hash: int
     phi_norm: float
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ...) -> None: ...
+    last_send: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ..., last_send: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port")
+    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +35,7 @@ class Heartbeat(_message.Message):
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     HAS_STATE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_R_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     addrs: _containers.RepeatedScalarFieldContainer[str]
     fingerprint: str
@@ -46,22 +49,25 @@ class Heartbeat(_message.Message):
     leaving: bool
     has_state: bool
     control_port: int
-    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ...) -> None: ...
+    shared_r: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class MatchEntry(_message.Message):
-    __slots__ = ("peer_id", "arrival", "weight", "version")
+    __slots__ = ("peer_id", "arrival", "weight", "version", "digest")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     arrival: float
     weight: float
     version: int
-    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks")
+    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +77,7 @@ class AverageHeader(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     round: int
@@ -80,7 +87,8 @@ class AverageHeader(_message.Message):
     version: int
     extras: _containers.RepeatedScalarFieldContainer[float]
     n_chunks: int
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data")

@@ -448,7 +448,7 @@ class RecordingTransport(Transport):
 
 def _outer(**kw) -> OuterSection:
     cfg = {"method": "replace", "h": 2, "fragments": 1, "tau": 0, "codec": "fp32", "error_feedback": False,
-           "lr": 0.7, "momentum": 0.9, "schedule": "fixed"}
+           "lr": 0.7, "momentum": 0.9, "schedule": "fixed", "consensus_every": 0}
     cfg.update(kw)
     return OuterSection(**cfg)
 
@@ -458,8 +458,9 @@ class Swarm:
 
     def __init__(self, base: torch.nn.Module, n: int, outer: OuterSection, *, drop_prob: float = 0.0,
                  seed: int = 0, drops: dict[int, set[int]] | None = None,
-                 expected_group_size: int | None = None) -> None:
-        self.hub = InProcessHub(get_codec(outer.codec, outer.block_size), n, seed=seed, drop_prob=drop_prob)
+                 expected_group_size: int | None = None, group_size: int | None = None) -> None:
+        self.hub = InProcessHub(get_codec(outer.codec, outer.block_size), group_size or n, seed=seed,
+                                drop_prob=drop_prob)
         self.fragments = partition(base, outer.fragments)
         self.models = [copy.deepcopy(base) for _ in range(n)]
         self.transports = [RecordingTransport(self.hub.transport(i), (drops or {}).get(i)) for i in range(n)]
@@ -728,3 +729,55 @@ def test_adaptive_schedule_group_members_pick_the_same_fragment(base_model) -> N
     assert picks[:2] == [0, 1]  # never-sent fragments first
     assert swarm.loops[0].shared_r is not None and swarm.loops[0].shared_r.numel() == 2
     assert torch.equal(swarm.loops[0].shared_r, swarm.loops[1].shared_r)
+
+
+# ---- consensus of phi under gossip -------------------------------------------------------------------
+
+def _spread(swarm: Swarm, n: int) -> float:
+    phis = torch.stack([swarm.phi(i) for i in range(n)])
+    mean = phis.mean(0)
+    return float((phis - mean).norm(dim=1).max() / mean.norm())
+
+
+def test_consensus_keeps_phi_spread_bounded_under_pairwise_gossip(base_model) -> None:
+    spreads = {}
+    for every in (0, 2):
+        swarm = Swarm(base_model, 4, _outer(h=2, consensus_every=every), group_size=2, seed=1)
+        for t in range(1, 41):
+            swarm.step(t)
+        spreads[every] = _spread(swarm, 4)
+        if every:
+            assert swarm.loops[0].stats.consensus_rounds == 10
+    assert spreads[0] > 0
+    assert spreads[2] < 0.2 * spreads[0], spreads
+
+
+def test_consensus_under_all_reduce_moves_nothing_and_costs_no_bytes(base_model) -> None:
+    sent = {}
+    for every in (0, 1):
+        swarm = Swarm(base_model, 3, _outer(h=2, tau=1, method="rebase", consensus_every=every))
+        for t in range(1, 6):
+            swarm.step(t)
+        # Under an all-reduce every phi is equal: digests agree, the round exchanges nothing.
+        assert all(torch.equal(swarm.phi(i), swarm.phi(0)) for i in range(3))
+        sent[every] = swarm.loops[0].stats.bytes_sent
+        if every:
+            assert swarm.loops[0].stats.consensus_rounds >= 2
+            assert swarm.loops[0].stats.last_consensus_shift == 0.0
+    assert sent[1] == sent[0] > 0
+
+
+def test_consensus_shift_moves_phi_and_theta_together(base_model) -> None:
+    swarm = Swarm(base_model, 4, _outer(h=2, consensus_every=1), group_size=2, seed=2)
+    for t in range(1, 3):
+        swarm.step(t)
+    loop = swarm.loops[0]
+    before = [(swarm.theta(i) - swarm.phi(i)) for i in range(4)]
+    swarm.train()
+    progress = [(swarm.theta(i) - swarm.phi(i)) for i in range(4)]
+    assert not torch.equal(before[0], progress[0])
+    swarm.sync(3)  # no sync due at an odd step: nothing moves
+    swarm.train()
+    swarm.sync(4)  # a delta round plus a consensus round (uniform mean of phi within the pair)
+    assert loop.stats.consensus_rounds >= 2
+    assert loop.stats.last_consensus_shift > 0

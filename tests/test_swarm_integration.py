@@ -218,3 +218,40 @@ def test_group_sigkill_leaves_no_process(swarm):
         alive = [p for p in descendants if Path(f"/proc/{p}").exists()
                  and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert not alive, f"left behind: {alive}"
+
+
+@pytest.mark.parametrize("outer", [
+    {"method": "replace", "tau": 0, "codec": "fp32"},
+    {"method": "alpha", "tau": 2, "codec": "int8"},
+    {"method": "rebase", "tau": 8},
+    {"method": "eager", "tau": 8, "fragments": 1},
+    {"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
+], ids=lambda o: o["method"])
+def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
+    swarm = Swarm(tmp_path, outer=outer)
+    try:
+        nodes = [swarm.start("n0"), swarm.start("n1")]
+        for node in nodes:
+            st = node.wait_status(lambda s: len(merged(s)) >= 4, 150, f"{outer['method']} rounds")
+            assert math.isfinite(st["loss"])
+        assert all(node.terminate(60) == 0 for node in nodes)
+    finally:
+        swarm.stop()
+
+
+def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
+    """group_size 2 in a 4-node swarm: groups differ per round; consensus rounds keep phi together."""
+    swarm = Swarm(tmp_path, outer={"consensus_every": 2, "codec": "fp32"}, network={"group_size": 2})
+    try:
+        nodes = [swarm.start(f"n{i}") for i in range(4)]
+        for node in nodes:
+            node.wait_status(lambda s: s.get("consensus", {}).get("rounds", 0) >= 3 and len(merged(s)) >= 6,
+                             180, "gossip and consensus rounds")
+        assert all(e["group_size"] == 2 for n in nodes for e in merged(n.status()))
+        # The spread of phi across peers, as the nodes measure it from heartbeats (hash + norm).
+        spread = nodes[0].status()["spread"]
+        assert spread, "no spread measured"
+        norms = [v["norm_spread"] for v in spread.values() if v.get("norm_spread") is not None]
+        assert norms and max(norms) < 0.05, spread
+    finally:
+        swarm.stop()

@@ -27,9 +27,10 @@ import torch
 
 from node.config import OuterSection
 from node.core.codecs import get_codec
+from node.core.consensus import CONSENSUS_CODEC, PhiConsensus, phi_digest
 from node.core.merge import eager_outer_gradient, merge_alpha, merge_compensate, merge_rebase, merge_replace
 from node.core.outer_optimizer import NesterovOuterOptimizer
-from node.core.payload import encode_with_feedback
+from node.core.payload import encode_chunks, encode_with_feedback
 from node.core.schedule import ScheduleView, make_schedule
 from node.core.state import FragmentState
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
@@ -57,6 +58,8 @@ class OuterStats:
     syncs_ok: int = 0
     syncs_failed: int = 0
     catch_ups: int = 0
+    consensus_rounds: int = 0
+    last_consensus_shift: float = 0.0     # |phi_bar - phi| / |phi| of the last consensus round
     bytes_by_round: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
     @property
@@ -101,6 +104,8 @@ class OuterLoop:
         self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback)
                        for f in fragments]
         self.pending: dict[int, _Pending] = {}
+        self.consensus = PhiConsensus(outer.consensus_every, len(fragments))
+        self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
         self.stats = OuterStats()
         self.expected_share = 1.0 / max(1, expected_group_size)
@@ -181,8 +186,40 @@ class OuterLoop:
                                           snapshot=theta, residual_before=residual_before)
         st.tokens_since_send = 0.0
         st.last_send = step
+        if self.consensus.due(step, self.cfg.h):
+            self._start_consensus(st, step)
         events.append(SyncEvent("sent", st.index, step, st.version))
         return events
+
+    def _start_consensus(self, st: FragmentState, step: int) -> None:
+        """Also average phi itself in this round (see ``node.core.consensus``)."""
+        phi_sent = st.phi.clone()
+        codec = get_codec(CONSENSUS_CODEC)
+        handle = self.transport.start_average(AverageRequest(
+            fragment=self.consensus.round_fragment(st.index), round=step, chunks=encode_chunks(codec, phi_sent),
+            numel=st.numel, weight=1.0, version=st.version, codec=CONSENSUS_CODEC,
+            digest=phi_digest(phi_sent)))
+        self.pending_consensus[st.index] = (handle, phi_sent)
+
+    def _apply_consensus(self, st: FragmentState) -> None:
+        item = self.pending_consensus.pop(st.index, None)
+        if item is None:
+            return
+        handle, phi_sent = item
+        res = handle.result(timeout=self.wait_timeout)
+        self.stats.bytes_sent += res.bytes_sent
+        self.stats.bytes_received += res.bytes_received
+        if not res.ok:
+            return
+        self.stats.consensus_rounds += 1
+        if res.average is None:  # every member already held this phi
+            self.stats.last_consensus_shift = 0.0
+            return
+        shift = self.consensus.correction(res.average, phi_sent)
+        st.phi.add_(shift)
+        st.set_theta(st.theta() + shift)
+        self.stats.last_consensus_shift = float(torch.linalg.vector_norm(shift)) / max(
+            1e-12, float(torch.linalg.vector_norm(st.phi)))
 
     def _send_eager(self, st: FragmentState, step: int) -> list[SyncEvent]:
         events = []
@@ -243,6 +280,7 @@ class OuterLoop:
             st.tokens_since_send += pend.weight
             if pend.residual_before is not None and st.residual is not None:
                 st.residual.copy_(pend.residual_before)
+            self._apply_consensus(st)
             return self._event("failed", st, step, res, pend.sent_step)
         self._outer_step(st, res.average)
         if res.extras is not None and res.extras.numel():
@@ -260,6 +298,7 @@ class OuterLoop:
         else:
             raise ValueError(f"unknown merge method {method!r}")
         st.set_theta(new)
+        self._apply_consensus(st)
         return self._event("merged", st, step, res, pend.sent_step)
 
     def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> None:

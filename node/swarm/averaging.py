@@ -222,6 +222,7 @@ class SwarmTransport(Transport):
         # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
         self.recent: dict[int, tuple[int, list[str]]] = {}
         self._skipped: dict[tuple[int, int], float] = {}
+        self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         runtime.call(runtime.p2p.add_protobuf_handler(
             AVERAGE_HANDLER, self._handle_average, swarm_pb2.AverageRequest, stream_input=True,
             stream_output=True), timeout=30)
@@ -269,6 +270,11 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("no peer in group", own_weight=req.weight)
         max_version = max(versions.get(p, req.version) for p in group)
+        digests = self._digests.pop((req.fragment, req.round), {})
+        if req.digest and all(digests.get(p) == req.digest for p in group):
+            self._not_in_round(req.fragment, req.round)  # nobody will send us a part of it
+            return AverageResult(ok=True, average=None, group_size=len(group), own_weight=req.weight,
+                                 total_weight=req.weight * len(group), max_version=max_version)
         result = await self._exchange(req, group)
         result.max_version = max_version
         if result.ok:
@@ -299,7 +305,7 @@ class SwarmTransport(Transport):
 
         key = self._match_key(req.fragment, req.round)
         me = swarm_pb2.MatchEntry(peer_id=self.peer_id, arrival=get_dht_time(), weight=req.weight,
-                                  version=req.version)
+                                  version=req.version, digest=req.digest)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.peer_id, return_future=True)
         expected = set(self.live_peers()) | {self.peer_id}
@@ -323,17 +329,19 @@ class SwarmTransport(Transport):
         members = sorted(p for p, e in entries.items() if e.arrival <= window_end)
         if self.peer_id not in members:
             return None
+        self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
         return members, {p: int(entries[p].version) for p in members}
 
     async def _exchange(self, req: AverageRequest, group: list[str]) -> AverageResult:
         ghash = group_hash(group)
         n = len(group)
         me = group.index(self.peer_id)
-        bounds = chunk_bounds(req.numel, self.codec.block_size)
+        bounds = chunk_bounds(req.numel, self._codec(req.codec).block_size)
         parts = part_ranges(len(bounds), n)
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         session = self._session((req.fragment, req.round, ghash))
-        session.configure(self.codec, group, parts[me], sizes)
+        codec = self._codec(req.codec)
+        session.configure(codec, group, parts[me], sizes)
         self._refuse_other_views(session)
         extras = [float(x) for x in req.extras.tolist()]
         session.add(self.peer_id, req.weight, extras, {c: req.chunks[c] for c in parts[me]})
@@ -361,7 +369,7 @@ class SwarmTransport(Transport):
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):
             return AverageResult.failed("incomplete group result", own_weight=req.weight)
-        average = decode_chunks(self.codec, [reduced[c] for c in range(len(bounds))], req.numel)
+        average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
         with contextlib.suppress(asyncio.TimeoutError):
@@ -378,7 +386,7 @@ class SwarmTransport(Transport):
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=req.fragment, round=req.round, group_hash=ghash,
             sender=self.peer_id, weight=req.weight, version=req.version, extras=extras,
-            n_chunks=len(part)))
+            n_chunks=len(part), codec=req.codec))
 
         async def requests() -> AsyncIterator[swarm_pb2.AverageRequest]:
             self.counters.sent(peer, req.fragment, req.round, header.ByteSize())
@@ -403,6 +411,11 @@ class SwarmTransport(Transport):
         if set(chunks) != set(part):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
         return index, (chunks, first.header.total_weight, list(first.header.extras))
+
+    def _codec(self, name: str) -> Codec:
+        from node.core.codecs import get_codec
+
+        return get_codec(name, self.codec.block_size) if name and name != self.codec.name else self.codec
 
     # ---- group disagreement: fail fast, never wait for a contribution that cannot come ----------
     def _not_in_round(self, fragment: int, round_: int) -> None:

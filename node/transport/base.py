@@ -22,12 +22,15 @@ class AverageRequest:
     weight: float              # tokens this contribution represents
     version: int               # sender's outer version of this fragment
     extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # small fp32 vector, averaged too
+    codec: str = ""            # payload codec when not the swarm's (consensus rounds carry fp32 phi)
+    digest: bytes = b""        # when every member's digest is equal, nothing needs averaging: the round
+                               # succeeds at once with ``average = None`` and no payload is exchanged
 
 
 @dataclass
 class AverageResult:
     ok: bool
-    average: torch.Tensor | None = None   # fp32 flat, sum_i w_i * delta_i / sum_i w_i
+    average: torch.Tensor | None = None   # fp32 flat, sum_i w_i * delta_i / sum_i w_i (None: all equal)
     extras: torch.Tensor | None = None
     group_size: int = 0
     total_weight: float = 0.0

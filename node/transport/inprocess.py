@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.core.codecs import Codec
+from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.reduce import reduce_group
@@ -104,13 +104,20 @@ class InProcessHub:
             for m in group:
                 m.handle._result = AverageResult.failed("no peer in group", own_weight=m.request.weight)
             return
+        if group[0].request.digest and all(m.request.digest == group[0].request.digest for m in group):
+            for m in group:  # identical contributions: their mean is each of them, nothing to move
+                m.handle._result = AverageResult(ok=True, average=None, group_size=len(group), total_weight=float(
+                    sum(x.request.weight for x in group)), own_weight=m.request.weight)
+            return
         numel = group[0].request.numel
         weights = [max(m.request.weight, 0.0) for m in group]
         if sum(weights) <= 0:
             weights = [1.0] * len(group)
         total = float(sum(weights))
-        reduced, sent, received = reduce_group(self.codec, [m.request.chunks for m in group], weights, numel)
-        average = decode_chunks(self.codec, reduced, numel)
+        req = group[0].request
+        codec = get_codec(req.codec, self.codec.block_size) if req.codec else self.codec
+        reduced, sent, received = reduce_group(codec, [m.request.chunks for m in group], weights, numel)
+        average = decode_chunks(codec, reduced, numel)
         extras = sum(w / total * m.request.extras.float() for w, m in zip(weights, group, strict=True))
         n = len(group)
         header = HEADER_BYTES + 4 * group[0].request.extras.numel()
