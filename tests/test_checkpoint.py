@@ -27,14 +27,6 @@ FP = fingerprint(SwarmConfig())  # the nodes below use the default sections, so 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small tensors: intra-op threads only add synchronisation cost on a busy small box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class Node:
     """model + inner AdamW + outer loop, wired as in node/sim/simulator.py."""

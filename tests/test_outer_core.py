@@ -43,14 +43,6 @@ VOCAB = 257
 CHUNK = chunk_elems(64)  # elements per chunk with 64-element blocks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The tensors here are small; intra-op threads only add synchronisation cost on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _t(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
