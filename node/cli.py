@@ -41,10 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     from node import checkpoint, config, daemon, partition, plan
     from node.bench import register as register_bench
+    from node.control.cli import register as register_status
     from node.sim import register as register_sim
 
     for register in (daemon.register, config.register, partition.register, register_sim, register_bench,
-                     plan.register, checkpoint.register_export):
+                     plan.register, checkpoint.register_export, register_status):
         register(sub)
     return parser
 

@@ -55,6 +55,11 @@ class NodeOptions:
     threads: int | None = None
     config_path: str | None = None
     seed: int | None = None        # data sampling seed of this node (default: from its peer id)
+    control_host: str = "127.0.0.1"
+    control_port: int = 0          # gRPC control API (0 = off); see node.control
+    control_port_default: bool = False  # not chosen by the user: if taken (another node), use any free port
+    allow_remote_control: bool = False
+    metrics_port: int = 0          # Prometheus text endpoint (0 = off)
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -90,6 +95,7 @@ class Node:
             self._start_network()
             process.install_signal_handlers(self.stop)  # hivemind may have replaced them
             self._build()
+            self._start_control()
             # Heartbeats start now so peers see us at once; we count as a member of rounds
             # ("has_state") only once training starts.
             self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
@@ -163,6 +169,17 @@ class Node:
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5)
         self.state_server = StateServer(self.runtime, self.fingerprint, self.published.get, self.counters)
+
+    def _start_control(self) -> None:
+        """The control API (``locoswarm status``) and metrics, once there is a status to serve."""
+        o = self.opts
+        if o.control_port or o.metrics_port:
+            from node.control.server import start_control_server
+
+            self.control = start_control_server(self, o.control_host, o.control_port or None,
+                                                o.allow_remote_control, metrics_port=o.metrics_port,
+                                                any_port_if_taken=o.control_port_default)
+            o.control_port = self.control.port  # what heartbeats announce
 
     def _join_or_resume(self) -> None:
         from node.checkpoint import load_checkpoint
@@ -352,7 +369,7 @@ class Node:
             peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
             loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
-            has_state=self.status.get("state") == "training",
+            has_state=self.status.get("state") == "training", control_port=self.opts.control_port,
             shared_r=[] if self.outer.shared_r is None else [float(x) for x in self.outer.shared_r])
 
     def _heartbeats(self) -> None:
@@ -437,7 +454,7 @@ class Node:
 
     def _shutdown_network(self) -> None:
         self.stop.set()
-        for name in ("transport",):
+        for name in ("control", "transport"):
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()
@@ -475,6 +492,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throttle", type=float, default=1.0, help="run this many times slower (tests, demos)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=None, help="data sampling seed (default: from the peer id)")
+    p.add_argument("--control-port", type=int, default=None,
+                   help="port of the local control API read by 'locoswarm status' (env LOCOSWARM_CONTROL_PORT; "
+                        "default 7615, or any free port if another node has it; 0 = off)")
+    p.add_argument("--control-host", default="127.0.0.1",
+                   help="address the control API (and metrics) listen on (default 127.0.0.1; another address "
+                        "needs --allow-remote-control)")
+    p.add_argument("--allow-remote-control", action="store_true",
+                   help="allow a non-loopback --control-host: anyone who reaches it can stop this node")
+    p.add_argument("--metrics-port", type=int, default=int(env("LOCOSWARM_METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on http://CONTROL_HOST:PORT/metrics (env LOCOSWARM_METRICS_PORT; "
+                        "default 0 = off)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     p.set_defaults(func=run_node)
 
@@ -497,10 +525,17 @@ def run_node(args: argparse.Namespace) -> int:
         raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
+    from node.control import check_control_options, control_port_from_args
+
+    control_port, control_port_default = control_port_from_args(args.control_port)
+    check_control_options(args.control_host, {"--control-port": control_port, "--metrics-port": args.metrics_port},
+                          args.allow_remote_control, may_be_taken={"--control-port"} if control_port_default else ())
     opts = NodeOptions(
         state_dir=Path(args.state_dir), data=data_paths(args), device=args.device, host=args.host, port=args.port,
         bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
         bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, throttle=args.throttle,
-        threads=args.threads, config_path=args.config, seed=args.seed)
+        threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
+        control_port=control_port, control_port_default=control_port_default,
+        allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
     return Node(cfg, opts).run()

@@ -18,11 +18,12 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     protos = sorted(HERE.glob("*.proto"))
-    args = ["protoc", f"-I{HERE}", f"--python_out={out_dir}", f"--pyi_out={out_dir}"]
-    grpc_protos = [p for p in protos if "service " in p.read_text()]
-    if grpc_protos:
-        args.append(f"--grpc_python_out={out_dir}")
-    if protoc.main([*args, *map(str, protos)]) != 0:
+    base = ["protoc", f"-I{HERE}"]
+    if protoc.main([*base, f"--python_out={out_dir}", f"--pyi_out={out_dir}", *map(str, protos)]) != 0:
+        raise SystemExit("protoc failed")
+    # gRPC stubs only for the protos that define a service (no empty *_pb2_grpc.py for the others)
+    grpc_protos = [p for p in protos if "\nservice " in p.read_text()]
+    if grpc_protos and protoc.main([*base, f"--grpc_python_out={out_dir}", *map(str, grpc_protos)]) != 0:
         raise SystemExit("protoc failed")
     generated = sorted(out_dir.glob("*_pb2*.py*"))
     for path in generated:  # generated grpc code imports siblings as top-level modules

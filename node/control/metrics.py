@@ -1,0 +1,184 @@
+"""Prometheus metrics of a running node: ``locoswarm run --metrics-port 9615`` -> ``GET /metrics``.
+
+The figures are those of the control API (one :class:`node.control.server.StatusSource`), in the text
+exposition format 0.0.4 with conventional names: a ``locoswarm_`` prefix, base units in the name
+(``_seconds``, ``_bytes``, ``_ratio``), ``_total`` on counters. A tiny ``http.server`` thread serves them,
+so no client library is needed; it listens on the control host (loopback unless the user allowed remote
+control), and is off by default.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from node.control import format_hostport
+from node.errors import UserError
+
+log = logging.getLogger("locoswarm.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float | int) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_text: str,
+               samples: Iterable[tuple[dict[str, object], float | int | None]]) -> None:
+        """One metric family; samples whose value is None are left out (the family's HELP/TYPE stay)."""
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            if value is None:
+                continue
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            self.lines.append(f"{name}{{{label_text}}} {_number(value)}" if label_text else f"{name} {_number(value)}")
+
+    def one(self, name: str, kind: str, help_text: str, value: float | int | None) -> None:
+        self.metric(name, kind, help_text, [({}, value)])
+
+
+def render_metrics(st: dict) -> str:
+    """The status dict (:meth:`StatusSource.snapshot`) in the Prometheus text format."""
+    w = _Writer()
+    w.metric("locoswarm_info", "gauge", "Constant 1, labelled with this node's identity and state.",
+             [({"peer_id": st.get("peer_id", ""), "swarm": st.get("swarm", ""),
+                "fingerprint": st.get("fingerprint", ""), "state": st.get("state") or ""}, 1)])
+    w.one("locoswarm_uptime_seconds", "gauge", "Seconds since the node started.", st.get("uptime_s"))
+    w.one("locoswarm_inner_steps_total", "counter", "Inner optimizer steps taken by this node.",
+          int(st.get("inner_step", 0)))
+    w.one("locoswarm_swarm_clock_steps", "gauge", "Swarm clock: steps of swarm-wide progress.", int(st.get("clock", 0)))
+    w.one("locoswarm_tokens_total", "counter", "Tokens this node has trained on.", int(st.get("tokens", 0)))
+    w.one("locoswarm_tokens_per_second", "gauge", "Training throughput of this node (tokens per second).",
+          float(st.get("tokens_per_s") or 0.0))
+    w.one("locoswarm_loss", "gauge", "Training loss of the last inner step.", st.get("loss"))
+    curve = st.get("eval_curve") or []
+    w.one("locoswarm_eval_loss", "gauge", "Held-out loss of the last evaluation.", curve[-1][1] if curve else None)
+    w.one("locoswarm_compute_utilization_ratio", "gauge", "Share of wall time spent in inner steps (0..1).",
+          float(st.get("compute_utilization") or 0.0))
+    peers = st.get("peers") or {}
+    w.one("locoswarm_peers", "gauge", "Live peers of the swarm seen in the DHT (this node excluded).", len(peers))
+    w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",
+             [({"result": "ok"}, int(st.get("syncs_ok", 0))), ({"result": "failed"}, int(st.get("syncs_failed", 0)))])
+    w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.",
+          int(st.get("catch_ups", 0)))
+    w.one("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging).",
+          int((st.get("consensus") or {}).get("rounds") or 0))
+    b = st.get("bytes") or {}
+    for direction in ("sent", "received"):
+        w.metric(f"locoswarm_bytes_{direction}_total", "counter",
+                 f"Bytes {direction} in averaging and state transfers, by peer.",
+                 [({"peer": p}, int(n)) for p, n in sorted((b.get(f"{direction}_by_peer") or {}).items())])
+    for direction in ("sent", "received"):
+        w.metric(f"locoswarm_fragment_bytes_{direction}_total", "counter", f"Bytes {direction}, by fragment.",
+                 [({"fragment": f}, int(n)) for f, n in
+                  sorted((b.get(f"{direction}_by_fragment") or {}).items(), key=lambda kv: int(kv[0]))])
+    frags = st.get("fragments") or []
+    clock = int(st.get("clock", 0))
+    w.metric("locoswarm_fragment_version", "gauge", "Outer steps applied to the fragment's phi.",
+             [({"fragment": f["fragment"]}, int(f.get("version", 0))) for f in frags])
+    w.metric("locoswarm_fragment_staleness_steps", "gauge", "Swarm steps since the fragment's last merged round.",
+             [({"fragment": f["fragment"]},
+               None if f.get("last_merge_clock") is None else max(0, clock - int(f["last_merge_clock"])))
+              for f in frags])
+    w.metric("locoswarm_fragment_group_size", "gauge", "Members of the fragment's last merged round.",
+             [({"fragment": f["fragment"]}, int(f["group_size"]) if f.get("group_size") else None) for f in frags])
+    w.metric("locoswarm_fragment_quantization_error_ratio", "gauge",
+             "Relative error of the fragment's last quantized pseudo-gradient.",
+             [({"fragment": f["fragment"]}, f.get("quant_error")) for f in frags])
+    spreads = [(f["fragment"], f.get("spread") or (st.get("spread") or {}).get(str(f["fragment"]))) for f in frags]
+    w.metric("locoswarm_fragment_distinct_hashes", "gauge",
+             "Distinct phi hashes among the peers at the fragment's shared version (1 = consensus).",
+             [({"fragment": i}, int(sp["distinct_hashes"]) if sp and sp.get("version") is not None else None)
+              for i, sp in spreads])
+    w.metric("locoswarm_fragment_version_lag", "gauge", "Highest minus lowest fragment version across peers.",
+             [({"fragment": i}, int(sp["max_lag"]) if sp else None) for i, sp in spreads])
+    now = st.get("now")
+    w.metric("locoswarm_peer_inner_steps", "gauge", "A peer's inner steps, from its last heartbeat.",
+             [({"peer": p}, int(info.get("inner_step", 0))) for p, info in sorted(peers.items())])
+    w.metric("locoswarm_peer_tokens_per_second", "gauge", "A peer's throughput, from its last heartbeat.",
+             [({"peer": p}, float(info.get("tokens_per_s", 0.0))) for p, info in sorted(peers.items())])
+    w.metric("locoswarm_peer_last_seen_seconds", "gauge", "Seconds since a peer's last heartbeat.",
+             [({"peer": p}, None if now is None else max(0.0, float(now) - float(info.get("time", now))))
+              for p, info in sorted(peers.items())])
+    return "\n".join(w.lines) + "\n"
+
+
+class MetricsServer:
+    """A daemon thread serving ``GET /metrics`` (and ``/``) from ``snapshot()``."""
+
+    def __init__(self, httpd: ThreadingHTTPServer) -> None:
+        self.httpd = httpd
+        self.port = int(httpd.server_address[1])
+        self.thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                       name="metrics", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(2.0)
+
+
+def start_metrics_server(snapshot: Callable[[], dict], host: str, port: int) -> MetricsServer:
+    """Serve ``render_metrics(snapshot())`` on ``http://host:port/metrics``; :class:`UserError` naming the
+    port if it is taken."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/", "/metrics"):
+                self.send_error(404, "try /metrics")
+                return
+            try:
+                body = render_metrics(snapshot()).encode()
+            except Exception as exc:  # report, never kill the thread
+                log.warning("metrics: %s", exc)
+                self.send_error(500, "status unavailable")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
+            log.debug("metrics: " + format, *args)
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    try:
+        httpd = Server((host.strip("[]"), port), Handler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"--metrics-port: port {port} on {host} is already in use (another node or program?); "
+                            f"pick another port") from None
+        raise UserError(f"--metrics-port: cannot listen on {format_hostport(host, port)} "
+                        f"({exc.strerror or exc})") from None
+    return MetricsServer(httpd)
+
+
+__all__ = ["CONTENT_TYPE", "MetricsServer", "render_metrics", "start_metrics_server"]
