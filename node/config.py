@@ -90,7 +90,7 @@ class InnerSection:
 
 @dataclass
 class OuterSection:
-    method: str = setting("compensate", shared=True,
+    method: str = setting("alpha", shared=True,
                           choices=("replace", "alpha", "rebase", "compensate", "eager"),
                           help="how a sync result is merged into the live params: replace (DiLoCo), "
                                "alpha (Streaming DiLoCo), rebase (DiLoCoX one-step delay), "

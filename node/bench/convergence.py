@@ -43,7 +43,7 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", {"preset": "tiny"}, workers=4, steps=300, h=30, fragments=2, tau=3,
+    "quick": Profile("quick", {"preset": "tiny"}, workers=4, steps=240, h=30, fragments=2, tau=3,
                      batch_size=8, seq_len=64, lr=2e-3, warmup=30, eval_every=15, eval_batches=8),
     "default": Profile("default", {"preset": "tiny"},
                        workers=4, steps=800, h=40, fragments=2, tau=4,
@@ -330,6 +330,18 @@ def render_markdown(setup: dict, results: dict, claims: list[dict], table: str, 
         "| claim | paper | measured | verdict |", "|---|---|---|---|",
     ]
     lines += [f"| {c['claim']} | {c['paper']} | {c['measured']} | {c['verdict']} |" for c in claims]
+    lines += ["", "## Methods as run", "",
+              "| method | merge | F | H | tau | codec | error feedback | schedule |",
+              "|---|---|---:|---:|---:|---|---|---|"]
+    for name, r in results.items():
+        o = r.get("outer")
+        if o is None:
+            lines.append(f"| {name} | gradients averaged every step | - | 1 | 0 | fp32 | - | - |")
+        else:
+            merge = f"alpha {o['alpha']}" if o["method"] == "alpha" else (
+                f"compensate lambda0 {o['lambda0']}" if o["method"] == "compensate" else o["method"])
+            lines.append(f"| {name} | {merge} | {o['fragments']} | {o['h']} | {o['tau']} | {o['codec']} | "
+                         f"{'yes' if o['error_feedback'] else 'no'} | {o['schedule']} |")
     lines += ["", "![eval loss](loss.png)", ""]
     return "\n".join(lines)
 
