@@ -303,10 +303,13 @@ class Node:
         take it from the most advanced peer when joining, or when our picks stop meeting anyone's."""
         if self.cfg.outer.schedule != "adaptive":
             return
-        donors = [hb for hb in self.peer_table.values() if hb.has_state and hb.fragments]
+        # Asymmetric, so that two nodes never adopt each other's state at once (and merely swap it):
+        # the state flows from the peer with the smallest id.
+        donors = [hb for hb in self.peer_table.values()
+                  if hb.has_state and hb.fragments and hb.peer_id < self.peer_id]
         if not donors:
             return
-        donor = max(donors, key=lambda hb: hb.clock)
+        donor = min(donors, key=lambda hb: hb.peer_id)
         for fs in donor.fragments:
             if fs.fragment < len(self.outer.states):
                 self.outer.states[fs.fragment].last_send = None if fs.last_send < 0 else int(fs.last_send)
