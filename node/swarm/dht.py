@@ -218,6 +218,10 @@ def _dht_class() -> type:
         import hivemind
 
         class GroupedDHT(hivemind.DHT):
+            def __init__(self, *args, **kwargs) -> None:
+                self._node_pid = os.getpid()  # the parent, recorded before the fork
+                super().__init__(*args, **kwargs)
+
             def run(self) -> None:
                 with contextlib.suppress(OSError):
                     os.setpgid(0, 0)
@@ -227,7 +231,9 @@ def _dht_class() -> type:
                 # handler takes this whole group (this process and its p2pd) down.
                 signal.signal(signal.SIGTERM, _kill_own_group)
                 _proc._prctl(_proc.PR_SET_PDEATHSIG, signal.SIGTERM)
-                if os.getppid() == 1:  # the node died before the request took effect
+                # The node died before the request took effect. (Compare with the recorded pid, not
+                # with 1: in a container without an init the node itself is PID 1.)
+                if os.getppid() != self._node_pid:
                     _kill_own_group(signal.SIGTERM, None)
                 super().run()
 
