@@ -31,6 +31,7 @@ from node.control.metrics import render_metrics
 from node.control.server import StatusSource, start_control_server, status_from_proto, status_to_proto
 from node.control.tui import render, short_id, sparkline
 from node.errors import UserError
+from node.swarm.averaging import ByteCounters
 from protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,20 +55,13 @@ def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.
 
 # ---- a stand-in node ----------------------------------------------------------------------------------
 
-class FakeCounters:
-    def __init__(self) -> None:
-        self.sent_by_peer = {PEER: 120_000}
-        self.received_by_peer = {PEER: 118_000}
-        self.sent_by_fragment = {0: 60_000, 1: 60_000}
-        self.received_by_fragment = {0: 59_000, 1: 59_000}
-
-    @property
-    def total_sent(self) -> int:
-        return sum(self.sent_by_peer.values())
-
-    @property
-    def total_received(self) -> int:
-        return sum(self.received_by_peer.values())
+def fake_counters() -> ByteCounters:
+    """The real byte counters, filled as after one round with one peer over two fragments."""
+    counters = ByteCounters()
+    for fragment in (0, 1):
+        counters.sent(PEER, fragment, 10, 60_000)
+        counters.received(PEER, fragment, 10, 59_000)
+    return counters
 
 
 class FakeNode:
@@ -77,7 +71,7 @@ class FakeNode:
         self.stop = threading.Event()
         self.status = {"loss": 3.2, "state": "training"}
         self.local_step, self.clock = 120, 124
-        self.counters = FakeCounters()
+        self.counters = fake_counters()
         now = time.time()
         hb = swarm_pb2.Heartbeat(peer_id=PEER, clock=124, inner_step=118, tokens_per_s=900.0, loss=3.1, time=now - 1,
                                  has_state=True, control_port=7616,
