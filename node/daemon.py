@@ -72,6 +72,7 @@ class Node:
         self.opts = opts
         self.fingerprint = fingerprint(cfg)
         self.stop = threading.Event()
+        self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
         self.published: dict = {}
         self.status: dict = {"state": "starting"}
@@ -83,6 +84,10 @@ class Node:
         self.compute_seconds = 0.0
         self._clock_seen: dict[str, tuple[int, float]] = {}
         self._clock_rate: dict[str, float] = {}
+        self._rounds_from: float | None = None  # monotonic time from which we enter rounds
+        self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
+        self.solo_steps = 0        # outer steps taken alone (no live peer), see _on_sync
+        self._alone = False
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -163,7 +168,7 @@ class Node:
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
-            pace_peers=self._pace_peers, grace=self._straggler_grace)
+            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -236,6 +241,7 @@ class Node:
 
         o = self.opts
         self.status["state"] = "training"
+        self._beat_soon()  # peers count us as a member of rounds from our next heartbeat: make it now
         last_log = time.monotonic()
         window_tokens, window_start = 0, time.monotonic()
         while not self.stop.is_set() and (o.max_steps is None or self.local_step < o.max_steps):
@@ -253,6 +259,7 @@ class Node:
             self.clock = self._swarm_clock(prev + 1)
             for ev in self.outer.advance(prev, self.clock, batch.numel()):
                 self._on_sync(ev)
+            self._realign_schedule()
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
             if o.eval_every and self.local_step % o.eval_every == 0:
                 self.eval_curve.append((self.clock, self._evaluate()))
@@ -275,13 +282,20 @@ class Node:
         if ev.kind == "sent":
             return
         detail = f"fragment {ev.fragment} round v{ev.version}"
+        if ev.kind == "merged" and ev.group_size == 1:
+            # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
+            # and announced once per stretch alone, so that it does not flood the log and events.
+            self.solo_steps += 1
+            if not self._alone:
+                self._alone = True
+                self._event("alone", f"no live peer: outer steps on this node's own progress (from {detail}) "
+                                     "until peers join", fragment=ev.fragment, version=ev.version)
+            return
         if ev.kind == "merged":
+            self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
-            if "no peer in group" in ev.error and self.peer_table and \
-                    self.clock - getattr(self, "_adopted_at", -10**9) >= self.cfg.outer.h:
-                self._adopt_schedule_state()
             if not self.peer_table:  # alone in the swarm: every round fails; not news
                 log.debug("%s", detail)
                 return
@@ -299,23 +313,33 @@ class Node:
         self.published[fragment] = self.outer.snapshot(fragment)
 
     def _adopt_schedule_state(self) -> None:
-        """The adaptive schedule picks from state every member must share (last sends, the averaged R):
-        take it from the most advanced peer when joining, or when our picks stop meeting anyone's."""
+        """When joining, start the adaptive schedule from a peer's state (last sends, the averaged R),
+        as its heartbeat tells it: usually right, and a slot's matchmaking corrects it otherwise
+        (see ``_realign_schedule``)."""
         if self.cfg.outer.schedule != "adaptive":
             return
-        # Asymmetric, so that two nodes never adopt each other's state at once (and merely swap it):
-        # the state flows from the peer with the smallest id.
-        donors = [hb for hb in self.peer_table.values()
-                  if hb.has_state and hb.fragments and hb.peer_id < self.peer_id]
+        donors = [hb for hb in self.peer_table.values() if hb.has_state and hb.fragments]
         if not donors:
             return
-        donor = min(donors, key=lambda hb: hb.peer_id)
+        donor = min(donors, key=lambda hb: hb.peer_id)  # the leader rule of the slots' matchmaking
         for fs in donor.fragments:
             if fs.fragment < len(self.outer.states):
                 self.outer.states[fs.fragment].last_send = None if fs.last_send < 0 else int(fs.last_send)
         if donor.shared_r:
             self.outer.shared_r = torch.tensor(list(donor.shared_r), dtype=torch.float32)
-        self._adopted_at = self.clock
+
+    def _realign_schedule(self) -> None:
+        """Adopt the slot leader's adaptive-schedule state when a slot showed that our picks differ
+        (``SwarmTransport.schedule_hint``); a hint older than our own latest send is left for a newer one."""
+        hint = self.transport.schedule_hint
+        if hint is None or hint.round <= self._realigned_at:
+            return
+        self._realigned_at = hint.round
+        if any(st.last_send is not None and st.last_send > hint.round for st in self.outer.states):
+            return
+        self.outer.adopt_schedule(hint.state, hint.fragment, hint.round)
+        self._event("realigned", f"adaptive schedule: took the state of slot leader {hint.leader[:12]} "
+                                 f"at slot {hint.round}")
 
     def _pace_peers(self) -> list[str]:
         """Live peers at least half as fast as this node: the ones a round waits for."""
@@ -378,13 +402,29 @@ class Node:
     def _heartbeats(self) -> None:
         interval = self.cfg.network.heartbeat_interval
         while not self.stop.is_set():
+            next_beat = time.monotonic() + interval
             try:
-                self.membership.publish(self._heartbeat())
+                hb = self._heartbeat()
+                self.membership.publish(hb)
+                if hb.has_state and self._rounds_from is None:
+                    # Peers refresh their tables every interval: after 1.5 of them, all count us in.
+                    self._rounds_from = time.monotonic() + 1.5 * interval
                 self.peer_table = self.membership.peers()
                 self._write_status()
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
-            self.stop.wait(interval)
+            # At most one early beat per 0.2 s: a burst of requests must not turn into DHT traffic.
+            self.stop.wait(min(0.2, interval))
+            self._beat.wait(max(0.0, next_beat - time.monotonic()))
+            self._beat.clear()
+
+    def _in_rounds(self) -> bool:
+        """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``)."""
+        return self._rounds_from is not None and time.monotonic() >= self._rounds_from
+
+    def _beat_soon(self) -> None:
+        """Publish a heartbeat and refresh the peer table now instead of at the next interval."""
+        self._beat.set()
 
     def _event(self, kind: str, detail: str, **fields) -> None:
         entry = {"time": time.time(), "kind": kind, "detail": detail, "clock": self.clock, **fields}
@@ -410,13 +450,15 @@ class Node:
             "eval_curve": getattr(self, "eval_curve", []),
             "fragments": [{"fragment": s.index, "version": s.version, "numel": s.numel,
                            "last_send": s.last_send, "quant_error": s.last_quant_error,
-                           "phi_hash": _crc(self.published[s.index].phi) if s.index in self.published else None}
+                           "phi_hash": _crc(self.published[s.index].phi) if s.index in self.published else None,
+                           "phi_norm": float(self.published[s.index].phi.norm()) if s.index in self.published
+                           else None}
                           for s in self.outer.states],
             "peers": {p: {"clock": hb.clock, "inner_step": hb.inner_step, "tokens_per_s": hb.tokens_per_s,
                           "time": hb.time} for p, hb in self.peer_table.items()},
             "spread": {str(k): v for k, v in spread.items()},
-            "syncs_ok": self.outer.stats.syncs_ok, "syncs_failed": self.outer.stats.syncs_failed,
-            "catch_ups": self.outer.stats.catch_ups,
+            "syncs_ok": self.outer.stats.syncs_ok - self.solo_steps, "syncs_failed": self.outer.stats.syncs_failed,
+            "catch_ups": self.outer.stats.catch_ups, "solo_steps": self.solo_steps,
             "consensus": {"rounds": self.outer.stats.consensus_rounds,
                           "last_shift": self.outer.stats.last_consensus_shift},
             "bytes": {"sent": self.counters.total_sent, "received": self.counters.total_received,
@@ -447,6 +489,7 @@ class Node:
         save_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
                         meta=self._checkpoint_meta())
         self.stop.set()
+        self._beat.set()
         try:
             self.membership.publish(self._heartbeat(leaving=True))
         except Exception as exc:
@@ -457,6 +500,7 @@ class Node:
 
     def _shutdown_network(self) -> None:
         self.stop.set()
+        self._beat.set()
         for name in ("control", "transport"):
             obj = getattr(self, name, None)
             if obj is not None:

@@ -104,7 +104,8 @@ class FakeNode:
                              "max_lag": 0},
                        "1": {"version": None, "holders": 0, "distinct_hashes": 0, "norm_spread": 0.0,
                              "max_version": 6, "max_lag": 1}},
-            "syncs_ok": 5, "syncs_failed": 1, "catch_ups": 0, "consensus": {"rounds": 0, "last_shift": None},
+            "syncs_ok": 5, "syncs_failed": 1, "catch_ups": 0, "solo_steps": 3,
+            "consensus": {"rounds": 0, "last_shift": None},
             "bytes": {"sent": c.total_sent, "received": c.total_received, "sent_by_peer": dict(c.sent_by_peer),
                       "received_by_peer": dict(c.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in c.sent_by_fragment.items()}},
@@ -152,7 +153,8 @@ def test_proto_round_trip_keeps_the_status(fake):
     _, source = fake
     st = source.snapshot()
     back = status_from_proto(status_to_proto(st))
-    for key in ("peer_id", "fingerprint", "clock", "inner_step", "tokens", "state", "syncs_ok", "syncs_failed"):
+    for key in ("peer_id", "fingerprint", "clock", "inner_step", "tokens", "state", "syncs_ok", "syncs_failed",
+                "solo_steps"):
         assert back[key] == st[key], key
     assert back["loss"] == pytest.approx(st["loss"])
     assert back["fragments"][1]["last_send"] is None and back["fragments"][1]["quant_error"] is None
@@ -172,7 +174,8 @@ def test_tui_frame_at_fixed_widths(fake, width):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= width
     for needle in ("test-swarm", SELF, "training", "1.0k tok/s", "83%", "fragments", "last sync", "staleness",
-                   "quant err", "3.4%", "2 at v7 agree", "swarm (1 peer in the DHT)", "(this node)", "recent events",
+                   "quant err", "3.4%", "2 at v7 agree", "3 outer steps with no peer", "swarm (1 peer in the DHT)",
+                   "(this node)", "recent events",
                    "joined", "timed out", "60.0 kB", "eval 3.400"):
         assert needle in text, (needle, text)
     assert short_id(PEER, 16 if width < 110 else 24 if width < 130 else 52) in text

@@ -723,6 +723,30 @@ def test_adaptive_schedule_group_members_pick_the_same_fragment(base_model) -> N
     assert torch.equal(swarm.loops[0].shared_r, swarm.loops[1].shared_r)
 
 
+def test_adaptive_schedule_adopting_the_leaders_state_realigns_picks(base_model) -> None:
+    """Two members whose schedule states diverged pick different fragments; once one adopts the other's
+    state as it was at the slot (what the slot's matchmaking tells it), they pick alike again."""
+    swarm = Swarm(base_model, 2, _outer(method="replace", h=4, fragments=2, schedule="adaptive", sends_per_h=2))
+    for t in range(1, 9):
+        swarm.step(t)
+    leader = swarm.loops[0]
+    pick = leader.schedule.pick(10, ScheduleView([s.last_send for s in leader.states], shared_r=leader.shared_r))
+    state_at_slot = leader.schedule_state()
+    swarm.loops[1].states[1 - pick].last_send = None  # diverged (say, a restart from an old checkpoint)
+    events = swarm.step(10)
+    picks = [[e.fragment for e in ev if e.kind == "sent"] for ev in events]
+    assert picks == [[pick], [1 - pick]]
+    leader_request = next(req for req, _ in reversed(swarm.transports[0].calls) if req.round == 10)
+    assert leader_request.schedule == state_at_slot and leader_request.fragment == pick
+    swarm.loops[1].adopt_schedule(leader_request.schedule, leader_request.fragment, 10)
+    assert swarm.loops[1].schedule_state() == swarm.loops[0].schedule_state()
+    for t in range(11, 23):
+        events = swarm.step(t)
+        sent = [[e.fragment for e in ev if e.kind == "sent"] for ev in events]
+        assert sent[0] == sent[1], (t, sent)
+        assert not _kinds(events[0], "failed") and not _kinds(events[1], "failed")
+
+
 # ---- consensus of phi under gossip -------------------------------------------------------------------
 
 def _spread(swarm: Swarm, n: int) -> float:

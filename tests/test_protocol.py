@@ -26,3 +26,32 @@ def test_heartbeat_stays_small_with_many_fragments():
                                             last_send=10**9) for i in range(32)],
         shared_r=[1.0] * 32)
     assert hb.ByteSize() < 4096
+
+
+def test_adaptive_slot_leader_state_becomes_the_schedule_hint() -> None:
+    """In an adaptive-schedule slot, a member whose pick or state differs from the member with the smallest
+    peer id is told that leader's state (to adopt); equal states, or being the leader, give no hint."""
+    from types import SimpleNamespace
+
+    from node.core.schedule import ScheduleState
+    from node.swarm.averaging import ScheduleHint, SwarmTransport, match_entry
+    from node.transport.base import AverageRequest
+
+    def request(fragment: int, last_send: tuple, shared_r: tuple | None) -> AverageRequest:
+        return AverageRequest(fragment=fragment, round=40, chunks=[], numel=0, weight=1.0, version=3,
+                              schedule=ScheduleState(last_send, shared_r))
+
+    leader_req = request(0, (None, 32), None)
+    mine = request(1, (36, 32), (0.25, 0.5))
+    entries = {"QmA": match_entry("QmA", leader_req, 1.0), "QmB": match_entry("QmB", mine, 1.1)}
+    me = SimpleNamespace(peer_id="QmB", schedule_hint=None)
+    SwarmTransport._check_schedule(me, mine, entries["QmB"], entries)
+    assert me.schedule_hint == ScheduleHint(40, 0, ScheduleState((None, 32), None), "QmA")
+    agreeing = request(0, (None, 32), None)
+    me = SimpleNamespace(peer_id="QmB", schedule_hint=None)
+    SwarmTransport._check_schedule(me, agreeing, match_entry("QmB", agreeing, 1.1),
+                                   {"QmA": entries["QmA"], "QmB": match_entry("QmB", agreeing, 1.1)})
+    assert me.schedule_hint is None
+    leader = SimpleNamespace(peer_id="QmA", schedule_hint=None)
+    SwarmTransport._check_schedule(leader, leader_req, entries["QmA"], entries)
+    assert leader.schedule_hint is None

@@ -78,12 +78,22 @@ def wait_until(predicate, timeout: float, what: str, nodes: list[NodeProc]) -> N
     raise AssertionError(f"timed out waiting for {what}\n{tails}")
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN FLAKY (issue 3 open): on a fast, quiet machine the tiny config's "
-                   "rounds last less than one heartbeat, so the joiner's first merged round can come later than "
-                   "2H+tau clock steps after joining; everything before that assertion held in every run")
-def test_three_nodes_average_agree_and_learn_then_a_fourth_joins(swarm):
-    n0 = swarm.start("n0")
-    n1, n2 = swarm.start("n1"), swarm.start("n2")
+def test_three_nodes_average_agree_and_learn_then_a_fourth_joins(tmp_path):
+    # Rounds that last a few heartbeats, as in any real swarm (H = 48 steps slowed 4x: ~1.7 s).
+    # With the tiny model's 10 ms steps a whole round would pass before a heartbeat announces a joiner,
+    # and "within two rounds" would measure heartbeat latency, not the protocol.
+    swarm = Swarm(tmp_path, outer={"h": 48, "tau": 4})
+    try:
+        _three_then_four(swarm)
+    finally:
+        swarm.stop()
+    assert not any(n.group_alive() for n in swarm.nodes), "processes left behind"
+
+
+def _three_then_four(swarm: Swarm) -> None:
+    slow = ("--throttle", "4")
+    n0 = swarm.start("n0", *slow)
+    n1, n2 = swarm.start("n1", *slow), swarm.start("n2", *slow)
     trio = [n0, n1, n2]
     cfg = load_config(swarm.config)
     for node in trio:  # every fragment gets averaged on every node
@@ -113,7 +123,7 @@ def test_three_nodes_average_agree_and_learn_then_a_fourth_joins(swarm):
     assert all(math.isfinite(n.status()["loss"]) for n in trio)
 
     # A fourth node joins mid-training: downloads the outer state and contributes within two rounds.
-    n3 = swarm.start("n3")
+    n3 = swarm.start("n3", *slow)
     st3 = n3.wait_status(lambda s: any(e["kind"] == "joined" for e in s.get("events", [])), 90, "joined")
     joined = next(e for e in st3["events"] if e["kind"] == "joined")
     assert "downloaded 2/2 fragments" in joined["detail"]
@@ -215,7 +225,10 @@ def test_unreachable_bootstrap_retries_with_a_clear_message(swarm):
 def test_group_sigkill_leaves_no_process(swarm):
     """`kill -9 -PGID` takes the node and its watchdog at once: the DHT child and p2pd still go."""
     node = swarm.start("n0")
-    node.wait_status(lambda s: s.get("state") == "training", 90, "training")
+    # Alone, it is a swarm of one: outer steps on its own progress (not one ever-growing delta).
+    st = node.wait_status(lambda s: s.get("solo_steps", 0) >= 4, 90, "outer steps alone")
+    assert all(f["version"] >= 1 for f in st["fragments"]) and st["syncs_ok"] == 0, st["fragments"]
+    assert [e["kind"] for e in st["events"]].count("alone") == 1, st["events"]
     descendants = node.descendants()
     assert len(descendants) >= 2  # watchdog, DHT child (+ its p2pd)
     node.kill(signal.SIGKILL)
@@ -233,10 +246,7 @@ def test_group_sigkill_leaves_no_process(swarm):
     {"method": "alpha", "tau": 2, "codec": "int8"},
     {"method": "rebase", "tau": 8},
     {"method": "eager", "tau": 8, "fragments": 1},
-    pytest.param({"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
-                 marks=pytest.mark.xfail(strict=False, reason="KNOWN FLAKY (issue 3 open): the adaptive "
-                                         "schedule's picks can diverge between nodes after a failed round; the "
-                                         "state adoption from heartbeats does not always re-align them in time")),
+    {"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
 ], ids=lambda o: o["method"])
 def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
     swarm = Swarm(tmp_path, outer=outer)
@@ -250,8 +260,6 @@ def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
         swarm.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN FLAKY (issue 3 open): the spread is read from heartbeats while "
-                   "fast rounds keep peers a version apart, so the norm comparison can mix versions")
 def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
     """group_size 2 in a 4-node swarm: groups differ per round; consensus rounds keep phi together."""
     swarm = Swarm(tmp_path, outer={"consensus_every": 2, "codec": "fp32"}, network={"group_size": 2})
@@ -261,10 +269,19 @@ def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
             node.wait_status(lambda s: s.get("consensus", {}).get("rounds", 0) >= 3 and len(merged(s)) >= 6,
                              180, "gossip and consensus rounds")
         assert all(e["group_size"] == 2 for n in nodes for e in merged(n.status()))
-        # The spread of phi across peers, as the nodes measure it from heartbeats (hash + norm).
-        spread = nodes[0].status()["spread"]
-        assert spread, "no spread measured"
-        norms = [v["norm_spread"] for v in spread.values() if v.get("norm_spread") is not None]
-        assert norms and max(norms) < 0.05, spread
+
+        # The spread of phi across peers, as a node measures it from heartbeats (norms of phi at the newest
+        # version >= 2 peers hold), falls within 5% and stays there.
+        def spreads() -> list[float]:
+            spread = nodes[0].status().get("spread") or {}
+            return [v["norm_spread"] for v in spread.values() if v.get("version") is not None]
+
+        wait_until(lambda: len(spreads()) == 2 and max(spreads()) < 0.05, 60, "phi spread within 5%", nodes)
+        seen = []
+        for _ in range(12):
+            time.sleep(0.5)
+            seen += spreads()
+        assert seen and max(seen) < 0.05, seen
+        assert all(n.status()["consensus"]["last_shift"] < 0.05 for n in nodes)
     finally:
         swarm.stop()

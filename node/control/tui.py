@@ -136,6 +136,9 @@ def _network_panel(st: dict) -> Panel:
     refusals = len(st.get("refusals") or [])
     g.add_row("other", Text.assemble(f"{st.get('catch_ups', 0)} catch-ups   ",
                                      (f"{refusals} refusals", "yellow" if refusals else "")))
+    solo = int(st.get("solo_steps", 0))
+    if solo:
+        g.add_row("alone", f"{solo} outer steps with no peer")
     return Panel(g, title="network", title_align="left", box=box.ROUNDED)
 
 

@@ -31,7 +31,7 @@ from node.core.consensus import CONSENSUS_CODEC, PhiConsensus, phi_digest
 from node.core.merge import eager_outer_gradient, merge_alpha, merge_compensate, merge_rebase, merge_replace
 from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
-from node.core.schedule import ScheduleView, make_schedule
+from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 
@@ -257,7 +257,23 @@ class OuterLoop:
     def _start(self, st: FragmentState, step: int, chunks: list[bytes]) -> AverageHandle:
         return self.transport.start_average(AverageRequest(
             fragment=st.index, round=step, chunks=chunks, numel=st.numel,
-            weight=st.tokens_since_send, version=st.version, extras=self._r_vector(step)))
+            weight=st.tokens_since_send, version=st.version, extras=self._r_vector(step),
+            schedule=self.schedule_state() if self.cfg.schedule == "adaptive" else None))
+
+    # ---- the adaptive schedule's shared state ---------------------------------------------------
+    def schedule_state(self) -> ScheduleState:
+        """What the adaptive schedule picks from (before this slot's pick is recorded)."""
+        r = None if self.shared_r is None else tuple(float(x) for x in self.shared_r.tolist())
+        return ScheduleState(tuple(s.last_send for s in self.states), r)
+
+    def adopt_schedule(self, state: ScheduleState, picked: int, step: int) -> None:
+        """Take another worker's schedule state as it was at its send slot ``step``, where it picked
+        ``picked``: from the next slot on, both pick the same fragments again. Used when members of a
+        swarm find they picked different fragments (a failed round, a join, a restart)."""
+        for st, last in zip(self.states, state.last_send, strict=True):
+            st.last_send = last
+        self.states[picked].last_send = step
+        self.shared_r = None if state.shared_r is None else torch.tensor(state.shared_r, dtype=torch.float32)
 
     def _r_vector(self, step: int) -> torch.Tensor:
         """CoCoDC's R_p = |phi_p - theta_p|_1 / (I_p |p|) for every fragment (adaptive schedule only)."""

@@ -19,6 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class ScheduleState:
+    """The adaptive schedule's state a worker picked from at one send slot (before its pick). It travels
+    with the sync request, so members that disagree learn it and re-align (``OuterLoop.adopt_schedule``)."""
+
+    last_send: tuple[int | None, ...]
+    shared_r: tuple[float, ...] | None
+
+
 @dataclass
 class ScheduleView:
     """What a schedule may look at; identical on every member of a group."""

@@ -6,7 +6,10 @@ A round of fragment ``p`` started at swarm step ``r``:
    polls it until every live peer has arrived or the window (``network.matchmaking_timeout`` after
    the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
    balanced groups of at most ``network.group_size``: random groups that change from round to round
-   (2 = pairwise gossip; as large as the swarm = all-reduce).
+   (2 = pairwise gossip; as large as the swarm = all-reduce). Under the adaptive schedule all members
+   of a send slot meet under one key whatever fragment they picked; a member whose pick or schedule
+   state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
+   A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
 2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``node.transport.reduce``):
    member ``i`` streams its chunks of part ``j`` to member ``j``, which waits for every member's part,
    takes the token-weighted fp32 mean, re-encodes it and streams it back to each member.
@@ -34,6 +37,7 @@ import torch
 
 from node.core.codecs import Codec
 from node.core.payload import chunk_bounds, decode_chunks
+from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.reduce import part_ranges, reduce_chunk
@@ -72,6 +76,27 @@ class ByteCounters:
     @property
     def total_received(self) -> int:
         return sum(self.received_by_peer.values())
+
+
+@dataclass(frozen=True)
+class ScheduleHint:
+    """The adaptive schedule's state to adopt: ``leader`` picked ``fragment`` from ``state`` at ``round``."""
+
+    round: int
+    fragment: int
+    state: ScheduleState
+    leader: str
+
+
+def match_entry(peer_id: str, req: AverageRequest, arrival: float) -> swarm_pb2.MatchEntry:
+    """This member's record in a round's matchmaking key."""
+    entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
+                                 digest=req.digest, fragment=req.fragment)
+    if req.schedule is not None:
+        entry.scheduled = True
+        entry.last_send.extend(-1 if t is None else t for t in req.schedule.last_send)
+        entry.shared_r.extend(req.schedule.shared_r or ())
+    return entry
 
 
 def group_hash(members: list[str]) -> bytes:
@@ -192,6 +217,9 @@ class SwarmTransport(Transport):
             ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
         fetch: downloads a fragment's outer state from given peers (``node.swarm.state_sync``).
+        ready: whether this node may enter rounds: a joining node waits until every peer has had the
+            time to see its heartbeat, since members that disagree on whether it is live would form
+            different groups and fail the round for everyone.
     """
 
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
@@ -200,7 +228,8 @@ class SwarmTransport(Transport):
                  latest_versions: Callable[[int], tuple[int, list[str]]],
                  fetch: Callable[[int, list[str], int], FragmentSnapshot | None],
                  pace_peers: Callable[[], list[str]] | None = None,
-                 grace: Callable[[], float] | None = None) -> None:
+                 grace: Callable[[], float] | None = None,
+                 ready: Callable[[], bool] | None = None) -> None:
         self.runtime = runtime
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
@@ -213,6 +242,9 @@ class SwarmTransport(Transport):
         self.live_peers = live_peers
         self.pace_peers = pace_peers or live_peers
         self.grace = grace or (lambda: matchmaking_timeout)
+        self.ready = ready or (lambda: True)
+        # The newest slot where this node's adaptive-schedule state differed from the slot leader's.
+        self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
         self.counters = ByteCounters()
@@ -259,6 +291,9 @@ class SwarmTransport(Transport):
 
     # ---- one round ------------------------------------------------------------------------------
     async def _average(self, req: AverageRequest) -> AverageResult:
+        if not self.ready():
+            return AverageResult.failed("joining: peers have not all seen this node's heartbeat yet",
+                                        own_weight=req.weight)
         matched = await self._matchmake(req)
         if matched is None:
             self._not_in_round(req.fragment, req.round)
@@ -268,6 +303,8 @@ class SwarmTransport(Transport):
                      if self.peer_id in g)
         if len(group) < 2:
             self._not_in_round(req.fragment, req.round)
+            if len(members) == 1 and not req.digest and not self.live_peers():
+                return self._solo(req)
             return AverageResult.failed("no peer in group", own_weight=req.weight)
         max_version = max(versions.get(p, req.version) for p in group)
         digests = self._digests.pop((req.fragment, req.round), {})
@@ -283,8 +320,33 @@ class SwarmTransport(Transport):
                 self.recent[req.fragment] = (max_version + 1, group)
         return result
 
-    def _match_key(self, fragment: int, round_: int) -> str:
+    def _solo(self, req: AverageRequest) -> AverageResult:
+        """A node with no live peer is a swarm of one: its "group average" is its own (quantized)
+        contribution, so it takes ordinary outer steps (DiLoCo with one worker) instead of carrying an
+        ever larger delta into the first round with peers, whose outer step would then be huge."""
+        average = decode_chunks(self._codec(req.codec), req.chunks, req.numel)
+        return AverageResult(ok=True, average=average, extras=req.extras.clone(), group_size=1,
+                             total_weight=req.weight, own_weight=req.weight, max_version=req.version)
+
+    def _match_key(self, fragment: int, round_: int, slot_wide: bool = False) -> str:
+        if slot_wide:  # adaptive schedule: every member of the slot meets here, whichever fragment it picked
+            return f"{self.swarm_key}/match/slot/{round_}"
         return f"{self.swarm_key}/match/{fragment}/{round_}"
+
+    def _check_schedule(self, req: AverageRequest, me: swarm_pb2.MatchEntry,
+                        entries: dict[str, swarm_pb2.MatchEntry]) -> None:
+        """Members of a slot must pick the same fragment from the same schedule state. When they do not,
+        the state of the member with the smallest peer id wins (one rule, so all converge on one state):
+        it is left in ``schedule_hint`` for the node to adopt between inner steps."""
+        leader = entries[min(entries)]
+        if not leader.scheduled or leader.peer_id == self.peer_id:
+            return
+        if (leader.fragment, list(leader.last_send), list(leader.shared_r)) == \
+                (me.fragment, list(me.last_send), list(me.shared_r)):
+            return
+        state = ScheduleState(tuple(None if t < 0 else int(t) for t in leader.last_send),
+                              tuple(leader.shared_r) if len(leader.shared_r) else None)
+        self.schedule_hint = ScheduleHint(req.round, int(leader.fragment), state, leader.peer_id)
 
     async def _read_entries(self, key: str) -> dict[str, swarm_pb2.MatchEntry]:
         found = await self.dht.get(key, latest=True, return_future=True)
@@ -303,9 +365,8 @@ class SwarmTransport(Transport):
     async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int]] | None:
         from hivemind.utils import get_dht_time
 
-        key = self._match_key(req.fragment, req.round)
-        me = swarm_pb2.MatchEntry(peer_id=self.peer_id, arrival=get_dht_time(), weight=req.weight,
-                                  version=req.version, digest=req.digest)
+        key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
+        me = match_entry(self.peer_id, req, get_dht_time())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.peer_id, return_future=True)
         expected = set(self.live_peers()) | {self.peer_id}
@@ -326,6 +387,9 @@ class SwarmTransport(Transport):
         if not set(entries) >= expected:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
+        if req.schedule is not None:
+            self._check_schedule(req, me, entries)
+            entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
         members = sorted(p for p, e in entries.items() if e.arrival <= window_end)
         if self.peer_id not in members:
             return None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.core.schedule import ScheduleState
+
 
 @dataclass
 class AverageRequest:
@@ -25,6 +27,7 @@ class AverageRequest:
     codec: str = ""            # payload codec when not the swarm's (consensus rounds carry fp32 phi)
     digest: bytes = b""        # when every member's digest is equal, nothing needs averaging: the round
                                # succeeds at once with ``average = None`` and no payload is exchanged
+    schedule: ScheduleState | None = None  # adaptive schedule: what the sender picked this fragment from
 
 
 @dataclass
