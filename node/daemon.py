@@ -419,7 +419,10 @@ class Node:
             self._beat.clear()
 
     def _in_rounds(self) -> bool:
-        """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``)."""
+        """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``);
+        with no peer at all there is nobody to disagree, and a lone node's rounds are its own."""
+        if not self.peer_table:
+            return True
         return self._rounds_from is not None and time.monotonic() >= self._rounds_from
 
     def _beat_soon(self) -> None:
