@@ -296,6 +296,9 @@ class Node:
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
+            if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
+                log.debug("%s", detail)
+                return
             if not self.peer_table:  # alone in the swarm: every round fails; not news
                 log.debug("%s", detail)
                 return

@@ -159,8 +159,8 @@ def test_sigkill_mid_round_stalls_nobody_and_the_node_resumes(swarm):
     # Restarted on its state dir, the node resumes from its checkpoint and rejoins.
     restarted = swarm.start("n2")
     assert restarted.proc.pid != victim_pid
-    st = restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", []))
-                               and merged(s), 120, "resume and a merged round")
+    restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", [])), 90, "resume")
+    st = restarted.wait_status(lambda s: merged(s), 90, "a merged round after resuming")
     assert st["syncs_ok"] >= 1
 
 
