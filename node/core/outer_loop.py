@@ -126,9 +126,25 @@ class OuterLoop:
         the swarm's progress): every send slot crossed is taken, each fragment at most once (its
         latest slot), and every result due by ``step`` is merged."""
         self.add_tokens(tokens)
+        first = max(prev + 1, step - self.cfg.h + 1)
+        if step - first < 1:
+            return self.collect(step) + self.send(step) + self.collect(step)
         events = []
-        for t in range(max(prev + 1, step - self.cfg.h + 1), step + 1):
-            events += self.collect(t) + self.send(t)
+        for t in range(first, step + 1):
+            events += self.collect(t)
+        # Only the latest crossed slot of each fragment: an older one is a round the others have most
+        # likely finished, so this node would arrive late to it and wait for nothing.
+        view = ScheduleView(last_send=[s.last_send for s in self.states], in_flight=set(self.pending),
+                            shared_r=self.shared_r)
+        latest: dict[int, int] = {}
+        for t in range(step, first - 1, -1):
+            due = self.schedule.due(t, view)
+            for p in due:
+                latest.setdefault(p, t)
+            if due and self.cfg.schedule == "adaptive":
+                break  # one pick per slot: the newest slot's
+        for t in sorted(set(latest.values())):
+            events += self.send(t, only={p for p, tp in latest.items() if tp == t})
         return events + self.collect(step)
 
     def collect(self, step: int) -> list[SyncEvent]:
@@ -141,12 +157,14 @@ class OuterLoop:
             events.append(self._merge(self.states[p], pend, self._wait(pend), step))
         return events
 
-    def send(self, step: int) -> list[SyncEvent]:
+    def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
         view = ScheduleView(last_send=[s.last_send for s in self.states],
                             in_flight=set(self.pending) if self.cfg.method != "eager" else set(),
                             shared_r=self.shared_r)
         events = []
         for p in self.schedule.due(step, view):
+            if only is not None and p not in only:
+                continue
             st = self.states[p]
             if p in self.pending and self.cfg.method != "eager":
                 continue  # still in flight: its progress rides on the next sync
