@@ -134,8 +134,7 @@ class OuterLoop:
             events += self.collect(t)
         # Only the latest crossed slot of each fragment: an older one is a round the others have most
         # likely finished, so this node would arrive late to it and wait for nothing.
-        view = ScheduleView(last_send=[s.last_send for s in self.states], in_flight=set(self.pending),
-                            shared_r=self.shared_r)
+        view = self._schedule_view()
         latest: dict[int, int] = {}
         for t in range(step, first - 1, -1):
             due = self.schedule.due(t, view)
@@ -158,9 +157,7 @@ class OuterLoop:
         return events
 
     def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
-        view = ScheduleView(last_send=[s.last_send for s in self.states],
-                            in_flight=set(self.pending) if self.cfg.method != "eager" else set(),
-                            shared_r=self.shared_r)
+        view = self._schedule_view()
         events = []
         for p in self.schedule.due(step, view):
             if only is not None and p not in only:
@@ -173,6 +170,12 @@ class OuterLoop:
             else:
                 events.extend(self._send(st, step))
         return events
+
+    def _schedule_view(self) -> ScheduleView:
+        # eager's syncs are always in flight (consumed at the next send), so they block no pick
+        return ScheduleView(last_send=[s.last_send for s in self.states],
+                            in_flight=set(self.pending) if self.cfg.method != "eager" else set(),
+                            shared_r=self.shared_r)
 
     def drain(self, step: int) -> list[SyncEvent]:
         """Merge every in-flight sync now (end of a run)."""
