@@ -431,15 +431,18 @@ def test_real_daemon_a_second_run_on_its_port_is_refused(daemon, tmp_path):
 
 FAKE_PEER = """
 import glob, os, signal, sys, threading
-import hivemind
+from pathlib import Path
 from hivemind.utils import get_dht_time
 from node.config import load_config
+from node.swarm.dht import start_dht
 from node.swarm.membership import Membership
 from protocol import swarm_pb2
 
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
-dht = hivemind.DHT(initial_peers=[sys.argv[2]], client_mode=True, start=True)
+# its own libp2p identity: heartbeats are signed with it (start_dht installs the record validators)
+dht = start_dht([sys.argv[2]], identity_path=Path(sys.argv[3]) / "identity.key", attempts=3, client_mode=True,
+                log=lambda line: print(line, file=sys.stderr))
 try:
     membership = Membership(dht, load_config(sys.argv[1], []), str(dht.peer_id))
     print(dht.peer_id, flush=True)
@@ -457,11 +460,12 @@ finally:
 
 
 @pytest.fixture
-def fake_peer(daemon):
+def fake_peer(daemon, tmp_path):
     """A second swarm member as the DHT sees it: a DHT client (its own process, so its hivemind state
     leaves with it) publishing a heartbeat every 0.5 s; it never holds state, so rounds ignore it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(daemon.config), daemon.addr], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(daemon.config), daemon.addr,
+                             str(tmp_path / "fake-peer")], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         peer_id = proc.stdout.readline().strip()
