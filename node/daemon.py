@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -170,7 +171,8 @@ class Node:
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
-            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds)
+            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds,
+            robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -283,6 +285,8 @@ class Node:
             self._publish(ev.fragment)
         if ev.kind == "sent":
             return
+        if ev.kind == "diverged":
+            self.inner.reset_state()
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
             # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
@@ -296,6 +300,8 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
+        elif ev.kind in ("refused", "diverged"):
+            detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
             if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
@@ -375,15 +381,31 @@ class Node:
         return best
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
-        best, holders = -1, []
+        """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.
+        One peer claiming a far newer version is not believed while others say otherwise
+        (``plausible_version``): a liar cannot lure the swarm into catching up from it."""
+        from node.swarm.averaging import plausible_version
+
+        claims: dict[str, int] = {}
         for pid, hb in self.peer_table.items():
+            if not hb.has_state or self.reputation.is_banned(pid):
+                continue
             for fs in hb.fragments:
-                if fs.fragment == fragment and hb.has_state:
-                    if fs.version > best:
-                        best, holders = fs.version, [pid]
-                    elif fs.version == best:
-                        holders.append(pid)
-        return best, holders
+                if fs.fragment == fragment:
+                    claims[pid] = int(fs.version)
+        best = plausible_version(claims)
+        return best, [p for p, v in claims.items() if v == best]
+
+    def _max_weight(self, peer: str, own_weight: float) -> float:
+        """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
+        trains in the same time at its announced throughput (at most 64x ours), times the screening's
+        slack. A peer without a heartbeat gets the slack alone."""
+        slack = self.cfg.robust.weight_factor
+        hb = self.peer_table.get(peer)
+        own_rate = float(self.status.get("tokens_per_s", 0.0) or 0.0)
+        if hb is None or own_rate <= 0 or not math.isfinite(hb.tokens_per_s):
+            return slack * own_weight
+        return slack * own_weight * min(64.0, max(1.0, hb.tokens_per_s / own_rate))
 
     # ---- heartbeats and status --------------------------------------------------------------------
     def _heartbeat(self, leaving: bool = False):
@@ -473,7 +495,7 @@ class Node:
                       "sent_by_peer": dict(self.counters.sent_by_peer),
                       "received_by_peer": dict(self.counters.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in self.counters.sent_by_fragment.items()}},
-            "refusals": list(self.transport.refusals[-20:]),
+            "refusals": list(self.transport.refusals)[-20:],
             "reputation": self.reputation.snapshot(),
             "events": self.events[-50:],
         }

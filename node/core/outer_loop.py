@@ -381,7 +381,7 @@ class OuterLoop:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
         phi, momentum = st.phi.clone(), st.momentum.clone()
         self.optimizer.step(phi, momentum, delta)
-        reason = check_outer_step(st.phi, st.momentum, phi, momentum, self.limits)
+        reason = check_outer_step(st.phi, st.momentum, phi, momentum, delta, self.limits)
         if reason is not None:
             return reason
         st.phi.copy_(phi)
