@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -82,8 +83,7 @@ class Node:
         self.tokens = 0
         self.started = time.time()
         self.compute_seconds = 0.0
-        self._clock_seen: dict[str, tuple[int, float]] = {}
-        self._clock_rate: dict[str, float] = {}
+        self._clock_warned: dict[str, float] = {}  # peer id -> monotonic time of the last warning
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self.solo_steps = 0        # outer steps taken alone (no live peer), see _on_sync
@@ -101,11 +101,9 @@ class Node:
             process.install_signal_handlers(self.stop)  # hivemind may have replaced them
             self._build()
             self._start_control()
-            # Heartbeats start now so peers see us at once; we count as a member of rounds
-            # ("has_state") only once training starts.
-            self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-            self._heartbeat_thread.start()
-            self._join_or_resume()
+            meta = self._resume()  # before any heartbeat: peers never see a clock from before the checkpoint
+            self._start_heartbeats()
+            self._join_or_resume(meta)
             self._train()
             self._leave()
             return 0
@@ -114,6 +112,7 @@ class Node:
             process.stop_watchdog(watchdog)
 
     def _start_network(self) -> None:
+        from node.swarm.clock import SwarmClock
         from node.swarm.dht import join_command, start_dht, visible_maddrs
         from node.swarm.membership import Membership, swarm_key
         from node.swarm.runtime import NetworkRuntime
@@ -128,6 +127,8 @@ class Node:
         self.membership = Membership(self.dht, self.cfg, self.peer_id)
         self.membership.check_fingerprint()
         self.membership.announce_fingerprint()
+        self.swarm_clock = SwarmClock(self.peer_id, self.cfg.network.heartbeat_interval,
+                                      on_implausible=self._on_implausible_clock)
         self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
         self.maddrs = visible_maddrs(self.dht)
         log.info("peer %s listening on %s", self.peer_id, " ".join(self.maddrs))
@@ -186,9 +187,9 @@ class Node:
                                                 any_port_if_taken=o.control_port_default)
             o.control_port = self.control.port  # what heartbeats announce
 
-    def _join_or_resume(self) -> None:
+    def _resume(self) -> dict | None:
+        """Load the state dir's checkpoint, if any; its meta (None without one)."""
         from node.checkpoint import load_checkpoint
-        from node.swarm.membership import swarm_clock
 
         doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
                               fingerprint=self.fingerprint)
@@ -198,7 +199,18 @@ class Node:
             self.clock = int(meta.get("clock", 0))
             self.tokens = int(meta.get("tokens", 0))
             self._event("resumed", f"from checkpoint at step {self.local_step}, clock {self.clock}")
+        return meta
+
+    def _start_heartbeats(self) -> None:
+        """Publish the first heartbeat now (a joiner is visible before it asks peers for state), then
+        one every interval. We count as a member of rounds ("has_state") only once training starts."""
+        self._beat_once()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def _join_or_resume(self, meta: dict | None) -> None:
         self.peer_table = self._wait_for_peers()
+        self.swarm_clock.observe_table(self.peer_table)
         holders = [p for p, hb in self.peer_table.items() if hb.has_state]
         if holders:
             fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
@@ -212,10 +224,12 @@ class Node:
                 st.momentum.copy_(snap.momentum.to(st.momentum.device))
                 st.version = snap.version
                 st.set_theta(st.phi - progress)
-            self.clock = max(self.clock, swarm_clock(self.peer_table, self.clock))
+            self.clock = self.swarm_clock.join(self.clock)
             self._adopt_schedule_state()
             self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
                                   f"{len(holders)} peer(s); swarm clock {self.clock}")
+        else:
+            self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
         for st in self.outer.states:
             self._publish(st.index)
         self.initial_eval = self._evaluate()
@@ -256,9 +270,12 @@ class Node:
             if o.throttle > 1:
                 time.sleep(step_time * (o.throttle - 1))
             prev = self.clock
-            self.clock = self._swarm_clock(prev + 1)
-            for ev in self.outer.advance(prev, self.clock, batch.numel()):
-                self._on_sync(ev)
+            self.clock = self.swarm_clock.tick(self.local_step)
+            if self.clock > prev:
+                for ev in self.outer.advance(prev, self.clock, batch.numel()):
+                    self._on_sync(ev)
+            else:  # ahead of the swarm's leader: our clock waits for it, and nothing new is due
+                self.outer.add_tokens(batch.numel())
             self._realign_schedule()
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
             if o.eval_every and self.local_step % o.eval_every == 0:
@@ -354,23 +371,12 @@ class Node:
         step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
         return max(0.05, 0.8 * self.cfg.outer.tau * step)
 
-    def _swarm_clock(self, own: int) -> int:
-        """Swarm-wide progress: the peers' clocks, extrapolated from their last heartbeat at their rate."""
-        now = time.time()
-        best = own
-        for pid, hb in self.peer_table.items():
-            # The rate is the peer's own inner steps per second, never its clock's: clocks adopt each
-            # other's estimates, and extrapolating those would feed back into a runaway.
-            prev = self._clock_seen.get(pid)
-            if prev is None or hb.time > prev[1]:
-                if prev is not None and hb.inner_step >= prev[0]:
-                    self._clock_rate[pid] = (hb.inner_step - prev[0]) / max(1e-3, hb.time - prev[1])
-                self._clock_seen[pid] = (hb.inner_step, hb.time)
-            rate = self._clock_rate.get(pid, 0.0)
-            # Heartbeat times are DHT time (wall clock); allow at most one interval of extrapolation.
-            ahead = min(max(0.0, now - hb.time), 2 * self.cfg.network.heartbeat_interval)
-            best = max(best, int(hb.clock + rate * ahead))
-        return best
+    def _on_implausible_clock(self, peer_id: str, detail: str) -> None:
+        """A peer's clock claim was ignored (``SwarmClock``); warned at most once a minute per peer."""
+        now = time.monotonic()
+        if now - self._clock_warned.get(peer_id, -math.inf) >= 60.0:
+            self._clock_warned[peer_id] = now
+            log.warning("ignored an implausible clock from peer %s: %s", peer_id, detail)
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         best, holders = -1, []
@@ -406,20 +412,27 @@ class Node:
         interval = self.cfg.network.heartbeat_interval
         while not self.stop.is_set():
             next_beat = time.monotonic() + interval
-            try:
-                hb = self._heartbeat()
-                self.membership.publish(hb)
-                if hb.has_state and self._rounds_from is None:
-                    # Peers refresh their tables every interval: after 1.5 of them, all count us in.
-                    self._rounds_from = time.monotonic() + 1.5 * interval
-                self.peer_table = self.membership.peers()
-                self._write_status()
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
             # At most one early beat per 0.2 s: a burst of requests must not turn into DHT traffic.
             self.stop.wait(min(0.2, interval))
             self._beat.wait(max(0.0, next_beat - time.monotonic()))
             self._beat.clear()
+            if not self.stop.is_set():
+                self._beat_once()
+
+    def _beat_once(self) -> None:
+        """Publish our heartbeat, refresh the peer table (and the swarm clock's view of it), write status."""
+        interval = self.cfg.network.heartbeat_interval
+        try:
+            hb = self._heartbeat()
+            self.membership.publish(hb)
+            if hb.has_state and self._rounds_from is None:
+                # Peers refresh their tables every interval: after 1.5 of them, all count us in.
+                self._rounds_from = time.monotonic() + 1.5 * interval
+            self.peer_table = self.membership.peers()
+            self.swarm_clock.observe_table(self.peer_table)
+            self._write_status()
+        except Exception as exc:
+            log.warning("heartbeat failed: %s", exc)
 
     def _in_rounds(self) -> bool:
         """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``);
