@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -83,7 +82,6 @@ class Node:
         self.tokens = 0
         self.started = time.time()
         self.compute_seconds = 0.0
-        self._clock_warned: dict[str, float] = {}  # peer id -> monotonic time of the last warning
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self.solo_steps = 0        # outer steps taken alone (no live peer), see _on_sync
@@ -112,7 +110,6 @@ class Node:
             process.stop_watchdog(watchdog)
 
     def _start_network(self) -> None:
-        from node.swarm.clock import SwarmClock
         from node.swarm.dht import join_command, start_dht, visible_maddrs
         from node.swarm.membership import Membership, swarm_key
         from node.swarm.runtime import NetworkRuntime
@@ -127,8 +124,6 @@ class Node:
         self.membership = Membership(self.dht, self.cfg, self.peer_id)
         self.membership.check_fingerprint()
         self.membership.announce_fingerprint()
-        self.swarm_clock = SwarmClock(self.peer_id, self.cfg.network.heartbeat_interval,
-                                      on_implausible=self._on_implausible_clock)
         self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
         self.maddrs = visible_maddrs(self.dht)
         log.info("peer %s listening on %s", self.peer_id, " ".join(self.maddrs))
@@ -144,6 +139,7 @@ class Node:
         from node.model import build_model, resolve_device
         from node.partition import partition
         from node.swarm.averaging import ByteCounters, SwarmTransport
+        from node.swarm.clock import SwarmClock
         from node.swarm.reputation import Reputation
         from node.swarm.state_sync import StateClient, StateServer
 
@@ -163,6 +159,9 @@ class Node:
         codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
         self.counters = ByteCounters()
         self.reputation = Reputation(log=logging.getLogger("locoswarm.reputation"))  # refusals and bans per peer
+        # An impossible clock claim is ignored and counted as an offence; banned peers' clocks do not count.
+        self.swarm_clock = SwarmClock(self.peer_id, cfg.network.heartbeat_interval, on_offence=self.reputation.refuse,
+                                      is_banned=self.reputation.is_banned)
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
                                         timeout=max(30.0, cfg.network.round_timeout))
         self.transport = SwarmTransport(
@@ -372,13 +371,6 @@ class Node:
         """How long a round may wait for slower peers without stalling training: the overlap tau."""
         step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
         return max(0.05, 0.8 * self.cfg.outer.tau * step)
-
-    def _on_implausible_clock(self, peer_id: str, detail: str) -> None:
-        """A peer's clock claim was ignored (``SwarmClock``); warned at most once a minute per peer."""
-        now = time.monotonic()
-        if now - self._clock_warned.get(peer_id, -math.inf) >= 60.0:
-            self._clock_warned[peer_id] = now
-            log.warning("ignored an implausible clock from peer %s: %s", peer_id, detail)
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         best, holders = -1, []

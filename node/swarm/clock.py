@@ -1,56 +1,55 @@
 """The swarm clock: swarm-wide progress counted in inner steps, the time base of rounds.
 
 Rounds of fragment p happen at clock values t with ``t % H == offset_p`` (``node.core.schedule``), and
-all members of a round must name it by the same t, so every node needs about the same clock at the
-same moment, advancing at about the pace of the fastest honest node's inner steps (a slower node
-adopts that pace, so it meets the others in the same rounds; its contribution is weighted by tokens).
+all members of a round name it by that t, so every node needs about the same clock at the same moment.
 
-How a node's clock moves (:meth:`SwarmClock.tick`, after each of its own inner steps):
+What the clock is: each node counts its own inner steps (+1 per step) and steers that count toward the
+**median** of the clocks of the live peers that train and its own (:meth:`SwarmClock.tick`). The swarm
+clock therefore advances at the inner-step pace of the swarm's median node: a faster node's clock runs
+a few steps ahead and slows down (it may stand still for a step), a slower node's runs behind and
+speeds up, and one far behind (a pause, a late joiner) jumps to the median. On a swarm of equally fast
+nodes it advances exactly one per inner step. It never goes down.
 
-- The **leader** is the peer with the smallest peer id among the fast tier: the nodes (this one
-  included) whose inner-step rate is within ``tier`` of the fastest known rate and whose clock keeps
-  pace with their own steps. The leader counts its own steps: +1 per step.
-- Every other node **follows the leader's line**: the leader's last accepted clock extrapolated at the
-  leader's inner-step rate (at most ``3 * interval`` ahead). Its clock takes that value, so it may
-  stand still while it is ahead of the line; it never goes down. Because a node only follows a peer
-  with a smaller id, adoption never runs in a circle: no node re-adopts its own estimate through
-  others, which is what made the previous clock (everyone took the max of everyone's extrapolation
-  and added +1 per step) run 1.2-1.65x faster than any node's inner steps.
-- Any node **catches up** with an accepted peer whose line is more than a small band ahead of it
-  (a node that fell behind, a leader that does not see a faster tier yet, nodes that disagree on who
-  leads).
+A peer's clock "now" is its last accepted heartbeat clock extrapolated at the swarm's *inner-step*
+rate (the median of the peers' and this node's measured inner-step rates), never at a rate measured
+from clocks: clocks adopt each other's values, and extrapolating those feeds back. That, with taking
+the *max* of the extrapolations and adding +1 per step on top, was the old clock's 1.2-1.65x drift:
+every overshoot (a peer paused for an eval or a round, extrapolated as if it kept stepping) was
+ratcheted in and never given back. A median is not moved by one such peer, nor by one liar.
 
-What a peer claims is checked before it counts (:meth:`SwarmClock.observe`, judged in
-:meth:`SwarmClock.settle`); an implausible claim is ignored and reported through ``on_implausible``:
+What a peer claims is checked before it counts (:meth:`SwarmClock.observe`, judged at the next
+:meth:`settle`, :meth:`tick` or :meth:`join`); an impossible claim is ignored (the peer's previous
+accepted value is kept) and reported to ``on_offence(peer, "clock", detail)``:
 
-- a known peer's clock must stay under a ceiling that grows at the fastest plausible step rate
-  (the fastest known rate, plus a margin) since its last accepted claim, plus a slack; a claim above
-  it is still accepted when the others back it (it is within the slack of the lower median of the
-  other peers' lines and this node's own clock);
-- a peer's first claim, one after a gap of ``4 * interval``, or one after a restart (its clock went
-  back) is checked against that lower median only; a lone peer cannot be contradicted;
-- inner steps that go back (a restart) or jump (a checkpoint load) reset the peer's rate instead of
-  being read as a huge rate; a rate above ``rate_ratio`` times the median of the known rates (or
-  ``max_rate``) is never used; timestamps are clamped to this node's own observation times.
+- between two heartbeats of a known peer, its inner steps may not advance faster than ``max_rate``
+  and its clock not faster than ``rate_factor`` times the swarm's inner-step rate (``max_rate``
+  while no rate is known), measured on this node's own time, plus a slack for polling jitter;
+- a peer's first claim (new, or back after a silence of ``4 * interval``) may not be more than that
+  slack above the lower median of the other witnesses (this node's clock once joined, the other
+  accepted peers, the other first claims seen together); a lone first claim cannot be contradicted;
+- a clock or inner step that goes back is a restart (it resumed from a checkpoint): accepted, and the
+  peer's rate is measured afresh instead of reading the checkpoint load as a huge rate; a value that
+  is negative, beyond 2**53, or a non-finite timestamp is absurd.
 
-All times are seconds of one clock function (``now``; wall time by default, as heartbeat times are).
+Banned peers (``is_banned``) and peers not heard of for ``4 * interval`` do not count. All times are
+seconds of one clock function (``now``; wall time by default, as heartbeat times are).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Protocol
 
 MAX_CLOCK = 2**53        # beyond this a clock is absurd (and no longer exact as a float)
 MIN_SLACK = 16           # steps a claim may exceed its bound by, whatever the rates
-MIN_BAND = 4             # steps a peer must be ahead before this node catches up with it
-JUMP_RATIO = 3.0         # a peer's heartbeat pair this much faster than its usual pace is a jump, not a rate
+MIN_BAND = 4             # steps behind the median beyond which this node jumps instead of steering
+GAIN = 0.1               # share of the distance to the median closed per inner step
 
 
 class HeartbeatLike(Protocol):
@@ -78,165 +77,105 @@ def lower_median(values: list[float]) -> float:
 
 
 class StepRate:
-    """Inner steps per second over a sliding window of (time, inner step, clock) samples.
+    """Inner steps per second over a sliding window of (time, inner step) samples."""
 
-    With ``jump_ratio`` (a peer's heartbeats), a sample pair more than ``jump_ratio`` times faster than
-    the median pair is a jump (a checkpoint load, a restart), not a rate: only what follows it counts,
-    and no rate is given before two pairs can be compared.
-    """
-
-    def __init__(self, window: float, min_span: float, jump_ratio: float | None = None) -> None:
+    def __init__(self, window: float, min_span: float) -> None:
         self.window = window
         self.min_span = min_span
-        self.jump_ratio = jump_ratio
-        self._samples: deque[tuple[float, int, int]] = deque()
-        self._rate: float | None = None
+        self._samples: deque[tuple[float, int]] = deque()
 
     def reset(self) -> None:
         self._samples.clear()
-        self._rate = None
 
-    def add(self, t: float, steps: int, clock: int) -> None:
+    def add(self, t: float, steps: int) -> None:
         if self._samples and t <= self._samples[-1][0]:
             return
-        self._samples.append((t, steps, clock))
+        self._samples.append((t, steps))
         while len(self._samples) > 2 and self._samples[1][0] <= t - self.window:
             self._samples.popleft()
-        self._rate = self._estimate()
 
     def rate(self) -> float | None:
-        """Steps per second, or None while the samples span less than ``min_span``."""
-        return self._rate
-
-    def _estimate(self) -> float | None:
-        first, last = self._samples[0], self._samples[-1]
-        if self.jump_ratio is not None:
-            samples = list(self._samples)
-            pairs = [(b[0] - a[0], b[1] - a[1]) for a, b in pairwise(samples)]
-            if len(pairs) < 2:
-                return None
-            median = lower_median([ds / dt for dt, ds in pairs])
-            jumps = [i for i, (dt, ds) in enumerate(pairs) if ds > self.jump_ratio * median * dt + 2]
-            if jumps:
-                first = samples[jumps[-1] + 1]
-        span = last[0] - first[0]
-        return (last[1] - first[1]) / span if span >= self.min_span else None
-
-    def keeps_pace(self, tier: float) -> bool:
-        """Whether the clock advanced at least about as much as the inner steps over the window, as
-        a leader's does (a node that lets the swarm clock fall behind cannot lead it)."""
+        """Steps per second, or None while the samples span less than ``min_span`` seconds."""
         if len(self._samples) < 2:
-            return False
-        (_, s0, c0), (_, s1, c1) = self._samples[0], self._samples[-1]
-        return c1 - c0 >= (1.0 - tier) * (s1 - s0) - 2
+            return None
+        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        return (s1 - s0) / (t1 - t0) if t1 - t0 >= self.min_span else None
 
 
 class PeerClock:
-    """What this node accepted from one peer: its last clock claim anchored at a local time, its
-    inner-step rate and the ceiling its next claim must stay under."""
+    """What this node accepted from one peer: its last clock and inner step, when (its timestamp,
+    clamped to this node's time: ``anchor``; this node's time: ``accepted_at``) and its step rate."""
 
-    def __init__(self, claim: Claim, anchor: float, now: float, slack: float, window: float, min_span: float) -> None:
+    def __init__(self, claim: Claim, anchor: float, window: float, min_span: float) -> None:
+        self.steps = StepRate(window, min_span)
         self.clock = claim.clock
         self.inner_step = claim.inner_step
         self.anchor = anchor
-        self.accepted_at = now
-        self.steps = StepRate(window, min_span, jump_ratio=JUMP_RATIO)
-        self.steps.add(anchor, claim.inner_step, claim.clock)
-        self._ceiling = claim.clock + slack
-        self._ceiling_at = now
+        self.accepted_at = claim.seen
+        self.steps.add(anchor, claim.inner_step)
 
-    def rate(self, cap: float) -> float | None:
-        rate = self.steps.rate()
-        return None if rate is None else min(rate, cap)
+    def went_back(self, claim: Claim) -> bool:
+        return claim.clock < self.clock or claim.inner_step < self.inner_step
 
-    def line(self, now: float, max_ahead: float, cap: float) -> float:
-        """The peer's clock now: its last accepted clock, extrapolated at its own inner-step rate."""
-        ahead = min(max(0.0, now - self.anchor), max_ahead)
-        return self.clock + (self.rate(cap) or 0.0) * ahead
-
-    def ceiling(self, now: float, cap_rate: float) -> float:
-        """The highest clock this peer may claim now: the ceiling grows at ``cap_rate`` steps/s."""
-        return self._ceiling + cap_rate * max(0.0, now - self._ceiling_at)
-
-    def accept(self, claim: Claim, anchor: float, now: float, *, slack: float, cap_rate: float,
-               rate_cap: float) -> None:
-        went_back = claim.inner_step < self.inner_step or claim.clock < self.clock
-        span = anchor - self.anchor
-        jumped = span > 0 and claim.inner_step - self.inner_step > rate_cap * span + 2
-        if went_back or jumped:
-            self.steps.reset()  # a restart or a checkpoint load: not a rate
-        self.steps.add(anchor, claim.inner_step, claim.clock)
-        # Token-bucket ceiling: slack once, not per heartbeat, so small lies cannot add up.
-        self._ceiling = min(self.ceiling(now, cap_rate), claim.clock + slack)
-        self._ceiling_at = now
+    def accept(self, claim: Claim, anchor: float) -> None:
+        restarted = self.went_back(claim)
+        if restarted:
+            self.steps.reset()  # a restart: what it did before is no rate
+        self.steps.add(anchor, claim.inner_step)
         self.clock, self.inner_step = claim.clock, claim.inner_step
-        self.anchor = max(self.anchor, anchor)
-        self.accepted_at = now
+        self.anchor = anchor if restarted else max(self.anchor, anchor)
+        self.accepted_at = claim.seen
+
+    def line(self, now: float, rate: float, max_ahead: float) -> float:
+        """The peer's clock now: its last accepted clock, extrapolated at ``rate`` (at most ``max_ahead`` s)."""
+        return self.clock + rate * min(max(0.0, now - self.anchor), max_ahead)
 
 
 @dataclass(frozen=True)
-class _View:
-    """What this node knows at one moment: live peers, known rates (capped) and the bounds from them."""
+class _Bounds:
+    """The rates and bounds of one moment: the swarm's inner-step rate (None while unknown), how fast a
+    clock may advance, the slack on top and the lag beyond which this node jumps to the median."""
 
-    now: float
-    live: dict[str, PeerClock]
-    rates: dict[str, float]
-    rate_cap: float
-    fastest: float
-    max_ahead: float
-    cap_rate: float
+    rate: float | None
+    clock_rate: float
     slack: float
+    tolerance: float
     band: float
-
-    def line(self, peer: PeerClock) -> float:
-        """The peer's clock now, extrapolated at its own inner-step rate (a leader's pace)."""
-        return peer.line(self.now, self.max_ahead, self.rate_cap)
-
-    def report(self, reports: list[tuple[str, str]], item: tuple[str, str]) -> None:
-        """Report an ignored claim, unless no rate is known yet: then claims made at different times
-        cannot be compared precisely, and an honest peer could be taken for a liar."""
-        if self.rates:
-            reports.append(item)
-
-    def swarm_line(self, clock: int, anchor: float) -> float:
-        """A clock claimed at ``anchor``, brought to now at the fastest known rate: the pace of every
-        clock of the swarm, followers' included (their own inner steps are slower)."""
-        return clock + self.fastest * min(max(0.0, self.now - anchor), self.max_ahead)
 
 
 class SwarmClock:
     """This node's swarm clock (see the module docstring).
 
     Args:
-        peer_id: this node's peer id (the leader is the smallest id of the fast tier).
-        interval: this node's heartbeat interval in seconds (how often it refreshes its peer table).
+        peer_id: this node's peer id.
+        interval: the heartbeat interval in seconds (how often peer tables are refreshed).
         clock: the clock to start from (a checkpoint's), until :meth:`join`.
-        on_implausible: called with ``(peer_id, detail)`` for every ignored claim.
-        now: the time function (wall time; heartbeat times are wall time too).
-        tier: a node within this fraction of the fastest rate may lead.
-        rate_ratio, max_rate: a rate above ``rate_ratio`` times the median known rate, or above
-            ``max_rate`` steps/s, is not used.
-        rate_margin: a clock may run this fraction faster than the fastest known rate.
+        on_offence: called with ``(peer_id, "clock", detail)`` for every ignored claim.
+        is_banned: peers for which it returns True do not count.
+        now: the time function (wall time: heartbeat timestamps are wall time too).
+        rate_factor: a clock may advance this many times faster than the swarm's inner-step rate.
+        max_rate: no inner-step rate above this (steps/s) is possible; the clock bound while no rate is known.
     """
 
     def __init__(self, peer_id: str, interval: float, *, clock: int = 0,
-                 on_implausible: Callable[[str, str], None] | None = None, now: Callable[[], float] = time.time,
-                 tier: float = 0.1, rate_ratio: float = 20.0, max_rate: float = 10_000.0,
-                 rate_margin: float = 0.25) -> None:
-        if interval <= 0:
-            raise ValueError(f"heartbeat interval must be > 0, got {interval}")
-        self.peer_id = peer_id
+                 on_offence: Callable[[str, str, str], object] | None = None,
+                 is_banned: Callable[[str], bool] | None = None, now: Callable[[], float] = time.time,
+                 rate_factor: float = 4.0, max_rate: float = 10_000.0) -> None:
+        if interval <= 0 or rate_factor < 1 or max_rate <= 0:
+            raise ValueError(f"need interval > 0, rate_factor >= 1, max_rate > 0 (got {interval}, {rate_factor}, "
+                             f"{max_rate})")
+        self.peer_id = str(peer_id)
         self.interval = float(interval)
-        self.on_implausible = on_implausible
-        self.tier = tier
-        self.rate_ratio = rate_ratio
-        self.max_rate = max_rate
-        self.rate_margin = rate_margin
-        self.max_ahead = 3.0 * self.interval   # extrapolation limit; an older heartbeat cannot lead
+        self.on_offence = on_offence
+        self.is_banned = is_banned
+        self.rate_factor = float(rate_factor)
+        self.max_rate = float(max_rate)
+        self.max_ahead = 2.0 * self.interval   # extrapolation limit: a table is refreshed every interval
         self.gap = 4.0 * self.interval         # a peer unheard of for longer is judged afresh
         self._window = 8.0 * self.interval
         self._now = now
         self._clock = max(0, int(clock))
+        self._pos = float(self._clock)         # the clock with its fraction (steering moves it by fractions)
         self._established = False              # own clock counts as a witness only after join()
         self._own = StepRate(self._window, 0.5 * self.interval)
         self._peers: dict[str, PeerClock] = {}
@@ -250,16 +189,27 @@ class SwarmClock:
         with self._lock:
             return self._clock
 
+    def peer_clock(self, peer_id: str) -> int | None:
+        """The last clock accepted from ``peer_id`` (None if none is)."""
+        with self._lock:
+            peer = self._peers.get(str(peer_id))
+            return None if peer is None else peer.clock
+
+    def rate(self) -> float | None:
+        """The swarm's inner-step rate (steps/s) as this node measures it; None while unknown."""
+        with self._lock:
+            return self._bounds(self._live(self._now())).rate
+
     def observe(self, peer_id: str, clock: int, inner_step: int, time: float) -> None:
-        """One heartbeat of a peer (judged at the next :meth:`settle`, :meth:`tick` or :meth:`join`,
-        together with the other claims seen since, so first claims can contradict each other)."""
+        """One heartbeat of a peer, judged at the next :meth:`settle`, :meth:`tick` or :meth:`join`
+        together with the others seen since (so first claims can contradict each other)."""
         claim = Claim(int(clock), int(inner_step), float(time), self._now())
         with self._lock:
             self._pending[str(peer_id)] = claim
 
     def observe_table(self, heartbeats: Mapping[str, HeartbeatLike]) -> None:
-        """The daemon's refreshed peer table: observe every peer that trains (a joining peer's clock
-        is not yet the swarm's), forget the others, and judge the claims."""
+        """The daemon's refreshed peer table: observe every peer that trains (a joining peer's clock is
+        not yet the swarm's), forget the others, and judge the claims."""
         with self._lock:
             for pid in [p for p in self._peers if p not in heartbeats or not heartbeats[p].has_state]:
                 del self._peers[pid]
@@ -281,23 +231,24 @@ class SwarmClock:
         now = self._now()
         with self._lock:
             reports = self._settle(now)
-            self._own.add(now, int(inner_step), self._clock)
-            self._clock = self._advance(self._view(now))
+            self._own.add(now, int(inner_step))
+            self._advance(now)
             clock = self._clock
         self._report(reports)
         return clock
 
     def join(self, own_clock: int) -> int:
-        """Entering the swarm (after the state download): take the swarm's clock, the highest line of
-        the accepted peers (first claims judged against each other: a lying peer's huge clock is not
-        taken when others contradict it), or ``own_clock`` when no peer trains. From here on this
-        node's clock also counts as a witness against other peers' claims."""
+        """Entering the swarm (after the state download): take the median of the accepted peers' clocks,
+        or ``own_clock`` when no peer trains. From here on this node's clock is also a witness."""
         now = self._now()
         with self._lock:
             reports = self._settle(now)
-            view = self._view(now)
-            lines = [view.line(p) for p in view.live.values()]
-            self._clock = min(MAX_CLOCK, int(max(lines))) if lines else max(0, int(own_clock))
+            live = self._live(now)
+            rate = self._bounds(live).rate or 0.0
+            lines = [p.line(now, rate, self.max_ahead) for p in live.values()]
+            start = statistics.median(lines) if lines else max(0, int(own_clock))
+            self._clock = min(MAX_CLOCK, max(0, int(start)))
+            self._pos = float(self._clock)
             self._established = True
             clock = self._clock
         self._report(reports)
@@ -308,6 +259,7 @@ class SwarmClock:
         reports: list[tuple[str, str]] = []
         batch, self._pending = self._pending, {}
         firsts: dict[str, Claim] = {}
+        bounds = self._bounds(self._live(now))
         for pid, claim in batch.items():
             stamp = claim.time if math.isfinite(claim.time) else math.inf  # NaN would never compare as seen
             if stamp <= self._seen.get(pid, -math.inf):
@@ -318,102 +270,94 @@ class SwarmClock:
                                      f"time {claim.time}"))
                 continue
             peer = self._peers.get(pid)
-            if peer is None or claim.seen - peer.accepted_at > self.gap or claim.clock < peer.clock:
-                firsts[pid] = claim  # new, back after a gap, or restarted: judged against the others
+            if peer is None or claim.seen - peer.accepted_at > self.gap:
+                firsts[pid] = claim  # new, or back after a silence: judged against the others
             else:
-                self._judge_known(pid, peer, claim, self._view(now), reports)
+                self._judge_known(pid, peer, claim, bounds, reports)
         for pid, claim in firsts.items():
-            self._judge_first(pid, claim, [c for q, c in firsts.items() if q != pid], self._view(now), reports)
+            self._judge_first(pid, claim, [c for q, c in firsts.items() if q != pid], now, bounds, reports)
         return reports
 
-    def _judge_known(self, pid: str, peer: PeerClock, claim: Claim, view: _View,
+    def _judge_known(self, pid: str, peer: PeerClock, claim: Claim, bounds: _Bounds,
                      reports: list[tuple[str, str]]) -> None:
-        ceiling = peer.ceiling(claim.seen, view.cap_rate)
-        if claim.clock > ceiling:
-            ref = self._reference(view, pid, [])
-            if ref is None or view.swarm_line(claim.clock, self._anchor(claim)) > ref + view.slack:
-                view.report(reports, (pid, f"clock {claim.clock} above its bound {int(ceiling)} (it claimed "
-                                           f"{peer.clock} {claim.seen - peer.accepted_at:.1f} s before; fastest "
-                                           f"plausible rate {view.cap_rate:.1f}/s)"))
+        if not peer.went_back(claim):
+            # Elapsed time on this node's clock: a peer's own timestamps cannot stretch its allowance.
+            elapsed = max(0.0, claim.seen - peer.accepted_at)
+            steps, clock = claim.inner_step - peer.inner_step, claim.clock - peer.clock
+            max_steps = self.max_rate * elapsed + bounds.slack
+            max_clock = bounds.clock_rate * elapsed + bounds.slack
+            if steps > max_steps:
+                reports.append((pid, f"inner step jumped {peer.inner_step} -> {claim.inner_step} in {elapsed:.1f} s "
+                                     f"(at most {max_steps:.0f} possible)"))
                 return
-        peer.accept(claim, self._anchor(claim), claim.seen, slack=view.slack, cap_rate=view.cap_rate,
-                    rate_cap=view.rate_cap)
+            if clock > max_clock:
+                reports.append((pid, f"clock jumped {peer.clock} -> {claim.clock} in {elapsed:.1f} s (at most "
+                                     f"{max_clock:.0f} possible at {bounds.clock_rate:.1f} steps/s)"))
+                return
+        peer.accept(claim, self._anchor(claim))
 
-    def _judge_first(self, pid: str, claim: Claim, others: list[Claim], view: _View,
+    def _judge_first(self, pid: str, claim: Claim, others: list[Claim], now: float, bounds: _Bounds,
                      reports: list[tuple[str, str]]) -> None:
-        ref = self._reference(view, pid, others)
-        if ref is not None and view.swarm_line(claim.clock, self._anchor(claim)) > ref + view.slack:
-            view.report(reports, (pid, f"clock {claim.clock} more than {view.slack:.0f} steps above the swarm's "
-                                       f"{ref:.0f} (the lower median of the other peers and this node)"))
-            return
-        self._peers[pid] = PeerClock(claim, self._anchor(claim), claim.seen, view.slack, self._window,
-                                      0.5 * self.interval)
-
-    def _reference(self, view: _View, exclude: str, extra: list[Claim]) -> float | None:
-        """The swarm's clock now according to the others: the lower median of this node's clock (once
-        joined), the other accepted peers' clocks and ``extra`` (the other first claims being judged),
-        each brought to now at the swarm's pace; None without witnesses."""
-        witnesses = [view.swarm_line(c.clock, self._anchor(c)) for c in extra]
-        witnesses += [view.swarm_line(p.clock, p.anchor) for q, p in view.live.items() if q != exclude]
+        rate = bounds.rate or 0.0
+        witnesses = [c.clock + rate * min(max(0.0, now - self._anchor(c)), self.max_ahead) for c in others]
+        witnesses += [p.line(now, rate, self.max_ahead) for q, p in self._live(now).items() if q != pid]
         if self._established:
-            witnesses.append(float(self._clock))
-        return lower_median(witnesses) if witnesses else None
+            witnesses.append(self._pos)
+        line = claim.clock + rate * min(max(0.0, now - self._anchor(claim)), self.max_ahead)
+        if witnesses and line > (ref := lower_median(witnesses)) + bounds.slack:
+            reports.append((pid, f"clock {claim.clock} is more than {bounds.slack:.0f} steps above the swarm's "
+                                 f"{ref:.0f} (lower median of {len(witnesses)} other clock(s))"))
+            return
+        self._peers[pid] = PeerClock(claim, self._anchor(claim), self._window, 0.5 * self.interval)
 
     def _anchor(self, claim: Claim) -> float:
-        """The heartbeat's time on this node's clock: the peer's timestamp, but never after this node
-        saw it nor more than ``max_ahead`` before (a skewed or lying timestamp moves nothing far)."""
+        """The heartbeat's time on this node's clock: the peer's timestamp, but never after this node saw
+        it nor more than ``max_ahead`` before (a skewed or lying timestamp moves nothing far)."""
         return min(claim.seen, max(claim.seen - self.max_ahead, claim.time))
 
-    # ---- rates and bands -------------------------------------------------------------------------
-    def _view(self, now: float) -> _View:
-        """The live peers and the rates and bounds derived from them, at ``now``."""
-        live = {pid: p for pid, p in self._peers.items() if now - p.accepted_at <= self.gap}
-        rates = {pid: r for pid, p in live.items() if (r := p.steps.rate()) is not None}
-        own = self._own.rate()
-        if own is not None:
-            rates[self.peer_id] = own
-        positive = [r for r in rates.values() if r > 0]
-        # No rate above this is used: rate_ratio times the median of the known rates.
-        rate_cap = min(self.max_rate, self.rate_ratio * lower_median(positive) if positive else self.max_rate)
-        rates = {pid: min(r, rate_cap) for pid, r in rates.items()}
-        fastest = max(rates.values(), default=0.0)
-        return _View(
-            now=now, live=live, rates=rates, rate_cap=rate_cap, fastest=fastest, max_ahead=self.max_ahead,
-            # how fast any clock may plausibly run: the fastest known rate plus a margin
-            cap_rate=(1.0 + self.rate_margin) * fastest if rates else self.max_rate,
-            # steps a claim may exceed its bound by: polling jitter and extrapolation error
-            slack=MIN_SLACK + 3.0 * (1.0 + self.rate_margin) * fastest * self.interval,
-            # how far a peer must be ahead before this node catches up with it outside the leader rule
-            band=MIN_BAND + 2.0 * fastest * self.interval)
+    # ---- rates and bounds ------------------------------------------------------------------------
+    def _live(self, now: float) -> dict[str, PeerClock]:
+        """Accepted peers heard of within ``gap`` and not banned."""
+        return {pid: p for pid, p in self._peers.items()
+                if now - p.accepted_at <= self.gap and not (self.is_banned is not None and self.is_banned(pid))}
+
+    def _bounds(self, live: Mapping[str, PeerClock]) -> _Bounds:
+        rates = [r for p in live.values() if (r := p.steps.rate()) is not None]
+        if (own := self._own.rate()) is not None:
+            rates.append(own)
+        rate = min(statistics.median(rates), self.max_rate) if rates else None
+        clock_rate = self.rate_factor * rate if rate is not None else self.max_rate
+        return _Bounds(rate=rate, clock_rate=clock_rate,
+                       slack=MIN_SLACK + clock_rate * self.interval,  # a heartbeat's age varies by an interval
+                       tolerance=MIN_BAND + 0.5 * (rate or 0.0) * self.interval,
+                       band=2 * MIN_BAND + 3.0 * (rate or 0.0) * self.interval)
 
     # ---- this node's clock -----------------------------------------------------------------------
-    def _leader(self, view: _View) -> str | None:
-        """The peer this node follows (None: this node counts its own steps)."""
-        rates = {pid: r for pid, r in view.rates.items() if pid == self.peer_id or (
-            view.live[pid].steps.keeps_pace(self.tier)
-            and view.now - view.live[pid].anchor <= self.max_ahead)}  # a leader gone silent is not followed
-        if not rates:
-            return None
-        fastest = max(rates.values())
-        leader = min(pid for pid, r in rates.items() if r >= (1.0 - self.tier) * fastest)
-        return None if leader == self.peer_id else leader
-
-    def _advance(self, view: _View) -> int:
-        clock = self._clock
-        nxt = float(clock + 1)
-        leader = self._leader(view)
-        if leader is not None:
-            line = view.line(view.live[leader])
-            if line >= clock - view.band:  # far behind us: the leader is not tracking; count our own steps
-                nxt = max(float(clock), math.floor(line))
-        top = max((view.line(p) for p in view.live.values()), default=-math.inf)
-        if top > nxt + view.band:
-            nxt = math.floor(top)
-        return min(MAX_CLOCK, max(clock, int(nxt)))
+    def _advance(self, now: float) -> None:
+        """One own inner step: +1, steered toward the median of the live clocks (own included)."""
+        live = self._live(now)
+        if not live:
+            self._pos += 1.0
+        else:
+            bounds = self._bounds(live)
+            lines = [p.line(now, bounds.rate or 0.0, self.max_ahead) for p in live.values()]
+            median = statistics.median([*lines, self._pos])
+            lag = median - self._pos
+            if lag > bounds.band:
+                self._pos = median  # far behind (a long pause, a slow node): take the swarm's clock
+            else:
+                # Within ``tolerance`` the lag is the heartbeats' staleness, not a different pace: steering
+                # on it would slow every node down (or, with overshooting lines, speed it up).
+                excess = math.copysign(max(0.0, abs(lag) - bounds.tolerance), lag)
+                self._pos += max(0.0, 1.0 + GAIN * excess)  # ahead: slower, even standing still; behind: faster
+        self._pos = min(float(MAX_CLOCK), self._pos)
+        self._clock = max(self._clock, math.floor(self._pos))
 
     def _report(self, reports: list[tuple[str, str]]) -> None:
-        if self.on_implausible is None:
+        if self.on_offence is None:
             return
         for pid, detail in reports:
-            self.on_implausible(pid, detail)
+            self.on_offence(pid, "clock", detail)
 
+
+__all__ = ["MAX_CLOCK", "SwarmClock"]
