@@ -6,8 +6,9 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
 2. build the model and data; resume from the state dir's checkpoint, if any; when peers already hold
    outer state, download phi and momentum from them (spread over several peers) before training;
 3. train: an inner AdamW step, then the outer core (``OuterLoop.advance``) on the swarm clock
-   (swarm-wide progress from heartbeats: a slower node adopts the faster ones' clock, so all meet in
-   the same rounds, each contribution weighted by its tokens); averaging runs on the network thread
+   (swarm-wide progress from heartbeats, ``node.swarm.clock``: every node steers toward the median of
+   the validated clocks, so all meet in the same rounds, each contribution weighted by its tokens);
+   averaging runs on the network thread
    while training goes on; results merge between inner steps;
 4. publish a heartbeat every ``network.heartbeat_interval`` (and ``status.json`` in the state dir);
    checkpoint atomically every ``--checkpoint-every`` steps;
@@ -275,7 +276,7 @@ class Node:
             if self.clock > prev:
                 for ev in self.outer.advance(prev, self.clock, batch.numel()):
                     self._on_sync(ev)
-            else:  # ahead of the swarm's leader: our clock waits for it, and nothing new is due
+            else:  # ahead of the swarm's median: our clock waits for it, and nothing new is due
                 self.outer.add_tokens(batch.numel())
             self._realign_schedule()
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
