@@ -160,7 +160,9 @@ class Node:
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
         codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
         self.counters = ByteCounters()
-        self.reputation = Reputation(log=logging.getLogger("locoswarm.reputation"))  # refusals and bans per peer
+        rb = cfg.robust  # refusals and bans per peer
+        self.reputation = Reputation(rb.ban_threshold, rb.ban_seconds, rb.ban_window,
+                                     log=logging.getLogger("locoswarm.reputation"))
         # An impossible clock claim is ignored and counted as an offence; banned peers' clocks do not count.
         self.swarm_clock = SwarmClock(self.peer_id, cfg.network.heartbeat_interval, on_offence=self.reputation.refuse,
                                       is_banned=self.reputation.is_banned)
