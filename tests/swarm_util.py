@@ -54,16 +54,21 @@ def write_config(path: Path, **sections: dict) -> Path:
 
 
 class NodeProc:
-    def __init__(self, name: str, state_dir: Path, args: list[str], log_path: Path) -> None:
+    """A ``locoswarm run`` process (or, with ``command``, another ``python -m ...`` entry point that takes
+    a node's arguments, e.g. ``["node.bench.hostile", "--attack", "nan"]``)."""
+
+    def __init__(self, name: str, state_dir: Path, args: list[str], log_path: Path,
+                 command: list[str] | None = None) -> None:
         self.name = name
         self.state_dir = state_dir
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "node.cli", "run", "--state-dir", str(state_dir),
-                                      "--threads", "1", *args], cwd=REPO, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        entry = command or ["node.cli", "run"]
+        self.proc = subprocess.Popen([sys.executable, "-m", *entry, "--state-dir", str(state_dir), "--threads", "1",
+                                      *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self.pgid = self.proc.pid
 
     def status(self) -> dict:

@@ -1,0 +1,650 @@
+"""``python -m node.bench.hostile``: a hostile peer, for the adversarial tests and ``bench robustness``.
+
+Nothing here is imported by the node: the production modules carry no attack code. A hostile *node*
+is the ordinary ``locoswarm run`` with monkeypatches applied in its own process before it starts
+(``--attack KIND``, or env ``LOCOSWARM_ATTACK``); every other argument is ``locoswarm run``'s. Kinds:
+
+- ``weight``:  its contributions claim a token weight of 1e30;
+- ``values``:  its contribution chunks hold values of 1e30 (finite, encoded with the swarm's codec);
+- ``nan``:     its contribution chunks decode to NaN (NaN block scales; raw NaN for fp32/bf16);
+- ``reducer``: as a reducer it returns reduced chunks of 1e30 (to everyone, itself included);
+- ``state``:   its heartbeats claim version +1000 of every fragment and its state server serves NaN phi
+  and momentum at that version;
+- ``clock``:   its heartbeat clock claims +10000 more every ``--attack-period`` seconds;
+- ``forge``:   its contribution headers name another member as the sender.
+
+A hostile *client* never publishes a heartbeat nor enters matchmaking; it joins the DHT with its own
+libp2p identity (``--state-dir``) and:
+
+- ``inject``:   reads the public match keys of recent rounds and streams plausible contributions to
+  the members it finds, the header's sender alternately forged (another member's id) and its own;
+- ``flood``:    opens many concurrent streams to each live peer's averaging handler, each sending a
+  frame that announces ``--frame-mib`` MiB (half of them after a valid header) as fast as the peer
+  takes it;
+- ``download``: requests full state downloads of every fragment from every live peer, in a loop.
+
+A client runs ``--seconds`` and writes what it achieved as JSON (``--report FILE``, and one
+``hostile-report: {...}`` line on stdout): contributions accepted/refused, streams refused, bytes, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("locoswarm.hostile")
+
+ABSURD = 1e30            # the weight/values/reduced values of the attacks
+VERSION_LIE = 1000       # ``state``: versions claimed above the real ones
+CLOCK_JUMP = 10_000      # ``clock``: clock claimed above the real one, once more per period
+ATTACK_ENV = "LOCOSWARM_ATTACK"
+MIB = 1 << 20
+
+
+class HostileError(Exception):
+    """A bad argument: one line for the user."""
+
+
+# ---- payload forgery ------------------------------------------------------------------------------
+
+
+def absurd_chunk(codec, numel: int) -> bytes:
+    """``numel`` values of 1e30, encoded with ``codec`` (finite: they pass the codec's own checks)."""
+    return codec.encode(torch.full((numel,), ABSURD))
+
+
+def nan_chunk(codec, numel: int) -> bytes:
+    """Bytes of the exact codec size that decode to NaN: NaN block scales for the block codecs (fp4,
+    int8), raw NaN for fp32 and bf16. A codec's encoder refuses NaN, so these are written by hand."""
+    if codec.name == "fp32":
+        return b"\x00\x00\xc0\x7f" * numel
+    if codec.name == "bf16":
+        return b"\xc0\x7f" * numel
+    data = bytearray(codec.encode(torch.full((numel,), 0.01)))
+    n_blocks = -(-numel // codec.block_size)
+    data[:4 * n_blocks] = b"\x00\x00\xc0\x7f" * n_blocks
+    return bytes(data)
+
+
+# ---- node attacks: monkeypatches of one node process -----------------------------------------------
+
+
+class NodeAttack(ABC):
+    """One attack of a hostile node: patches applied to the node's classes before it runs."""
+
+    name: str
+    help: str
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+
+    @abstractmethod
+    def apply(self) -> None:
+        """Install the patches (in this process only)."""
+
+
+class _ContributionAttack(NodeAttack):
+    """Rewrites the request this node streams to each reducer (``SwarmTransport._send_part``)."""
+
+    def apply(self) -> None:
+        from node.swarm.averaging import SwarmTransport
+
+        original = SwarmTransport._send_part
+        attack = self
+
+        @functools.wraps(original)
+        async def send_part(transport, peer, req, ghash, part, bounds, *rest):
+            return await original(transport, peer, attack.rewrite(transport, req, part, bounds), ghash, part,
+                                  bounds, *rest)
+
+        SwarmTransport._send_part = send_part
+
+    @abstractmethod
+    def rewrite(self, transport, req, part: range, bounds: list[tuple[int, int]]):
+        """The request as sent to the reducer of ``part``."""
+
+
+class WeightAttack(_ContributionAttack):
+    name = "weight"
+    help = "contributions claim a token weight of 1e30"
+
+    def rewrite(self, transport, req, part, bounds):
+        return dataclasses.replace(req, weight=ABSURD)
+
+
+class ValuesAttack(_ContributionAttack):
+    name = "values"
+    help = "contribution chunks hold values of 1e30 (encoded with the codec)"
+
+    def rewrite(self, transport, req, part, bounds):
+        codec = transport._codec(req.codec)
+        chunks = list(req.chunks)
+        for c in part:
+            chunks[c] = absurd_chunk(codec, bounds[c][1] - bounds[c][0])
+        return dataclasses.replace(req, chunks=chunks)
+
+
+class NanAttack(_ContributionAttack):
+    name = "nan"
+    help = "contribution chunks decode to NaN (NaN fp4 scales)"
+
+    def rewrite(self, transport, req, part, bounds):
+        codec = transport._codec(req.codec)
+        chunks = list(req.chunks)
+        for c in part:
+            chunks[c] = nan_chunk(codec, bounds[c][1] - bounds[c][0])
+        return dataclasses.replace(req, chunks=chunks)
+
+
+class ReducerAttack(NodeAttack):
+    name = "reducer"
+    help = "as a reducer, returns reduced chunks of 1e30"
+
+    def apply(self) -> None:
+        from node.swarm import averaging
+
+        original = averaging._Reduction._reduce
+
+        @functools.wraps(original)
+        def reduce(session):
+            result = original(session)
+            result.chunks = {c: absurd_chunk(session.codec, session.sizes[c]) for c in result.chunks}
+            return result
+
+        averaging._Reduction._reduce = reduce
+
+
+class StateAttack(NodeAttack):
+    name = "state"
+    help = "heartbeats claim version +1000 of every fragment; the state server serves NaN phi"
+
+    def apply(self) -> None:
+        from node.daemon import Node
+        from node.transport.base import FragmentSnapshot
+
+        publish, heartbeat = Node._publish, Node._heartbeat
+
+        @functools.wraps(publish)
+        def poisoned_publish(node, fragment: int) -> None:
+            publish(node, fragment)
+            snap = node.published[fragment]
+            nan = torch.full_like(snap.phi, math.nan)
+            node.published[fragment] = FragmentSnapshot(fragment, snap.version + VERSION_LIE, nan, nan.clone())
+
+        @functools.wraps(heartbeat)
+        def plausible_heartbeat(node, leaving: bool = False):
+            hb = heartbeat(node, leaving)
+            for fs in hb.fragments:  # the norm a peer sees looks healthy; only the served state is NaN
+                fs.phi_norm = float(node.outer.states[fs.fragment].phi.norm())
+            return hb
+
+        Node._publish, Node._heartbeat = poisoned_publish, plausible_heartbeat
+
+
+class ClockAttack(NodeAttack):
+    name = "clock"
+    help = "the heartbeat clock claims +10000 more every --attack-period seconds"
+
+    def apply(self) -> None:
+        from node.daemon import Node
+
+        heartbeat = Node._heartbeat
+        started = time.monotonic()
+        period = self.period
+
+        @functools.wraps(heartbeat)
+        def lying_heartbeat(node, leaving: bool = False):
+            hb = heartbeat(node, leaving)
+            hb.clock += CLOCK_JUMP * (1 + int((time.monotonic() - started) // period))
+            return hb
+
+        Node._heartbeat = lying_heartbeat
+
+
+class ForgeAttack(NodeAttack):
+    name = "forge"
+    help = "contribution headers name another member as the sender"
+
+    def apply(self) -> None:
+        from node.swarm import averaging
+
+        original_init, original_open = averaging.SwarmTransport.__init__, averaging.open_stream
+        transports: list = []
+
+        @functools.wraps(original_init)
+        def init(transport, *args, **kwargs):
+            original_init(transport, *args, **kwargs)
+            transports.append(transport)
+
+        def forged_sender(reducer: str) -> str:
+            own = transports[0].peer_id if transports else ""
+            others = sorted(p for p in (transports[0].live_peers() if transports else []) if p not in (reducer, own))
+            return others[0] if others else reducer
+
+        async def forge(requests: AsyncIterator, reducer: str) -> AsyncIterator:
+            async for msg in requests:
+                if msg.HasField("header"):
+                    msg.header.sender = forged_sender(reducer)
+                yield msg
+
+        @functools.wraps(original_open)
+        def open_stream(p2p, peer_id, name, requests, *args, **kwargs):
+            if name == averaging.AVERAGE_HANDLER and hasattr(requests, "__aiter__"):
+                requests = forge(requests, peer_id)
+            return original_open(p2p, peer_id, name, requests, *args, **kwargs)
+
+        averaging.SwarmTransport.__init__ = init
+        averaging.open_stream = open_stream
+
+
+NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (WeightAttack, ValuesAttack, NanAttack, ReducerAttack,
+                                                                   StateAttack, ClockAttack, ForgeAttack)}
+
+
+# ---- client attacks: a peer that never joins matchmaking --------------------------------------------
+
+
+@dataclasses.dataclass
+class ClientOptions:
+    config: str | None
+    bootstrap: list[str]
+    state_dir: Path
+    seconds: float
+    report: Path | None
+    streams: int
+    frame_mib: int
+    seed: int
+
+
+class HostileClient(ABC):
+    """A DHT peer with its own libp2p identity that reads the swarm's public records and attacks its
+    peers' handlers directly. ``run`` returns the JSON-able report."""
+
+    name: str
+    help: str
+
+    def __init__(self, opts: ClientOptions) -> None:
+        from node.config import fingerprint, load_config
+
+        self.opts = opts
+        self.cfg = load_config(opts.config, [])
+        self.fingerprint = fingerprint(self.cfg)
+        self.stop = threading.Event()
+        self.counts: Counter[str] = Counter()
+        self.samples: dict[str, list[str]] = {}
+
+    def note(self, kind: str, text: str = "") -> None:
+        """Count an outcome; keep the first few texts of each kind for the report."""
+        self.counts[kind] += 1
+        if text:
+            kept = self.samples.setdefault(kind, [])
+            if len(kept) < 5 and text not in kept:
+                kept.append(text[:200])
+
+    def run(self) -> dict:
+        from node.swarm.dht import start_dht
+        from node.swarm.membership import Membership, swarm_key
+        from node.swarm.runtime import NetworkRuntime
+
+        self.dht = start_dht(self.opts.bootstrap, identity_path=self.opts.state_dir / "identity.key", attempts=5,
+                             log=lambda line: log.warning(line), stop=self.stop)
+        try:
+            self.runtime = NetworkRuntime(self.dht)
+            self.peer_id = self.runtime.peer_id
+            self.membership = Membership(self.dht, self.cfg, self.peer_id)  # read-only: never publishes
+            self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
+            deadline = time.monotonic() + self.opts.seconds
+            log.info("hostile client %s (%s) for %.0f s", self.peer_id, self.name, self.opts.seconds)
+            self.runtime.call(self.attack(deadline), timeout=self.opts.seconds + 120)
+        finally:
+            with contextlib.suppress(Exception):
+                self.runtime.stop()
+            self.dht.shutdown()
+        return {"attack": self.name, "peer_id": self.peer_id, "seconds": self.opts.seconds,
+                "counts": dict(self.counts), "samples": self.samples}
+
+    def active(self, deadline: float) -> bool:
+        """Still attacking: before ``deadline`` (monotonic) and not told to stop (SIGTERM)."""
+        return time.monotonic() < deadline and not self.stop.is_set()
+
+    def live_peers(self) -> dict:
+        return self.membership.peers()
+
+    async def peers_async(self) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, self.live_peers)
+
+    @abstractmethod
+    async def attack(self, deadline: float) -> None:
+        """Attack until ``deadline`` (monotonic), on the network loop."""
+
+
+class InjectClient(HostileClient):
+    name = "inject"
+    help = "streams contributions to recent rounds' members under a forged (or its own) sender id"
+
+    def __init__(self, opts: ClientOptions) -> None:
+        super().__init__(opts)
+        from node.core.codecs import get_codec
+        from node.core.schedule import make_schedule
+        from node.data import load_tokenizer
+        from node.model import build_model
+        from node.partition import partition
+
+        tokenizer = load_tokenizer(self.cfg.model.tokenizer)
+        model = build_model(self.cfg.model, tokenizer.vocab_size, seed=self.cfg.data.seed)
+        self.numel = [sum(dict(model.named_parameters())[n].numel() for n in f.names)
+                      for f in partition(model, self.cfg.outer.fragments)]
+        self.codec = get_codec(self.cfg.outer.codec, self.cfg.outer.block_size)
+        self.schedule = make_schedule("fixed", self.cfg.outer.h, self.cfg.outer.fragments)
+        self.rng = random.Random(opts.seed)
+        self.done: set[tuple[int, int]] = set()
+
+    async def attack(self, deadline: float) -> None:
+        if self.cfg.outer.schedule != "fixed":
+            raise HostileError("inject follows the fixed schedule's rounds; use a swarm with outer.schedule = fixed")
+        tasks: set[asyncio.Task] = set()
+        while self.active(deadline):
+            peers = await self.peers_async()
+            clocks = sorted(hb.clock for hb in peers.values())
+            if clocks:
+                clock = clocks[len(clocks) // 2]
+                for t in range(max(1, clock - 2 * self.cfg.outer.h), clock + 1):
+                    for p in self.schedule.due(t):
+                        if (p, t) not in self.done:
+                            task = asyncio.create_task(self.inject_round(p, t))
+                            tasks.add(task)
+                            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(0.3)
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def entries(self, fragment: int, round_: int) -> dict:
+        from node.swarm.records import subkey_peer
+        from protocol import swarm_pb2
+
+        found = await self.dht.get(f"{self.swarm_key}/match/{fragment}/{round_}", latest=True, return_future=True)
+        out = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                with contextlib.suppress(Exception):
+                    entry = swarm_pb2.MatchEntry.FromString(item.value)
+                    if entry.peer_id == subkey_peer(subkey):
+                        out[entry.peer_id] = entry
+        return out
+
+    async def inject_round(self, fragment: int, round_: int) -> None:
+        from node.swarm.averaging import form_groups
+
+        entries = await self.entries(fragment, round_)
+        if len(entries) < 2:
+            return  # not formed yet (or a lone member): try again on the next pass
+        self.done.add((fragment, round_))
+        self.note("rounds_found")
+        members = sorted(entries)
+        excluded = {p: list(entries[p].excluded) for p in members}
+        groups = form_groups(members, fragment, round_, self.cfg.network.group_size, excluded)
+        jobs = []
+        for group in groups:
+            if len(group) < 2:
+                continue
+            for j, reducer in enumerate(group):
+                forged = self.rng.random() < 0.5
+                sender = next(m for m in group if m != reducer) if forged else self.peer_id
+                jobs.append(self.send_part(fragment, round_, group, j, sender, entries[reducer]))
+        await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def send_part(self, fragment: int, round_: int, group: list[str], j: int, sender: str, entry) -> None:
+        from node.core.payload import chunk_bounds
+        from node.swarm.averaging import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
+        from node.swarm.wire import PeerRefused, WireError, open_stream
+        from node.transport.reduce import part_ranges
+        from protocol import swarm_pb2
+
+        bounds = chunk_bounds(self.numel[fragment], self.codec.block_size)
+        part = part_ranges(len(bounds), len(group))[j]
+        header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
+            fingerprint=self.fingerprint, fragment=fragment, round=round_, group_hash=group_hash(group),
+            sender=sender, weight=max(1.0, entry.weight), version=entry.version, n_chunks=len(part)))
+
+        async def requests():
+            yield header
+            for c in part:  # plausible values: small noise, as a real pseudo-gradient
+                n = bounds[c][1] - bounds[c][0]
+                data = self.codec.encode(0.01 * torch.randn(n))
+                yield swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=data))
+
+        how = "forged" if sender != self.peer_id else "own_id"
+        try:
+            async with open_stream(self.runtime.p2p, group[j], AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply,
+                                   max_reply_bytes=max(MAX_HEADER_BYTES, 1 << 20), idle_timeout=20.0) as replies:
+                first = await anext(replies, None)
+                if first is not None and first.HasField("header") and first.header.ok:
+                    self.note("accepted", f"{how}: reducer {group[j][:12]} answered ok")
+                    self.note(f"accepted_{how}")
+                else:
+                    self.note("refused", f"{how}: no ok header")
+        except PeerRefused as exc:
+            self.note("refused", f"{how}: {exc}")
+            self.note(f"refused_{how}")
+        except WireError as exc:
+            self.note("errors", f"{how}: {exc}")
+
+
+class FloodClient(HostileClient):
+    name = "flood"
+    help = "many concurrent streams, each announcing a huge chunk frame (--frame-mib, --streams per peer)"
+
+    async def attack(self, deadline: float) -> None:
+        peers = {}
+        while not peers and self.active(deadline):
+            peers = await self.peers_async()
+            await asyncio.sleep(0.3)
+        workers = [asyncio.create_task(self.stream_loop(peer, k, deadline))
+                   for peer in sorted(peers) for k in range(self.opts.streams)]
+        await asyncio.gather(*workers, return_exceptions=True)
+
+    async def stream_loop(self, peer: str, k: int, deadline: float) -> None:
+        while self.active(deadline):
+            try:
+                await asyncio.wait_for(self.one_stream(peer, with_header=k % 2 == 1), deadline - time.monotonic())
+            except TimeoutError:
+                return
+            except Exception as exc:
+                self.note("errors", f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(0.05)
+
+    async def one_stream(self, peer: str, with_header: bool) -> None:
+        from hivemind.p2p import PeerID
+
+        from node.swarm.averaging import AVERAGE_HANDLER
+        from protocol import swarm_pb2
+
+        _, reader, writer = await self.runtime.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                               AVERAGE_HANDLER)
+        self.note("streams_opened")
+        try:
+            if with_header:  # a well-formed header first (its own id: authentication passes), then the flood
+                header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
+                    fingerprint=self.fingerprint, fragment=0, round=10**9, sender=self.peer_id, weight=1.0,
+                    n_chunks=1)).SerializeToString()
+                writer.write(b"\x00" + len(header).to_bytes(8, "big") + header)
+            writer.write(b"\x00" + (self.opts.frame_mib * MIB).to_bytes(8, "big"))
+            block = bytes(MIB)
+            for _ in range(self.opts.frame_mib):
+                writer.write(block)
+                await asyncio.wait_for(writer.drain(), 10.0)
+                self.note("mib_written")
+            self.note("frames_completed")
+        except (ConnectionError, OSError, TimeoutError) as exc:
+            self.note("streams_cut", type(exc).__name__)
+        finally:
+            with contextlib.suppress(Exception):
+                answer = await asyncio.wait_for(reader.read(4096), 2.0)
+                if answer[:1] == b"\x01":
+                    self.note("refusals_read", answer[9:].decode(errors="replace"))
+            writer.close()
+
+
+class DownloadClient(HostileClient):
+    name = "download"
+    help = "requests full state downloads of every fragment from every live peer, in a loop"
+
+    async def attack(self, deadline: float) -> None:
+        from hivemind.p2p import PeerID
+
+        from node.swarm.state_sync import STATE_HANDLER
+        from protocol import swarm_pb2
+
+        while self.active(deadline):
+            peers = await self.peers_async()
+            for peer in sorted(peers):
+                for fragment in range(self.cfg.outer.fragments):
+                    request = swarm_pb2.StateRequest(fingerprint=self.fingerprint, fragment=fragment)
+                    self.note("requests")
+                    try:
+                        stream = await self.runtime.p2p.iterate_protobuf_handler(
+                            PeerID.from_base58(peer), STATE_HANDLER, request, swarm_pb2.StateChunk)
+                        got = 0
+                        async for msg in stream:
+                            if msg.error:
+                                self.note("refused", msg.error)
+                                break
+                            got += len(msg.phi) + len(msg.momentum)
+                            if msg.offset + len(msg.phi) // 4 >= msg.numel:
+                                self.note("completed")
+                        self.counts["bytes"] += got
+                    except Exception as exc:
+                        self.note("errors", f"{type(exc).__name__}: {str(exc)[:120]}")
+            await asyncio.sleep(0.2)
+
+
+CLIENT_ATTACKS: dict[str, type[HostileClient]] = {c.name: c for c in (InjectClient, FloodClient, DownloadClient)}
+ALL_ATTACKS = (*NODE_ATTACKS, *CLIENT_ATTACKS)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    kinds = "\n".join(f"  {a.name:<9} {a.help}" for a in (*NODE_ATTACKS.values(), *CLIENT_ATTACKS.values()))
+    p = argparse.ArgumentParser(
+        prog="python -m node.bench.hostile", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="a hostile peer (a patched node, or a client that never joins) for robustness tests",
+        epilog=f"attacks:\n{kinds}\n\nA node attack passes every other argument to 'locoswarm run' "
+               "(e.g. --state-dir DIR --config peers.toml --bootstrap MULTIADDR).")
+    p.add_argument("--attack", default=os.environ.get(ATTACK_ENV), metavar="KIND",
+                   help=f"the attack (env {ATTACK_ENV}): one of {', '.join(ALL_ATTACKS)}")
+    p.add_argument("--attack-period", type=float, default=5.0,
+                   help="clock: seconds between two further jumps of the claimed clock (default 5)")
+    client = p.add_argument_group("client attacks (inject, flood, download)")
+    client.add_argument("--config", default=None, help="the swarm's peers.toml")
+    client.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                        help="a peer of the swarm (repeatable; required)")
+    client.add_argument("--state-dir", default=None,
+                        help="where its identity key lives (default: a temporary directory, removed)")
+    client.add_argument("--seconds", type=float, default=30.0, help="how long to attack (default 30)")
+    client.add_argument("--report", default=None, help="write the JSON report to this file")
+    client.add_argument("--streams", type=int, default=24, help="flood: concurrent streams per peer (default 24)")
+    client.add_argument("--frame-mib", type=int, default=600,
+                        help="flood: MiB each frame announces and tries to send (default 600)")
+    client.add_argument("--threads", type=int, default=None, help="torch CPU threads (a node attack: 'run --threads')")
+    client.add_argument("--seed", type=int, default=None, help="inject: random seed (a node attack: 'run --seed')")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"hostile: error: {message} (see 'python -m node.bench.hostile --help')", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    args, rest = parser.parse_known_args(argv)
+    if not args.attack:
+        return _fail(f"no attack given: pass --attack KIND (or set {ATTACK_ENV}); one of {', '.join(ALL_ATTACKS)}")
+    if args.attack not in ALL_ATTACKS:
+        return _fail(f"--attack {args.attack!r} is not an attack; choose one of {', '.join(ALL_ATTACKS)}")
+    if not (math.isfinite(args.attack_period) and args.attack_period > 0):
+        return _fail(f"--attack-period {args.attack_period} must be a positive number of seconds")
+    if args.attack in NODE_ATTACKS:
+        return run_hostile_node(args, rest)
+    if rest:
+        return _fail(f"unknown argument(s) for a client attack: {' '.join(rest)}")
+    try:
+        return run_client(args)
+    except HostileError as exc:
+        return _fail(str(exc))
+
+
+def run_hostile_node(args: argparse.Namespace, rest: list[str]) -> int:
+    """Patch this process for the attack, then run the ordinary node with the other arguments."""
+    from node.cli import main as cli_main
+
+    # The client flags parsed above belong to 'locoswarm run' as well: hand them back.
+    for flag, value in (("--config", args.config), ("--state-dir", args.state_dir), ("--seed", args.seed),
+                        ("--threads", args.threads)):
+        if value is not None:
+            rest += [flag, str(value)]
+    for addr in args.bootstrap:
+        rest += ["--bootstrap", addr]
+    NODE_ATTACKS[args.attack](args.attack_period).apply()
+    logging.getLogger("locoswarm.hostile").warning("hostile node: attack %r armed", args.attack)
+    return cli_main(["run", *rest])
+
+
+def run_client(args: argparse.Namespace) -> int:
+    if not args.bootstrap:
+        raise HostileError(f"--attack {args.attack} needs --bootstrap MULTIADDR (a peer of the swarm)")
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= 24 * 3600):
+        raise HostileError(f"--seconds {args.seconds} must be in (0, 86400]")
+    if args.streams < 1 or args.frame_mib < 1:
+        raise HostileError("--streams and --frame-mib must be >= 1")
+    if args.config and not Path(args.config).is_file():
+        raise HostileError(f"--config {args.config}: no such file")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-5s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    with contextlib.ExitStack() as stack:
+        state_dir = Path(args.state_dir) if args.state_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        opts = ClientOptions(config=args.config, bootstrap=list(args.bootstrap), state_dir=state_dir,
+                             seconds=args.seconds, report=Path(args.report) if args.report else None,
+                             streams=args.streams, frame_mib=args.frame_mib, seed=args.seed or 0)
+        client = CLIENT_ATTACKS[args.attack](opts)
+        signal.signal(signal.SIGTERM, lambda *_: client.stop.set())
+        report = client.run()
+    text = json.dumps(report)
+    if opts.report is not None:
+        opts.report.write_text(text)
+    print(f"hostile-report: {text}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""``locoswarm bench robustness``: honest nodes against hostile peers, one scenario per attack.
+
+Each scenario is a short multi-process swarm on loopback (real ``locoswarm run`` processes, real
+DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then ``clean``
+adds one more honest node, and an attack scenario adds ``N`` hostile peers of one kind
+(``python -m node.bench.hostile``: a node with the attack patched in, or a client that never joins).
+For ``--seconds`` the honest nodes are sampled: eval loss, rounds merged and failed, memory. The
+report compares the honest nodes' eval loss per scenario with the clean one and lists what they
+refused of the attackers and whether they banned them. Writes ``results.json``, ``report.md`` and
+``robustness.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node.errors import UserError
+
+KINDS = ("clean", "weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
+CLIENT_KINDS = ("inject", "flood", "download")
+REPO = Path(__file__).resolve().parents[2]
+
+# A tiny, fast swarm (as in the multi-process tests): rounds every few hundred milliseconds.
+TINY_SWARM = {
+    "swarm": {"name": "robustness-bench"},
+    "model": {"preset": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64},
+    "inner": {"batch_size": 4, "seq_len": 32, "warmup": 5, "lr": 3e-3},
+    "outer": {"method": "compensate", "h": 8, "fragments": 2, "tau": 2, "codec": "fp4"},
+    "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 10.0, "heartbeat_interval": 0.5},
+}
+
+
+def write_tiny_config(path: Path) -> Path:
+    lines = []
+    for name, values in TINY_SWARM.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class LocalProc:
+    """One ``python -m ...`` process of a scenario in its own session (killed by process group, never
+    by name); ``status.json`` in its state dir is how it is observed."""
+
+    def __init__(self, name: str, module: list[str], args: list[str], state_dir: Path, log_path: Path) -> None:
+        self.name = name
+        self.state_dir = state_dir
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", *module, *args], cwd=REPO, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.state_dir / "status.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if st and predicate(st):
+                return st
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before {what}: {self.tail()}")
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name}: no {what} after {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 8) -> str:
+        with contextlib.suppress(OSError):
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def rss_mb(self) -> float:
+        """Resident memory of the process and its descendants (DHT child, p2pd), in MB."""
+        from node.swarm.process import descendants
+
+        total = 0
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        return total / 1024
+
+    def stop(self) -> None:
+        """Kill the process, its group and the groups of its descendants; wait until they are gone."""
+        from node.swarm.process import descendants, group_members
+
+        groups = {self.proc.pid}
+        for pid in descendants(self.proc.pid):
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(pid))
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._log.close()
+
+
+@dataclass
+class Scenario:
+    kind: str        # "clean" or an attack of node.bench.hostile
+    hostile: int     # hostile peers (0 for clean)
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.hostile <= 1 else f"{self.kind} x{self.hostile}"
+
+
+@dataclass
+class Sample:
+    t: float                  # seconds since the attack started
+    evals: list[float]        # latest eval loss of each honest node
+    rounds_ok: int            # merged rounds, summed over the honest nodes
+    rounds_failed: int
+    rss_mb: float             # largest honest node
+
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    samples: list[Sample] = field(default_factory=list)
+    honest: list[dict] = field(default_factory=list)
+    attackers: list[str] = field(default_factory=list)
+    error: str = ""
+
+    def summary(self) -> dict:
+        finals = [h["final_eval"] for h in self.honest if h.get("final_eval") is not None]
+        during = [v for s in self.samples for v in s.evals if v is not None]
+        refused = sum(h["attacker_refused"] for h in self.honest)
+        return {
+            "kind": self.scenario.kind, "hostile": self.scenario.hostile, "error": self.error,
+            "attackers": self.attackers, "honest": self.honest,
+            "honest_alive": sum(1 for h in self.honest if h["alive"]),
+            "final_eval": sum(finals) / len(finals) if finals else None,
+            "max_eval_during": max(during) if during else None,
+            "rounds_ok": sum(h["rounds_ok"] for h in self.honest),
+            "rounds_failed": sum(h["rounds_failed"] for h in self.honest),
+            "attacker_refused": refused,
+            "banned_by": sum(1 for h in self.honest if h["attacker_banned"]),
+            "rss_growth_mb": max((h["rss_growth_mb"] for h in self.honest), default=0.0),
+            "samples": [vars(s) for s in self.samples],
+        }
+
+
+class ScenarioRun:
+    """One scenario: start the swarm, attack, sample, collect, stop everything."""
+
+    def __init__(self, scenario: Scenario, root: Path, config: Path, data: list[str], honest: int,
+                 seconds: float, progress=None) -> None:
+        self.scenario = scenario
+        self.root = root
+        self.config = config
+        self.data = data
+        self.n_honest = honest
+        self.seconds = seconds
+        self.progress = progress
+        self.procs: list[LocalProc] = []
+        self.honest: list[LocalProc] = []
+        self.extra: list[LocalProc] = []
+
+    def node_args(self) -> list[str]:
+        args = ["--config", str(self.config), "--eval-every", "25", "--threads", "1"]
+        return args + (["--data", *self.data] if self.data else [])
+
+    def spawn(self, name: str, module: list[str], args: list[str]) -> LocalProc:
+        proc = LocalProc(name, module, [*args, "--state-dir", str(self.root / name)], self.root / name,
+                         self.root / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def run(self) -> Outcome:
+        outcome = Outcome(self.scenario)
+        try:
+            boot = self.start_honest()
+            before = [p.status() for p in self.honest]
+            rss0 = [p.rss_mb() for p in self.honest]
+            self.start_extra(boot)
+            started = time.time()
+            outcome.samples = self.sample(started)
+            outcome.attackers = self.attacker_ids()
+            outcome.honest = [self.collect(p, st0, r0, started, outcome.attackers, outcome.samples)
+                              for p, st0, r0 in zip(self.honest, before, rss0, strict=True)]
+        except Exception as exc:  # a scenario that could not run is reported, the others still run
+            outcome.error = f"{type(exc).__name__}: {exc}"[:400]
+        finally:
+            for proc in self.procs:
+                proc.stop()
+        return outcome
+
+    def start_honest(self) -> str:
+        first = self.spawn("honest0", ["node.cli", "run"], self.node_args())
+        self.honest.append(first)
+        addrs = first.wait_for(lambda s: s.get("addrs"), 120, "addresses")["addrs"]
+        boot = next((a for a in addrs if "/127.0.0.1/" in a), addrs[0])
+        for i in range(1, self.n_honest):
+            self.honest.append(self.spawn(f"honest{i}", ["node.cli", "run"], [*self.node_args(), "--bootstrap", boot]))
+        if self.n_honest > 1:
+            for proc in self.honest:
+                proc.wait_for(lambda s: s.get("syncs_ok", 0) >= 2, 180, "two merged rounds")
+        return boot
+
+    def start_extra(self, boot: str) -> None:
+        kind, n = self.scenario.kind, self.scenario.hostile
+        if kind == "clean":
+            self.extra.append(self.spawn("honest-extra", ["node.cli", "run"], [*self.node_args(), "--bootstrap", boot]))
+        elif kind in CLIENT_KINDS:
+            for i in range(n):
+                args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
+                        "--report", str(self.root / f"hostile{i}.json")]
+                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind], args))
+        else:
+            for i in range(n):
+                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind],
+                                             [*self.node_args(), "--bootstrap", boot]))
+        if kind not in CLIENT_KINDS:
+            for proc in self.extra:
+                proc.wait_for(lambda s: s.get("state") == "training", 120, "training")
+
+    def sample(self, started: float) -> list[Sample]:
+        task = self.progress.add_task(f"  {self.scenario.name}", total=self.seconds) if self.progress else None
+        samples = []
+        t0 = time.monotonic()
+        while (elapsed := time.monotonic() - t0) < self.seconds:
+            statuses = [p.status() for p in self.honest]
+            samples.append(Sample(
+                t=time.time() - started,
+                evals=[(st.get("eval_curve") or [[0, None]])[-1][1] for st in statuses],
+                rounds_ok=sum(st.get("syncs_ok", 0) for st in statuses),
+                rounds_failed=sum(st.get("syncs_failed", 0) for st in statuses),
+                rss_mb=max(p.rss_mb() for p in self.honest)))
+            if task is not None:
+                self.progress.update(task, completed=min(elapsed, self.seconds))
+            time.sleep(min(2.0, max(0.0, self.seconds - elapsed)))
+        if task is not None:
+            self.progress.remove_task(task)
+        return samples
+
+    def attacker_ids(self) -> list[str]:
+        ids = []
+        for i, proc in enumerate(self.extra):
+            if self.scenario.kind == "clean":
+                continue
+            if self.scenario.kind in CLIENT_KINDS:
+                with contextlib.suppress(Exception):  # the client may still be writing its report
+                    proc.proc.wait(30)
+                with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                    ids.append(json.loads((self.root / f"hostile{i}.json").read_text())["peer_id"])
+            elif proc.status().get("peer_id"):
+                ids.append(proc.status()["peer_id"])
+        return ids
+
+    @staticmethod
+    def collect(proc: LocalProc, before: dict, rss0: float, started: float, attackers: list[str],
+                samples: list[Sample]) -> dict:
+        st = proc.status()
+        curve = st.get("eval_curve") or []
+        peers = (st.get("reputation") or {}).get("peers", {})
+        merged = [e for e in st.get("events", []) if e.get("kind") == "merged" and e.get("time", 0) >= started]
+        rss_max = max([rss0, *(s.rss_mb for s in samples)])
+        return {
+            "peer_id": st.get("peer_id"), "alive": proc.alive(),
+            "initial_eval": curve[0][1] if curve else None,
+            "eval_before": (before.get("eval_curve") or [[0, None]])[-1][1],
+            "final_eval": curve[-1][1] if curve else None,
+            "phi_finite": all(f.get("phi_norm") is not None and math.isfinite(f["phi_norm"])
+                              for f in st.get("fragments", [])),
+            "inner_steps": st.get("inner_step", 0) - before.get("inner_step", 0),
+            "rounds_ok": st.get("syncs_ok", 0) - before.get("syncs_ok", 0),
+            "rounds_failed": st.get("syncs_failed", 0) - before.get("syncs_failed", 0),
+            "merged_with_peers": sum(1 for e in merged if e.get("group_size", 0) >= 2),
+            "attacker_refused": sum(peers.get(a, {}).get("refused", 0) for a in attackers),
+            "attacker_banned": any(peers.get(a, {}).get("banned") for a in attackers),
+            "refused_by_kind": {a[:12]: peers.get(a, {}).get("by_kind", {}) for a in attackers},
+            "rss_mb_before": rss0, "rss_growth_mb": rss_max - rss0,
+        }
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from node.sim import add_data_args
+
+    p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
+                       description=__doc__.splitlines()[0])
+    add_data_args(p)
+    p.add_argument("--out", required=True, help="report directory (results.json, report.md, robustness.png)")
+    p.add_argument("--config", default=None,
+                   help="the swarm's peers.toml (default: a tiny fast swarm written for the benchmark)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated scenarios (default all): {','.join(KINDS)}")
+    p.add_argument("--seconds", type=float, default=40.0, help="seconds of attack per scenario (default 40)")
+    p.add_argument("--counts", default="1", help="hostile peers per attack scenario, comma-separated (default 1; "
+                                                 "e.g. 1,2)")
+    p.add_argument("--honest", type=int, default=2, help="honest nodes per scenario (default 2)")
+    p.set_defaults(func=run_robustness)
+
+
+def _scenarios(kinds_text: str, counts_text: str) -> list[Scenario]:
+    kinds = [k.strip() for k in kinds_text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UserError(f"--kinds {kinds_text!r}: unknown scenario {bad[0] if bad else '(none)'}; "
+                        f"choose from {','.join(KINDS)}")
+    try:
+        counts = sorted({int(c) for c in counts_text.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--counts {counts_text!r}: give whole numbers, e.g. 1,2") from None
+    if not counts or counts[0] < 1 or counts[-1] > 4:
+        raise UserError(f"--counts {counts_text!r}: each count must be in 1..4")
+    out = []
+    for kind in kinds:
+        out += [Scenario(kind, 0)] if kind == "clean" else [Scenario(kind, n) for n in counts]
+    return out
+
+
+def run_robustness(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from node.sim import data_paths
+
+    scenarios = _scenarios(args.kinds, args.counts)
+    if not (math.isfinite(args.seconds) and 1 <= args.seconds <= 3600):
+        raise UserError(f"--seconds {args.seconds} is not allowed; use 1..3600")
+    if not 1 <= args.honest <= 8:
+        raise UserError(f"--honest {args.honest} is not allowed; use 1..8")
+    if args.config and not Path(args.config).is_file():
+        raise UserError(f"--config {args.config}: no such file")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    data = [str(Path(d).resolve()) for d in data_paths(args)]
+    setup = {"honest": args.honest, "seconds": args.seconds, "config": args.config or TINY_SWARM,
+             "data": data or "the node's default corpus", "scenarios": [s.name for s in scenarios]}
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+               TimeElapsedColumn()]
+    with tempfile.TemporaryDirectory(prefix="locoswarm-robustness-") as tmp, \
+            Progress(*columns, console=console) as progress:
+        overall = progress.add_task("scenarios", total=len(scenarios))
+        for i, scenario in enumerate(scenarios):
+            root = Path(tmp) / f"s{i}"
+            root.mkdir()
+            config = Path(args.config).resolve() if args.config else write_tiny_config(root / "peers.toml")
+            outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress).run()
+            results[scenario.name] = outcome.summary()
+            progress.console.print(_one_line(scenario.name, results[scenario.name]))
+            progress.update(overall, advance=1)
+            write_report(out, setup, results, time.perf_counter() - started)
+    report = write_report(out, setup, results, time.perf_counter() - started)
+    Console().print(report["table_md"])
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'robustness.png'}")
+    return 0
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _one_line(name: str, r: dict) -> str:
+    if r["error"]:
+        return f"{name:<12} could not run: {r['error']}"
+    return (f"{name:<12} final eval {_fmt(r['final_eval'])}  rounds ok {r['rounds_ok']} failed {r['rounds_failed']}  "
+            f"attacker refused {r['attacker_refused']} banned by {r['banned_by']}/{len(r['honest'])}  "
+            f"RSS +{r['rss_growth_mb']:.0f} MB")
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    clean = results.get("clean", {}).get("final_eval")
+    rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | max eval during | rounds ok | "
+            "rounds failed | attacker refused | banned by | RSS growth (MB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if r["error"]:
+            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | |")
+            continue
+        rel = (f"{100 * (r['final_eval'] - clean) / clean:+.1f}%" if clean and r["final_eval"] is not None
+               and name != "clean" else "-")
+        attack = name != "clean"
+        refused = str(r["attacker_refused"]) if attack else "-"
+        banned = f"{r['banned_by']}/{len(r['honest'])}" if attack else "-"
+        rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
+                    f"{_fmt(r['max_eval_during'])} | {r['rounds_ok']} | {r['rounds_failed']} | {refused} | {banned} | "
+                    f"{r['rss_growth_mb']:.0f} |")
+    return "\n".join(rows)
+
+
+def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: float) -> str:
+    lines = [
+        "# Robustness benchmark", "",
+        f"{setup['honest']} honest nodes per scenario (real processes on loopback); `clean` adds one more honest "
+        f"node, an attack scenario adds hostile peers of one kind (`python -m node.bench.hostile`). "
+        f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
+        f"wall time {wall / 60:.1f} min.",
+        "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
+        "rounds of the honest nodes during it; attacker refused: refusals of the attackers' peer ids counted by the "
+        "honest nodes; banned by: honest nodes that ban an attacker at the end.", "", table, "",
+        "![eval loss](robustness.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
+    from node.fsutil import atomic_write_text
+
+    doc = {"setup": setup, "scenarios": results, "wall_seconds": wall}
+    atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
+    table = markdown_table(results)
+    atomic_write_text(out / "report.md", render_markdown(setup, results, table, wall))
+    plot(out / "robustness.png", results)
+    return {"table_md": table, **doc}
+
+
+def plot(path: Path, results: dict[str, dict]) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from node.fsutil import atomic_write_bytes
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    for name, r in results.items():
+        points = [(s["t"], sum(v for v in s["evals"] if v is not None) / len([v for v in s["evals"] if v is not None]))
+                  for s in r["samples"] if any(v is not None for v in s["evals"])]
+        points = [(t, v) for t, v in points if math.isfinite(v)]
+        if points:
+            ax.plot([t for t, _ in points], [v for _, v in points], label=name,
+                    lw=2.5 if name == "clean" else 1.2, color="black" if name == "clean" else None)
+    ax.set_xlabel("seconds since the attack started")
+    ax.set_ylabel("honest nodes' eval loss (mean)")
+    ax.set_title("eval loss of the honest nodes")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    names = [n for n in results if n != "clean"]
+    ys = range(len(names))
+    bx.barh([y - 0.2 for y in ys], [results[n]["attacker_refused"] for n in names], height=0.4, label="refused")
+    bx.barh([y + 0.2 for y in ys], [results[n]["banned_by"] for n in names], height=0.4, label="banned by (nodes)")
+    bx.set_yticks(list(ys), names)
+    bx.set_xscale("symlog")
+    bx.invert_yaxis()
+    bx.set_title("what the honest nodes did about the attackers")
+    bx.legend(fontsize=8)
+    bx.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
