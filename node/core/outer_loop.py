@@ -455,6 +455,26 @@ class OuterLoop:
         self.stats.catch_ups += 1
         return [SyncEvent("caught_up", st.index, step, st.version)]
 
+    def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
+        """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
+        ``keep_progress`` (a node resumed from its checkpoint) its own local progress rides on the new phi;
+        otherwise theta starts at phi. Returns None when adopted, else the guard's reason (nothing changed:
+        the caller reports it and counts it against ``snap.source``)."""
+        st = self.states[snap.fragment]
+        if snap.version < st.version:
+            return None
+        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
+        if reason is not None:
+            self.stats.refused += 1
+            return reason
+        theta = st.theta()
+        progress = st.phi - theta if keep_progress else torch.zeros_like(theta)
+        st.phi.copy_(snap.phi.to(st.phi.device))
+        st.momentum.copy_(snap.momentum.to(st.momentum.device))
+        st.version = snap.version
+        st.set_theta(st.phi - progress)
+        return None
+
     def snapshot(self, fragment: int) -> FragmentSnapshot:
         st = self.states[fragment]
         return FragmentSnapshot(fragment, st.version, st.phi.detach().cpu().clone(),
