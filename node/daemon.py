@@ -220,16 +220,14 @@ class Node:
         holders = [p for p, hb in self.peer_table.items() if hb.has_state]
         if holders:
             fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
-            for p, snap in fetched.items():
-                st = self.outer.states[p]
-                if snap.version < st.version:
-                    continue
-                theta = st.theta()
-                progress = st.phi - theta if meta else torch.zeros_like(theta)  # a resumed node keeps its own
-                st.phi.copy_(snap.phi.to(st.phi.device))
-                st.momentum.copy_(snap.momentum.to(st.momentum.device))
-                st.version = snap.version
-                st.set_theta(st.phi - progress)
+            for p, snap in list(fetched.items()):
+                reason = self.outer.adopt(snap, keep_progress=bool(meta))  # a resumed node keeps its progress
+                if reason is not None:
+                    del fetched[p]
+                    if snap.source:
+                        self.reputation.refuse(snap.source, "bad_state", reason)
+                    self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {reason}",
+                                fragment=p, version=snap.version)
             self.clock = self.swarm_clock.join(self.clock)
             self._adopt_schedule_state()
             self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "

@@ -43,9 +43,11 @@ def non_finite(name: str, x: torch.Tensor) -> str | None:
     return None
 
 
-def check_average(average: torch.Tensor, own_norm: float, limits: GuardLimits) -> str | None:
+def check_average(average: torch.Tensor, own_norm: float, limits: GuardLimits, *, phi_norm: float = 0.0) -> str | None:
     """A group average about to enter the outer step: finite, and not absurdly larger than this
-    node's own contribution (the mean of honest contributions cannot exceed the largest of them)."""
+    node's own contribution (the mean of honest contributions cannot exceed the largest of them). A node
+    that contributed nothing (no progress since its last sync) judges by phi instead: an average larger
+    than ``max_jump_fraction`` x |phi| is absurd."""
     reason = non_finite("group average", average)
     if reason:
         return reason
@@ -53,6 +55,9 @@ def check_average(average: torch.Tensor, own_norm: float, limits: GuardLimits) -
     if own_norm > 0 and norm > limits.max_average_ratio * own_norm:
         return (f"group average norm {norm:.3g} is {norm / own_norm:.1f}x this node's own contribution "
                 f"(limit {limits.max_average_ratio:g}x)")
+    if own_norm <= 0 and phi_norm > 0 and norm > limits.max_jump_fraction * phi_norm:
+        return (f"group average norm {norm:.3g} is {norm / phi_norm:.1f}x phi's norm while this node "
+                f"contributed nothing (limit {limits.max_jump_fraction:g}x)")
     return None
 
 

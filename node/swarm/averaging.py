@@ -65,8 +65,11 @@ PARTIAL_AFTER = 0.6
 MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
 MAX_HEADER_BYTES = 64 * 1024
-# A reduced part may not be much larger than the member's own share: honest means never are.
-REDUCED_RATIO = 16.0
+# A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
+# several times larger (a member that just caught up made little progress of its own, its partners a
+# whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
+# guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
+REDUCED_RATIO = 1000.0
 
 
 class RoundRefused(RuntimeError):
@@ -197,7 +200,7 @@ class _Reduced:
     chunks: dict[int, bytes]
     total_weight: float
     extras: list[float]
-    refused: dict[str, tuple[str, str]]   # sender -> (kind, detail): why its contribution was dropped
+    refused: dict[str, tuple[str, str, bool]]   # sender -> (kind, detail, offence): why it was dropped
 
 
 class _Reduction:
@@ -297,7 +300,9 @@ class _Reduction:
         for i, w in zip(screening.accepted, screening.weights, strict=True):
             for k, x in enumerate(self.contributions[senders[i]][1]):
                 extras[k] += w * x / total
-        refused = {r.sender: (r.kind, r.detail) for r in screening.refusals}
+        # In a pair the reference is this node's own contribution: a partner far larger may be honest
+        # (this node may have made little progress), so a relative refusal there is not an offence.
+        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2)) for r in screening.refusals}
         return _Reduced(reduced, total, extras, refused)
 
     def fail(self, error: str) -> None:
@@ -718,6 +723,8 @@ class SwarmTransport(Transport):
             diff_sq += _norm(values - ref) ** 2
             own_sq += _norm(own) ** 2
         share = own_norm * math.sqrt(part_numel / numel)
+        if own_sq == 0 and share == 0:
+            return None  # no progress of our own to judge by (finite was checked)
         if req.digest:  # as the outer loop's guard on a consensus shift: at most half of phi
             limit = 0.5 * max(math.sqrt(own_sq), 1e-6)
         else:
@@ -808,8 +815,8 @@ class SwarmTransport(Transport):
         except Exception as exc:
             raise WireError(f"round failed at reducer: {exc or type(exc).__name__}") from None
         if remote in result.refused:
-            kind, detail = result.refused[remote]
-            self._offence(remote, kind, detail)
+            kind, detail, offence = result.refused[remote]
+            self._offence(remote, kind, detail, offence=offence)
             raise WireError(f"contribution refused: {detail}")
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
