@@ -99,7 +99,7 @@ class Watch:
             assert all(v is not None and math.isfinite(v) for v in norms), f"{node.name}: phi norms {norms}"
             self.rss_max[node.name] = max(self.rss_max[node.name], rss_mb(node))
 
-    def run(self, seconds: float, hostile: NodeProc | None = None) -> None:
+    def run(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             self.sample()
@@ -157,10 +157,21 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
         assert hostile.proc.poll() is None, f"the hostile node itself died:\n{hostile.tail()}"
     finally:
         hostile.stop()
-    # The state attack's lie is a version nobody corroborates: honest nodes never download from it, so
-    # they have nothing to refuse (the guards are checked in test_outer_core); every other attack is
-    # refused, and repeated until the attacker is banned.
-    watch.check_honest(None if attack == "state" else attacker, banned=attack != "state")
+    if attack != "state":  # refused, and repeated until the attacker is banned
+        watch.check_honest(attacker, banned=True)
+        return
+    # The state attack's version is corroborated by nobody, so an honest node believes it only while its
+    # table holds no other claimant (a heartbeat missed under load). Each time it does, the NaN snapshot
+    # is refused, and the refusal is held against the peer that served it.
+    after = watch.check_honest(None, banned=False)
+    lured = [st["peer_id"] for st in after.values() if any(
+        e["kind"] == "refused" and e["time"] >= watch.started and "catch-up to v" in e["detail"]
+        and e.get("version", 0) >= 1000 for e in st["events"])]
+    print(f"state attack: {len(lured)} honest node(s) tried the liar's snapshot")
+    for st in after.values():
+        if st["peer_id"] in lured:
+            assert st["reputation"]["peers"].get(attacker, {}).get("refused"), \
+                f"a NaN snapshot was refused but its source {attacker[:12]} was not counted"
 
 
 def run_client(pair: HonestPair, attack: str, tmp_path: Path, *extra: str) -> dict:

@@ -39,7 +39,7 @@ import logging
 import math
 import random
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -63,6 +63,7 @@ AVERAGE_HANDLER = "locoswarm.average.v2"
 # among them): a member that entered matchmaking but never sends cannot hold the round hostage.
 PARTIAL_AFTER = 0.6
 MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
+MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group formed are remembered
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
 MAX_HEADER_BYTES = 64 * 1024
 # A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
@@ -403,6 +404,8 @@ class SwarmTransport(Transport):
         # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
         self.recent: dict[int, tuple[int, list[str]]] = {}
         self._skipped: dict[tuple[int, int], float] = {}
+        # (fragment, round) -> peers whose stream for it was refused before this node formed its group
+        self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
@@ -606,6 +609,8 @@ class SwarmTransport(Transport):
         loop = asyncio.get_running_loop()
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
         session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
+        for peer in self._refused_early.pop((req.fragment, req.round), ()):
+            session.drop(peer, "its stream was refused")
 
         async def own_part():
             reduced = await session.done
@@ -795,10 +800,12 @@ class SwarmTransport(Transport):
             raise WireError(text)
         if h.sender != remote:
             self._offence(remote, "forged_sender", f"header names sender {h.sender[:20]!r}")
+            self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: the header's sender is not the stream's authenticated peer id")
         if not (math.isfinite(h.weight) and h.weight > 0) or len(h.extras) > MAX_EXTRAS or not _finite(h.extras) \
                 or (h.codec and h.codec not in CODECS):
             self._offence(remote, "bad_header", "weight, extras or codec out of bounds")
+            self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: header fields out of bounds")
         session = await self._await_view(h.fragment, h.round, self.matchmaking_timeout + 2.0)
         if session is None:
@@ -827,6 +834,21 @@ class SwarmTransport(Transport):
             self.counters.sent(remote, h.fragment, h.round, msg.ByteSize())
             yield msg
         await session.replied()
+
+    def _drop_from_round(self, remote: str, fragment: int, round_: int) -> None:
+        """``remote``'s stream for a round was refused, so its part will not come: a reducer that has it
+        in its group stops waiting for it now (or when it forms the group) instead of until the partial
+        reduction, which would stall the honest members' round on every offence."""
+        view = self._local_view(fragment, round_)
+        if view is not None:
+            view.drop(remote, "its stream was refused")  # a no-op for a non-member
+            return
+        refused = self._refused_early.setdefault((fragment, round_), set())
+        if len(refused) < MAX_REFUSED_ROUNDS:
+            refused.add(remote)
+        self._refused_early.move_to_end((fragment, round_))
+        while len(self._refused_early) > MAX_REFUSED_ROUNDS:  # made-up rounds cannot grow it
+            self._refused_early.popitem(last=False)
 
     @staticmethod
     def _sessions_own_weight(session: _Reduction) -> float:
