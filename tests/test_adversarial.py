@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +28,10 @@ pytestmark = pytest.mark.timeout(240)
 NODE_ATTACK_S = 35.0     # seconds of attack once the hostile node trains
 CLIENT_ATTACK_S = 25.0
 RSS_GROWTH_MB = 300.0    # an honest node's memory may not grow by more than this during an attack
-EVAL_SLACK = 1.25        # eval loss during an attack: at most this times the mean before it
+# Eval loss during an attack (4 held-out batches, so single values scatter by +-20% on a clean swarm): its
+# mean at most this times the mean of the last evaluations before it, and no value above half the
+# untrained loss (a poisoned round goes to nan or far above the untrained loss).
+EVAL_SLACK = 1.2
 
 
 def rss_mb(node: NodeProc) -> float:
@@ -109,6 +115,7 @@ class Watch:
     def check_honest(self, attacker: str | None, *, banned: bool) -> dict[str, dict]:
         """The honest nodes after the attack; returns their status by name."""
         ids = self.pair.ids()
+        untrained = max(n.status()["eval_curve"][0][1] for n in self.pair.nodes)  # the first node's start
         after = {}
         for node in self.pair.nodes:
             st, st0 = node.status(), self.before[node.name]
@@ -119,16 +126,16 @@ class Watch:
                       and e.get("group_size", 0) >= 2]
             assert len(merged) >= 3, f"{name}: only {len(merged)} merged rounds with a peer during the attack"
             assert all(e["group_size"] <= 3 for e in merged), f"{name}: a group larger than the swarm"
-            # Evaluations during the attack: finite, never worse than the untrained model, and near the
-            # node's own level before the attack (a poisoned round jumps to nan or above the initial loss).
+            # Evaluations during the attack: finite, far below the untrained model's, and on average near
+            # the node's own level before the attack.
             curve0, curve = st0["eval_curve"], st["eval_curve"]
-            initial = curve[0][1]
-            recent = [v for _, v in curve0[-3:]]
+            recent = [v for _, v in curve0[-4:]]
             level = sum(recent) / len(recent)
             during = [v for _, v in curve[len(curve0):]]
             assert during, f"{name}: no evaluation during the attack"
-            assert all(math.isfinite(v) and v < initial for v in during), f"{name}: eval {during} (initial {initial})"
-            assert max(during) <= EVAL_SLACK * level, f"{name}: eval {max(during):.3f} vs {level:.3f} before"
+            assert all(math.isfinite(v) and v < untrained / 2 for v in during), f"{name}: eval {during} ({untrained=})"
+            mean = sum(during) / len(during)
+            assert mean <= EVAL_SLACK * level, f"{name}: eval mean {mean:.3f} during vs {level:.3f} before: {during}"
             rep = st["reputation"]["peers"]
             for other in ids - {st["peer_id"]}:  # honest peers are never punished
                 assert not rep.get(other, {}).get("offences"), f"{name} counts offences of an honest peer: {rep[other]}"
@@ -164,9 +171,10 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
     # table holds no other claimant (a heartbeat missed under load). Each time it does, the NaN snapshot
     # is refused, and the refusal is held against the peer that served it.
     after = watch.check_honest(None, banned=False)
+    lie = re.compile(r"catch-up to v(\d+)")
     lured = [st["peer_id"] for st in after.values() if any(
-        e["kind"] == "refused" and e["time"] >= watch.started and "catch-up to v" in e["detail"]
-        and e.get("version", 0) >= 1000 for e in st["events"])]
+        e["kind"] == "refused" and e["time"] >= watch.started and (m := lie.search(e["detail"]))
+        and int(m.group(1)) >= 1000 for e in st["events"])]
     print(f"state attack: {len(lured)} honest node(s) tried the liar's snapshot")
     for st in after.values():
         if st["peer_id"] in lured:
@@ -240,3 +248,39 @@ def test_hostile_cli_refuses_bad_arguments() -> None:
         assert len(lines) == 1 and needle in lines[0], (args, res.stderr)
     res = run("--help")
     assert res.returncode == 0 and "inject" in res.stdout and "locoswarm run" in res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    data = write_corpus(tmp_path / "data")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the benchmark's scratch swarm lives under tmp_path too
+    bench = subprocess.Popen([sys.executable, "-m", "node.cli", "bench", "robustness", "--out", str(out),
+                              "--kinds", "nan", "--seconds", "8", "--data", str(data)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = bench.communicate(timeout=270)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)  # the benchmark stops the nodes it started
+        output, _ = bench.communicate(timeout=25)
+        raise AssertionError(f"bench robustness did not finish:\n{output[-3000:]}") from None
+    assert bench.returncode == 0, output[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    r = doc["scenarios"]["nan"]
+    assert not r["error"], r["error"]
+    assert r["honest_alive"] == 2 and all(h["phi_finite"] for h in r["honest"]), r
+    assert r["samples"] and r["final_eval"] is not None and math.isfinite(r["final_eval"])
+    assert len(r["attackers"]) == 1
+    table = (out / "report.md").read_text()
+    assert "| nan | 2/2 |" in table and "robustness.png" in table
+    assert (out / "robustness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(tmp_path))]
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["data", "report"], "the benchmark left scratch files"
+
+
+def _cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_text(errors="replace")
+    except OSError:
+        return False

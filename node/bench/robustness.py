@@ -353,6 +353,7 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise UserError(f"--config {args.config}: no such file")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM still stops every node this benchmark started
     console = Console(stderr=True)
     data = [str(Path(d).resolve()) for d in data_paths(args)]
     setup = {"honest": args.honest, "seconds": args.seconds, "config": args.config or TINY_SWARM,
@@ -377,6 +378,10 @@ def run_robustness(args: argparse.Namespace) -> int:
     Console().print(report["table_md"])
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'robustness.png'}")
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
