@@ -25,8 +25,8 @@ from swarm_util import REPO, NodeProc, bootstrap_addr, write_config, write_corpu
 
 pytestmark = pytest.mark.timeout(240)
 
-NODE_ATTACK_S = 35.0     # seconds of attack once the hostile node trains
-CLIENT_ATTACK_S = 25.0
+NODE_ATTACK_S = 30.0     # seconds of attack once the hostile node trains
+CLIENT_ATTACK_S = 20.0
 RSS_GROWTH_MB = 300.0    # an honest node's memory may not grow by more than this during an attack
 # Eval loss during an attack (4 held-out batches, so single values scatter by +-20% on a clean swarm): its
 # mean at most this times the mean of the last evaluations before it, and no value above half the
@@ -165,7 +165,9 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
     finally:
         hostile.stop()
     if attack != "state":  # refused, and repeated until the attacker is banned
-        watch.check_honest(attacker, banned=True)
+        after = watch.check_honest(attacker, banned=True)
+        for name, st in after.items():  # a liar's clock never drags the honest clocks along
+            assert st["clock"] - watch.before[name]["clock"] < 5000, f"{name}: clock jumped to {st['clock']}"
         return
     # The state attack's version is corroborated by nobody, so an honest node believes it only while its
     # table holds no other claimant (a heartbeat missed under load). Each time it does, the NaN snapshot
@@ -219,11 +221,14 @@ def test_flood_of_huge_frames_keeps_memory_bounded(honest: HonestPair, tmp_path:
     doc = run_client(honest, "flood", tmp_path, "--streams", "24", "--frame-mib", "600")
     counts = doc["counts"]
     assert counts.get("streams_opened", 0) >= 24, doc
+    # Every stream was cut long before its frame was through (memory: checked by run_client's watch).
     assert counts.get("frames_completed", 0) == 0, f"a peer swallowed a 600 MiB frame: {doc}"
-    # Far less than one frame per stream went through before the peers cut it off.
-    assert counts.get("mib_written", 0) < 600, doc
-    rss = doc["watch"]
-    print("flood RSS MB before/max:", rss.rss0, rss.rss_max)
+    assert counts.get("streams_cut", 0) >= 1, doc
+    per_stream = counts.get("mib_written", 0) / counts["streams_opened"]
+    watch = doc["watch"]
+    print(f"flood: {counts['streams_opened']} streams, {per_stream:.2f} MiB written per stream; RSS MB before "
+          f"{watch.rss0}, max {watch.rss_max}")
+    assert per_stream < 16, f"peers read {per_stream:.1f} MiB per stream of a frame announcing 600 MiB"
 
 
 def test_state_download_by_a_non_member_is_refused(honest: HonestPair, tmp_path: Path) -> None:
@@ -256,7 +261,7 @@ def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     data = write_corpus(tmp_path / "data")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the benchmark's scratch swarm lives under tmp_path too
     bench = subprocess.Popen([sys.executable, "-m", "node.cli", "bench", "robustness", "--out", str(out),
-                              "--kinds", "nan", "--seconds", "8", "--data", str(data)], cwd=REPO, env=env,
+                              "--kinds", "nan", "--seconds", "5", "--data", str(data)], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = bench.communicate(timeout=270)
@@ -276,7 +281,7 @@ def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     assert (out / "robustness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(tmp_path))]
     assert not leftovers, f"processes left behind: {leftovers}"
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["data", "report"], "the benchmark left scratch files"
+    assert not list(tmp_path.glob("locoswarm-robustness-*")), "the benchmark left its scratch swarm behind"
 
 
 def _cmdline_has(proc: Path, text: str) -> bool:

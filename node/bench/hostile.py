@@ -49,8 +49,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger("locoswarm.hostile")
 
 ABSURD = 1e30            # the weight/values/reduced values of the attacks
@@ -69,12 +67,16 @@ class HostileError(Exception):
 
 def absurd_chunk(codec, numel: int) -> bytes:
     """``numel`` values of 1e30, encoded with ``codec`` (finite: they pass the codec's own checks)."""
+    import torch
+
     return codec.encode(torch.full((numel,), ABSURD))
 
 
 def nan_chunk(codec, numel: int) -> bytes:
     """Bytes of the exact codec size that decode to NaN: NaN block scales for the block codecs (fp4,
     int8), raw NaN for fp32 and bf16. A codec's encoder refuses NaN, so these are written by hand."""
+    import torch
+
     if codec.name == "fp32":
         return b"\x00\x00\xc0\x7f" * numel
     if codec.name == "bf16":
@@ -178,6 +180,8 @@ class StateAttack(NodeAttack):
     help = "heartbeats claim version +1000 of every fragment; the state server serves NaN phi"
 
     def apply(self) -> None:
+        import torch
+
         from node.daemon import Node
         from node.transport.base import FragmentSnapshot
 
@@ -414,6 +418,8 @@ class InjectClient(HostileClient):
         await asyncio.gather(*jobs, return_exceptions=True)
 
     async def send_part(self, fragment: int, round_: int, group: list[str], j: int, sender: str, entry) -> None:
+        import torch
+
         from node.core.payload import chunk_bounds
         from node.swarm.averaging import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
         from node.swarm.wire import PeerRefused, WireError, open_stream
@@ -626,6 +632,8 @@ def run_client(args: argparse.Namespace) -> int:
     if args.config and not Path(args.config).is_file():
         raise HostileError(f"--config {args.config}: no such file")
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-5s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
