@@ -521,3 +521,56 @@ def test_many_concurrent_streams(net):
         assert _wait_until(lambda: server.open_streams() == 0, 5)
     finally:
         net.run(server.stop())
+
+
+# ---- state download over the bounded framing ---------------------------------------------------------
+
+
+class _Runtime:
+    """The two members of NetworkRuntime that StateServer/StateClient use, on the test's loop."""
+
+    def __init__(self, net: Net, p2p: P2P) -> None:
+        self.p2p = p2p
+        self._net = net
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return self._net.run(coro, timeout or 60)
+
+
+def test_state_download_round_trip_and_a_hostile_state_server(net):
+    import torch
+
+    from node.swarm.averaging import ByteCounters
+    from node.swarm.state_sync import CHUNK_ELEMS, STATE_HANDLER, StateClient, StateServer
+    from node.transport.base import FragmentSnapshot
+
+    numel = 2 * CHUNK_ELEMS + 123  # three chunks, the last one partial
+    snaps = {f: FragmentSnapshot(f, 5 + f, torch.randn(numel), torch.randn(numel)) for f in range(3)}
+    snaps[3] = FragmentSnapshot(3, 1, torch.zeros(0), torch.zeros(0))
+    server = StateServer(_Runtime(net, net.server), "fp", snaps.get, ByteCounters())
+    client = StateClient(_Runtime(net, net.client), "fp", ByteCounters(), timeout=30)
+    try:
+        got = client.fetch(1, [net.server_id], min_version=6)
+        assert got is not None and got.version == 6
+        assert torch.equal(got.phi, snaps[1].phi) and torch.equal(got.momentum, snaps[1].momentum)
+        many = client.fetch_many([0, 1, 2, 3], [net.server_id])
+        assert sorted(many) == [0, 1, 2, 3] and many[3].phi.numel() == 0
+        assert all(torch.equal(many[f].phi, snaps[f].phi) for f in range(3))
+        assert client.fetch(1, [net.server_id], min_version=7) is None  # "have version 6 < 7"
+        assert StateClient(_Runtime(net, net.client), "other", ByteCounters()).fetch(0, [net.server_id]) is None
+    finally:
+        server.close()
+
+    async def hostile(remote: str, requests: RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        # Claims a huge fragment and sends a chunk past its end: refused by the client's checks.
+        yield swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=4, offset=0, phi=bytes(40),
+                                   momentum=bytes(40))
+
+    bad = net.run(serve(net.server, STATE_HANDLER, hostile, swarm_pb2.StateRequest, max_request_bytes=1024,
+                        idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    try:
+        with pytest.raises(RuntimeError, match="chunk of 10 elements at 0 does not fit 4 elements"):
+            net.run(client.fetch_async(0, [net.server_id]))
+    finally:
+        net.run(bad.stop())

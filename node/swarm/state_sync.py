@@ -5,17 +5,23 @@ momentum, 64 Ki elements per message) from an immutable snapshot, so a download 
 half-applied outer step. The client is resumable: when a peer fails mid-stream it continues from the
 last element received with another peer holding the same version. A joiner spreads its fragments
 over several peers.
+
+Both ends use the bounded framing of ``node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
+chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
+concurrent downloads per peer and in total (a client keeps its own downloads under the per-peer cap).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import torch
 
+from node.swarm import wire
 from node.swarm.averaging import ByteCounters
 from node.swarm.runtime import NetworkRuntime
 from node.transport.base import FragmentSnapshot
@@ -25,6 +31,12 @@ log = logging.getLogger("locoswarm.state")
 
 STATE_HANDLER = "locoswarm.state.v1"
 CHUNK_ELEMS = 1 << 16
+MAX_REQUEST_BYTES = 1024  # a StateRequest is a fingerprint and three integers
+MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
+IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 512 KiB)
+MAX_STREAMS_PER_PEER = 8
+MAX_STREAMS = 64
+PARALLEL_DOWNLOADS = 4  # a joiner's concurrent fragment downloads: under MAX_STREAMS_PER_PEER
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -44,11 +56,22 @@ class StateServer:
         self.snapshot = snapshot
         self.counters = counters
         self.served = 0
-        runtime.call(runtime.p2p.add_protobuf_handler(
-            STATE_HANDLER, self._handle, swarm_pb2.StateRequest, stream_output=True), timeout=30)
+        self._runtime = runtime
+        self._server = runtime.call(wire.serve(
+            runtime.p2p, STATE_HANDLER, self._handle, swarm_pb2.StateRequest, max_request_bytes=MAX_REQUEST_BYTES,
+            idle_timeout=IDLE_TIMEOUT, max_streams_per_peer=MAX_STREAMS_PER_PEER, max_streams=MAX_STREAMS),
+            timeout=30)
 
-    async def _handle(self, request: swarm_pb2.StateRequest, context) -> AsyncIterator[swarm_pb2.StateChunk]:
-        remote = str(context.remote_id)
+    def close(self) -> None:
+        """Stop serving (downloads already running finish)."""
+        with contextlib.suppress(Exception):
+            self._runtime.call(self._server.stop(), timeout=5)
+
+    async def _handle(self, remote: str,
+                      requests: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
+        request = await anext(requests, None)  # a framing violation raises wire.WireError: refused
+        if request is None:
+            return
         if request.fingerprint != self.fingerprint:
             yield swarm_pb2.StateChunk(error=f"fingerprint mismatch: {request.fingerprint} vs {self.fingerprint}")
             return
@@ -92,10 +115,16 @@ class StateClient:
         """Download several fragments at once, spread over ``peers`` (a joining node)."""
 
         async def run() -> dict[int, FragmentSnapshot]:
+            slots = asyncio.Semaphore(PARALLEL_DOWNLOADS)  # servers refuse a peer's streams past their cap
+
+            async def one(frag: int, order: list[str]) -> FragmentSnapshot:
+                async with slots:
+                    return await self.fetch_async(frag, order, min_version)
+
             jobs = []
             for i, frag in enumerate(fragments):
                 rotated = peers[i % len(peers):] + peers[:i % len(peers)]  # a different first peer each
-                jobs.append(self.fetch_async(frag, rotated, min_version))
+                jobs.append(one(frag, rotated))
             got = await asyncio.gather(*jobs, return_exceptions=True)
             return {f: g for f, g in zip(fragments, got, strict=True) if isinstance(g, FragmentSnapshot)}
 
@@ -104,40 +133,79 @@ class StateClient:
         return self.runtime.call(run(), timeout=self.timeout * max(1, len(fragments)))
 
     async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot:
-        from hivemind.p2p import PeerID
-
-        phi: list[torch.Tensor] = []
-        mom: list[torch.Tensor] = []
-        offset, version, numel = 0, None, None
+        download = _Download(fragment, min_version)
         errors = []
         for peer in peers:
             try:
-                request = swarm_pb2.StateRequest(fingerprint=self.fingerprint, fragment=fragment, offset=offset,
-                                                 min_version=version if version is not None else min_version)
-                stream = await self.runtime.p2p.iterate_protobuf_handler(
-                    PeerID.from_base58(peer), STATE_HANDLER, request, swarm_pb2.StateChunk)
-                async for msg in stream:
-                    self.counters.received(peer, fragment, -1, msg.ByteSize())
-                    if msg.error:
-                        raise RuntimeError(msg.error)
-                    if version is None:
-                        version, numel = msg.version, msg.numel
-                    elif msg.version != version:
-                        # The peer moved on since the first part: keep the newest, start over.
-                        phi.clear(), mom.clear()
-                        version, numel, offset = msg.version, msg.numel, 0
-                        if msg.offset != 0:
-                            raise RuntimeError("version changed mid-download")
-                    if msg.offset != offset:
-                        raise RuntimeError(f"expected offset {offset}, got {msg.offset}")
-                    phi.append(_from_bytes(msg.phi))
-                    mom.append(_from_bytes(msg.momentum))
-                    offset += phi[-1].numel()
-                if numel is not None and offset >= numel:
-                    return FragmentSnapshot(fragment, int(version),
-                                            torch.cat(phi) if phi else torch.zeros(0),
-                                            torch.cat(mom) if mom else torch.zeros(0))
-                errors.append(f"{peer[:12]}: stream ended at {offset}/{numel}")
+                async with wire.open_stream(self.runtime.p2p, peer, STATE_HANDLER, download.request(self.fingerprint),
+                                            swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES,
+                                            idle_timeout=IDLE_TIMEOUT) as stream:
+                    async for msg in stream:
+                        self.counters.received(peer, fragment, -1, msg.ByteSize())
+                        download.add(msg)
+                if download.complete():
+                    return download.snapshot()
+                errors.append(f"{peer[:12]}: stream ended at {download.progress()}")
             except Exception as exc:
                 errors.append(f"{peer[:12]}: {exc}")
         raise RuntimeError(f"fragment {fragment}: no peer could serve it ({'; '.join(errors)})")
+
+
+class _Download:
+    """One fragment's download, resumable across peers: checks each chunk against the stream so far."""
+
+    def __init__(self, fragment: int, min_version: int) -> None:
+        self.fragment = fragment
+        self._min_version = min_version
+        self._phi: list[torch.Tensor] = []
+        self._mom: list[torch.Tensor] = []
+        self._offset = 0
+        self._version: int | None = None
+        self._numel: int | None = None
+
+    def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
+        """The request resuming at the next element (of the version started, if any)."""
+        version = self._version if self._version is not None else self._min_version
+        return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
+                                      min_version=version)
+
+    def add(self, msg: swarm_pb2.StateChunk) -> None:
+        """Append a chunk, or raise RuntimeError (the caller moves on to another peer)."""
+        if msg.error:
+            raise RuntimeError(f"refused: {msg.error[:200]}")
+        if self._version is None:
+            self._version, self._numel = msg.version, msg.numel
+        elif msg.version != self._version:
+            # The peer moved on since the first part: keep the newest, start over.
+            self._phi.clear(), self._mom.clear()
+            self._version, self._numel, self._offset = msg.version, msg.numel, 0
+            if msg.offset != 0:
+                raise RuntimeError("version changed mid-download")
+        if msg.numel != self._numel:
+            raise RuntimeError(f"fragment size changed from {self._numel} to {msg.numel} within a version")
+        if msg.offset != self._offset:
+            raise RuntimeError(f"expected offset {self._offset}, got {msg.offset}")
+        count = self._chunk_elems(msg)
+        self._phi.append(_from_bytes(msg.phi))
+        self._mom.append(_from_bytes(msg.momentum))
+        self._offset += count
+
+    def _chunk_elems(self, msg: swarm_pb2.StateChunk) -> int:
+        """Elements in a well-formed chunk: phi and momentum of equal fp32 length, inside the fragment."""
+        if len(msg.phi) != len(msg.momentum) or len(msg.phi) % 4:
+            raise RuntimeError(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum")
+        count = len(msg.phi) // 4
+        if count > CHUNK_ELEMS or self._offset + count > (self._numel or 0) or (count == 0 and self._numel):
+            raise RuntimeError(f"chunk of {count} elements at {self._offset} does not fit {self._numel} elements")
+        return count
+
+    def complete(self) -> bool:
+        return self._numel is not None and self._offset >= self._numel
+
+    def progress(self) -> str:
+        return f"{self._offset}/{self._numel}"
+
+    def snapshot(self) -> FragmentSnapshot:
+        return FragmentSnapshot(self.fragment, int(self._version or 0),
+                                torch.cat(self._phi) if self._phi else torch.zeros(0),
+                                torch.cat(self._mom) if self._mom else torch.zeros(0))

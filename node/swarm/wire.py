@@ -134,6 +134,8 @@ async def _read_error_frame(reader: asyncio.StreamReader, length: int) -> None:
         raise WireError(f"error frame of {length} bytes exceeds the limit of {MAX_ERROR_FRAME}")
     error = _parse(_rpc_error_type(), await _read_exactly(reader, length, "body"))
     text = error.message  # type: ignore[attr-defined]
+    if isinstance(text, bytes):  # RPCError is proto2: a string field with invalid UTF-8 parses as bytes
+        text = text.decode("utf-8", "replace")
     if not text:
         return None  # hivemind's END_OF_STREAM: the sender's clean end
     raise PeerRefused(_one_line(text) or "peer error")
