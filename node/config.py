@@ -128,6 +128,42 @@ class NetworkSection:
                                         help="seconds between membership heartbeats")
 
 
+#: Robust aggregators (``node.core.robust``), declared here once: the schema is their single home.
+AGGREGATORS: tuple[str, ...] = ("clipped_mean", "trimmed_mean", "median", "mean")
+
+
+@dataclass
+class RobustSection:
+    """How reducers screen and combine contributions, and how this node polices peers."""
+
+    aggregator: str = setting("clipped_mean", shared=True, choices=AGGREGATORS,
+                              help="how a reducer combines screened contributions: clipped_mean (norm-clipped "
+                                   "weighted mean), trimmed_mean, median (coordinate-wise) or mean (no clipping)")
+    clip_factor: float = setting(3.0, shared=True, min=1.0, max=1e6,
+                                 help="clipped_mean: a contribution's chunk is scaled down to at most this many "
+                                      "times the group's median norm")
+    reject_factor: float = setting(8.0, shared=True, min=1.0, max=1e6,
+                                   help="a contribution whose norm exceeds this many times the group's median is "
+                                        "refused (dropped from the round, counted as an offence)")
+    weight_factor: float = setting(4.0, shared=True, min=1.0, max=1e6,
+                                   help="token weights are clamped at this many times the group's median weight")
+    trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
+                                   help="trimmed_mean: share of members dropped from each side per coordinate")
+    consensus_tolerance: float = setting(0.02, shared=True, min=0.0, max=1.0,
+                                         help="rounds averaging phi itself: deviations below this share of |phi| "
+                                              "are normal drift, never clipped or refused")
+    ban_threshold: int = setting(3, shared=False, min=1, max=1_000_000,
+                                 help="offences within ban_window before this node bans a peer")
+    ban_window: float = setting(600.0, shared=False, min=1.0, max=1e7,
+                                help="seconds an offence counts towards a ban")
+    ban_seconds: float = setting(600.0, shared=False, min=0.0, max=1e7,
+                                 help="first cool-down of a banned peer (doubles for a repeat offender)")
+    max_streams_per_peer: int = setting(8, shared=False, min=1, max=10_000,
+                                        help="concurrent incoming streams one peer may hold open")
+    state_requests_per_minute: int = setting(60, shared=False, min=1, max=1_000_000,
+                                             help="state downloads (fragment requests) served to one peer per minute")
+
+
 @dataclass
 class SwarmConfig:
     swarm: SwarmSection = field(default_factory=SwarmSection)
@@ -136,11 +172,12 @@ class SwarmConfig:
     inner: InnerSection = field(default_factory=InnerSection)
     outer: OuterSection = field(default_factory=OuterSection)
     network: NetworkSection = field(default_factory=NetworkSection)
+    robust: RobustSection = field(default_factory=RobustSection)
 
 
 SECTIONS: dict[str, type] = {
     "swarm": SwarmSection, "model": ModelSection, "data": DataSection,
-    "inner": InnerSection, "outer": OuterSection, "network": NetworkSection,
+    "inner": InnerSection, "outer": OuterSection, "network": NetworkSection, "robust": RobustSection,
 }
 
 # ---- loading, validation and fingerprint below (owned by the config module) ----
@@ -168,6 +205,7 @@ _NOTES = {
     "outer.tau": "at most h; 0 for method = replace; equal to h for method = eager",
     "outer.fragments": "at most h when schedule = fixed (offsets must be distinct)",
     "outer.sends_per_h": "at most h",
+    "robust.reject_factor": "at least clip_factor",
 }
 
 
@@ -471,6 +509,13 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
         raise _fail(f"{w.source}: {w.assign('outer', 'fragments', o.fragments)} is larger than "
                     f"{w.assign('outer', 'h', o.h)} with schedule = \"fixed\"; the fragments' sync offsets "
                     f"within h steps must be distinct, so set fragments <= {o.h} or raise h")
+
+    r = cfg.robust
+    w = where("robust.reject_factor", "robust.clip_factor")
+    if r.reject_factor < r.clip_factor:
+        raise _fail(f"{w.source}: {w.assign('robust', 'reject_factor', r.reject_factor)} is smaller than "
+                    f"{w.assign('robust', 'clip_factor', r.clip_factor)}; a contribution is refused only beyond "
+                    f"what clipping would scale down, so set reject_factor >= {r.clip_factor:g}")
 
     w = where("outer.sends_per_h", "outer.h")
     if o.sends_per_h > o.h:

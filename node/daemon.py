@@ -143,6 +143,7 @@ class Node:
         from node.model import build_model, resolve_device
         from node.partition import partition
         from node.swarm.averaging import ByteCounters, SwarmTransport
+        from node.swarm.reputation import Reputation
         from node.swarm.state_sync import StateClient, StateServer
 
         o, cfg = self.opts, self.cfg
@@ -160,6 +161,7 @@ class Node:
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
         codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
         self.counters = ByteCounters()
+        self.reputation = Reputation(log=logging.getLogger("locoswarm.reputation"))  # refusals and bans per peer
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
                                         timeout=max(30.0, cfg.network.round_timeout))
         self.transport = SwarmTransport(
@@ -472,6 +474,7 @@ class Node:
                       "received_by_peer": dict(self.counters.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in self.counters.sent_by_fragment.items()}},
             "refusals": list(self.transport.refusals[-20:]),
+            "reputation": self.reputation.snapshot(),
             "events": self.events[-50:],
         }
 

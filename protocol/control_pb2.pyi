@@ -105,7 +105,7 @@ class PeerFragment(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("peer_id", "clock", "inner_step", "tokens_per_s", "time", "loss", "tokens", "control_port", "has_state", "fragments", "bytes_sent", "bytes_received")
+    __slots__ = ("peer_id", "clock", "inner_step", "tokens_per_s", "time", "loss", "tokens", "control_port", "has_state", "fragments", "bytes_sent", "bytes_received", "refused", "banned")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,8 @@ class Peer(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     clock: int
     inner_step: int
@@ -130,7 +132,9 @@ class Peer(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[PeerFragment]
     bytes_sent: int
     bytes_received: int
-    def __init__(self, peer_id: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., time: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., control_port: _Optional[int] = ..., has_state: _Optional[bool] = ..., fragments: _Optional[_Iterable[_Union[PeerFragment, _Mapping]]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    refused: int
+    banned: bool
+    def __init__(self, peer_id: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., time: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., control_port: _Optional[int] = ..., has_state: _Optional[bool] = ..., fragments: _Optional[_Iterable[_Union[PeerFragment, _Mapping]]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., refused: _Optional[int] = ..., banned: _Optional[bool] = ...) -> None: ...
 
 class PeerList(_message.Message):
     __slots__ = ("peers", "now")
@@ -214,8 +218,33 @@ class Event(_message.Message):
     peer_id: str
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ...) -> None: ...
 
+class PeerReputation(_message.Message):
+    __slots__ = ("peer_id", "refused", "offences", "banned", "banned_for_s", "last", "by_kind")
+    class ByKindEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    OFFENCES_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FIELD_NUMBER: _ClassVar[int]
+    BANNED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    BY_KIND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    refused: int
+    offences: int
+    banned: bool
+    banned_for_s: float
+    last: str
+    by_kind: _containers.ScalarMap[str, int]
+    def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class Status(_message.Message):
-    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps")
+    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SWARM_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +274,9 @@ class Status(_message.Message):
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     SOLO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPUTATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BANNED_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     fingerprint: str
     swarm: str
@@ -274,4 +306,7 @@ class Status(_message.Message):
     control_port: int
     metrics_port: int
     solo_steps: int
-    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ...) -> None: ...
+    reputation: _containers.RepeatedCompositeFieldContainer[PeerReputation]
+    refused_total: int
+    banned_peers: int
+    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ...) -> None: ...

@@ -32,12 +32,14 @@ from node.control.server import StatusSource, start_control_server, status_from_
 from node.control.tui import render, short_id, sparkline
 from node.errors import UserError
 from node.swarm.averaging import ByteCounters
+from node.swarm.reputation import Reputation
 from protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
 SELF = "QmSelf" + "B" * 40
 PEER = "QmPeer" + "A" * 40
+OUTSIDER = "QmOutsider" + "C" * 36   # never published a heartbeat: a non-member attacker
 
 
 def free_port() -> int:
@@ -78,6 +80,13 @@ class FakeNode:
                                  fragments=[swarm_pb2.FragmentStatus(fragment=0, version=7, phi_hash=5, phi_norm=10),
                                             swarm_pb2.FragmentStatus(fragment=1, version=6, phi_hash=6, phi_norm=10)])
         self.peer_table = {PEER: hb}
+        # the real Reputation on a frozen clock: the outsider is banned (cool-down 600 s), PEER was rate-limited
+        self.reputation = Reputation(now=lambda: 5000.0, log=logging.getLogger("test.reputation"))
+        for kind in ("forged_sender", "non_member", "forged_sender"):
+            self.reputation.refuse(OUTSIDER, kind, f"{kind} part for fragment 0 round 112")
+        self.reputation.refuse(OUTSIDER, "banned", "part refused: banned", offence=False)
+        for _ in range(2):
+            self.reputation.refuse(PEER, "rate_limited", "state download again within 5 s", offence=False)
         self.events = [
             {"time": now - 30, "kind": "joined", "detail": "downloaded 2/2 fragments from 1 peer(s)", "clock": 10},
             {"time": now - 5, "kind": "merged", "detail": "fragment 0 round v7", "clock": 120, "fragment": 0,
@@ -109,7 +118,7 @@ class FakeNode:
             "bytes": {"sent": c.total_sent, "received": c.total_received, "sent_by_peer": dict(c.sent_by_peer),
                       "received_by_peer": dict(c.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in c.sent_by_fragment.items()}},
-            "refusals": [], "events": list(self.events)}
+            "refusals": [], "reputation": self.reputation.snapshot(), "events": list(self.events)}
 
 
 @pytest.fixture
@@ -164,6 +173,13 @@ def test_proto_round_trip_keeps_the_status(fake):
     assert back["peers"][PEER]["fragments"] == {"0": 7, "1": 6}
     assert [e["kind"] for e in back["events"]] == [e["kind"] for e in st["events"]]
     assert back["eval_curve"] == [[0, 5.5], [100, 3.4]]
+    assert back["reputation"] == st["reputation"]
+    assert back["reputation"]["refused"] == 6 and back["reputation"]["banned"] == 1
+    outsider = back["reputation"]["peers"][OUTSIDER]
+    assert outsider["banned"] and outsider["banned_for_s"] == 600.0 and outsider["offences"] == 3
+    assert outsider["by_kind"] == {"banned": 1, "forged_sender": 2, "non_member": 1}
+    assert back["peers"][PEER]["refused"] == 2 and back["peers"][PEER]["banned"] is False
+    assert OUTSIDER not in back["peers"]  # no heartbeat: only in the reputation
 
 
 @pytest.mark.parametrize("width", [100, 120, 140])
@@ -184,6 +200,35 @@ def test_tui_frame_at_fixed_widths(fake, width):
     assert spark and len(spark.group(1)) == 6, text
 
 
+@pytest.mark.parametrize("width", [100, 140])
+def test_tui_shows_refused_and_banned_peers(fake, width):
+    node, source = fake
+    for kind in ("bad_weight", "bad_weight", "impossible_clock"):  # PEER, a member with a heartbeat, banned too
+        node.reputation.refuse(PEER, kind, "token weight 1e30 > bound 4.1e5")
+    source._cache = None
+    text = text_of(status_from_proto(status_to_proto(source.snapshot())), width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "peers  9 refused   2 banned" in text  # the network panel's totals
+    id_width = 16 if width < 110 else 52
+    row = next(line for line in text.splitlines() if line.startswith(" " + short_id(PEER, id_width) + " banned"))
+    assert re.search(r" 5 +\d+s ago *$", row), row  # its refused count, then last seen
+    assert "refused / banned peers (9 refused, 2 banned)" in text
+    outsider = next(line for line in text.splitlines() if short_id(OUTSIDER, id_width) in line)
+    assert re.search(r"none +4 +3 +banned 10m00s +forged_sender 2, banned 1", outsider), outsider
+    assert "bad_weight 2, rate_limited 2" in text
+
+
+def test_tui_without_refusals_or_reputation(fake):
+    _, source = fake
+    st = status_from_proto(status_to_proto(source.snapshot()))
+    st["reputation"] = {"peers": {}, "refused": 0, "banned": 0}
+    text = text_of(st, 120)
+    assert "peers  0 refused   0 banned" in text and "refused / banned peers" not in text
+    del st["reputation"]  # an older node's status: its recent refusal lines are the count
+    st["refusals"] = ["QmPeerAAAAAA: fingerprint mismatch"]
+    assert "peers  1 refused   0 banned" in text_of(st, 120)
+
+
 def test_tui_swarm_mode_and_helpers():
     from node.config import load_config
     from node.control.cli import swarm_view
@@ -194,6 +239,7 @@ def test_tui_swarm_mode_and_helpers():
     text = text_of(swarm_view({PEER: hb}, cfg, f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", now=100.0), 120)
     assert "swarm (1 peer in the DHT)" in text and "1.5k" in text and "1s ago" in text and "v3" in text
     assert "(this node)" not in text and "alone (max v3)" in text
+    assert re.search(r"v3 +— +1s ago", text), text  # refusals are a node's own judgement: none in the swarm view
     empty = text_of(swarm_view({}, cfg, "/ip4/127.0.0.1/tcp/1", now=100.0), 120)
     assert "is --config the swarm's peers.toml?" in empty
     assert sparkline([3.0, 2.0, 1.0], 10) == "█▅▁" and sparkline([], 5) == ""
@@ -220,6 +266,12 @@ def test_metrics_text_format(fake):
     assert 'locoswarm_syncs_total{result="failed"} 1' in text
     assert "locoswarm_peers 1" in text
     assert 'locoswarm_fragment_staleness_steps{fragment="0"} 4' in text
+    assert f'locoswarm_refused_total{{peer="{OUTSIDER}",kind="forged_sender"}} 2' in text
+    assert f'locoswarm_refused_total{{peer="{PEER}",kind="rate_limited"}} 2' in text
+    assert f'locoswarm_peer_banned{{peer="{OUTSIDER}"}} 1' in text
+    assert f'locoswarm_peer_banned{{peer="{PEER}"}} 0' in text
+    assert "locoswarm_banned_peers 1" in text
+    assert names.get("locoswarm_refused_total") == "counter" and names.get("locoswarm_peer_banned") == "gauge"
     tricky = render_metrics({"peer_id": 'a"b\\c\nd', "peers": {}})
     assert 'peer_id="a\\"b\\\\c\\nd"' in tricky
 
@@ -343,6 +395,7 @@ def test_real_daemon_status_over_grpc(daemon):
         assert [f["fragment"] for f in st["fragments"]] == [0, 1] and all(f["numel"] > 0 for f in st["fragments"])
         assert 0 < st["compute_utilization"] < 1 and st["uptime_s"] > 0
         assert st["eval_curve"] and st["peers"] == {}
+        assert st["reputation"] == {"peers": {}, "refused": 0, "banned": 0}
         frames = []
         for frame in client.watch(interval=0.3):  # at least 4 frames, and >1 s so the sampler has run
             frames.append(frame)
@@ -362,6 +415,7 @@ def test_real_daemon_metrics_endpoint(daemon):
     steps = int(re.search(r"^locoswarm_inner_steps_total (\d+)$", text, re.M).group(1))
     assert steps > 0 and f'peer_id="{daemon.peer_id}"' in text
     assert 'locoswarm_fragment_version{fragment="1"}' in text
+    assert re.search(r"^locoswarm_banned_peers 0$", text, re.M)
 
 
 def test_real_daemon_a_second_run_on_its_port_is_refused(daemon, tmp_path):
@@ -377,15 +431,18 @@ def test_real_daemon_a_second_run_on_its_port_is_refused(daemon, tmp_path):
 
 FAKE_PEER = """
 import glob, os, signal, sys, threading
-import hivemind
+from pathlib import Path
 from hivemind.utils import get_dht_time
 from node.config import load_config
+from node.swarm.dht import start_dht
 from node.swarm.membership import Membership
 from protocol import swarm_pb2
 
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
-dht = hivemind.DHT(initial_peers=[sys.argv[2]], client_mode=True, start=True)
+# its own libp2p identity: heartbeats are signed with it (start_dht installs the record validators)
+dht = start_dht([sys.argv[2]], identity_path=Path(sys.argv[3]) / "identity.key", attempts=3, client_mode=True,
+                log=lambda line: print(line, file=sys.stderr))
 try:
     membership = Membership(dht, load_config(sys.argv[1], []), str(dht.peer_id))
     print(dht.peer_id, flush=True)
@@ -403,11 +460,12 @@ finally:
 
 
 @pytest.fixture
-def fake_peer(daemon):
+def fake_peer(daemon, tmp_path):
     """A second swarm member as the DHT sees it: a DHT client (its own process, so its hivemind state
     leaves with it) publishing a heartbeat every 0.5 s; it never holds state, so rounds ignore it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(daemon.config), daemon.addr], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(daemon.config), daemon.addr,
+                             str(tmp_path / "fake-peer")], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         peer_id = proc.stdout.readline().strip()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from node.config import ModelSection, OuterSection
+from node.config import ModelSection, OuterSection, RobustSection
 from node.core.codecs import get_codec
 from node.core.merge import (
     eager_outer_gradient,
@@ -32,12 +32,14 @@ from node.core.payload import (
     encode_with_feedback,
     payload_size,
 )
+from node.core.robust import make_aggregator
 from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
 from node.model import build_model
 from node.partition import partition
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, Transport
 from node.transport.inprocess import HEADER_BYTES, InProcessHub
-from node.transport.reduce import part_ranges, reduce_group
+from node.transport.reduce import part_ranges
+from node.transport.reduce import reduce_group as _reduce_group
 
 VOCAB = 257
 CHUNK = chunk_elems(64)  # elements per chunk with 64-element blocks
@@ -335,6 +337,13 @@ def test_part_ranges_partition_chunk_indices(n_chunks: int, n_members: int) -> N
     assert [c for r in parts for c in r] == list(range(n_chunks))
     sizes = [len(r) for r in parts]
     assert max(sizes) - min(sizes) <= 1
+
+
+def reduce_group(codec, payloads, weights, numel, aggregator: str = "clipped_mean"):
+    """The group reduction under the default robust settings (honest inputs: nothing is clipped)."""
+    settings = RobustSection(aggregator=aggregator)
+    reduced, sent, received, _ = _reduce_group(codec, payloads, weights, numel, settings, make_aggregator(settings))
+    return reduced, sent, received
 
 
 def _payloads(codec, n: int, numel: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[bytes]]]:

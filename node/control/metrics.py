@@ -117,6 +117,14 @@ def render_metrics(st: dict) -> str:
               for i, sp in spreads])
     w.metric("locoswarm_fragment_version_lag", "gauge", "Highest minus lowest fragment version across peers.",
              [({"fragment": i}, int(sp["max_lag"]) if sp else None) for i, sp in spreads])
+    rep = st.get("reputation") or {}
+    rep_peers = sorted((rep.get("peers") or {}).items())
+    w.metric("locoswarm_refused_total", "counter", "Things this node refused of a peer (member or not), by kind.",
+             [({"peer": p, "kind": k}, int(n)) for p, r in rep_peers
+              for k, n in sorted((r.get("by_kind") or {}).items())])
+    w.metric("locoswarm_peer_banned", "gauge", "1 while this node bans the peer (a cool-down after repeated offences).",
+             [({"peer": p}, 1 if r.get("banned") else 0) for p, r in rep_peers])
+    w.one("locoswarm_banned_peers", "gauge", "Peers this node bans now.", int(rep.get("banned", 0)))
     now = st.get("now")
     w.metric("locoswarm_peer_inner_steps", "gauge", "A peer's inner steps, from its last heartbeat.",
              [({"peer": p}, int(info.get("inner_step", 0))) for p, info in sorted(peers.items())])

@@ -174,10 +174,13 @@ class StatusSource:
             f["spread"] = spread.get(key)
         table = _copy(getattr(node, "peer_table", {}) or {})
         peers = st.get("peers", {}) or {}
+        reputation = (st.get("reputation") or {}).get("peers") or {}
         for pid, info in peers.items():
             hb = table.get(pid)
             info["bytes_sent"] = int(b.get("sent_by_peer", {}).get(pid, 0))
             info["bytes_received"] = int(b.get("received_by_peer", {}).get(pid, 0))
+            rep = reputation.get(pid) or {}
+            info["refused"], info["banned"] = int(rep.get("refused", 0)), bool(rep.get("banned", False))
             if hb is not None:
                 info.update(heartbeat_extras(hb))
         # the node's last EVENTS and ours, apart: a flood of failed rounds must not push joins out
@@ -227,11 +230,30 @@ def _peer_to_proto(pid: str, info: dict) -> control_pb2.Peer:
                          tokens_per_s=float(info.get("tokens_per_s", 0.0)), time=float(info.get("time", 0.0)),
                          tokens=int(info.get("tokens", 0)), control_port=int(info.get("control_port", 0)),
                          has_state=bool(info.get("has_state", False)),
-                         bytes_sent=int(info.get("bytes_sent", 0)), bytes_received=int(info.get("bytes_received", 0)))
+                         bytes_sent=int(info.get("bytes_sent", 0)), bytes_received=int(info.get("bytes_received", 0)),
+                         refused=int(info.get("refused", 0)), banned=bool(info.get("banned", False)))
     _set(p, loss=None if info.get("loss") is None else float(info["loss"]))
     for frag, version in sorted((info.get("fragments") or {}).items(), key=lambda kv: int(kv[0])):
         p.fragments.add(fragment=int(frag), version=int(version))
     return p
+
+
+def _reputation_to_proto(msg: control_pb2.Status, rep: dict) -> None:
+    """``Reputation.snapshot()`` into ``msg``: totals and one ``PeerReputation`` per peer."""
+    msg.refused_total = int(rep.get("refused", 0))
+    msg.banned_peers = int(rep.get("banned", 0))
+    for pid, r in (rep.get("peers") or {}).items():
+        pr = msg.reputation.add(peer_id=str(pid), refused=int(r.get("refused", 0)), offences=int(r.get("offences", 0)),
+                                banned=bool(r.get("banned", False)), banned_for_s=float(r.get("banned_for_s", 0.0)),
+                                last=str(r.get("last", "")))
+        pr.by_kind.update({str(k): int(n) for k, n in (r.get("by_kind") or {}).items()})
+
+
+def _reputation_from_proto(msg: control_pb2.Status) -> dict:
+    """The ``reputation`` of a status dict (the shape of ``Reputation.snapshot()``)."""
+    peers = {r.peer_id: {"refused": r.refused, "offences": r.offences, "by_kind": dict(sorted(r.by_kind.items())),
+                         "banned": r.banned, "banned_for_s": r.banned_for_s, "last": r.last} for r in msg.reputation}
+    return {"peers": peers, "refused": msg.refused_total, "banned": msg.banned_peers}
 
 
 def status_to_proto(st: dict) -> control_pb2.Status:
@@ -287,6 +309,7 @@ def status_to_proto(st: dict) -> control_pb2.Status:
                             bytes_sent=int(e.get("bytes_sent") or 0), bytes_received=int(e.get("bytes_received") or 0),
                             group_size=int(e.get("group_size") or 0), peer_id=str(e.get("peer_id") or ""))
         _set(pe, fragment=e.get("fragment"), round=e.get("round"), version=e.get("version"))
+    _reputation_to_proto(msg, st.get("reputation") or {})
     return msg
 
 
@@ -327,6 +350,7 @@ def status_from_proto(msg: control_pb2.Status) -> dict:
                   "sent_by_fragment": {str(k): v for k, v in sorted(msg.bytes.sent_by_fragment.items())},
                   "received_by_fragment": {str(k): v for k, v in sorted(msg.bytes.received_by_fragment.items())}},
         "refusals": list(msg.refusals),
+        "reputation": _reputation_from_proto(msg),
         "events": [{"time": e.time, "kind": e.kind, "detail": e.detail, "clock": e.clock,
                     "fragment": _opt(e, "fragment"), "round": _opt(e, "round"), "bytes_sent": e.bytes_sent,
                     "bytes_received": e.bytes_received, "group_size": e.group_size, "version": _opt(e, "version"),
@@ -339,7 +363,7 @@ def peer_from_proto(p: control_pb2.Peer) -> dict:
     return {"clock": p.clock, "inner_step": p.inner_step, "tokens_per_s": p.tokens_per_s, "time": p.time,
             "loss": _opt(p, "loss"), "tokens": p.tokens, "control_port": p.control_port, "has_state": p.has_state,
             "fragments": {str(f.fragment): f.version for f in p.fragments},
-            "bytes_sent": p.bytes_sent, "bytes_received": p.bytes_received}
+            "bytes_sent": p.bytes_sent, "bytes_received": p.bytes_received, "refused": p.refused, "banned": p.banned}
 
 
 # ---- the service ---------------------------------------------------------------------------------------

@@ -133,13 +133,23 @@ def _network_panel(st: dict) -> Panel:
     failed = int(st.get("syncs_failed", 0))
     g.add_row("rounds", Text.assemble(f"{st.get('syncs_ok', 0)} ok   ", (f"{failed} failed", "red" if failed else ""),
                                       f"   {(st.get('consensus') or {}).get('rounds', 0)} consensus"))
-    refusals = len(st.get("refusals") or [])
-    g.add_row("other", Text.assemble(f"{st.get('catch_ups', 0)} catch-ups   ",
-                                     (f"{refusals} refusals", "yellow" if refusals else "")))
+    g.add_row("other", f"{st.get('catch_ups', 0)} catch-ups")
+    refused, banned = _refusal_totals(st)
+    g.add_row("peers", Text.assemble((f"{refused} refused", "yellow" if refused else ""), "   ",
+                                     (f"{banned} banned", "bold red" if banned else "")))
     solo = int(st.get("solo_steps", 0))
     if solo:
         g.add_row("alone", f"{solo} outer steps with no peer")
     return Panel(g, title="network", title_align="left", box=box.ROUNDED)
+
+
+def _refusal_totals(st: dict) -> tuple[int, int]:
+    """(refusals, peers banned now): the node's reputation totals; a status without one (an older node)
+    counts its recent refusal lines."""
+    rep = st.get("reputation")
+    if rep is None:
+        return len(st.get("refusals") or []), 0
+    return int(rep.get("refused", 0)), int(rep.get("banned", 0))
 
 
 def _spread_text(sp: dict | None) -> Text:
@@ -189,9 +199,14 @@ def _peer_row(pid: str, info: dict, now: float, id_width: int, note: str = "") -
     frags = info.get("fragments") or {}
     versions = " ".join(f"v{frags[k]}" for k in sorted(frags, key=int)) or "—"
     seen = info.get("time")
-    return [Text(short_id(pid, id_width) + note, style="bold" if note else ""), f"{info.get('inner_step', 0):,}",
-            f"{info.get('clock', 0):,}", human_count(info.get("tokens_per_s", 0)), _loss_text(info.get("loss")),
-            versions, "now" if note else ago(seen, now)]
+    name = Text(short_id(pid, id_width) + note, style="bold" if note else "")
+    if info.get("banned"):
+        name.append(" banned", style="bold red")
+    refused = info.get("refused")  # None: not known (the swarm view, from heartbeats only)
+    refused_text = Text("" if note else "—" if refused is None else str(refused), style="yellow" if refused else "dim")
+    return [name, f"{info.get('inner_step', 0):,}", f"{info.get('clock', 0):,}",
+            human_count(info.get("tokens_per_s", 0)), _loss_text(info.get("loss")), versions, refused_text,
+            "now" if note else ago(seen, now)]
 
 
 def _swarm_table(st: dict, width: int, title: str = "swarm") -> Table:
@@ -207,17 +222,59 @@ def _swarm_table(st: dict, width: int, title: str = "swarm") -> Table:
     t.add_column("tok/s", justify="right", no_wrap=True)
     t.add_column("loss", justify="right", no_wrap=True)
     t.add_column("fragments", no_wrap=True, overflow="ellipsis", ratio=1)
+    t.add_column("refused", justify="right", no_wrap=True)
     t.add_column("last seen", justify="right", no_wrap=True)
     if st.get("inner_step") is not None and st.get("peer_id"):
         own = {"inner_step": st.get("inner_step", 0), "clock": st.get("clock", 0),
                "tokens_per_s": st.get("tokens_per_s", 0), "loss": st.get("loss"),
                "fragments": {str(f["fragment"]): f.get("version", 0) for f in st.get("fragments") or []}}
         t.add_row(*_peer_row(st["peer_id"], own, now, id_width, note=" (this node)"))
+    reputation = ((st.get("reputation") or {}).get("peers") or {}) if "reputation" in st else None
     for pid, info in sorted(peers.items(), key=lambda kv: (-kv[1].get("clock", 0), kv[0])):
+        if reputation is not None:  # this node's own judgement of the peer (the control server adds it too)
+            rep = reputation.get(pid) or {}
+            info = {**info, "refused": int(rep.get("refused", 0)), "banned": bool(rep.get("banned", False))}
         t.add_row(*_peer_row(pid, info, now, id_width))
     if not peers:
         t.add_row(Text("no other peer has a live heartbeat" if st.get("peer_id") else "no peer has a live heartbeat",
-                       style="dim"), "", "", "", "", "", "")
+                       style="dim"), "", "", "", "", "", "", "")
+    return t
+
+
+def _kinds_text(r: dict) -> Text:
+    """``forged_sender 2, non_member 1 · last non_member: ...``: why, then the latest detail."""
+    kinds = sorted((r.get("by_kind") or {}).items(), key=lambda kv: (-int(kv[1]), kv[0]))
+    text = Text(", ".join(f"{k} {n}" for k, n in kinds))
+    if r.get("last"):
+        text.append(f" · last {r['last']}", style="dim")
+    return text
+
+
+def _reputation_table(st: dict, width: int, limit: int = 6) -> Table | None:
+    """The peers this node refused something of, banned ones first (heartbeat or not: an outsider that
+    never joined the swarm shows here only); None when there are none."""
+    reputation = (st.get("reputation") or {}).get("peers") or {}
+    if not reputation:
+        return None
+    refused, banned = _refusal_totals(st)
+    live = st.get("peers") or {}
+    t = Table(title=f"refused / banned peers ({refused} refused, {banned} banned)", title_justify="left",
+              box=box.SIMPLE_HEAD, expand=True, padding=(0, 1), show_edge=False)
+    id_width = 52 if width >= 130 else 24 if width >= 110 else 16
+    t.add_column("peer", no_wrap=True)
+    t.add_column("heartbeat", no_wrap=True)
+    t.add_column("refused", justify="right", no_wrap=True)
+    t.add_column("offences", justify="right", no_wrap=True)
+    t.add_column("ban", no_wrap=True)
+    t.add_column("refusals by kind · last", no_wrap=True, overflow="ellipsis", ratio=1)
+    ranked = sorted(reputation.items(), key=lambda kv: (not kv[1].get("banned"), -int(kv[1].get("refused", 0)), kv[0]))
+    for pid, r in ranked[:limit]:
+        ban = (Text(f"banned {duration(r.get('banned_for_s'))}", style="bold red") if r.get("banned")
+               else Text("—", style="dim"))
+        t.add_row(short_id(pid, id_width), Text("live", style="green") if pid in live else Text("none", style="dim"),
+                  str(r.get("refused", 0)), str(r.get("offences", 0)), ban, _kinds_text(r))
+    if len(ranked) > limit:
+        t.add_row(Text(f"… {len(ranked) - limit} more", style="dim"), "", "", "", "", "")
     return t
 
 
@@ -305,8 +362,9 @@ def render(status: dict, width: int = 120) -> RenderableType:
     top.add_column(ratio=2)
     top.add_row(_node_panel(status, width), _network_panel(status))
     footer = Text(" Ctrl+C to quit · refreshed every second", style="dim")
+    reputation = _reputation_table(status, width)
     return Group(_header(status), top, _fragments_table(status, width), _swarm_table(status, width),
-                 _events_table(status, width), footer)
+                 *([reputation] if reputation is not None else []), _events_table(status, width), footer)
 
 
 def _swarm_fragments(st: dict) -> Table:

@@ -14,6 +14,11 @@ workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``coll
 ``eager`` differs (tau = H): at a send, its own fresh Delta and the late group average of the
 previous round form the outer gradient (see ``node.core.merge``), theta_p <- phi_p, and the fresh
 Delta is sent.
+
+Whatever peers sent passes ``node.core.guard`` before it changes phi, momentum or theta: a group
+average, the outer step it makes, a consensus shift, a downloaded snapshot. A refused one leaves the
+state as it was (a "refused" event; for a sync result, the same as a failed sync). A local divergence
+(non-finite theta, e.g. an inner lr far too high) resets theta to phi instead of sending it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from node.config import OuterSection
 from node.core.codecs import get_codec
 from node.core.consensus import CONSENSUS_CODEC, PhiConsensus, phi_digest
+from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot, non_finite
 from node.core.merge import eager_outer_gradient, merge_alpha, merge_compensate, merge_rebase, merge_replace
 from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
@@ -38,7 +44,7 @@ from node.transport.base import AverageHandle, AverageRequest, AverageResult, Fr
 
 @dataclass
 class SyncEvent:
-    kind: str                 # "sent" | "merged" | "failed" | "caught_up"
+    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "refused" | "diverged"
     fragment: int
     step: int
     version: int
@@ -58,6 +64,7 @@ class OuterStats:
     syncs_ok: int = 0
     syncs_failed: int = 0
     catch_ups: int = 0
+    refused: int = 0                      # results or snapshots the guards refused
     consensus_rounds: int = 0
     last_consensus_shift: float = 0.0     # |phi_bar - phi| / |phi| of the last consensus round
     bytes_by_round: dict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -78,6 +85,7 @@ class _Pending:
     residual_before: torch.Tensor | None
     own: torch.Tensor | None = None
     own_share: float = 0.0
+    own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
 
 
 class OuterLoop:
@@ -94,7 +102,8 @@ class OuterLoop:
     """
 
     def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
-                 *, expected_group_size: int = 2, wait_timeout: float | None = None) -> None:
+                 *, expected_group_size: int = 2, wait_timeout: float | None = None,
+                 limits: GuardLimits | None = None) -> None:
         self.cfg = outer
         self.transport = transport
         self.codec = get_codec(outer.codec, outer.block_size)
@@ -110,6 +119,7 @@ class OuterLoop:
         self.stats = OuterStats()
         self.expected_share = 1.0 / max(1, expected_group_size)
         self.wait_timeout = wait_timeout
+        self.limits = limits or GuardLimits()
 
     # ---- the driver's calls -------------------------------------------------------------------
     def add_tokens(self, tokens: float) -> None:
@@ -185,11 +195,16 @@ class OuterLoop:
             res = self._wait(pend)
             if self.cfg.method == "eager":
                 st = self.states[p]
-                if res.ok:
+                reason = self._check_result(res, pend)
+                if res.ok and reason is None:
                     g = eager_outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
-                    self._outer_step(st, g)
-                    st.set_theta(st.phi)
-                events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
+                    reason = self._outer_step(st, g)
+                    if reason is None:
+                        st.set_theta(st.phi)
+                if res.ok and reason is not None:
+                    events.append(self._refused(st, step, res, pend.sent_step, reason))
+                else:
+                    events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
             else:
                 events.append(self._merge(self.states[p], pend, res, step))
         return events
@@ -199,12 +214,16 @@ class OuterLoop:
         events = self._catch_up(st, step)
         theta = st.theta()
         delta = st.phi - theta
+        diverged = self._diverged(st, step, delta)
+        if diverged is not None:
+            return [*events, diverged]
         residual_before = st.residual.clone() if st.residual is not None else None
         chunks, decoded = encode_with_feedback(self.codec, delta, st.residual)
         st.last_quant_error = _relative_error(decoded, delta)
         handle = self._start(st, step, chunks)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
-                                          snapshot=theta, residual_before=residual_before)
+                                          snapshot=theta, residual_before=residual_before,
+                                          own_norm=float(torch.linalg.vector_norm(decoded)))
         st.tokens_since_send = 0.0
         st.last_send = step
         if self.consensus.due(step, self.cfg.h):
@@ -237,6 +256,10 @@ class OuterLoop:
             self.stats.last_consensus_shift = 0.0
             return
         shift = self.consensus.correction(res.average, phi_sent)
+        reason = check_shift(shift, st.phi, self.limits)
+        if reason is not None:
+            self.stats.refused += 1
+            return
         st.phi.add_(shift)
         st.set_theta(st.theta() + shift)
         self.stats.last_consensus_shift = float(torch.linalg.vector_norm(shift)) / max(
@@ -246,13 +269,21 @@ class OuterLoop:
         events = []
         theta = st.theta()
         own_now_raw = st.phi - theta
+        diverged = self._diverged(st, step, own_now_raw)
+        if diverged is not None:
+            return [diverged]
         chunks, own_now = encode_with_feedback(self.codec, own_now_raw, st.residual)
         st.last_quant_error = _relative_error(own_now, own_now_raw)
         late = self.pending.pop(st.index, None)
         late_avg, own_prev, share_prev = None, None, 0.0
         if late is not None:
             res = self._wait(late)
-            if res.ok:
+            reason = self._check_result(res, late)
+            if res.ok and reason is not None:
+                # Refused: like a failed round, only our own previous contribution is applied.
+                late_avg, own_prev, share_prev = late.own, late.own, late.own_share
+                events.append(self._refused(st, step, res, late.sent_step, reason))
+            elif res.ok:
                 # Our own part was applied last round at the share we assumed then; take out exactly
                 # that, so that over the rounds every member applies exactly the group averages.
                 late_avg, own_prev, share_prev = res.average, late.own, late.own_share
@@ -261,15 +292,19 @@ class OuterLoop:
             else:
                 # Nobody else's progress arrived: apply the rest of our own previous contribution.
                 late_avg, own_prev, share_prev = late.own, late.own, late.own_share
-            events.append(self._event("merged" if res.ok else "failed", st, step, res, late.sent_step))
+            if reason is None or not res.ok:
+                events.append(self._event("merged" if res.ok else "failed", st, step, res, late.sent_step))
         share_now = self.expected_share
         g = eager_outer_gradient(late_avg, own_prev, share_prev, own_now, share_now)
-        self._outer_step(st, g)
+        reason = self._outer_step(st, g)
+        if reason is not None:  # cannot come from peers (their part was checked): keep phi, report
+            events.append(SyncEvent("refused", st.index, step, st.version, error=reason))
+            self.stats.refused += 1
         st.set_theta(st.phi)
         handle = self._start(st, step, chunks)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
                                           snapshot=None, residual_before=None, own=own_now,
-                                          own_share=share_now)
+                                          own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)))
         st.tokens_since_send = 0.0
         st.last_send = step
         events.append(SyncEvent("sent", st.index, step, st.version))
@@ -311,15 +346,19 @@ class OuterLoop:
         return pend.handle.result(timeout=self.wait_timeout)
 
     def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> SyncEvent:
-        if not res.ok:
+        reason = self._check_result(res, pend) if res.ok else None
+        if res.ok and reason is None:
+            reason = self._outer_step(st, res.average)
+        if not res.ok or reason is not None:
             # Keep the local progress (it is still phi - theta) and the tokens it represents; undo
             # the residual update, since nothing of this payload was applied.
             st.tokens_since_send += pend.weight
             if pend.residual_before is not None and st.residual is not None:
                 st.residual.copy_(pend.residual_before)
             self._apply_consensus(st)
+            if reason is not None:
+                return self._refused(st, step, res, pend.sent_step, reason)
             return self._event("failed", st, step, res, pend.sent_step)
-        self._outer_step(st, res.average)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
         theta = st.theta()
@@ -338,9 +377,44 @@ class OuterLoop:
         self._apply_consensus(st)
         return self._event("merged", st, step, res, pend.sent_step)
 
-    def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> None:
-        self.optimizer.step(st.phi, st.momentum, delta)
+    def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> str | None:
+        """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
+        phi, momentum = st.phi.clone(), st.momentum.clone()
+        self.optimizer.step(phi, momentum, delta)
+        reason = check_outer_step(st.phi, st.momentum, phi, momentum, self.limits)
+        if reason is not None:
+            return reason
+        st.phi.copy_(phi)
+        st.momentum.copy_(momentum)
         st.version += 1
+        return None
+
+    def _check_result(self, res: AverageResult, pend: _Pending) -> str | None:
+        if not res.ok or res.average is None:
+            return None
+        return check_average(res.average, pend.own_norm, self.limits)
+
+    def _refused(self, st: FragmentState, step: int, res: AverageResult, sent_step: int, reason: str) -> SyncEvent:
+        """A complete result the guard refused: counted as a failed sync, reported as "refused"."""
+        self.stats.refused += 1
+        ev = self._event("failed", st, step, AverageResult.failed(reason, own_weight=res.own_weight), sent_step)
+        ev.kind = "refused"
+        ev.bytes_sent, ev.bytes_received = res.bytes_sent, res.bytes_received
+        self.stats.bytes_sent += res.bytes_sent
+        self.stats.bytes_received += res.bytes_received
+        return ev
+
+    def _diverged(self, st: FragmentState, step: int, delta: torch.Tensor) -> SyncEvent | None:
+        """Local progress that is not finite cannot be sent: theta restarts from phi (the driver resets its
+        inner optimizer on this event); the outer state is untouched."""
+        reason = non_finite("local progress", delta)
+        if reason is None:
+            return None
+        st.set_theta(st.phi)
+        st.tokens_since_send = 0.0
+        if st.residual is not None:
+            st.residual.zero_()
+        return SyncEvent("diverged", st.index, step, st.version, error=f"{reason}: theta reset to phi")
 
     def _event(self, kind: str, st: FragmentState, step: int, res: AverageResult,
                sent_step: int) -> SyncEvent:
@@ -363,6 +437,11 @@ class OuterLoop:
         snap = self.transport.fetch_fragment(st.index)
         if snap is None or snap.version <= st.version:
             return []
+        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits)
+        if reason is not None:
+            self.transport.reject_snapshot(snap, reason)
+            self.stats.refused += 1
+            return [SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {reason}")]
         theta = st.theta()
         phi_old = st.phi.clone()
         st.phi.copy_(snap.phi.to(st.phi.device))

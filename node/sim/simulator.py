@@ -111,7 +111,7 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     workers = [_Worker(m, cfg, corpus, vocab_size, spec, device, spec.steps) for m in range(spec.workers)]
     fragments = partition(workers[0].model, cfg.outer.fragments)
     codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
-    hub = InProcessHub(codec, cfg.network.group_size, seed=spec.seed, drop_prob=spec.drop_prob)
+    hub = InProcessHub(codec, cfg.network.group_size, seed=spec.seed, drop_prob=spec.drop_prob, robust=cfg.robust)
     for w in workers:
         w.outer = OuterLoop(w.model, fragments, cfg.outer, hub.transport(w.rank),
                             expected_group_size=min(cfg.network.group_size, spec.workers))

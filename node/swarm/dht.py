@@ -282,6 +282,27 @@ def _try_start(peers: list[str], host_maddr: str, identity_path: Path, stop: thr
         return None, exc
 
 
+def _with_record_validators(identity_path: Path, kwargs: dict) -> dict:
+    """``kwargs`` for ``hivemind.DHT`` with the signed-record validators of :mod:`node.swarm.records`
+    (unless the caller passes its own ``record_validators``). They sign with the libp2p identity, so the
+    identity file is created here when missing, as hivemind would create it; hivemind skips its
+    "identity already taken" probe (an extra p2pd) for a key it just generated, and so do we."""
+    from node.swarm.records import record_validators
+
+    if "record_validators" in kwargs:
+        return kwargs
+    fresh = not identity_path.exists()
+    try:
+        validators = record_validators(identity_path)
+    except OSError as exc:
+        raise UserError(f"cannot create the identity file {identity_path} ({exc.strerror or exc}); "
+                        f"choose a writable state directory") from None
+    out = {**kwargs, "record_validators": validators}
+    if fresh:
+        out.setdefault("check_if_identity_free", False)
+    return out
+
+
 def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, identity_path: Path,
               attempts: int | None = None, backoff: tuple[float, float] = (1.0, 30.0),
               log: Callable[[str], None] = print, stop: threading.Event | None = None,
@@ -295,7 +316,9 @@ def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: in
     seconds) until ``attempts`` attempts have failed (None: forever, until ``stop`` is set). An attempt
     passes all peers at once, then (with several) each one alone. Raises :class:`UserError` when it
     gives up, on a bad address, a taken port, an identity used by another running node, or when
-    ``stop`` is set. Extra keyword arguments go to ``hivemind.DHT``.
+    ``stop`` is set. Extra keyword arguments go to ``hivemind.DHT``; unless they name ``record_validators``,
+    the DHT gets :func:`node.swarm.records.record_validators` (records under owner subkeys must be signed
+    by their owner; sizes bounded), signing with this identity.
     """
     peers = validate_bootstrap(initial_peers)
     identity_path = Path(identity_path)
@@ -304,6 +327,7 @@ def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: in
     except OSError as exc:
         raise UserError(f"cannot create the state directory {identity_path.parent} "
                         f"({exc.strerror or exc}); choose a writable directory") from None
+    dht_kwargs = _with_record_validators(identity_path, dht_kwargs)
     host_maddr = _host_maddr(host, port)
     lo, hi = float(backoff[0]), float(backoff[1])
     if attempts is not None and attempts < 1:

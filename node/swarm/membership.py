@@ -3,8 +3,10 @@
 DHT layout (every key carries the swarm name; every per-swarm key also the fingerprint, so peers
 with different shared settings never see each other's records):
 
-- ``locoswarm/<name>/<fingerprint>/peers``: one subkey per peer id, value = a serialized
-  :class:`protocol.swarm_pb2.Heartbeat` (a few hundred bytes), expiring ``expiry`` s after publication;
+- ``locoswarm/<name>/<fingerprint>/peers``: one owner subkey per peer (``<peer id>[owner:<its libp2p
+  public key>]``, see :mod:`node.swarm.records`: only that peer can sign a record there), value = a
+  serialized :class:`protocol.swarm_pb2.Heartbeat` (a few hundred bytes), expiring ``expiry`` s after
+  publication;
 - ``locoswarm/<name>/fingerprints``: one subkey per fingerprint in use, value = JSON of its shared
   settings (:func:`node.config.shared_settings`), so a newcomer with other settings is refused with a
   message naming the difference.
@@ -29,6 +31,7 @@ from protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
+    from hivemind.utils.crypto import RSAPrivateKey
 
 log = logging.getLogger("locoswarm.membership")
 
@@ -57,11 +60,13 @@ class Membership:
     """This node's heartbeats and its view of the live peers of its swarm (same name and fingerprint).
 
     ``expiry`` (default: 4 heartbeat intervals) is how long a heartbeat stays valid; ``timeout`` bounds
-    every DHT call.
+    every DHT call. ``identity`` is the node's libp2p identity key, which heartbeats are bound to (default:
+    the identity file the DHT runs with, see :func:`node.swarm.records.dht_identity`); without one this
+    node only reads.
     """
 
     def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, peer_id: str, expiry: float | None = None, *,
-                 timeout: float = 5.0):
+                 timeout: float = 5.0, identity: RSAPrivateKey | None = None):
         self.dht = dht
         self.cfg = cfg
         self.peer_id = str(peer_id)
@@ -74,6 +79,8 @@ class Membership:
         self.settings = shared_settings(cfg)
         self._settings_json = json.dumps(self.settings, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         assert len(self._settings_json.encode()) < MAX_SETTINGS_BYTES, "shared settings too large for the DHT"
+        self._identity = identity
+        self._subkey: str | None = None  # this node's owner subkey, built on first publish
         self._announced_at: float | None = None
         self._known: dict[str, tuple[swarm_pb2.Heartbeat, float]] = {}  # peer id -> (heartbeat, expiration)
         self._last_log: dict[str, float] = {}
@@ -147,16 +154,36 @@ class Membership:
             msg.time = _dht_time()
         data = msg.SerializeToString()
         assert len(data) < MAX_HEARTBEAT_BYTES, f"heartbeat record of {len(data)} bytes is too large for the DHT"
-        ok = self._store("publish", self.peers_key, self.peer_id, data, self.expiry)
+        subkey = self._owner_subkey()
+        if subkey is None:
+            self._warn("publish", f"no libp2p identity key of peer {self.peer_id} to sign heartbeats with")
+            return False
+        ok = self._store("publish", self.peers_key, subkey, data, self.expiry)
         if not msg.leaving and (self._announced_at is None
                                 or time.monotonic() - self._announced_at > self.expiry / 2):
             self.announce_fingerprint()
         return ok
 
+    def _owner_subkey(self) -> str | None:
+        """This node's owner subkey (see :mod:`node.swarm.records`); None without an identity key."""
+        if self._subkey is None:
+            from node.swarm.records import dht_identity, owner_subkey
+
+            identity = self._identity or dht_identity(self.dht)
+            if identity is not None:
+                try:
+                    self._subkey = owner_subkey(self.peer_id, identity)
+                except ValueError as exc:
+                    self._warn("publish", exc)
+        return self._subkey
+
     def peers(self, include_self: bool = False) -> dict[str, swarm_pb2.Heartbeat]:
         """Live peers of this swarm: ``{peer id: Heartbeat}``. Skips records that are expired, unparsable,
-        of another fingerprint, or marked ``leaving``. On a DHT failure: the last known table, minus
+        of another fingerprint, marked ``leaving``, or not published by the peer they name (the entry's
+        owner subkey must be bound to the heartbeat's peer id). On a DHT failure: the last known table, minus
         what has expired since."""
+        from node.swarm.records import subkey_peer
+
         entries = self._get("peers", self.peers_key)
         now = _dht_time()
         if entries is None:
@@ -170,7 +197,8 @@ class Membership:
                     hb = swarm_pb2.Heartbeat.FromString(value)
                 except Exception:
                     continue
-                if hb.fingerprint != self.fingerprint or hb.leaving or not hb.peer_id or hb.peer_id != subkey:
+                if (hb.fingerprint != self.fingerprint or hb.leaving or not hb.peer_id
+                        or subkey_peer(subkey) != hb.peer_id):
                     continue
                 known[hb.peer_id] = (hb, exp)
             self._known = known

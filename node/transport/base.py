@@ -56,6 +56,7 @@ class FragmentSnapshot:
     version: int
     phi: torch.Tensor
     momentum: torch.Tensor
+    source: str = ""          # the peer it came from (a transport's own bookkeeping)
 
 
 class AverageHandle(ABC):
@@ -83,6 +84,10 @@ class Transport(ABC):
     @abstractmethod
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         """Outer state of ``fragment`` from a peer holding the newest version, or None."""
+
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:  # noqa: B027
+        """The core refused a snapshot this transport fetched (the guard found it absurd): a transport
+        that knows where it came from holds it against that peer. Nothing to do by default."""
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release resources."""

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from node.config import RobustSection
 from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
+from node.core.robust import make_aggregator
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.reduce import reduce_group
 
@@ -54,11 +56,15 @@ class InProcessHub:
             into balanced groups (``group_size >= workers`` is an all-reduce).
         seed: seeds group formation and dropped syncs.
         drop_prob: probability that a worker's sync is dropped (fails for that worker only).
+        robust: how reducers screen and combine contributions (``[robust]``; default: its defaults).
     """
 
-    def __init__(self, codec: Codec, group_size: int, seed: int = 0, drop_prob: float = 0.0) -> None:
+    def __init__(self, codec: Codec, group_size: int, seed: int = 0, drop_prob: float = 0.0,
+                 robust: RobustSection | None = None) -> None:
         self.codec = codec
         self.group_size = group_size
+        self.robust = robust or RobustSection()
+        self.aggregator = make_aggregator(self.robust)
         self.drop_prob = drop_prob
         self._rng = random.Random(seed)
         self._pending: dict[tuple[int, int], list[_Pending]] = defaultdict(list)
@@ -110,14 +116,14 @@ class InProcessHub:
                     sum(x.request.weight for x in group)), own_weight=m.request.weight)
             return
         numel = group[0].request.numel
-        weights = [max(m.request.weight, 0.0) for m in group]
-        if sum(weights) <= 0:
-            weights = [1.0] * len(group)
-        total = float(sum(weights))
+        weights = [m.request.weight if m.request.weight > 0 else 1.0 for m in group]
         req = group[0].request
         codec = get_codec(req.codec, self.codec.block_size) if req.codec else self.codec
-        reduced, sent, received = reduce_group(codec, [m.request.chunks for m in group], weights, numel)
+        reduced, sent, received, entered = reduce_group(codec, [m.request.chunks for m in group], weights, numel,
+                                                        self.robust, self.aggregator)
         average = decode_chunks(codec, reduced, numel)
+        weights = [w if w > 0 else 0.0 for w in entered]
+        total = float(sum(weights)) or 1.0
         extras = sum(w / total * m.request.extras.float() for w, m in zip(weights, group, strict=True))
         n = len(group)
         header = HEADER_BYTES + 4 * group[0].request.extras.numel()

@@ -1,21 +1,29 @@
 """The group reduction every transport performs: reduce-scatter then all-gather of codec chunks.
 
 Members are ordered (by peer id); the payload's chunks are split into ``n`` contiguous parts and
-member ``j`` reduces part ``j``: it decodes every member's chunks of that part into fp32, takes the
-token-weighted mean, and re-encodes the reduced chunks with the same codec. The reduced chunks are
-then all-gathered. Every member decodes the *same* reduced bytes, so the group's result is
-bit-identical on all members. Per member and sync this moves about ``2 (n-1)/n`` payloads each way,
-the exchange pattern of a ring/butterfly all-reduce.
+member ``j`` reduces part ``j``: it screens every member's chunks of that part, combines the accepted
+ones in fp32 with the swarm's robust aggregator (``node.core.robust``), and re-encodes the reduced
+chunks with the same codec. The reduced chunks are then all-gathered. Every member decodes the *same*
+reduced bytes, so the group's result is bit-identical on all members. Per member and sync this moves
+about ``2 (n-1)/n`` payloads each way, the exchange pattern of a ring/butterfly all-reduce.
+
+A part is reduced in two passes over the (already size-checked) codec bytes, one chunk at a time, so
+memory stays at members x one chunk: the first pass measures each contribution's chunk norms for
+screening, the second combines the accepted ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from node.config import RobustSection
 from node.core.codecs import Codec
 from node.core.payload import chunk_bounds
+from node.core.robust import Aggregator, ContributionStats, Screening, chunk_norm, screen
 
 
 def part_ranges(n_chunks: int, n_members: int) -> list[range]:
@@ -29,22 +37,66 @@ def part_ranges(n_chunks: int, n_members: int) -> list[range]:
     return out
 
 
-def reduce_chunk(codec: Codec, contributions: Sequence[bytes], weights: Sequence[float],
-                 numel: int) -> bytes:
-    """Weighted fp32 mean of one chunk from every member, re-encoded with ``codec``."""
-    total = float(sum(weights))
-    acc = torch.zeros(numel, dtype=torch.float32)
-    for data, w in zip(contributions, weights, strict=True):
-        codec.decode_accumulate(data, numel, acc, w / total)
-    return codec.encode(acc)
+@dataclass
+class PartContribution:
+    """One member's chunks of one part, as the reducer holds them (exact codec bytes, sizes checked)."""
+
+    sender: str
+    weight: float
+    chunks: Mapping[int, bytes]
+    max_weight: float = math.inf
 
 
-def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Sequence[float],
-                 numel: int) -> tuple[list[bytes], list[int], list[int]]:
+def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: Mapping[int, int],
+                settings: RobustSection, *, trusted: int | None = None,
+                centers: Mapping[int, torch.Tensor] | None = None) -> Screening:
+    """First pass: per-chunk norms (of deviations from ``centers``), finiteness, then screening.
+
+    With ``centers`` (rounds that average phi itself) the norms below ``consensus_tolerance`` times the
+    center's own norm are normal drift (the floors of the screening)."""
+    part = sorted(sizes)
+    stats = []
+    for con in contributions:
+        norms = torch.zeros(len(part), dtype=torch.float64)
+        finite = True
+        for k, c in enumerate(part):
+            values = codec.decode(con.chunks[c], sizes[c])
+            if not bool(torch.isfinite(values).all()):
+                finite = False
+                break
+            norms[k] = chunk_norm(values, None if centers is None else centers[c])
+        stats.append(ContributionStats(con.sender, con.weight, norms, finite=finite, max_weight=con.max_weight))
+    floors, part_floor = None, 0.0
+    if centers is not None and part:
+        floors = torch.tensor([settings.consensus_tolerance * chunk_norm(centers[c]) for c in part],
+                              dtype=torch.float64)
+        part_floor = float(torch.linalg.vector_norm(floors))
+    return screen(stats, settings, trusted=trusted, part_floor=part_floor, chunk_floors=floors)
+
+
+def combine_part(codec: Codec, contributions: Sequence[PartContribution], screening: Screening,
+                 sizes: Mapping[int, int], aggregator: Aggregator, *,
+                 centers: Mapping[int, torch.Tensor] | None = None) -> dict[int, bytes]:
+    """Second pass: each chunk of the part combined from the accepted contributions, re-encoded."""
+    if not screening.accepted:
+        raise ValueError("no contribution to this part was accepted")
+    weights = torch.tensor(screening.weights, dtype=torch.float32)
+    reduced = {}
+    for k, c in enumerate(sorted(sizes)):
+        rows = torch.stack([codec.decode(contributions[i].chunks[c], sizes[c]) for i in screening.accepted])
+        center = None if centers is None else centers[c]
+        reduced[c] = codec.encode(aggregator.combine(rows, weights, float(screening.chunk_refs[k]), center))
+    return reduced
+
+
+def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Sequence[float], numel: int,
+                 settings: RobustSection, aggregator: Aggregator,
+                 ) -> tuple[list[bytes], list[int], list[int], list[float]]:
     """Reduce a whole group's payloads in one place (the in-process transport; tests).
 
-    Returns the reduced chunks (what every member decodes) and, per member, the bytes it sent and
-    received under the reduce-scatter + all-gather pattern.
+    Returns the reduced chunks (what every member decodes), per member the bytes it sent and received
+    under the reduce-scatter + all-gather pattern, and per member the weight it entered the reduction
+    with (0 where some reducer refused it; what screening clamped otherwise).
     """
     n = len(payloads)
     bounds = chunk_bounds(numel, codec.block_size)
@@ -52,14 +104,25 @@ def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Seq
     reduced: list[bytes] = [b""] * len(bounds)
     sent = [0] * n
     received = [0] * n
+    entered = list(map(float, weights))
     for j, part in enumerate(parts):
+        if not part:
+            continue
+        sizes = {c: bounds[c][1] - bounds[c][0] for c in part}
+        cons = [PartContribution(str(i), float(weights[i]), {c: payloads[i][c] for c in part}) for i in range(n)]
+        screening = screen_part(codec, cons, sizes, settings)
+        for c, data in combine_part(codec, cons, screening, sizes, aggregator).items():
+            reduced[c] = data
+        for i in range(n):
+            if i not in screening.accepted:
+                entered[i] = 0.0
+            else:
+                entered[i] = min(entered[i], screening.weights[screening.accepted.index(i)])
         for c in part:
-            a, b = bounds[c]
-            reduced[c] = reduce_chunk(codec, [p[c] for p in payloads], weights, b - a)
             for i in range(n):
                 if i != j:
                     sent[i] += len(payloads[i][c])        # reduce-scatter: i -> reducer j
                     received[j] += len(payloads[i][c])
                     sent[j] += len(reduced[c])            # all-gather: reducer j -> i
                     received[i] += len(reduced[c])
-    return reduced, sent, received
+    return reduced, sent, received, entered

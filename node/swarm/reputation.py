@@ -1,0 +1,170 @@
+"""Per-peer reputation: what this node refused of each peer, and cool-down bans for repeat offenders.
+
+Every refusal of something a peer sent (a forged sender, a part from a non-member, a non-finite
+contribution, an impossible clock, an oversize stream, ...) is counted here under a short ``kind``.
+Refusals that show bad intent or a broken peer are *offences*; ones that are nobody's fault (a
+rate limit, a peer that is not live yet) are not. When a peer's offences within ``window_s`` reach
+``threshold``, the peer is banned for a cool-down: matchmaking leaves it out of this node's groups
+and state requests from it are refused until the cool-down ends. A repeat offender's cool-down
+doubles each time (capped); the doubling is forgotten after a clean ``max_cooldown_s``.
+
+A ban is logged once, as one line; later refusals of a banned peer are counted silently. Memory is
+bounded: at most ``max_peers`` peers are tracked (the least recently refused non-banned one is
+forgotten first) and details are cut to one short line.
+
+The object is shared by the network thread and the training thread; every method takes its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+
+MAX_DETAIL = 160        # characters of a refusal's detail kept (one short line)
+MAX_PEER_ID = 128       # a libp2p peer id is ~52 characters; anything longer is cut
+MAX_KIND = 32
+MAX_KINDS = 32          # distinct kinds counted per peer; more fold into "other"
+MAX_OFFENCES = 4096     # offence times kept per peer (the ban decision needs only ``threshold`` of them)
+MAX_COOLDOWN_S = 24 * 3600.0
+
+
+def peer_key(peer: str) -> str:
+    """The key a peer id is tracked under (bounded: the id may come from a peer's own header)."""
+    return one_line(peer, MAX_PEER_ID) or "?"
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` on one line (newlines and tabs become spaces), at most ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+class _PeerRecord:
+    """What one peer has earned: refusal counts, recent offences, its ban."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+        self.by_kind: Counter[str] = Counter()
+        self.offences: deque[tuple[float, str]] = deque(maxlen=MAX_OFFENCES)  # (time, kind), oldest first
+        self.last = ""
+        self.banned_until: float | None = None   # end of the current or last ban
+        self.bans = 0                            # bans so far (the next cool-down doubles with each)
+
+    def banned(self, now: float) -> bool:
+        return self.banned_until is not None and now < self.banned_until
+
+    def expire(self, now: float, window_s: float) -> None:
+        while self.offences and now - self.offences[0][0] > window_s:
+            self.offences.popleft()
+
+    def fresh_offences(self) -> int:
+        """Offences since the last ban ended: a ban is earned anew, never by the offences that earned the last."""
+        if self.banned_until is None:
+            return len(self.offences)
+        return sum(1 for t, _ in self.offences if t >= self.banned_until)
+
+
+class Reputation:
+    """Refusal counts and bans per peer id (see the module docstring)."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 600.0, window_s: float = 600.0, *,
+                 now: Callable[[], float] = time.monotonic, log: logging.Logger | None = None,
+                 max_peers: int = 1024, max_cooldown_s: float = MAX_COOLDOWN_S) -> None:
+        if threshold < 1 or cooldown_s <= 0 or window_s <= 0 or max_peers < 1:
+            raise ValueError("threshold, cooldown_s, window_s and max_peers must be positive")
+        self.threshold = int(threshold)
+        self.cooldown_s = float(cooldown_s)
+        self.window_s = float(window_s)
+        self.max_cooldown_s = max(float(max_cooldown_s), self.cooldown_s)
+        self.max_peers = int(max_peers)
+        self._now = now
+        self._log = log or logging.getLogger("locoswarm.reputation")
+        self._peers: OrderedDict[str, _PeerRecord] = OrderedDict()   # least recently refused first
+        self._refused = 0
+        self._lock = threading.Lock()
+
+    # ---- recording ---------------------------------------------------------------------------------
+
+    def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> bool:
+        """Count a refusal of something ``peer`` sent (``offence``: it also counts toward a ban).
+        Returns True when this call banned the peer."""
+        peer = peer_key(peer)
+        kind = one_line(kind, MAX_KIND) or "other"
+        detail = one_line(detail, MAX_DETAIL)
+        with self._lock:
+            now = self._now()
+            rec = self._touch(peer)
+            self._refused += 1
+            rec.refused += 1
+            rec.by_kind[kind if kind in rec.by_kind or len(rec.by_kind) < MAX_KINDS else "other"] += 1
+            rec.last = f"{kind}: {detail}" if detail else kind
+            rec.expire(now, self.window_s)
+            if not offence:
+                return False
+            rec.offences.append((now, kind))
+            if rec.banned(now) or rec.fresh_offences() < self.threshold:
+                return False
+            cooldown = self._ban(rec, now)
+            kinds = Counter(k for _, k in rec.offences)
+            offences, last = len(rec.offences), rec.last
+        # logged outside the lock: a slow log handler must not stall the network thread
+        self._log.warning("banned peer %s for %.0f s: %d offences in %.0f s (%s); last: %s", peer, cooldown,
+                          offences, self.window_s, " ".join(f"{k}={n}" for k, n in sorted(kinds.items())),
+                          last)
+        return True
+
+    def _ban(self, rec: _PeerRecord, now: float) -> float:
+        if rec.banned_until is not None and now - rec.banned_until > self.max_cooldown_s:
+            rec.bans = 0  # clean for a long while: a first offender again
+        cooldown = min(self.cooldown_s * 2 ** min(rec.bans, 64), self.max_cooldown_s)
+        rec.bans += 1
+        rec.banned_until = now + cooldown
+        return cooldown
+
+    def _touch(self, peer: str) -> _PeerRecord:
+        """The peer's record, now the most recently seen; makes room by forgetting the least recently
+        seen non-banned peer (or, when every tracked peer is banned, the least recently seen one)."""
+        rec = self._peers.get(peer)
+        if rec is not None:
+            self._peers.move_to_end(peer)
+            return rec
+        if len(self._peers) >= self.max_peers:
+            now = self._now()
+            victim = next((p for p, r in self._peers.items() if not r.banned(now)), next(iter(self._peers)))
+            del self._peers[victim]
+        rec = self._peers[peer] = _PeerRecord()
+        return rec
+
+    # ---- queries -------------------------------------------------------------------------------------
+
+    def is_banned(self, peer: str) -> bool:
+        with self._lock:
+            rec = self._peers.get(peer_key(peer))
+            return rec is not None and rec.banned(self._now())
+
+    def banned(self) -> list[str]:
+        """The peers banned now, sorted (matchmaking leaves them out of this node's groups)."""
+        with self._lock:
+            now = self._now()
+            return sorted(p for p, r in self._peers.items() if r.banned(now))
+
+    def snapshot(self) -> dict:
+        """JSON-able: ``{"peers": {peer: {"refused", "offences" (in the window), "by_kind", "banned",
+        "banned_for_s", "last"}}, "refused": total refusals, "banned": peers banned now}``."""
+        with self._lock:
+            now = self._now()
+            peers = {}
+            for peer, rec in self._peers.items():
+                rec.expire(now, self.window_s)
+                banned = rec.banned(now)
+                peers[peer] = {"refused": rec.refused, "offences": len(rec.offences), "by_kind": dict(rec.by_kind),
+                               "banned": banned,
+                               "banned_for_s": max(0.0, rec.banned_until - now) if banned else 0.0,
+                               "last": rec.last}
+            return {"peers": peers, "refused": self._refused, "banned": sum(p["banned"] for p in peers.values())}
+
+
+__all__ = ["Reputation", "one_line", "peer_key"]

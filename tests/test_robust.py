@@ -1,0 +1,213 @@
+"""Robust aggregation (node.core.robust, node.transport.reduce): screening and every aggregator."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from node.config import RobustSection
+from node.core.codecs import get_codec
+from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from node.core.robust import (
+    ClippedMean,
+    ContributionStats,
+    Median,
+    TrimmedMean,
+    make_aggregator,
+    screen,
+)
+from node.transport.reduce import PartContribution, combine_part, reduce_group, screen_part
+
+S = RobustSection()
+
+
+def stats(sender: str, weight: float, norms: list[float], finite: bool = True, max_weight: float = math.inf):
+    return ContributionStats(sender, weight, torch.tensor(norms, dtype=torch.float64), finite, max_weight)
+
+
+def honest(n: int, m: int = 1000, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(m, generator=gen)
+    return [base + 0.3 * torch.randn(m, generator=gen) for _ in range(n)]
+
+
+# ---- screening ----
+
+def test_honest_group_is_accepted_unchanged() -> None:
+    sc = screen([stats(f"p{i}", 100.0 + i, [1.0 + 0.1 * i, 2.0]) for i in range(4)], S)
+    assert sc.accepted == [0, 1, 2, 3]
+    assert sc.weights == [100.0, 101.0, 102.0, 103.0]
+    assert not sc.refusals and not sc.clamped
+
+
+@pytest.mark.parametrize(("weight", "finite", "norm", "kind"), [
+    (100.0, False, 1.0, "bad_contribution"),          # nan/inf values
+    (100.0, True, 1e30, "bad_contribution"),          # absurd norm
+    (1e30, True, 1.0, "bad_weight"),                  # absurd token weight
+    (float("nan"), True, 1.0, "bad_weight"),
+    (-5.0, True, 1.0, "bad_weight"),
+    (0.0, True, 1.0, "bad_weight"),
+])
+def test_a_bad_member_is_refused_and_the_rest_accepted(weight, finite, norm, kind) -> None:
+    group = [stats("a", 100.0, [1.0]), stats("b", 110.0, [1.2]), stats("x", weight, [norm], finite=finite)]
+    sc = screen(group, S)
+    assert sc.accepted == [0, 1]
+    assert [(r.sender, r.kind) for r in sc.refusals] == [("x", kind)]
+    assert sc.total_weight == 210.0
+
+
+def test_weights_are_clamped_to_a_multiple_of_the_median() -> None:
+    sc = screen([stats("a", 100.0, [1.0]), stats("b", 100.0, [1.0]), stats("x", 900.0, [1.0])], S)
+    assert sc.accepted == [0, 1, 2]
+    assert sc.weights == [100.0, 100.0, S.weight_factor * 100.0]
+    assert sc.clamped == ["x"]
+
+
+def test_a_senders_own_cap_clamps_its_weight() -> None:
+    sc = screen([stats("a", 100.0, [1.0]), stats("b", 100.0, [1.0]), stats("x", 300.0, [1.0], max_weight=150.0)], S)
+    assert sc.weights == [100.0, 100.0, 150.0]
+
+
+def test_norm_just_below_the_reject_factor_is_accepted_just_above_refused() -> None:
+    ok = screen([stats("a", 1, [1.0]), stats("b", 1, [1.0]), stats("x", 1, [S.reject_factor * 0.99])], S)
+    bad = screen([stats("a", 1, [1.0]), stats("b", 1, [1.0]), stats("x", 1, [S.reject_factor * 1.01])], S)
+    assert ok.accepted == [0, 1, 2]
+    assert bad.accepted == [0, 1]
+
+
+def test_trusted_member_is_never_refused_and_is_the_reference_of_a_pair() -> None:
+    # In a pair the reducer's own contribution is the reference: the other's 20x norm is refused ...
+    sc = screen([stats("me", 100.0, [1.0]), stats("x", 100.0, [20.0])], S, trusted=0)
+    assert sc.accepted == [0] and sc.refusals[0].sender == "x"
+    # ... even when the other one is tiny (no lower median to hide behind), and the reducer itself is
+    # kept however odd its own values are.
+    sc = screen([stats("me", 100.0, [50.0]), stats("x", 100.0, [1.0])], S, trusted=0)
+    assert sc.accepted == [0, 1]
+    sc = screen([stats("me", 100.0, [1.0], finite=False), stats("x", 100.0, [1.0])], S, trusted=0)
+    assert 0 in sc.accepted
+
+
+def test_a_pair_without_a_trusted_side_is_not_judged() -> None:
+    sc = screen([stats("a", 100.0, [1.0]), stats("b", 100.0, [20.0])], S)
+    assert sc.accepted == [0, 1]
+
+
+def test_a_lone_change_where_everyone_else_changed_nothing_is_refused() -> None:
+    sc = screen([stats("a", 1, [0.0]), stats("b", 1, [0.0]), stats("x", 1, [3.0])], S)
+    assert sc.accepted == [0, 1]
+
+
+# ---- aggregators ----
+
+def test_clipped_mean_equals_the_weighted_mean_for_honest_rows() -> None:
+    rows = torch.stack(honest(4))
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    ref = float(torch.linalg.vector_norm(rows, dim=1).median())
+    assert_close(ClippedMean(3.0).combine(rows, w, ref), (w / w.sum()) @ rows)
+
+
+def test_clipped_mean_bounds_a_large_row_by_the_clip_factor() -> None:
+    rows = torch.stack([*honest(3), torch.full((1000,), 5.0)])
+    w = torch.ones(4)
+    ref = float(torch.linalg.vector_norm(rows[:3], dim=1).median())
+    out = ClippedMean(3.0).combine(rows, w, ref)
+    honest_mean = rows[:3].mean(0)
+    # the outlier's pull is at most 1/4 of 3x the reference norm
+    assert float(torch.linalg.vector_norm(out - 0.75 * honest_mean)) <= 0.25 * 3.0 * ref + 1e-3
+
+
+def test_trimmed_mean_drops_extremes_per_coordinate() -> None:
+    rows = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0], [1000.0, -1000.0]])
+    out = TrimmedMean(0.25).combine(rows, torch.ones(5), 1.0)
+    # n = 5: one value dropped from each side per coordinate
+    assert_close(out, torch.tensor([3.0, 20.0]))
+    assert TrimmedMean(0.25).trim_count(2) == 0 and TrimmedMean(0.25).trim_count(3) == 1
+
+
+def test_weighted_median_by_hand() -> None:
+    rows = torch.tensor([[1.0], [2.0], [100.0]])
+    assert float(Median().combine(rows, torch.tensor([1.0, 1.0, 1.0]), 1.0)) == 2.0
+    # the heavy member decides alone once it holds more than half of the weight
+    assert float(Median().combine(rows, torch.tensor([1.0, 1.0, 5.0]), 1.0)) == 100.0
+    assert float(Median().combine(rows, torch.tensor([3.0, 1.0, 1.0]), 1.0)) == 1.0
+
+
+@pytest.mark.parametrize("name", ["clipped_mean", "trimmed_mean", "median", "mean"])
+def test_every_aggregator_recovers_identical_rows(name: str) -> None:
+    x = torch.randn(257)
+    rows = torch.stack([x, x, x, x])
+    out = make_aggregator(RobustSection(aggregator=name)).combine(rows, torch.tensor([1.0, 2.0, 3.0, 4.0]),
+                                                                 float(x.norm()))
+    assert_close(out, x)
+
+
+def test_centered_combination_averages_deviations() -> None:
+    center = torch.randn(100)
+    rows = torch.stack([center + 0.01, center - 0.01, center + 0.03])
+    out = ClippedMean(3.0).combine(rows, torch.ones(3), 1.0, center=center)
+    assert_close(out, center + 0.01, atol=1e-6, rtol=0)
+
+
+# ---- parts: the two passes over codec bytes ----
+
+def _part(codec, xs, weights):
+    numel = xs[0].numel()
+    bounds = chunk_bounds(numel, codec.block_size)
+    sizes = {c: b - a for c, (a, b) in enumerate(bounds)}
+    cons = [PartContribution(f"p{i}", w, dict(enumerate(encode_chunks(codec, x)))) for i, (x, w) in
+            enumerate(zip(xs, weights, strict=True))]
+    return sizes, cons
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "fp4"])
+def test_a_poisoned_member_is_dropped_and_the_part_is_the_honest_mean(codec_name: str) -> None:
+    codec = get_codec(codec_name, 64)
+    xs = honest(3, m=40_000)
+    sizes, cons = _part(codec, [*xs, torch.full((40_000,), 1e30)], [1.0, 1.0, 1.0, 1.0])
+    sc = screen_part(codec, cons, sizes, S, trusted=0)
+    assert sc.accepted == [0, 1, 2] and sc.refusals[0].sender == "p3"
+    reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S))
+    avg = decode_chunks(codec, [reduced[c] for c in sorted(reduced)], 40_000)
+    honest_mean = sum(decode_chunks(codec, [c.chunks[k] for k in sorted(c.chunks)], 40_000) for c in cons[:3]) / 3
+    rel = float(torch.linalg.vector_norm(avg - honest_mean) / torch.linalg.vector_norm(honest_mean))
+    assert rel < (1e-6 if codec_name == "fp32" else 0.3)
+
+
+def test_nan_in_one_chunk_refuses_the_whole_contribution() -> None:
+    codec = get_codec("fp32", 64)
+    xs = honest(3, m=40_000)
+    sizes, cons = _part(codec, xs, [1.0, 1.0, 1.0])
+    last = max(cons[2].chunks)
+    data = bytearray(cons[2].chunks[last])
+    data[8:12] = struct.pack("<f", float("nan"))   # one value of the last chunk (the codec never encodes nan)
+    cons[2].chunks = {**cons[2].chunks, last: bytes(data)}
+    sc = screen_part(codec, cons, sizes, S)
+    assert sc.accepted == [0, 1]
+
+
+def test_consensus_drift_within_tolerance_is_never_clipped_but_a_wild_phi_is_refused() -> None:
+    codec = get_codec("fp32", 64)
+    phi = torch.randn(20_000)
+    drifted = phi + 0.01 * phi.norm() / math.sqrt(20_000) * torch.randn(20_000)   # ~1% of |phi|
+    wild = phi * 1.5
+    sizes, cons = _part(codec, [phi, drifted, wild], [1.0, 1.0, 1.0])
+    centers = {c: phi[a:b] for c, (a, b) in enumerate(chunk_bounds(20_000, 64))}
+    sc = screen_part(codec, cons, sizes, S, trusted=0, centers=centers)
+    assert sc.accepted == [0, 1] and sc.refusals[0].sender == "p2"
+    reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S), centers=centers)
+    avg = decode_chunks(codec, [reduced[c] for c in sorted(reduced)], 20_000)
+    assert_close(avg, (phi + drifted) / 2, atol=1e-5, rtol=0)
+
+
+def test_reduce_group_reports_the_weight_each_member_entered_with() -> None:
+    codec = get_codec("fp32", 64)
+    xs = honest(3, m=50_000)
+    payloads = [encode_chunks(codec, x) for x in [*xs, torch.full((50_000,), 1e30)]]
+    reduced, _, _, entered = reduce_group(codec, payloads, [10.0, 10.0, 10.0, 10.0], 50_000, S, make_aggregator(S))
+    assert entered == [10.0, 10.0, 10.0, 0.0]
+    avg = decode_chunks(codec, reduced, 50_000)
+    assert_close(avg, sum(xs) / 3, atol=1e-5, rtol=1e-5)
