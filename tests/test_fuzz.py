@@ -17,8 +17,12 @@ bounded number of examples and a deadline per example, and no example database (
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import random
 import string
+import time
+from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
@@ -116,8 +120,11 @@ MUTATIONS = ("none", "truncate", "flip", "length", "marker", "garbage", "random_
 @st.composite
 def streams(draw, msg_type: type[Message]) -> bytes:
     """Frames of ``msg_type``, then one mutation (or pure random bytes)."""
-    rnd = draw(st.randoms(use_true_random=False))
-    kind = draw(st.sampled_from(MUTATIONS))
+    return mutated_stream(draw(st.randoms(use_true_random=False)), msg_type, draw(st.sampled_from(MUTATIONS)))
+
+
+def mutated_stream(rnd: random.Random, msg_type: type[Message], kind: str) -> bytes:
+    """Frames of random ``msg_type`` messages (maybe an END), then the mutation ``kind`` of MUTATIONS."""
     if kind == "random":
         return rnd.randbytes(rnd.choice([0, 1, 8, 9, 10, 64, 1000]))
     data = b"".join(_frame(wire.MESSAGE_MARKER, random_message(rnd, msg_type).SerializeToString())
@@ -214,20 +221,22 @@ def test_read_message_returns_a_message_or_refuses(loop, msg_type):
 def test_read_message_refuses_each_violation_by_name(loop):
     """The refusals the fuzzer hits, one by one, with their reasons."""
     body = swarm_pb2.StateRequest(fingerprint="f" * 40).SerializeToString()
+    # (bytes, max_bytes, the reason, the class: a framing violation is the peer's fault, a cut stream may not be)
     cases = [
-        (b"", "closed without an end marker"),
-        (b"\x02" + bytes(8), "unknown frame marker 0x02"),
-        (_frame(wire.MESSAGE_MARKER, body)[:5], "truncated frame: stream closed in the length"),
-        (_frame(wire.MESSAGE_MARKER, body)[:-1], "truncated frame: stream closed in the body"),
-        (_frame(wire.MESSAGE_MARKER, body), f"message of {len(body)} bytes exceeds the limit of 16"),
-        (_frame(wire.MESSAGE_MARKER, b"\x0a\xff"), "malformed StateRequest (2 bytes)"),
-        (_frame(wire.ERROR_MARKER, b"\xff" * 5000), "error frame of 5000 bytes exceeds the limit of 4096"),
-        (_error_frame("nope\nsecond line"), "nope second line"),
+        (b"", 64, "closed without an end marker", WireError),
+        (b"\x02" + bytes(8), 64, "unknown frame marker 0x02", wire.FramingViolation),
+        (_frame(wire.MESSAGE_MARKER, body)[:5], 64, "truncated frame: stream closed in the length", WireError),
+        (_frame(wire.MESSAGE_MARKER, body)[:-1], 64, "truncated frame: stream closed in the body", WireError),
+        (_frame(wire.MESSAGE_MARKER, body), 16, f"message of {len(body)} bytes exceeds the limit of 16",
+         wire.FramingViolation),
+        (_frame(wire.MESSAGE_MARKER, b"\x0a\xff"), 64, "malformed StateRequest (2 bytes)", wire.FramingViolation),
+        (_frame(wire.ERROR_MARKER, b"\xff" * 5000), 64, "error frame of 5000 bytes exceeds the limit of 4096",
+         wire.FramingViolation),
+        (_error_frame("nope\nsecond line"), 64, "nope second line", wire.PeerRefused),
     ]
-    for data, reason in cases:
-        outcomes = loop.run_until_complete(_read_all(data, [], swarm_pb2.StateRequest, 16))
-        assert isinstance(outcomes[-1], WireError) and reason in str(outcomes[-1]), (data[:20], outcomes)
-    assert isinstance(outcomes[-1], wire.PeerRefused)
+    for data, max_bytes, reason, cls in cases:
+        outcomes = loop.run_until_complete(_read_all(data, [], swarm_pb2.StateRequest, max_bytes))
+        assert type(outcomes[-1]) is cls and reason in str(outcomes[-1]), (data[:20], outcomes)
     assert loop.run_until_complete(_read_all(_error_frame(""), [], swarm_pb2.StateRequest, 16)) == [None]
 
 
@@ -381,10 +390,174 @@ def test_protobuf_deep_nesting_is_a_decode_error(msg_type):
     groups = b"\x0b" * 20000 + b"\x0c" * 20000  # field 1, start-group / end-group
     with pytest.raises(DecodeError):
         msg_type.FromString(groups)
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
+
+
+# ---- (5) live handlers on real libp2p streams ----------------------------------------------------------
+#
+# The node's state server (and a bounded echo handler) on one p2pd, hostile bytes from another: every
+# stream ends with a refusal, an answer or a close, and the server still serves a valid download after.
+# The state client is fed hostile replies the same way: it fails the download (None), nothing else.
+
+LIVE_EXAMPLES = 120
+LIVE_BATCH = 8  # streams in flight at once (under the servers' per-peer caps)
+REFUSAL_KINDS = {"state_request", "state_fingerprint", "state_streams"}
+
+
+@pytest.fixture(scope="module")
+def live():
+    from test_wire import p2p_nodes
+
+    with p2p_nodes(2) as (loop, (server, client)):
+        yield loop, server, client
+
+
+def _live_cases(seed: int, n: int) -> list[bytes]:
+    """Mutated streams of the state request (mostly) and of every other message type."""
+    rnd = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        msg_type = swarm_pb2.StateRequest if rnd.random() < 0.6 else rnd.choice(MESSAGE_TYPES)
+        cases.append(mutated_stream(rnd, msg_type, rnd.choice(MUTATIONS)))
+    return cases
+
+
+async def _send_raw(client, server_id: str, name: str, data: bytes, wait: float = 1.5) -> str:
+    """Write ``data`` on a fresh stream and read what comes back: "end", "replies", the refusal, or
+    "waiting" when the server still waits for the rest of a frame after ``wait`` seconds (a half-close
+    ends a p2pd stream, so the client closes instead and the server sees a truncated frame)."""
+    from hivemind.p2p import PeerID
+
+    _, reader, writer = await client.call_binary_stream_handler(PeerID.from_base58(server_id), name)
+    try:
+        writer.write(data)
+        with contextlib.suppress(Exception):
+            await writer.drain()
+        replies = 0
+        while True:
+            try:
+                msg = await read_message(reader, swarm_pb2.StateChunk, max_bytes=1 << 20, timeout=wait)
+            except wire.PeerRefused as exc:
+                return f"refused: {exc}"
+            except WireError as exc:
+                return "waiting" if "no complete message" in str(exc) else f"dropped: {exc}"
+            if msg is None:
+                return "replies" if replies else "end"
+            replies += 1
+    finally:
+        writer.close()
+
+
+def test_live_state_server_survives_fuzzed_streams(live):
+    from test_state_sync import FP, Book, ByteCounters, Runtime, _numel, _same, _snaps
+
+    from node.swarm.state_sync import STATE_HANDLER, StateClient, StateServer
+
+    loop, server_p2p, client_p2p = live
+    book, snaps = Book(), _snaps(seed=7)
+    server = StateServer(Runtime(loop, server_p2p), FP, snaps.get, ByteCounters(), is_live=lambda p: True,
+                         is_banned=lambda p: False, on_refused=book.refuse, max_streams_per_peer=2 * LIVE_BATCH)
+    server_id = str(server_p2p.peer_id)
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    async def batch(cases: list[bytes]) -> list[str]:
+        return await asyncio.gather(*(_send_raw(client_p2p, server_id, STATE_HANDLER, c) for c in cases))
+
+    try:
+        cases = _live_cases(seed=11, n=LIVE_EXAMPLES)
+        t0 = time.monotonic()
+        for i in range(0, len(cases), LIVE_BATCH):
+            for outcome in loop.run(batch(cases[i:i + LIVE_BATCH]), timeout=60):
+                outcomes[outcome.split(":", 1)[0]] += 1
+        print(f"\n[fuzz] {LIVE_EXAMPLES} hostile streams at the state server in {time.monotonic() - t0:.1f} s: "
+              f"{dict(outcomes)}; reported {collections.Counter(k for _, k, _ in book.refused)}")
+        assert outcomes["refused"] and outcomes["end"] + outcomes["replies"]
+        assert {kind for _, kind, _ in book.refused} <= REFUSAL_KINDS
+        deadline = time.monotonic() + 10
+        while server.open_streams() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.open_streams() == 0
+        client = StateClient(Runtime(loop, client_p2p), FP, ByteCounters(), timeout=20, expected_numel=_numel)
+        got = client.fetch(1, [server_id], min_version=6)
+        assert got is not None and _same(got, snaps[1])  # still serving
+    finally:
+        server.close()
+
+
+def test_live_state_client_survives_fuzzed_replies(live):
+    """A hostile holder writes mutated StateChunk streams: each download fails cleanly (None), counted
+    against the holder when it broke the rules, and the client downloads from an honest holder after."""
+    from test_state_sync import FP, Book, ByteCounters, Runtime, _numel, _same, _snaps
+
+    from node.swarm.state_sync import STATE_HANDLER, StateClient, StateServer
+
+    loop, server_p2p, client_p2p = live
+    server_id = str(server_p2p.peer_id)
+    cases = _live_cases(seed=12, n=LIVE_EXAMPLES // 2)
+    replies = iter(cases)
+
+    async def hostile(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(next(replies, b""))
+            await writer.drain()
+        except Exception:  # the client may have left already
+            pass
+        finally:
+            writer.close()
+
+    book = Book()
+    client = StateClient(Runtime(loop, client_p2p), FP, ByteCounters(), timeout=3, expected_numel=_numel,
+                         on_bad=book.on_bad)
+    loop.run(server_p2p.add_binary_stream_handler(STATE_HANDLER, hostile))
+    try:
+        t0 = time.monotonic()
+        results = [client.fetch(0, [server_id]) for _ in cases]
+        print(f"\n[fuzz] {len(cases)} hostile reply streams at the state client in {time.monotonic() - t0:.1f} s: "
+              f"all refused; {len(book.bad)} counted against the holder "
+              f"{dict(collections.Counter(k for _, k, _ in book.bad))}")
+        assert results == [None] * len(cases)
+        assert book.bad and {peer for peer, _, _ in book.bad} == {server_id}
+        assert {kind for _, kind, _ in book.bad} <= {"bad_state", "bad_stream"}
+    finally:
+        loop.run(server_p2p.remove_binary_stream_handler(STATE_HANDLER))
+    snaps = _snaps(seed=8)
+    honest = StateServer(Runtime(loop, server_p2p), FP, snaps.get, ByteCounters(), is_live=lambda p: True,
+                         is_banned=lambda p: False)
+    try:
+        got = client.fetch(2, [server_id])
+        assert got is not None and _same(got, snaps[2])
+    finally:
+        honest.close()
+
+
+def test_live_wire_server_survives_fuzzed_streams(live):
+    """The bounded framing under every message type: a stateless echo handler keeps answering."""
+    loop, server_p2p, client_p2p = live
+    server_id = str(server_p2p.peer_id)
+    seen: list[str] = []
+
+    async def echo(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        async for req in requests:
+            yield swarm_pb2.StateChunk(fragment=req.fragment)
+
+    server = loop.run(wire.serve(server_p2p, "locoswarm.test.fuzz.echo", echo, swarm_pb2.StateRequest,
+                                 max_request_bytes=4096, idle_timeout=5, max_streams_per_peer=2 * LIVE_BATCH,
+                                 max_streams=64, on_refused=lambda peer, why: seen.append(why)))
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    async def batch(cases: list[bytes]) -> list[str]:
+        return await asyncio.gather(*(_send_raw(client_p2p, server_id, server.name, c) for c in cases))
+
+    try:
+        cases = _live_cases(seed=13, n=LIVE_EXAMPLES)
+        for i in range(0, len(cases), LIVE_BATCH):
+            for outcome in loop.run(batch(cases[i:i + LIVE_BATCH]), timeout=60):
+                outcomes[outcome.split(":", 1)[0]] += 1
+        print(f"\n[fuzz] {LIVE_EXAMPLES} hostile streams at a wire server: {dict(outcomes)}")
+        assert outcomes["refused"] and outcomes["replies"]
+        assert not seen  # no stream-cap refusals: every stream was read and answered or refused
+        ok = loop.run(_send_raw(client_p2p, server_id, server.name,
+                                _frame(wire.MESSAGE_MARKER, swarm_pb2.StateRequest(fragment=5).SerializeToString())
+                                + _error_frame("")))
+        assert ok == "replies"
+    finally:
+        loop.run(server.stop())

@@ -14,9 +14,10 @@ import functools
 import gc
 import itertools
 import os
+import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 import hivemind  # noqa: F401 (imported up front so the first test's timings exclude the import)
@@ -81,11 +82,12 @@ class Net:
         return reader, writer
 
 
-async def _start_pair() -> tuple[P2P, P2P]:
+async def start_p2ps(n: int) -> list[P2P]:
+    """``n`` P2P daemons on loopback, each bootstrapped from the first."""
     quiet = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], auto_nat=False, nat_port_map=False, use_relay=False)
-    server = await P2P.create(**quiet)
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs(), **quiet)
-    return server, client
+    first = await P2P.create(**quiet)
+    rest = [await P2P.create(initial_peers=await first.get_visible_maddrs(), **quiet) for _ in range(n - 1)]
+    return [first, *rest]
 
 
 def _p2pd_children() -> set[int]:
@@ -101,25 +103,38 @@ def _p2pd_children() -> set[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def net():
+@contextlib.contextmanager
+def p2p_nodes(n: int) -> Iterator[tuple[LoopThread, list[P2P]]]:
+    """A loop thread and ``n`` P2P daemons; on exit the daemons are shut down (and must be gone by PID)
+    and any error the loop reported fails the caller."""
     before = _p2pd_children()
     loop = LoopThread()
-    server, client = loop.run(_start_pair(), timeout=60)
+    p2ps = loop.run(start_p2ps(n), timeout=60)
     ours = _p2pd_children() - before
-    yield Net(loop, server, client)
-    for p2p in (client, server):
-        with contextlib.suppress(Exception):
-            loop.run(p2p.shutdown(), timeout=10)
-    gc.collect()  # an un-retrieved future's error is reported when it is collected
-    loop.run(asyncio.sleep(0.1), timeout=5)
-    errors = list(loop.errors)
-    loop.stop()
+    try:
+        yield loop, p2ps
+    finally:
+        for p2p in reversed(p2ps):
+            with contextlib.suppress(Exception):
+                loop.run(p2p.shutdown(), timeout=10)
+        gc.collect()  # an un-retrieved future's error is reported when it is collected
+        loop.run(asyncio.sleep(0.1), timeout=5)
+        errors = list(loop.errors)
+        loop.stop()
+        deadline = time.monotonic() + 10
+        while ours & _p2pd_children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in ours & _p2pd_children():  # still there: ours, killed by PID
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     assert not errors, f"the event loop reported errors: {errors}"
-    deadline = time.monotonic() + 10
-    while ours & _p2pd_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not ours & _p2pd_children(), "a p2pd started by this module is still running"
+    assert not ours & _p2pd_children(), "a p2pd started by this module was still running"
+
+
+@pytest.fixture(scope="module")
+def net():
+    with p2p_nodes(2) as (loop, (server, client)):
+        yield Net(loop, server, client)
 
 
 def _name() -> str:
@@ -521,56 +536,3 @@ def test_many_concurrent_streams(net):
         assert _wait_until(lambda: server.open_streams() == 0, 5)
     finally:
         net.run(server.stop())
-
-
-# ---- state download over the bounded framing ---------------------------------------------------------
-
-
-class _Runtime:
-    """The two members of NetworkRuntime that StateServer/StateClient use, on the test's loop."""
-
-    def __init__(self, net: Net, p2p: P2P) -> None:
-        self.p2p = p2p
-        self._net = net
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        return self._net.run(coro, timeout or 60)
-
-
-def test_state_download_round_trip_and_a_hostile_state_server(net):
-    import torch
-
-    from node.swarm.averaging import ByteCounters
-    from node.swarm.state_sync import CHUNK_ELEMS, STATE_HANDLER, StateClient, StateServer
-    from node.transport.base import FragmentSnapshot
-
-    numel = 2 * CHUNK_ELEMS + 123  # three chunks, the last one partial
-    snaps = {f: FragmentSnapshot(f, 5 + f, torch.randn(numel), torch.randn(numel)) for f in range(3)}
-    snaps[3] = FragmentSnapshot(3, 1, torch.zeros(0), torch.zeros(0))
-    server = StateServer(_Runtime(net, net.server), "fp", snaps.get, ByteCounters())
-    client = StateClient(_Runtime(net, net.client), "fp", ByteCounters(), timeout=30)
-    try:
-        got = client.fetch(1, [net.server_id], min_version=6)
-        assert got is not None and got.version == 6
-        assert torch.equal(got.phi, snaps[1].phi) and torch.equal(got.momentum, snaps[1].momentum)
-        many = client.fetch_many([0, 1, 2, 3], [net.server_id])
-        assert sorted(many) == [0, 1, 2, 3] and many[3].phi.numel() == 0
-        assert all(torch.equal(many[f].phi, snaps[f].phi) for f in range(3))
-        assert client.fetch(1, [net.server_id], min_version=7) is None  # "have version 6 < 7"
-        assert StateClient(_Runtime(net, net.client), "other", ByteCounters()).fetch(0, [net.server_id]) is None
-    finally:
-        server.close()
-
-    async def hostile(remote: str, requests: RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
-        req = await anext(requests)
-        # Claims a huge fragment and sends a chunk past its end: refused by the client's checks.
-        yield swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=4, offset=0, phi=bytes(40),
-                                   momentum=bytes(40))
-
-    bad = net.run(serve(net.server, STATE_HANDLER, hostile, swarm_pb2.StateRequest, max_request_bytes=1024,
-                        idle_timeout=5, max_streams_per_peer=4, max_streams=8))
-    try:
-        with pytest.raises(RuntimeError, match="chunk of 10 elements at 0 does not fit 4 elements"):
-            net.run(client.fetch_async(0, [net.server_id]))
-    finally:
-        net.run(bad.stop())
