@@ -389,12 +389,26 @@ def load_checkpoint(state_dir: Path, *, model: torch.nn.Module, inner: InnerOpti
             _expect(pair, f"outer/{st.index}/momentum", tuple(st.momentum.shape))
             if f"outer/{st.index}/residual" in pair.shapes:
                 _expect(pair, f"outer/{st.index}/residual", tuple(st.phi.shape))
+        _check_finite(pair)
 
     pair = _select(state_dir, fingerprint, check)
     if pair is None:
         return None
     _restore(pair, model, inner, outer, opt_index)
     return {**pair.doc, "loaded_from": pair.json_path.name}
+
+
+def _check_finite(pair: _Pair) -> None:
+    """Nothing non-finite is ever loaded: a checkpoint saved from a poisoned state (or damaged on disk
+    in a way its checksums missed) is unusable, and the previous pair is used instead."""
+    from safetensors import safe_open
+
+    with safe_open(str(pair.tensors), framework="pt", device="cpu") as f:
+        for key in pair.shapes:
+            t = f.get_tensor(key)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise _Unusable(pair.tensors, f"tensor {key!r} has {bad} non-finite value(s)")
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ class RobustSection:
                                  help="offences within ban_window before this node bans a peer")
     ban_window: float = setting(600.0, shared=False, min=1.0, max=1e7,
                                 help="seconds an offence counts towards a ban")
-    ban_seconds: float = setting(600.0, shared=False, min=0.0, max=1e7,
+    ban_seconds: float = setting(600.0, shared=False, min=1.0, max=1e7,
                                  help="first cool-down of a banned peer (doubles for a repeat offender)")
     max_streams_per_peer: int = setting(8, shared=False, min=1, max=10_000,
                                         help="concurrent incoming streams one peer may hold open")

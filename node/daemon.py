@@ -6,8 +6,9 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
 2. build the model and data; resume from the state dir's checkpoint, if any; when peers already hold
    outer state, download phi and momentum from them (spread over several peers) before training;
 3. train: an inner AdamW step, then the outer core (``OuterLoop.advance``) on the swarm clock
-   (swarm-wide progress from heartbeats: a slower node adopts the faster ones' clock, so all meet in
-   the same rounds, each contribution weighted by its tokens); averaging runs on the network thread
+   (swarm-wide progress from heartbeats, ``node.swarm.clock``: every node steers toward the median of
+   the validated clocks, so all meet in the same rounds, each contribution weighted by its tokens);
+   averaging runs on the network thread
    while training goes on; results merge between inner steps;
 4. publish a heartbeat every ``network.heartbeat_interval`` (and ``status.json`` in the state dir);
    checkpoint atomically every ``--checkpoint-every`` steps;
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -82,8 +84,6 @@ class Node:
         self.tokens = 0
         self.started = time.time()
         self.compute_seconds = 0.0
-        self._clock_seen: dict[str, tuple[int, float]] = {}
-        self._clock_rate: dict[str, float] = {}
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self.solo_steps = 0        # outer steps taken alone (no live peer), see _on_sync
@@ -101,11 +101,9 @@ class Node:
             process.install_signal_handlers(self.stop)  # hivemind may have replaced them
             self._build()
             self._start_control()
-            # Heartbeats start now so peers see us at once; we count as a member of rounds
-            # ("has_state") only once training starts.
-            self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-            self._heartbeat_thread.start()
-            self._join_or_resume()
+            meta = self._resume()  # before any heartbeat: peers never see a clock from before the checkpoint
+            self._start_heartbeats()
+            self._join_or_resume(meta)
             self._train()
             self._leave()
             return 0
@@ -143,6 +141,7 @@ class Node:
         from node.model import build_model, resolve_device
         from node.partition import partition
         from node.swarm.averaging import ByteCounters, SwarmTransport
+        from node.swarm.clock import SwarmClock
         from node.swarm.reputation import Reputation
         from node.swarm.state_sync import StateClient, StateServer
 
@@ -161,7 +160,12 @@ class Node:
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
         codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
         self.counters = ByteCounters()
-        self.reputation = Reputation(log=logging.getLogger("locoswarm.reputation"))  # refusals and bans per peer
+        rb = cfg.robust  # refusals and bans per peer
+        self.reputation = Reputation(rb.ban_threshold, rb.ban_seconds, rb.ban_window,
+                                     log=logging.getLogger("locoswarm.reputation"))
+        # An impossible clock claim is ignored and counted as an offence; banned peers' clocks do not count.
+        self.swarm_clock = SwarmClock(self.peer_id, cfg.network.heartbeat_interval, on_offence=self.reputation.refuse,
+                                      is_banned=self.reputation.is_banned)
         numels = {f.index: f.numel for f in self.fragments}  # a download of another size is refused
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
                                         timeout=max(30.0, cfg.network.round_timeout), expected_numel=numels.get,
@@ -172,7 +176,8 @@ class Node:
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
-            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds)
+            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds,
+            robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -194,9 +199,9 @@ class Node:
                                                 any_port_if_taken=o.control_port_default)
             o.control_port = self.control.port  # what heartbeats announce
 
-    def _join_or_resume(self) -> None:
+    def _resume(self) -> dict | None:
+        """Load the state dir's checkpoint, if any; its meta (None without one)."""
         from node.checkpoint import load_checkpoint
-        from node.swarm.membership import swarm_clock
 
         doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
                               fingerprint=self.fingerprint)
@@ -206,24 +211,35 @@ class Node:
             self.clock = int(meta.get("clock", 0))
             self.tokens = int(meta.get("tokens", 0))
             self._event("resumed", f"from checkpoint at step {self.local_step}, clock {self.clock}")
+        return meta
+
+    def _start_heartbeats(self) -> None:
+        """Publish the first heartbeat now (a joiner is visible before it asks peers for state), then
+        one every interval. We count as a member of rounds ("has_state") only once training starts."""
+        self._beat_once()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def _join_or_resume(self, meta: dict | None) -> None:
         self.peer_table = self._wait_for_peers()
+        self.swarm_clock.observe_table(self.peer_table)
         holders = [p for p, hb in self.peer_table.items() if hb.has_state]
         if holders:
             fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
-            for p, snap in fetched.items():
-                st = self.outer.states[p]
-                if snap.version < st.version:
-                    continue
-                theta = st.theta()
-                progress = st.phi - theta if meta else torch.zeros_like(theta)  # a resumed node keeps its own
-                st.phi.copy_(snap.phi.to(st.phi.device))
-                st.momentum.copy_(snap.momentum.to(st.momentum.device))
-                st.version = snap.version
-                st.set_theta(st.phi - progress)
-            self.clock = max(self.clock, swarm_clock(self.peer_table, self.clock))
+            for p, snap in list(fetched.items()):
+                reason = self.outer.adopt(snap, keep_progress=bool(meta))  # a resumed node keeps its progress
+                if reason is not None:
+                    del fetched[p]
+                    if snap.source:
+                        self.reputation.refuse(snap.source, "bad_state", reason)
+                    self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {reason}",
+                                fragment=p, version=snap.version)
+            self.clock = self.swarm_clock.join(self.clock)
             self._adopt_schedule_state()
             self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
                                   f"{len(holders)} peer(s); swarm clock {self.clock}")
+        else:
+            self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
         for st in self.outer.states:
             self._publish(st.index)
         self.initial_eval = self._evaluate()
@@ -264,9 +280,12 @@ class Node:
             if o.throttle > 1:
                 time.sleep(step_time * (o.throttle - 1))
             prev = self.clock
-            self.clock = self._swarm_clock(prev + 1)
-            for ev in self.outer.advance(prev, self.clock, batch.numel()):
-                self._on_sync(ev)
+            self.clock = self.swarm_clock.tick(self.local_step)
+            if self.clock > prev:
+                for ev in self.outer.advance(prev, self.clock, batch.numel()):
+                    self._on_sync(ev)
+            else:  # ahead of the swarm's median: our clock waits for it, and nothing new is due
+                self.outer.add_tokens(batch.numel())
             self._realign_schedule()
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
             if o.eval_every and self.local_step % o.eval_every == 0:
@@ -289,6 +308,8 @@ class Node:
             self._publish(ev.fragment)
         if ev.kind == "sent":
             return
+        if ev.kind == "diverged":
+            self.inner.reset_state()
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
             # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
@@ -302,6 +323,8 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
+        elif ev.kind in ("refused", "diverged"):
+            detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
             if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
@@ -362,34 +385,32 @@ class Node:
         step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
         return max(0.05, 0.8 * self.cfg.outer.tau * step)
 
-    def _swarm_clock(self, own: int) -> int:
-        """Swarm-wide progress: the peers' clocks, extrapolated from their last heartbeat at their rate."""
-        now = time.time()
-        best = own
-        for pid, hb in self.peer_table.items():
-            # The rate is the peer's own inner steps per second, never its clock's: clocks adopt each
-            # other's estimates, and extrapolating those would feed back into a runaway.
-            prev = self._clock_seen.get(pid)
-            if prev is None or hb.time > prev[1]:
-                if prev is not None and hb.inner_step >= prev[0]:
-                    self._clock_rate[pid] = (hb.inner_step - prev[0]) / max(1e-3, hb.time - prev[1])
-                self._clock_seen[pid] = (hb.inner_step, hb.time)
-            rate = self._clock_rate.get(pid, 0.0)
-            # Heartbeat times are DHT time (wall clock); allow at most one interval of extrapolation.
-            ahead = min(max(0.0, now - hb.time), 2 * self.cfg.network.heartbeat_interval)
-            best = max(best, int(hb.clock + rate * ahead))
-        return best
-
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
-        best, holders = -1, []
+        """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.
+        One peer claiming a far newer version is not believed while others say otherwise
+        (``plausible_version``): a liar cannot lure the swarm into catching up from it."""
+        from node.swarm.averaging import plausible_version
+
+        claims: dict[str, int] = {}
         for pid, hb in self.peer_table.items():
+            if not hb.has_state or self.reputation.is_banned(pid):
+                continue
             for fs in hb.fragments:
-                if fs.fragment == fragment and hb.has_state:
-                    if fs.version > best:
-                        best, holders = fs.version, [pid]
-                    elif fs.version == best:
-                        holders.append(pid)
-        return best, holders
+                if fs.fragment == fragment:
+                    claims[pid] = int(fs.version)
+        best = plausible_version(claims)
+        return best, [p for p, v in claims.items() if v == best]
+
+    def _max_weight(self, peer: str, own_weight: float) -> float:
+        """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
+        trains in the same time at its announced throughput (at most 64x ours), times the screening's
+        slack. A peer without a heartbeat gets the slack alone."""
+        slack = self.cfg.robust.weight_factor
+        hb = self.peer_table.get(peer)
+        own_rate = float(self.status.get("tokens_per_s", 0.0) or 0.0)
+        if hb is None or own_rate <= 0 or not math.isfinite(hb.tokens_per_s):
+            return slack * own_weight
+        return slack * own_weight * min(64.0, max(1.0, hb.tokens_per_s / own_rate))
 
     # ---- heartbeats and status --------------------------------------------------------------------
     def _heartbeat(self, leaving: bool = False):
@@ -414,20 +435,27 @@ class Node:
         interval = self.cfg.network.heartbeat_interval
         while not self.stop.is_set():
             next_beat = time.monotonic() + interval
-            try:
-                hb = self._heartbeat()
-                self.membership.publish(hb)
-                if hb.has_state and self._rounds_from is None:
-                    # Peers refresh their tables every interval: after 1.5 of them, all count us in.
-                    self._rounds_from = time.monotonic() + 1.5 * interval
-                self.peer_table = self.membership.peers()
-                self._write_status()
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
             # At most one early beat per 0.2 s: a burst of requests must not turn into DHT traffic.
             self.stop.wait(min(0.2, interval))
             self._beat.wait(max(0.0, next_beat - time.monotonic()))
             self._beat.clear()
+            if not self.stop.is_set():
+                self._beat_once()
+
+    def _beat_once(self) -> None:
+        """Publish our heartbeat, refresh the peer table (and the swarm clock's view of it), write status."""
+        interval = self.cfg.network.heartbeat_interval
+        try:
+            hb = self._heartbeat()
+            self.membership.publish(hb)
+            if hb.has_state and self._rounds_from is None:
+                # Peers refresh their tables every interval: after 1.5 of them, all count us in.
+                self._rounds_from = time.monotonic() + 1.5 * interval
+            self.peer_table = self.membership.peers()
+            self.swarm_clock.observe_table(self.peer_table)
+            self._write_status()
+        except Exception as exc:
+            log.warning("heartbeat failed: %s", exc)
 
     def _in_rounds(self) -> bool:
         """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``);
@@ -479,7 +507,7 @@ class Node:
                       "sent_by_peer": dict(self.counters.sent_by_peer),
                       "received_by_peer": dict(self.counters.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in self.counters.sent_by_fragment.items()}},
-            "refusals": list(self.transport.refusals[-20:]),
+            "refusals": list(self.transport.refusals)[-20:],
             "reputation": self.reputation.snapshot(),
             "events": self.events[-50:],
         }

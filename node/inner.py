@@ -35,6 +35,11 @@ class InnerOptimizer:
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
         self.steps_done = 0
 
+    def reset_state(self) -> None:
+        """Forget the moment estimates (after theta diverged and restarted from phi: moments built on
+        non-finite gradients would carry the divergence into every later step)."""
+        self.optimizer.state.clear()
+
     def lr_at(self, step: int) -> float:
         if self.cfg.warmup and step < self.cfg.warmup:
             return self.cfg.lr * (step + 1) / self.cfg.warmup

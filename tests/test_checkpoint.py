@@ -231,6 +231,25 @@ def test_damaged_current_falls_back_to_previous(tmp_path: Path, damage: str) -> 
     assert prev["meta"]["tag"] == "old"
 
 
+def test_a_non_finite_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+    """A state saved after it was poisoned (nan in phi) is unusable: the previous pair loads instead,
+    and with no clean pair the node refuses to start with a one-line error naming the tensor."""
+    node = _trained()
+    node.save(tmp_path, tag="clean")
+    clean = node.params()
+    node.outer.states[0].phi[0] = float("nan")
+    node.save(tmp_path, tag="poisoned")
+    fresh = Node()
+    doc = fresh.load(tmp_path)
+    assert doc is not None and doc["meta"]["tag"] == "clean" and doc["loaded_from"] == "checkpoint.prev.json"
+    assert all(torch.equal(p, clean[n]) for n, p in fresh.params().items())
+    assert all(bool(torch.isfinite(st.phi).all()) for st in fresh.outer.states)
+    node.save(tmp_path, tag="poisoned again")  # now both pairs hold the nan
+    with pytest.raises(UserError) as info:
+        Node().load(tmp_path)
+    assert "\n" not in str(info.value) and "non-finite" in str(info.value) and "outer/0/phi" in str(info.value)
+
+
 def test_everything_damaged_names_the_file(tmp_path: Path) -> None:
     node = _trained()
     node.save(tmp_path)

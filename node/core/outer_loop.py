@@ -86,6 +86,7 @@ class _Pending:
     own: torch.Tensor | None = None
     own_share: float = 0.0
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
+    phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
 
 
 class OuterLoop:
@@ -223,7 +224,8 @@ class OuterLoop:
         handle = self._start(st, step, chunks)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
                                           snapshot=theta, residual_before=residual_before,
-                                          own_norm=float(torch.linalg.vector_norm(decoded)))
+                                          own_norm=float(torch.linalg.vector_norm(decoded)),
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)))
         st.tokens_since_send = 0.0
         st.last_send = step
         if self.consensus.due(step, self.cfg.h):
@@ -304,7 +306,8 @@ class OuterLoop:
         handle = self._start(st, step, chunks)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
                                           snapshot=None, residual_before=None, own=own_now,
-                                          own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)))
+                                          own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)),
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)))
         st.tokens_since_send = 0.0
         st.last_send = step
         events.append(SyncEvent("sent", st.index, step, st.version))
@@ -381,7 +384,7 @@ class OuterLoop:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
         phi, momentum = st.phi.clone(), st.momentum.clone()
         self.optimizer.step(phi, momentum, delta)
-        reason = check_outer_step(st.phi, st.momentum, phi, momentum, self.limits)
+        reason = check_outer_step(st.phi, st.momentum, phi, momentum, delta, self.limits)
         if reason is not None:
             return reason
         st.phi.copy_(phi)
@@ -392,7 +395,7 @@ class OuterLoop:
     def _check_result(self, res: AverageResult, pend: _Pending) -> str | None:
         if not res.ok or res.average is None:
             return None
-        return check_average(res.average, pend.own_norm, self.limits)
+        return check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
 
     def _refused(self, st: FragmentState, step: int, res: AverageResult, sent_step: int, reason: str) -> SyncEvent:
         """A complete result the guard refused: counted as a failed sync, reported as "refused"."""
@@ -454,6 +457,26 @@ class OuterLoop:
         st.set_theta(new)
         self.stats.catch_ups += 1
         return [SyncEvent("caught_up", st.index, step, st.version)]
+
+    def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
+        """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
+        ``keep_progress`` (a node resumed from its checkpoint) its own local progress rides on the new phi;
+        otherwise theta starts at phi. Returns None when adopted, else the guard's reason (nothing changed:
+        the caller reports it and counts it against ``snap.source``)."""
+        st = self.states[snap.fragment]
+        if snap.version < st.version:
+            return None
+        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
+        if reason is not None:
+            self.stats.refused += 1
+            return reason
+        theta = st.theta()
+        progress = st.phi - theta if keep_progress else torch.zeros_like(theta)
+        st.phi.copy_(snap.phi.to(st.phi.device))
+        st.momentum.copy_(snap.momentum.to(st.momentum.device))
+        st.version = snap.version
+        st.set_theta(st.phi - progress)
+        return None
 
     def snapshot(self, fragment: int) -> FragmentSnapshot:
         st = self.states[fragment]

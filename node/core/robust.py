@@ -73,6 +73,7 @@ class Refusal:
     sender: str
     kind: str       # "bad_contribution" | "bad_weight"
     detail: str
+    relative: bool = False   # judged against the group's reference (not absolute: non-finite, absurd weight)
 
 
 @dataclass
@@ -146,11 +147,11 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
         if i != trusted and ref_norm > 0 and norm > settings.reject_factor * ref_norm:
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
                                     f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
-                                    f"{ref_norm:.3g} (limit {settings.reject_factor:g}x)"))
+                                    f"{ref_norm:.3g} (limit {settings.reject_factor:g}x)", relative=True))
         elif i != trusted and ref_norm == 0 and norm > 0 and len(live) > 2:
             # Every other member changed nothing here: a lone large change is not believable.
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
-                                    f"norm {norm:.3g} where the group's reference is 0"))
+                                    f"norm {norm:.3g} where the group's reference is 0", relative=True))
         else:
             accepted.append(i)
     t_acc = accepted.index(trusted) if trusted in accepted else None

@@ -2,22 +2,31 @@
 
 A round of fragment ``p`` started at swarm step ``r``:
 
-1. **Matchmaking** through the DHT: each member stores a ``MatchEntry`` under the round's key and
-   polls it until every live peer has arrived or the window (``network.matchmaking_timeout`` after
+1. **Matchmaking** through the DHT: each member stores a signed ``MatchEntry`` under the round's key
+   (under its owner subkey, see ``node.swarm.records``: nobody can enter a round in another peer's name)
+   and polls it until every live peer has arrived or the window (``network.matchmaking_timeout`` after
    the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
    balanced groups of at most ``network.group_size``: random groups that change from round to round
-   (2 = pairwise gossip; as large as the swarm = all-reduce). Under the adaptive schedule all members
-   of a send slot meet under one key whatever fragment they picked; a member whose pick or schedule
-   state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
+   (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its
+   entry; grouping never puts two peers in one group when one of them excludes the other, so every
+   member computes the same groups and a banned peer ends up alone. Under the adaptive schedule all
+   members of a send slot meet under one key whatever fragment they picked; a member whose pick or
+   schedule state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
    A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
 2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``node.transport.reduce``):
-   member ``i`` streams its chunks of part ``j`` to member ``j``, which waits for every member's part,
-   takes the token-weighted fp32 mean, re-encodes it and streams it back to each member.
-3. **Atomicity**: a member applies a result only when it holds every reduced part. A reducer missing
-   a contribution (a peer died, disagreed on the group or timed out) answers an error instead of a
-   partial mean, so nobody applies a partial average; the caller keeps its local progress.
+   member ``i`` streams its chunks of part ``j`` to member ``j``, which screens every member's part
+   (finite, weight within bounds, norm against the group's) and combines the accepted ones with the
+   swarm's robust aggregator, re-encodes the result and streams it back to each member.
+3. **Atomicity**: a member applies a result only when it holds every reduced part, each checked
+   (sizes, finite, norm next to its own contribution). A reducer that misses a member's part past
+   ``PARTIAL_AFTER`` of the round timeout reduces without it; a reducer that refuses or fails answers an
+   error, never a partial part, so nobody applies a partial average; the caller keeps its local progress.
 
-Every header carries the swarm fingerprint and the group hash; a mismatch is refused by name.
+Nothing from the network is trusted: every stream is bound to the authenticated libp2p peer id of the
+other end (the header's ``sender`` must be it); a reducer accepts parts only from the members of the
+group it formed for that (fragment, round), only after it formed it, and each message is bounded by the
+codec's chunk size (``node.swarm.wire``); a refused contribution is dropped from the round (its sender
+gets the reason) and the round completes for the others. Offences go to ``node.swarm.reputation``.
 Bytes sent and received are counted here, per peer and per fragment.
 """
 
@@ -27,25 +36,48 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import random
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from node.core.codecs import Codec
-from node.core.payload import chunk_bounds, decode_chunks
+from node.config import RobustSection
+from node.core.codecs import CODECS, Codec
+from node.core.payload import chunk_bounds, chunk_elems, decode_chunks
+from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
+from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
-from node.transport.reduce import part_ranges, reduce_chunk
+from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
 
 log = logging.getLogger("locoswarm.averaging")
 
-AVERAGE_HANDLER = "locoswarm.average.v1"
+AVERAGE_HANDLER = "locoswarm.average.v2"
+# A reducer that misses some member's part this far into the round reduces with the parts it has (its own
+# among them): a member that entered matchmaking but never sends cannot hold the round hostage.
+PARTIAL_AFTER = 0.6
+MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
+MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
+MAX_HEADER_BYTES = 64 * 1024
+# A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
+# several times larger (a member that just caught up made little progress of its own, its partners a
+# whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
+# guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
+REDUCED_RATIO = 1000.0
+
+
+class RoundRefused(RuntimeError):
+    """A peer broke the protocol (an offence); ``kind`` names it for the reputation table."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        super().__init__(text)
+        self.kind = kind
 
 
 @dataclass
@@ -69,6 +101,11 @@ class ByteCounters:
         self.received_by_fragment[fragment] += n
         self.by_round[(fragment, round_)][1] += n
 
+    def received_unmatched(self, peer: str, n: int) -> None:
+        """Bytes of a message not (yet) tied to one of this node's rounds: per peer only, so that made-up
+        (fragment, round) pairs never grow the per-round table."""
+        self.received_by_peer[peer] += n
+
     @property
     def total_sent(self) -> int:
         return sum(self.sent_by_peer.values())
@@ -88,10 +125,12 @@ class ScheduleHint:
     leader: str
 
 
-def match_entry(peer_id: str, req: AverageRequest, arrival: float) -> swarm_pb2.MatchEntry:
+def match_entry(peer_id: str, req: AverageRequest, arrival: float,
+                excluded: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
                                  digest=req.digest, fragment=req.fragment)
+    entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     if req.schedule is not None:
         entry.scheduled = True
         entry.last_send.extend(-1 if t is None else t for t in req.schedule.last_send)
@@ -103,29 +142,90 @@ def group_hash(members: list[str]) -> bytes:
     return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
 
 
-def form_groups(members: list[str], fragment: int, round_: int, group_size: int) -> list[list[str]]:
-    """Balanced random groups, the same on every member that saw the same member list."""
+def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
+                excluded: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
+    """Balanced random groups, the same on every member that saw the same entries.
+
+    ``excluded`` maps a member to the peers it bans: two peers of which one excludes the other are never
+    in one group. Members are placed in shuffled order, each in the smallest group (of the balanced
+    number) that has room and no conflict, else in a new group, so a peer everyone bans ends up alone
+    and a peer that bans everyone isolates only itself.
+    """
     seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
     order = sorted(members)
     random.Random(seed).shuffle(order)
     n_groups = max(1, -(-len(order) // group_size))
-    return [sorted(order[g::n_groups]) for g in range(n_groups)]
+    if not excluded or not any(excluded.values()):
+        return [sorted(order[g::n_groups]) for g in range(n_groups)]
+    conflicts: dict[str, set[str]] = defaultdict(set)
+    present = set(order)
+    for peer, banned in excluded.items():
+        for other in banned:
+            if other in present and other != peer:
+                conflicts[peer].add(other)
+                conflicts[other].add(peer)
+    capacity = -(-len(order) // n_groups)
+    groups: list[list[str]] = [[] for _ in range(n_groups)]
+    for peer in order:
+        fits = [g for g in groups if len(g) < capacity and not conflicts[peer] & set(g)]
+        if fits:
+            min(fits, key=len).append(peer)
+        else:
+            groups.append([peer])
+    return [sorted(g) for g in groups if g]
+
+
+def plausible_version(claims: Mapping[str, int], own: str | None = None) -> int:
+    """The newest version that is corroborated: claimed (or exceeded) by at least two peers, one of
+    which may be this node (``own``). With a single other claimant its claim stands: a pair cannot outvote
+    a liar, and the snapshot guards bound what a liar can do. -1 without claims."""
+    if not claims:
+        return -1
+    values = sorted(claims.values(), reverse=True)
+    if sum(1 for p in claims if p != own) < 2:
+        return values[0]
+    return values[1]
+
+
+def _finite(values: Iterable[float]) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def _norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.to(torch.float64)))
+
+
+@dataclass
+class _Reduced:
+    chunks: dict[int, bytes]
+    total_weight: float
+    extras: list[float]
+    refused: dict[str, tuple[str, str, bool]]   # sender -> (kind, detail, offence): why it was dropped
 
 
 class _Reduction:
-    """This member's part of one group round: contributions in, one reduced part out."""
+    """This member's part of one group round: members' contributions in, one reduced part out.
 
-    def __init__(self, key: tuple[int, int, bytes]) -> None:
+    Created only by this node's own round (``SwarmTransport._exchange``), so peers cannot create
+    sessions; it lives until the round's end plus a round timeout. Contributions are exact-size codec
+    bytes of this part (checked as they stream in); the reduction screens and combines them with the
+    swarm's robust aggregator (``node.transport.reduce``)."""
+
+    def __init__(self, key: tuple[int, int, bytes], own: str, codec: Codec, members: list[str], part: range,
+                 sizes: dict[int, int], settings: RobustSection, consensus: bool) -> None:
         self.key = key
-        self.created = time.monotonic()
-        self.contributions: dict[str, tuple[float, list[float], dict[int, bytes]]] = {}
-        self.configured = asyncio.Event()
-        self.n_members = 0
-        self.part: range = range(0)
-        self.sizes: dict[int, int] = {}       # chunk index -> numel
-        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.codec: Codec | None = None
-        self.members: set[str] = set()
+        self.own = own
+        self.codec = codec
+        self.members = list(members)
+        self.part = part
+        self.sizes = sizes
+        self.settings = settings
+        self.consensus = consensus
+        self.n_extras = 0
+        self.contributions: dict[str, tuple[PartContribution, list[float]]] = {}
+        self.dropped: dict[str, str] = {}     # members that will not contribute, and why
+        self.done: asyncio.Future[_Reduced] = asyncio.get_running_loop().create_future()
+        self.done.add_done_callback(_retrieve)
         self.replies = 0
         self._replied = asyncio.Condition()
 
@@ -139,48 +239,81 @@ class _Reduction:
         async with self._replied:
             await self._replied.wait_for(lambda: self.replies >= count)
 
-    def configure(self, codec: Codec, members: list[str], part: range, sizes: dict[int, int]) -> None:
-        self.codec, self.n_members, self.part, self.sizes = codec, len(members), part, sizes
-        self.members = set(members)
-        self.configured.set()
+    def expected_replies(self) -> int:
+        """Reply streams this part serves: members whose contribution entered (or may enter) it."""
+        refused = self.done.result().refused if self.done.done() and not self.done.exception() else {}
+        return sum(1 for m in self.members if m != self.own and m not in self.dropped and m not in refused)
 
-    def add(self, sender: str, weight: float, extras: list[float], chunks: dict[int, bytes]) -> None:
-        if self.done.done():
+    def has(self, sender: str) -> bool:
+        return sender in self.contributions or sender in self.dropped
+
+    def add(self, contribution: PartContribution, extras: list[float]) -> None:
+        if self.done.done() or self.has(contribution.sender):
             return
-        if sender in self.contributions:
-            self.fail(f"duplicate contribution from {sender[:12]}")
+        self.contributions[contribution.sender] = (contribution, extras)
+        self._maybe_reduce()
+
+    def drop(self, member: str, reason: str) -> None:
+        """``member`` will not contribute (it formed another group, refused, or never came)."""
+        if not self.done.done() and member in self.members and not self.has(member):
+            self.dropped[member] = reason
+            self._maybe_reduce()
+
+    def reduce_partial(self) -> None:
+        """The round is well under way: reduce with the parts that are in (this node's among them)."""
+        if self.done.done() or self.own not in self.contributions:
             return
-        self.contributions[sender] = (weight, extras, chunks)
-        if self.configured.is_set() and len(self.contributions) == self.n_members:
-            self._reduce()
+        for m in self.members:
+            if not self.has(m):
+                self.dropped[m] = "its part did not arrive in time"
+        self._maybe_reduce()
 
-    def maybe_reduce(self) -> None:
-        if not self.done.done() and len(self.contributions) == self.n_members:
-            self._reduce()
-
-    def _reduce(self) -> None:
+    def _maybe_reduce(self) -> None:
+        if self.done.done() or not all(self.has(m) for m in self.members):
+            return
+        if self.own not in self.contributions:
+            self.fail("this node's own contribution is missing")
+            return
+        if len(self.contributions) < 2:
+            self.fail("no other member's part arrived: " + "; ".join(
+                f"{p[:12]}: {why}" for p, why in sorted(self.dropped.items())))
+            return
         try:
-            senders = sorted(self.contributions)
-            weights = [max(self.contributions[s][0], 0.0) for s in senders]
-            if sum(weights) <= 0:
-                weights = [1.0] * len(senders)
-            total = float(sum(weights))
-            reduced = {}
-            for c in self.part:
-                datas = [self.contributions[s][2].get(c) for s in senders]
-                if any(d is None for d in datas):
-                    raise ValueError(f"chunk {c} missing from a contribution")
-                reduced[c] = reduce_chunk(self.codec, datas, weights, self.sizes[c])
-            n_extras = len(self.contributions[senders[0]][1])
-            extras = [sum(w * self.contributions[s][1][i] for s, w in zip(senders, weights, strict=True)) / total
-                      for i in range(n_extras)]
-            self.done.set_result((reduced, total, extras))
-        except Exception as exc:
-            self.fail(f"reduction failed: {exc}")
+            self.done.set_result(self._reduce())
+        except Exception as exc:  # a bug, never a peer's doing: contributions were checked on arrival
+            log.warning("reduction failed: %r", exc)
+            self.fail(f"reduction failed: {type(exc).__name__}: {exc}")
+
+    def _reduce(self) -> _Reduced:
+        senders = sorted(self.contributions)
+        cons = [self.contributions[s][0] for s in senders]
+        trusted = senders.index(self.own)
+        centers = None
+        if self.consensus:  # rounds of phi itself: judge deviations from this node's phi
+            own = cons[trusted].chunks
+            centers = {c: self.codec.decode(own[c], self.sizes[c]) for c in self.part}
+        screening = screen_part(self.codec, cons, self.sizes, self.settings, trusted=trusted, centers=centers)
+        reduced = combine_part(self.codec, cons, screening, self.sizes, make_aggregator(self.settings),
+                               centers=centers)
+        total = screening.total_weight
+        extras = [0.0] * self.n_extras
+        for i, w in zip(screening.accepted, screening.weights, strict=True):
+            for k, x in enumerate(self.contributions[senders[i]][1]):
+                extras[k] += w * x / total
+        # In a pair the reference is this node's own contribution: a partner far larger may be honest
+        # (this node may have made little progress), so a relative refusal there is not an offence.
+        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2)) for r in screening.refusals}
+        return _Reduced(reduced, total, extras, refused)
 
     def fail(self, error: str) -> None:
         if not self.done.done():
             self.done.set_exception(RuntimeError(error))
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a failure as seen (nobody may be waiting on a session that failed)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _Handle(AverageHandle):
@@ -213,13 +346,20 @@ class SwarmTransport(Transport):
         group_size, matchmaking_timeout, round_timeout: from ``[network]``.
         live_peers: returns the ids of live peers (from heartbeats): matchmaking closes as soon as they
             are all in.
-        pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
-            ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
         fetch: downloads a fragment's outer state from given peers (``node.swarm.state_sync``).
+        pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
+            ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         ready: whether this node may enter rounds: a joining node waits until every peer has had the
             time to see its heartbeat, since members that disagree on whether it is live would form
             different groups and fail the round for everyone.
+        robust: the ``[robust]`` settings (screening and the aggregator; stream caps).
+        reputation: where offences are counted and bans looked up (``node.swarm.reputation``); None:
+            nothing is counted and nobody is banned.
+        max_weight: ``max_weight(peer, own_weight)``: the most tokens ``peer`` can plausibly claim in a
+            round where this node claims ``own_weight`` (from its heartbeat throughput); None: no bound
+            beyond the screening's.
+        subkey: this node's owner subkey for its match entries (default: built from the DHT's identity).
     """
 
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
@@ -229,7 +369,11 @@ class SwarmTransport(Transport):
                  fetch: Callable[[int, list[str], int], FragmentSnapshot | None],
                  pace_peers: Callable[[], list[str]] | None = None,
                  grace: Callable[[], float] | None = None,
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None,
+                 robust: RobustSection | None = None,
+                 reputation=None,
+                 max_weight: Callable[[str, float], float] | None = None,
+                 subkey: str | None = None) -> None:
         self.runtime = runtime
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
@@ -243,21 +387,50 @@ class SwarmTransport(Transport):
         self.pace_peers = pace_peers or live_peers
         self.grace = grace or (lambda: matchmaking_timeout)
         self.ready = ready or (lambda: True)
+        self.robust = robust or RobustSection()
+        self.reputation = reputation
+        self.max_weight = max_weight
+        self.subkey = subkey or self._own_subkey()
         # The newest slot where this node's adaptive-schedule state differed from the slot leader's.
         self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
         self.counters = ByteCounters()
-        self.refusals: list[str] = []
+        self.refusals: deque[str] = deque(maxlen=50)
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
+        self._view_changed: asyncio.Event | None = None
         # fragment -> (version the group reached in its last successful round, its members): heartbeats
         # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
         self.recent: dict[int, tuple[int, list[str]]] = {}
         self._skipped: dict[tuple[int, int], float] = {}
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
-        runtime.call(runtime.p2p.add_protobuf_handler(
-            AVERAGE_HANDLER, self._handle_average, swarm_pb2.AverageRequest, stream_input=True,
-            stream_output=True), timeout=30)
+        # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
+        elems = chunk_elems(codec.block_size)
+        self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
+        self._stream_timeout = matchmaking_timeout + round_timeout + 5.0
+        self._server = runtime.call(serve(
+            runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
+            max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
+            max_streams_per_peer=self.robust.max_streams_per_peer, max_streams=64 + 4 * group_size,
+            on_refused=lambda peer, why: self._offence(peer, "streams", why, offence=False)), timeout=30)
+
+    def _own_subkey(self) -> str:
+        from node.swarm.records import dht_identity, owner_subkey
+
+        identity = dht_identity(self.dht)
+        if identity is None:
+            raise RuntimeError("the DHT has no identity key to sign match entries with (start it with "
+                               "node.swarm.dht.start_dht)")
+        return owner_subkey(self.peer_id, identity)
+
+    def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> None:
+        """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck)."""
+        self.refusals.append(f"{peer[:12]}: {kind}: {detail}")
+        if self.reputation is not None:
+            self.reputation.refuse(peer, kind, detail, offence=offence)
+
+    def _banned(self, peer: str) -> bool:
+        return self.reputation is not None and self.reputation.is_banned(peer)
 
     # ---- Transport ------------------------------------------------------------------------------
     def start_average(self, request: AverageRequest) -> AverageHandle:
@@ -268,7 +441,8 @@ class SwarmTransport(Transport):
     def _newest(self, fragment: int) -> tuple[int, list[str]]:
         version, holders = self._latest_versions(fragment)
         recent_version, members = self.recent.get(fragment, (-1, []))
-        others = [m for m in members if m != self.peer_id]
+        others = [m for m in members if m != self.peer_id and not self._banned(m)]
+        holders = [h for h in holders if not self._banned(h)]
         if recent_version > version and others:
             return recent_version, others
         if recent_version == version:
@@ -284,10 +458,13 @@ class SwarmTransport(Transport):
             return None
         return self._fetch(fragment, holders, version)
 
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
+        if snapshot.source:
+            self._offence(snapshot.source, "bad_state", reason)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.runtime.call(self.runtime.p2p.remove_protobuf_handler(
-                AVERAGE_HANDLER, stream_input=True, stream_output=True), timeout=5)
+            self.runtime.call(self._server.stop(), timeout=5)
 
     # ---- one round ------------------------------------------------------------------------------
     async def _average(self, req: AverageRequest) -> AverageResult:
@@ -298,15 +475,15 @@ class SwarmTransport(Transport):
         if matched is None:
             self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
-        members, versions = matched
-        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size)
+        members, versions, excluded = matched
+        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, excluded)
                      if self.peer_id in g)
         if len(group) < 2:
             self._not_in_round(req.fragment, req.round)
             if len(members) == 1 and not req.digest and not self.live_peers():
                 return self._solo(req)
             return AverageResult.failed("no peer in group", own_weight=req.weight)
-        max_version = max(versions.get(p, req.version) for p in group)
+        max_version = plausible_version({p: versions.get(p, req.version) for p in group}, own=self.peer_id)
         digests = self._digests.pop((req.fragment, req.round), {})
         if req.digest and all(digests.get(p) == req.digest for p in group):
             self._not_in_round(req.fragment, req.round)  # nobody will send us a part of it
@@ -344,38 +521,52 @@ class SwarmTransport(Transport):
         if (leader.fragment, list(leader.last_send), list(leader.shared_r)) == \
                 (me.fragment, list(me.last_send), list(me.shared_r)):
             return
+        n = len(me.last_send)
+        if len(leader.last_send) != n or len(leader.shared_r) not in (0, n) or not _finite(leader.shared_r):
+            self._offence(leader.peer_id, "bad_header", "malformed schedule state in its match entry")
+            return
         state = ScheduleState(tuple(None if t < 0 else int(t) for t in leader.last_send),
                               tuple(leader.shared_r) if len(leader.shared_r) else None)
         self.schedule_hint = ScheduleHint(req.round, int(leader.fragment), state, leader.peer_id)
 
     async def _read_entries(self, key: str) -> dict[str, swarm_pb2.MatchEntry]:
+        """The round's entries, each published by the peer it names (signed under its owner subkey)."""
+        from node.swarm.records import subkey_peer
+
         found = await self.dht.get(key, latest=True, return_future=True)
         entries: dict[str, swarm_pb2.MatchEntry] = {}
         if found is None or not isinstance(found.value, dict):
             return entries
         for subkey, item in found.value.items():
+            peer = subkey_peer(subkey)
+            if peer is None or not isinstance(item.value, bytes):
+                continue
             try:
                 entry = swarm_pb2.MatchEntry.FromString(item.value)
             except Exception:
                 continue
-            if entry.peer_id == subkey:
-                entries[subkey] = entry
+            if entry.peer_id == peer and math.isfinite(entry.arrival):
+                entries[peer] = entry
         return entries
 
-    async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int]] | None:
+    async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int], dict[str, list[str]]] | None:
         from hivemind.utils import get_dht_time
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
-        me = match_entry(self.peer_id, req, get_dht_time())
+        banned = self.reputation.banned() if self.reputation is not None else []
+        me = match_entry(self.peer_id, req, get_dht_time(), banned)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
-                             subkey=self.peer_id, return_future=True)
-        expected = set(self.live_peers()) | {self.peer_id}
-        core = set(self.pace_peers()) | {self.peer_id}
+                             subkey=self.subkey, return_future=True)
+        expected = (set(self.live_peers()) | {self.peer_id}) - set(banned)
+        core = (set(self.pace_peers()) | {self.peer_id}) - set(banned)
         grace = min(self.grace(), self.matchmaking_timeout)
+        # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
+        # close the window for everyone by claiming an arrival in the past.
+        earliest = me.arrival - self.matchmaking_timeout
         while True:
             entries = await self._read_entries(key)
             entries.setdefault(self.peer_id, me)
-            first = min(e.arrival for e in entries.values())
+            first = min(max(e.arrival, earliest) for e in entries.values())
             window_end = first + self.matchmaking_timeout
             now = get_dht_time()
             if set(entries) >= expected or now >= window_end:
@@ -394,27 +585,36 @@ class SwarmTransport(Transport):
         if self.peer_id not in members:
             return None
         self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
-        return members, {p: int(entries[p].version) for p in members}
+        excluded = {p: list(entries[p].excluded)[:MAX_EXCLUDED] for p in members}
+        return members, {p: int(entries[p].version) for p in members}, excluded
 
     async def _exchange(self, req: AverageRequest, group: list[str]) -> AverageResult:
         ghash = group_hash(group)
         n = len(group)
         me = group.index(self.peer_id)
-        bounds = chunk_bounds(req.numel, self._codec(req.codec).block_size)
+        codec = self._codec(req.codec)
+        bounds = chunk_bounds(req.numel, codec.block_size)
         parts = part_ranges(len(bounds), n)
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
-        session = self._session((req.fragment, req.round, ghash))
-        codec = self._codec(req.codec)
-        session.configure(codec, group, parts[me], sizes)
-        self._refuse_other_views(session)
+        key = (req.fragment, req.round, ghash)
+        session = _Reduction(key, self.peer_id, codec, group, parts[me], sizes, self.robust,
+                             consensus=bool(req.digest))
         extras = [float(x) for x in req.extras.tolist()]
-        session.add(self.peer_id, req.weight, extras, {c: req.chunks[c] for c in parts[me]})
-        session.maybe_reduce()
+        session.n_extras = len(extras)
+        self._sessions[key] = session
+        self._view_ready()
+        loop = asyncio.get_running_loop()
+        partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
+        session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
 
         async def own_part():
-            return me, await session.done
+            reduced = await session.done
+            if reduced.total_weight <= 0:
+                raise RuntimeError("every contribution to this node's part was refused")
+            return me, reduced.chunks, reduced.total_weight, reduced.extras
 
-        tasks = [own_part()] + [self._send_part(group[j], j, req, ghash, parts[j], extras)
+        own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
+        tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
                                 for j in range(n) if j != me]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
@@ -425,10 +625,11 @@ class SwarmTransport(Transport):
             res.bytes_sent, res.bytes_received = sent, received
             return res
         finally:
-            asyncio.get_running_loop().call_later(self.round_timeout, self._sessions.pop, session.key, None)
+            partial.cancel()
+            loop.call_later(self.round_timeout, self._end_session, key)
         reduced: dict[int, bytes] = {}
         total_weight, avg_extras = 0.0, extras
-        for _, (chunks, total, ex) in results:
+        for _, chunks, total, ex in results:
             reduced.update(chunks)
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):
@@ -437,16 +638,20 @@ class SwarmTransport(Transport):
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(session.all_replied(n - 1), timeout=5.0)
+            await asyncio.wait_for(session.all_replied(session.expected_replies()), timeout=5.0)
         sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received)
 
-    async def _send_part(self, peer: str, index: int, req: AverageRequest, ghash: bytes, part: range,
-                         extras: list[float]):
-        from hivemind.p2p import PeerID
+    def _end_session(self, key: tuple[int, int, bytes]) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            session.fail("expired")
 
+    async def _send_part(self, peer: str, req: AverageRequest, ghash: bytes, part: range,
+                         bounds: list[tuple[int, int]], extras: list[float], own_norm: float):
+        """Stream our chunks of ``part`` to its reducer ``peer``; return its reduced part, checked."""
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=req.fragment, round=req.round, group_hash=ghash,
             sender=self.peer_id, weight=req.weight, version=req.version, extras=extras,
@@ -460,21 +665,73 @@ class SwarmTransport(Transport):
                 self.counters.sent(peer, req.fragment, req.round, msg.ByteSize())
                 yield msg
 
-        stream = await self.runtime.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply)
-        first = await anext(stream, None)
-        if first is None:
-            raise RuntimeError(f"peer {peer[:12]} closed the stream without an answer")
-        self.counters.received(peer, req.fragment, req.round, first.ByteSize())
-        if not first.HasField("header") or not first.header.ok:
-            raise RuntimeError(f"peer {peer[:12]} refused: {first.header.error or 'bad reply'}")
+        codec = self._codec(req.codec)
         chunks: dict[int, bytes] = {}
-        async for msg in stream:
-            self.counters.received(peer, req.fragment, req.round, msg.ByteSize())
-            chunks[msg.chunk.index] = msg.chunk.data
+        try:
+            async with open_stream(self.runtime.p2p, peer, AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply,
+                                   max_reply_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES),
+                                   idle_timeout=self._stream_timeout) as stream:
+                first = await anext(stream, None)
+                if first is None:
+                    raise RuntimeError(f"peer {peer[:12]} closed the stream without an answer")
+                self.counters.received(peer, req.fragment, req.round, first.ByteSize())
+                if not first.HasField("header") or not first.header.ok:
+                    raise RuntimeError(f"peer {peer[:12]} refused: {first.header.error[:200] or 'bad reply'}")
+                h = first.header
+                if not (math.isfinite(h.total_weight) and h.total_weight > 0) or len(h.extras) != len(extras) \
+                        or not _finite(h.extras) or h.n_chunks != len(part):
+                    raise RoundRefused("bad_reduction", "malformed reduce header")
+                async for msg in stream:
+                    self.counters.received(peer, req.fragment, req.round, msg.ByteSize())
+                    c = msg.chunk.index
+                    if not msg.HasField("chunk") or c not in part or c in chunks:
+                        raise RoundRefused("bad_reduction", f"unexpected reduced chunk {c}")
+                    if len(msg.chunk.data) != codec.encoded_size(bounds[c][1] - bounds[c][0]):
+                        raise RoundRefused("bad_reduction", f"reduced chunk {c} has a wrong size")
+                    chunks[c] = msg.chunk.data
+        except PeerRefused as exc:
+            raise RuntimeError(f"peer {peer[:12]} refused: {exc}") from None
+        except WireError as exc:
+            self._offence(peer, "wire", str(exc), offence=False)
+            raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
+        except RoundRefused as exc:
+            self._offence(peer, exc.kind, str(exc))
+            raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
         if set(chunks) != set(part):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
-        return index, (chunks, first.header.total_weight, list(first.header.extras))
+        reason = self._check_reduced(codec, req, chunks, bounds, own_norm)
+        if reason:
+            self._offence(peer, "bad_reduction", reason)
+            raise RuntimeError(f"peer {peer[:12]} sent a bad reduced part: {reason}")
+        return part, chunks, h.total_weight, list(h.extras)
+
+    def _check_reduced(self, codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
+                       bounds: list[tuple[int, int]], own_norm: float) -> str | None:
+        """A reducer's part: finite, and no larger than the group's contributions can make it. Our own
+        chunks of the part are the reference: an honest (clipped) mean of this part is within a few times
+        the median contribution, of which ours is one; shares of the whole keep a tiny own part from
+        making honest results look absurd."""
+        numel = max(1, req.numel)
+        part_numel = sum(bounds[c][1] - bounds[c][0] for c in chunks)
+        diff_sq = own_sq = 0.0
+        for c, data in chunks.items():
+            values = codec.decode(data, bounds[c][1] - bounds[c][0])
+            if not bool(torch.isfinite(values).all()):
+                return f"reduced chunk {c} has non-finite values"
+            own = codec.decode(req.chunks[c], bounds[c][1] - bounds[c][0])
+            ref = own if req.digest else torch.zeros_like(own)  # consensus rounds: deviation from our phi
+            diff_sq += _norm(values - ref) ** 2
+            own_sq += _norm(own) ** 2
+        share = own_norm * math.sqrt(part_numel / numel)
+        if own_sq == 0 and share == 0:
+            return None  # no progress of our own to judge by (finite was checked)
+        if req.digest:  # as the outer loop's guard on a consensus shift: at most half of phi
+            limit = 0.5 * max(math.sqrt(own_sq), 1e-6)
+        else:
+            limit = REDUCED_RATIO * max(math.sqrt(own_sq), share, 1e-6)
+        if math.sqrt(diff_sq) > limit:
+            return f"reduced part norm {math.sqrt(diff_sq):.3g} exceeds {limit:.3g}"
+        return None
 
     def _codec(self, name: str) -> Codec:
         from node.core.codecs import get_codec
@@ -487,100 +744,142 @@ class SwarmTransport(Transport):
         self._skipped[(fragment, round_)] = time.monotonic()
         for key in [k for k, t in self._skipped.items() if t < time.monotonic() - 300]:
             del self._skipped[key]
-        for (f, r, _), sess in list(self._sessions.items()):
-            if f == fragment and r == round_:
-                sess.fail("this peer is not in the round")
+        self._view_ready()
 
     def _local_view(self, fragment: int, round_: int) -> _Reduction | None:
         for (f, r, _), sess in self._sessions.items():
-            if f == fragment and r == round_ and sess.configured.is_set():
+            if f == fragment and r == round_:
                 return sess
         return None
 
-    def _refuse_other_views(self, mine: _Reduction) -> None:
-        """Members that formed another group for this round will not contribute to ours: fail both."""
-        fragment, round_, ghash = mine.key
-        for (f, r, h), sess in list(self._sessions.items()):
-            if f == fragment and r == round_ and h != ghash:
-                sess.fail("group mismatch: members disagree on who is in this round")
-                if mine.members & set(sess.contributions):
-                    mine.fail("group mismatch: a member of our group formed another group")
+    def _view_ready(self) -> None:
+        """Wake the streams waiting for this node to form (or skip) a round."""
+        if self._view_changed is not None:
+            self._view_changed.set()
+        self._view_changed = asyncio.Event()
+
+    async def _await_view(self, fragment: int, round_: int, timeout: float) -> _Reduction | None:
+        """This node's session for the round, once it formed its group (None: not in it, or too late).
+        Waiting costs one open stream, which the stream caps bound."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if (fragment, round_) in self._skipped:
+                return None
+            view = self._local_view(fragment, round_)
+            if view is not None:
+                return view
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._view_changed is None:
+                self._view_changed = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._view_changed.wait(), left)
 
     # ---- serving our part -----------------------------------------------------------------------
-    def _session(self, key: tuple[int, int, bytes]) -> _Reduction:
-        session = self._sessions.get(key)
-        if session is None:
-            session = self._sessions[key] = _Reduction(key)
-            self._prune()
-        return session
+    async def _serve_part(self, remote: str, requests: RequestStream) -> AsyncIterator[swarm_pb2.AverageReply]:
+        """One member's part, streamed in from ``remote`` (the authenticated peer id of the stream).
 
-    def _prune(self) -> None:
-        horizon = time.monotonic() - 2 * (self.round_timeout + self.matchmaking_timeout)
-        for key in [k for k, s in self._sessions.items() if s.created < horizon]:
-            self._sessions.pop(key).fail("expired")
-
-    async def _handle_average(self, requests: AsyncIterator[swarm_pb2.AverageRequest],
-                              context) -> AsyncIterator[swarm_pb2.AverageReply]:
-        try:
-            async for reply in self._serve_part(requests, str(context.remote_id)):
-                yield reply
-        except Exception as exc:
-            log.debug("average handler failed: %r", exc)
-            yield swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(ok=False, error=f"reducer error: {exc!r}"))
-
-    async def _serve_part(self, requests: AsyncIterator[swarm_pb2.AverageRequest],
-                          remote: str) -> AsyncIterator[swarm_pb2.AverageReply]:
-        first = await anext(requests)
+        Every refusal is a ``WireError``: the stream server sends its one line to the peer."""
+        first = await anext(requests, None)
+        if first is None or not first.HasField("header"):
+            raise WireError("expected a header first")
+        self.counters.received_unmatched(remote, first.ByteSize())
         h = first.header
-        self.counters.received(remote, h.fragment, h.round, first.ByteSize())
-
-        def error(text: str) -> swarm_pb2.AverageReply:
-            reply = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(ok=False, error=text))
-            self.counters.sent(remote, h.fragment, h.round, reply.ByteSize())
-            return reply
-
-        if not first.HasField("header"):
-            yield error("expected a header first")
-            return
+        if self._banned(remote):
+            self._offence(remote, "banned", "stream from a banned peer", offence=False)
+            raise WireError("refused: this node bans your peer id for now")
         if h.fingerprint != self.fingerprint:
-            text = f"swarm fingerprint mismatch: peer has {h.fingerprint}, this node {self.fingerprint}"
-            self.refusals.append(f"{remote[:12]}: {text}")
-            yield error(text)
-            return
-        chunks: dict[int, bytes] = {}
-        async for msg in requests:
-            self.counters.received(remote, h.fragment, h.round, msg.ByteSize())
-            chunks[msg.chunk.index] = msg.chunk.data
-        if len(chunks) != h.n_chunks:
-            yield error(f"expected {h.n_chunks} chunks, got {len(chunks)}")
-            return
-        if (h.fragment, h.round) in self._skipped:
-            yield error("this peer is not in the round (it arrived after the window or had no group)")
-            return
-        local = self._local_view(h.fragment, h.round)
-        if local is not None and local.key[2] != bytes(h.group_hash):
-            if h.sender in local.members:
-                local.fail(f"group mismatch with {h.sender[:12]}")
-            yield error("group mismatch: this reducer formed another group for the round")
-            return
-        session = self._session((h.fragment, h.round, bytes(h.group_hash)))
-        session.add(h.sender, h.weight, list(h.extras), chunks)
+            text = f"swarm fingerprint mismatch: peer has {h.fingerprint[:40]}, this node {self.fingerprint}"
+            self._offence(remote, "fingerprint", text, offence=False)
+            raise WireError(text)
+        if h.sender != remote:
+            self._offence(remote, "forged_sender", f"header names sender {h.sender[:20]!r}")
+            raise WireError("refused: the header's sender is not the stream's authenticated peer id")
+        if not (math.isfinite(h.weight) and h.weight > 0) or len(h.extras) > MAX_EXTRAS or not _finite(h.extras) \
+                or (h.codec and h.codec not in CODECS):
+            self._offence(remote, "bad_header", "weight, extras or codec out of bounds")
+            raise WireError("refused: header fields out of bounds")
+        session = await self._await_view(h.fragment, h.round, self.matchmaking_timeout + 2.0)
+        if session is None:
+            self._offence(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
+            raise WireError("this peer is not in the round (it arrived after the window or had no group)")
+        session = self._check_membership(session, remote, h)
+        self.counters.received(remote, h.fragment, h.round, first.ByteSize())
+        chunks = await self._read_part(session, remote, h, requests)
+        own = self._sessions_own_weight(session)
+        max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
+        session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
         try:
-            # This node must enter the round within the matchmaking window, or it is not a member.
-            await asyncio.wait_for(session.configured.wait(), self.matchmaking_timeout + 2.0)
-            if set(chunks) != set(session.part):
-                session.fail(f"{h.sender[:12]} sent chunks of another part")
-            reduced, total, extras = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)
+            result = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)
         except Exception as exc:
-            session.fail(str(exc) or type(exc).__name__)
-            yield error(f"round failed at reducer: {exc or type(exc).__name__}")
-            return
+            raise WireError(f"round failed at reducer: {exc or type(exc).__name__}") from None
+        if remote in result.refused:
+            kind, detail, offence = result.refused[remote]
+            self._offence(remote, kind, detail, offence=offence)
+            raise WireError(f"contribution refused: {detail}")
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
-            ok=True, total_weight=total, extras=extras, n_chunks=len(reduced)))
+            ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
         self.counters.sent(remote, h.fragment, h.round, header.ByteSize())
         yield header
-        for c in sorted(reduced):
-            msg = swarm_pb2.AverageReply(chunk=swarm_pb2.Chunk(index=c, data=reduced[c]))
+        for c in sorted(result.chunks):
+            msg = swarm_pb2.AverageReply(chunk=swarm_pb2.Chunk(index=c, data=result.chunks[c]))
             self.counters.sent(remote, h.fragment, h.round, msg.ByteSize())
             yield msg
         await session.replied()
+
+    @staticmethod
+    def _sessions_own_weight(session: _Reduction) -> float:
+        own = session.contributions.get(session.own)
+        return own[0].weight if own is not None else 0.0
+
+    def _check_membership(self, session: _Reduction, remote: str, h: swarm_pb2.AverageHeader) -> _Reduction:
+        """The stream's sender must be a member of the group this node formed for the round, once."""
+        if session.key[2] != bytes(h.group_hash):
+            if remote in session.members:  # it formed another group: its part will not come
+                session.drop(remote, "it formed another group")
+                raise WireError("group mismatch: this reducer formed another group for the round")
+            self._offence(remote, "non_member", "a group this node did not form", offence=False)
+            raise WireError("group mismatch: you are not in this reducer's group for the round")
+        if remote not in session.members:  # it knows our group's hash but is not in it
+            self._offence(remote, "non_member", f"not in the group of fragment {h.fragment} round {h.round}")
+            raise WireError("refused: you are not a member of this group")
+        if remote in session.dropped:  # reduced without it (too late), or it failed already
+            raise WireError(f"refused: the reducer no longer takes your part ({session.dropped[remote]})")
+        if session.has(remote):
+            self._offence(remote, "duplicate", "a second contribution to one part")
+            raise WireError("refused: duplicate contribution")
+        expected_codec = session.codec.name
+        if (h.codec or self.codec.name) != expected_codec or h.n_chunks != len(session.part) \
+                or len(h.extras) != session.n_extras:
+            self._offence(remote, "bad_header", "codec, chunk count or extras do not match the round")
+            session.drop(remote, "its header did not match the round")
+            raise WireError("refused: header does not match the round (codec, chunk count or extras)")
+        return session
+
+    async def _read_part(self, session: _Reduction, remote: str, h: swarm_pb2.AverageHeader,
+                         requests: RequestStream) -> dict[int, bytes]:
+        """The member's chunks of our part, each checked as it arrives (index, exact size): never more
+        than the part's exact codec size is held."""
+        chunks: dict[int, bytes] = {}
+        try:
+            async for msg in requests:
+                self.counters.received(remote, h.fragment, h.round, msg.ByteSize())
+                c = msg.chunk.index
+                if not msg.HasField("chunk") or c not in session.part or c in chunks:
+                    raise RoundRefused("bad_part", f"unexpected chunk {c}")
+                if len(msg.chunk.data) != session.codec.encoded_size(session.sizes[c]):
+                    raise RoundRefused("bad_part", f"chunk {c} has {len(msg.chunk.data)} bytes, expected "
+                                                   f"{session.codec.encoded_size(session.sizes[c])}")
+                chunks[c] = msg.chunk.data
+        except RoundRefused as exc:
+            self._offence(remote, exc.kind, str(exc))
+            session.drop(remote, str(exc))
+            raise WireError(f"refused: {exc}") from None
+        except WireError as exc:
+            session.drop(remote, f"its stream failed: {exc}")
+            raise
+        if len(chunks) != len(session.part):
+            session.drop(remote, f"sent {len(chunks)} of {len(session.part)} chunks")
+            raise WireError(f"expected {len(session.part)} chunks, got {len(chunks)}")
+        return chunks

@@ -1,4 +1,5 @@
-"""Membership: heartbeats in the DHT, the live peer table, fingerprint refusal, swarm-wide progress.
+"""Membership: heartbeats in the DHT, the live peer table, fingerprint refusal, fragment spread
+(the swarm clock built from the heartbeats is ``node.swarm.clock``).
 
 DHT layout (every key carries the swarm name; every per-swarm key also the fingerprint, so peers
 with different shared settings never see each other's records):
@@ -243,16 +244,10 @@ class Membership:
                         f"{diff}; use the swarm's peers.toml")
 
 
-# ---- swarm-wide progress ----
+# ---- swarm-wide views of the heartbeats ----
 
 def _heartbeats(peers: Mapping[str, swarm_pb2.Heartbeat] | Iterable[swarm_pb2.Heartbeat]) -> list:
     return list(peers.values()) if isinstance(peers, Mapping) else list(peers)
-
-
-def swarm_clock(peers: Mapping[str, swarm_pb2.Heartbeat] | Iterable[swarm_pb2.Heartbeat], own_clock: int) -> int:
-    """The swarm clock: the max of this node's clock and the live peers' clocks (a slower peer adopts
-    the clock of the faster ones)."""
-    return max([int(own_clock), *(int(hb.clock) for hb in _heartbeats(peers))])
 
 
 def fragment_spread(peers: Mapping[str, swarm_pb2.Heartbeat] | Iterable[swarm_pb2.Heartbeat],
@@ -298,6 +293,5 @@ __all__ = [
     "Membership",
     "fingerprints_key",
     "fragment_spread",
-    "swarm_clock",
     "swarm_key",
 ]

@@ -1,0 +1,143 @@
+"""The averaging protocol's pure rules: grouping with exclusions, corroborated versions, and one
+reducer session (screening, refusals, partial reduction) driven on an event loop without a network."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from node.config import RobustSection
+from node.core.codecs import get_codec
+from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from node.swarm.averaging import _Reduction, form_groups, plausible_version
+from node.transport.reduce import PartContribution
+
+PEERS = [f"Qm{c}" for c in "abcdefghij"]
+
+
+@pytest.mark.parametrize(("n", "size"), [(2, 2), (5, 2), (7, 3), (10, 4), (10, 10)])
+def test_groups_without_exclusions_are_balanced_partitions(n: int, size: int) -> None:
+    groups = form_groups(PEERS[:n], 1, 7, size)
+    assert sorted(itertools.chain(*groups)) == sorted(PEERS[:n])
+    assert max(map(len, groups)) <= size and max(map(len, groups)) - min(map(len, groups)) <= 1
+    assert groups == form_groups(list(reversed(PEERS[:n])), 1, 7, size)  # order of arrival is irrelevant
+
+
+@pytest.mark.parametrize("round_", range(12))
+def test_a_banned_peer_never_shares_a_group_with_who_bans_it(round_: int) -> None:
+    members = PEERS[:5]
+    banned = "Qmc"
+    excluded = {p: [banned] for p in members if p != banned}
+    groups = form_groups(members, 0, round_, 5, excluded)
+    assert sorted(itertools.chain(*groups)) == sorted(members)
+    assert [banned] in groups                      # everyone bans it: it is alone
+    assert sorted(p for p in members if p != banned) in groups   # the honest four still average together
+
+
+@pytest.mark.parametrize("round_", range(12))
+def test_a_peer_that_bans_everyone_isolates_only_itself(round_: int) -> None:
+    members = PEERS[:4]
+    liar = "Qmb"
+    groups = form_groups(members, 0, round_, 4, {liar: [p for p in members if p != liar]})
+    assert [liar] in groups and sorted(p for p in members if p != liar) in groups
+
+
+def test_exclusions_never_put_a_conflicting_pair_together() -> None:
+    members = PEERS[:8]
+    excluded = {"Qma": ["Qmb", "Qmc"], "Qmd": ["Qma"], "Qmh": ["Qmg"]}
+    for round_ in range(40):
+        for group in form_groups(members, 2, round_, 2, excluded):
+            for peer, banned in excluded.items():
+                assert not (peer in group and set(banned) & set(group)), (round_, group)
+
+
+def test_plausible_version_needs_a_second_claimant() -> None:
+    assert plausible_version({}) == -1
+    assert plausible_version({"a": 5}) == 5
+    assert plausible_version({"a": 5, "liar": 1005}) == 5           # heartbeats: two others disagree
+    assert plausible_version({"me": 5, "liar": 1005}, own="me") == 1005  # a pair cannot outvote
+    assert plausible_version({"me": 5, "b": 6, "liar": 1005}, own="me") == 6
+    assert plausible_version({"me": 5, "b": 1005, "c": 1005}, own="me") == 1005
+
+
+# ---- one reducer session ----------------------------------------------------------------------------
+
+CODEC = get_codec("fp4", 64)
+NUMEL = 3000
+
+
+def _contribution(sender: str, values: torch.Tensor, weight: float = 100.0) -> PartContribution:
+    return PartContribution(sender, weight, dict(enumerate(encode_chunks(CODEC, values))))
+
+
+def _session(members: list[str], settings: RobustSection | None = None) -> _Reduction:
+    bounds = chunk_bounds(NUMEL, CODEC.block_size)
+    sizes = {c: b - a for c, (a, b) in enumerate(bounds)}
+    return _Reduction((0, 1, b"h"), members[0], CODEC, members, range(len(bounds)), sizes,
+                      settings or RobustSection(), consensus=False)
+
+
+def _honest(seed: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+def _reduced(session: _Reduction) -> torch.Tensor:
+    res = session.done.result()
+    return decode_chunks(CODEC, [res.chunks[c] for c in sorted(res.chunks)], NUMEL)
+
+
+def test_a_poisoned_contribution_is_dropped_and_the_round_completes() -> None:
+    async def run() -> None:
+        members = ["me", "h1", "h2", "bad"]
+        s = _session(members)
+        s.add(_contribution("me", _honest(0)), [])
+        s.add(_contribution("h1", _honest(1)), [])
+        s.add(_contribution("h2", _honest(2)), [])
+        assert not s.done.done()
+        s.add(_contribution("bad", torch.full((NUMEL,), 1e30), weight=1e30), [])
+        res = s.done.result()
+        assert "bad" in res.refused and set(res.refused) == {"bad"}
+        avg = _reduced(s)
+        assert bool(torch.isfinite(avg).all())
+        assert float(avg.norm()) < 2 * float(_honest(0).norm())
+    asyncio.run(run())
+
+
+def test_a_member_that_never_sends_is_dropped_by_the_partial_reduction() -> None:
+    async def run() -> None:
+        s = _session(["me", "h1", "silent"])
+        s.add(_contribution("me", _honest(0)), [])
+        s.add(_contribution("h1", _honest(1)), [])
+        assert not s.done.done()
+        s.reduce_partial()
+        res = s.done.result()
+        assert "silent" in s.dropped and res.total_weight == pytest.approx(200.0)
+        s.add(_contribution("silent", _honest(2)), [])   # too late: ignored, the result stands
+        assert s.done.result() is res
+    asyncio.run(run())
+
+
+def test_a_session_with_only_its_own_part_fails_rather_than_averaging_alone() -> None:
+    async def run() -> None:
+        s = _session(["me", "other"])
+        s.add(_contribution("me", _honest(0)), [])
+        s.drop("other", "it formed another group")
+        with pytest.raises(RuntimeError, match="no other member"):
+            s.done.result()
+    asyncio.run(run())
+
+
+def test_claimed_weight_is_bounded_by_max_weight() -> None:
+    async def run() -> None:
+        s = _session(["me", "h1", "greedy"])
+        s.add(_contribution("me", _honest(0)), [])
+        s.add(_contribution("h1", _honest(1)), [])
+        big = _contribution("greedy", _honest(2), weight=390.0)
+        big.max_weight = 150.0
+        s.add(big, [])
+        res = s.done.result()
+        assert res.total_weight <= 100 + 100 + 150 + 1e-6 and not res.refused
+    asyncio.run(run())

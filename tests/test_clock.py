@@ -1,0 +1,343 @@
+"""The swarm clock (``node.swarm.clock``): tracks the nodes' inner steps, refuses impossible claims,
+and is not moved by one liar. Simulated time, simulated heartbeats: no network."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from node.swarm.clock import MAX_CLOCK, SwarmClock
+
+pytestmark = pytest.mark.timeout(60)
+
+INTERVAL = 0.5
+
+
+class FakeTime:
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(clock: int, inner_step: int, t: float, has_state: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(clock=clock, inner_step=inner_step, time=t, has_state=has_state)
+
+
+class Offences:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str]] = []
+
+    def __call__(self, peer: str, kind: str, detail: str) -> None:
+        self.seen.append((peer, kind, detail))
+
+    def of(self, peer: str) -> list[str]:
+        return [detail for p, kind, detail in self.seen if p == peer and kind == "clock"]
+
+
+class SimNode:
+    """An honest node: an inner step every 1/rate s, a heartbeat every interval (which also refreshes
+    its table of the others' last heartbeats); every ``pause_every`` steps it stops for ``pause`` s
+    (an eval, a round it waits on): peers extrapolating it overshoot meanwhile."""
+
+    def __init__(self, pid: str, rate: float, now: FakeTime, pause_every: int = 0, pause: float = 0.0) -> None:
+        self.pid, self.rate = pid, rate
+        self.offences = Offences()
+        self.clock = SwarmClock(pid, INTERVAL, now=now, on_offence=self.offences)
+        self.steps = 0
+        self.pause_every, self.pause = pause_every, pause
+
+    def step(self) -> float:
+        """One inner step; the delay until the next."""
+        self.steps += 1
+        self.clock.tick(self.steps)
+        paused = self.pause_every and self.steps % self.pause_every == 0
+        return 1.0 / self.rate + (self.pause if paused else 0.0)
+
+    def heartbeat(self, t: float) -> SimpleNamespace:
+        return beat(self.clock.value, self.steps, t)
+
+
+class Liar:
+    """A hostile peer publishing ``lie(t)`` as its clock (and plausible inner steps)."""
+
+    def __init__(self, pid: str, rate: float, lie: Callable[[float], int]) -> None:
+        self.pid, self.rate, self.lie = pid, rate, lie
+        self.steps = 0
+
+    def step(self) -> float:
+        self.steps += 1
+        return 1.0 / self.rate
+
+    def heartbeat(self, t: float) -> SimpleNamespace:
+        return beat(self.lie(t), self.steps, t)
+
+
+class Sim:
+    """Event-driven swarm: nodes step at their rates and exchange heartbeats every interval."""
+
+    def __init__(self, members: list, now: FakeTime) -> None:
+        self.members, self.now = members, now
+        self.published: dict[str, SimpleNamespace] = {}
+        self._events: list[tuple[float, int, str, int]] = []
+        t0 = now.t
+        for i, m in enumerate(members):
+            heapq.heappush(self._events, (t0 + 1.0 / m.rate, i, "step", i))
+            heapq.heappush(self._events, (t0 + 0.01 * (i + 1), len(members) + i, "beat", i))
+
+    def run(self, seconds: float) -> None:
+        end = self.now.t + seconds
+        seq = 10 * len(self.members)
+        while self._events and self._events[0][0] <= end:
+            t, _, what, i = heapq.heappop(self._events)
+            self.now.t = t
+            m = self.members[i]
+            seq += 1
+            if what == "step":
+                heapq.heappush(self._events, (t + m.step(), seq, "step", i))
+            else:
+                self.published[m.pid] = m.heartbeat(t)
+                if isinstance(m, SimNode):
+                    m.clock.observe_table({p: hb for p, hb in self.published.items() if p != m.pid})
+                heapq.heappush(self._events, (t + INTERVAL, seq, "beat", i))
+        self.now.t = end
+
+    def honest(self) -> list[SimNode]:
+        return [m for m in self.members if isinstance(m, SimNode)]
+
+
+def rates_of(sim: Sim, seconds: float) -> list[tuple[float, int]]:
+    """Run ``seconds`` and return, per honest node, (clock advance / own inner steps, clock)."""
+    before = [(m.clock.value, m.steps) for m in sim.honest()]
+    sim.run(seconds)
+    return [((m.clock.value - c0) / (m.steps - s0), m.clock.value)
+            for m, (c0, s0) in zip(sim.honest(), before, strict=True)]
+
+
+def honest_swarm(rates: list[float], now: FakeTime, extra: list | None = None, **pauses) -> Sim:
+    nodes = [SimNode(f"p{i}", r, now, **pauses) for i, r in enumerate(rates)]
+    for n in nodes:
+        n.clock.join(0)
+    return Sim([*nodes, *(extra or [])], now)
+
+
+# ---- tracking the nodes' inner steps -----------------------------------------------------------
+
+@pytest.mark.parametrize("pauses", [{}, {"pause_every": 25, "pause": 1.5}], ids=["steady", "pausing"])
+def test_equal_honest_nodes_advance_one_per_inner_step(pauses):
+    """With pauses, the old clock (max of the extrapolated clocks, +1 per step) ratcheted every
+    overshoot in; the median gives it back."""
+    now = FakeTime()
+    sim = honest_swarm([20.0, 20.0, 20.0], now, **pauses)
+    sim.run(5.0)  # rates measured
+    results = rates_of(sim, 60.0)
+    for ratio, _ in results:
+        assert 0.97 <= ratio <= 1.03, results  # the old clock ran 1.2-1.65x here
+    clocks = [c for _, c in results]
+    assert max(clocks) - min(clocks) <= 6, clocks
+    assert not any(n.offences.seen for n in sim.honest())
+
+
+def test_unequal_nodes_share_one_clock_at_the_median_pace():
+    now = FakeTime()
+    sim = honest_swarm([24.0, 20.0, 12.0], now)
+    sim.run(5.0)
+    c0 = [n.clock.value for n in sim.honest()]
+    sim.run(60.0)
+    c1 = [n.clock.value for n in sim.honest()]
+    pace = [(b - a) / 60.0 for a, b in zip(c0, c1, strict=True)]
+    for p in pace:
+        assert 17.0 <= p <= 22.0, pace  # the median node's 20 steps/s, not the fastest's nor a runaway
+    assert max(c1) - min(c1) <= 30, c1   # about 1.5 s of progress apart at most (3 heartbeat intervals)
+    assert not any(n.offences.seen for n in sim.honest())
+
+
+def test_alone_a_node_counts_its_own_steps():
+    now = FakeTime()
+    node = SwarmClock("me", INTERVAL, clock=7, now=now)
+    assert node.join(7) == 7
+    for step in range(1, 11):
+        now.t += 0.05
+        assert node.tick(step) == 7 + step
+
+
+def test_join_takes_the_median_of_the_peers():
+    now = FakeTime()
+    node = SwarmClock("me", INTERVAL, clock=3, now=now)
+    node.observe_table({"a": beat(100, 50, now.t), "b": beat(104, 52, now.t), "c": beat(98, 49, now.t),
+                        "d": beat(0, 0, now.t, has_state=False)})  # a joining peer's clock is not the swarm's
+    assert node.join(3) == 100
+
+
+# ---- refusing impossible claims ---------------------------------------------------------------
+
+def _known_peer(now: FakeTime, offences: Offences, beats: int = 6) -> SwarmClock:
+    """A joined node that saw peer "a" step at 20/s for ``beats`` heartbeats (clock = inner step)."""
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences)
+    node.join(0)
+    for i in range(beats):
+        node.observe_table({"a": beat(10 * i, 10 * i, now.t)})
+        now.t += INTERVAL
+        node.tick(10 * i + 10)
+    return node
+
+
+def test_a_clock_jump_is_ignored_and_reported():
+    now = FakeTime()
+    offences = Offences()
+    node = _known_peer(now, offences)
+    before = node.peer_clock("a")
+    node.observe_table({"a": beat(before + 10_000, 60, now.t)})
+    assert node.peer_clock("a") == before  # its previous value is kept
+    assert len(offences.of("a")) == 1 and "clock jumped" in offences.of("a")[0]
+    # The next honest-looking heartbeat is judged against the kept value, not the lie.
+    now.t += INTERVAL
+    node.observe_table({"a": beat(before + 10, 70, now.t)})
+    assert node.peer_clock("a") == before + 10 and len(offences.of("a")) == 1
+
+
+def test_an_inner_step_jump_is_ignored_and_reported():
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences, max_rate=100.0)
+    node.join(0)
+    node.observe_table({"a": beat(0, 0, now.t)})
+    now.t += INTERVAL
+    node.observe_table({"a": beat(10, 5_000, now.t)})
+    assert node.peer_clock("a") == 0 and "inner step jumped" in offences.of("a")[0]
+
+
+def test_every_lie_is_counted_and_none_moves_the_clock():
+    now = FakeTime()
+    offences = Offences()
+    node = _known_peer(now, offences)
+    clock = node.value
+    for i in range(5):
+        now.t += INTERVAL
+        node.observe_table({"a": beat(10**9 + i, 60, now.t)})
+        node.tick(100 + i)
+    assert len(offences.of("a")) == 5
+    assert node.peer_clock("a") == 50
+    assert node.value <= clock + 5 + 30  # own steps, steered toward a's last accepted clock, never the lie
+
+
+def test_a_restart_is_accepted_without_an_offence_and_is_not_a_rate():
+    now = FakeTime()
+    offences = Offences()
+    node = _known_peer(now, offences)
+    node.observe_table({"a": beat(3800, 3800, now.t)})  # first heartbeat after the checkpoint load:
+    assert node.peer_clock("a") == 50 and offences.of("a")  # from 50, a jump; the daemon never sends it
+    now.t += INTERVAL
+    node.observe_table({"a": beat(20, 20, now.t)})  # went back: resumed from an older checkpoint
+    assert node.peer_clock("a") == 20
+    now.t += INTERVAL
+    node.observe_table({"a": beat(30, 30, now.t)})
+    assert node.peer_clock("a") == 30 and len(offences.of("a")) == 1
+
+
+def test_a_first_claim_far_above_the_swarm_is_refused():
+    """The issue's restart jump: this node at 3850, a peer appears claiming 14270."""
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, clock=3850, now=now, on_offence=offences)
+    node.observe_table({"b": beat(3852, 3000, now.t), "c": beat(3849, 2000, now.t), "x": beat(14_270, 3850, now.t)})
+    assert node.join(3850) in range(3849, 3853)
+    assert node.peer_clock("x") is None and len(offences.of("x")) == 1
+    assert not offences.of("b") and not offences.of("c")
+
+
+@pytest.mark.parametrize("clock,inner,t", [(-1, 0, 0.0), (MAX_CLOCK + 1, 0, 0.0), (5, 5, math.nan),
+                                           (5, 5, math.inf), (5, -3, 0.0)])
+def test_absurd_heartbeats_are_reported(clock, inner, t):
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences)
+    node.observe("x", clock, inner, now.t + t)
+    node.settle()
+    assert node.peer_clock("x") is None and "absurd" in offences.of("x")[0]
+
+
+# ---- one liar among honest nodes -------------------------------------------------------------
+
+def test_median_is_robust_to_one_liar_of_three():
+    """Two honest nodes and a liar whose clock runs 3.5x the swarm's pace, just under the bound (so it
+    is accepted): the honest clocks still advance one per inner step."""
+    now = FakeTime()
+    start = now.t
+    liar = Liar("x", 20.0, lambda t: int(3.5 * 20.0 * (t - start)))
+    sim = honest_swarm([20.0, 20.0], now, [liar])
+    sim.run(5.0)
+    results = rates_of(sim, 60.0)
+    for ratio, _ in results:
+        assert 0.95 <= ratio <= 1.05, results
+
+
+def test_a_jumping_liar_is_ignored_and_counted_by_every_honest_node():
+    now = FakeTime()
+    start = now.t
+    liar = Liar("x", 20.0, lambda t: int(20.0 * (t - start)) + (10**6 if t - start > 10.0 else 0))
+    sim = honest_swarm([20.0, 20.0, 20.0], now, [liar])
+    sim.run(5.0)
+    results = rates_of(sim, 30.0)
+    for ratio, _ in results:
+        assert 0.95 <= ratio <= 1.05, results
+    for n in sim.honest():
+        assert len(n.offences.of("x")) >= 10  # every heartbeat of the lie (2 per second for 25 s)
+        assert n.clock.peer_clock("x") < 10**6
+        assert not [p for p, _, _ in n.offences.seen if p != "x"]
+
+
+def test_a_banned_peer_does_not_count():
+    now = FakeTime()
+    banned = {"x"}
+    node = SwarmClock("me", INTERVAL, now=now, is_banned=lambda p: p in banned)
+    node.observe_table({"a": beat(100, 100, now.t), "b": beat(101, 101, now.t), "x": beat(5, 5, now.t)})
+    assert node.join(0) == 100  # the median of a and b only
+    banned.clear()
+    node2 = SwarmClock("me", INTERVAL, now=now)
+    node2.observe_table({"a": beat(100, 100, now.t), "b": beat(101, 101, now.t), "x": beat(5, 5, now.t)})
+    assert node2.join(0) == 100  # (a, b, x): the median is a's
+
+
+def test_the_clock_never_goes_down():
+    now = FakeTime()
+    node = SwarmClock("me", INTERVAL, clock=500, now=now)
+    node.join(500)
+    values = []
+    for i in range(40):
+        now.t += 0.05
+        node.observe_table({"a": beat(10, i, now.t), "b": beat(12, i, now.t)})  # far below: restarted peers
+        values.append(node.tick(i + 1))
+    assert values == sorted(values) and values[0] >= 500
+
+
+def test_invalid_arguments_are_refused():
+    with pytest.raises(ValueError):
+        SwarmClock("me", 0.0)
+    with pytest.raises(ValueError):
+        SwarmClock("me", 1.0, rate_factor=0.5)
+
+
+# ---- the daemon: no heartbeat before the checkpoint loaded ------------------------------------
+
+def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch):
+    from node import daemon
+    from node.swarm import process
+
+    order: list[str] = []
+    node = daemon.Node.__new__(daemon.Node)
+    node.stop = SimpleNamespace(is_set=lambda: True, set=lambda: None)
+    for name in ("_start_network", "_build", "_start_control", "_train", "_leave", "_shutdown_network"):
+        monkeypatch.setattr(node, name, lambda name=name: order.append(name), raising=False)
+    monkeypatch.setattr(node, "_resume", lambda: order.append("_resume") or None, raising=False)
+    monkeypatch.setattr(node, "_start_heartbeats", lambda: order.append("_start_heartbeats"), raising=False)
+    monkeypatch.setattr(node, "_join_or_resume", lambda meta: order.append("_join_or_resume"), raising=False)
+    for name in ("become_group_leader", "start_watchdog", "install_signal_handlers", "stop_watchdog"):
+        monkeypatch.setattr(process, name, lambda *a, **k: None)
+    node.run()
+    assert order.index("_resume") < order.index("_start_heartbeats") < order.index("_join_or_resume")

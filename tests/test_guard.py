@@ -1,0 +1,157 @@
+"""The outer loop's guards: whatever a transport hands back (a poisoned average, a bad snapshot) never
+enters phi, momentum or theta; the loop reports a "refused" event, keeps its state and keeps syncing.
+A transport that corrupts results stands in for a hostile group (the swarm transport screens first;
+these guards are the last line, independent of it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from node.config import ModelSection, OuterSection
+from node.core.codecs import get_codec
+from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
+from node.core.outer_loop import OuterLoop
+from node.model import build_model
+from node.partition import partition
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.inprocess import InProcessHub
+
+VOCAB = 257
+
+
+class _Poisoned(AverageHandle):
+    def __init__(self, inner: AverageHandle, poison) -> None:
+        self.inner, self.poison = inner, poison
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        res = self.inner.result(timeout)
+        if res.ok and res.average is not None and self.poison is not None:
+            res.average = self.poison(res.average)
+        return res
+
+
+class PoisoningTransport(Transport):
+    """Delegates to the hub; rounds listed in ``poison`` come back with their average corrupted, and
+    ``snapshot`` (when set) is what catching up downloads."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.poison: dict[int, object] = {}
+        self.snapshot: FragmentSnapshot | None = None
+        self.rejected: list[tuple[str, str]] = []
+
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        return _Poisoned(self.inner.start_average(request), self.poison.get(request.round))
+
+    def latest_version(self, fragment: int) -> int:
+        return self.snapshot.version if self.snapshot is not None else self.inner.latest_version(fragment)
+
+    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+        return self.snapshot if self.snapshot is not None else self.inner.fetch_fragment(fragment)
+
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
+        self.rejected.append((snapshot.source, reason))
+
+
+def _pair(method: str = "replace"):
+    outer = OuterSection(method=method, h=2, fragments=1, tau=0, codec="fp32", error_feedback=False, lr=0.7,
+                         momentum=0.9, schedule="fixed", consensus_every=0)
+    base = build_model(ModelSection(), VOCAB)
+    hub = InProcessHub(get_codec("fp32", 64), 2, seed=0)
+    fragments = partition(base, 1)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    transports = [PoisoningTransport(hub.transport(i)) for i in range(2)]
+    loops = [OuterLoop(m, fragments, outer, t) for m, t in zip(models, transports, strict=True)]
+    for i, loop in enumerate(loops):
+        hub.register_state(i, loop.version, loop.snapshot)
+    gens = [torch.Generator().manual_seed(7 + i) for i in range(2)]
+
+    def step(t: int) -> list[list]:
+        for model, loop, gen in zip(models, loops, gens, strict=True):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)
+            loop.add_tokens(10.0)
+        events: list[list] = [[] for _ in loops]
+        for i, loop in enumerate(loops):
+            events[i] += loop.collect(t) + loop.send(t)
+        hub.flush()
+        for i, loop in enumerate(loops):
+            events[i] += loop.collect(t)
+        return events
+
+    return loops, transports, step
+
+
+@pytest.mark.parametrize("poison", [
+    pytest.param(lambda a: torch.full_like(a, float("nan")), id="nan"),
+    pytest.param(lambda a: torch.full_like(a, 1e30), id="huge"),
+    pytest.param(lambda a: a * 1000.0, id="scaled"),
+])
+def test_a_poisoned_average_is_refused_and_the_next_round_merges(poison) -> None:
+    loops, transports, step = _pair()
+    step(1)
+    transports[0].poison[2] = poison
+    phi_before = loops[0].states[0].phi.clone()
+    version_before = loops[0].version(0)
+    events = step(2)
+    refused = [e for e in events[0] if e.kind == "refused"]
+    assert len(refused) == 1 and refused[0].error
+    assert torch.equal(loops[0].states[0].phi, phi_before) and loops[0].version(0) == version_before
+    assert bool(torch.isfinite(loops[0].states[0].theta()).all())
+    assert loops[0].stats.refused == 1
+    step(3)
+    events = step(4)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert bool(torch.isfinite(loops[0].states[0].phi).all())
+
+
+def test_a_bad_catch_up_snapshot_is_refused_and_blamed_on_its_source() -> None:
+    loops, transports, step = _pair()
+    step(1)
+    step(2)
+    st = loops[0].states[0]
+    phi = st.phi.detach().cpu().clone()
+    nan_phi = phi.clone()
+    nan_phi[3] = float("nan")
+    transports[0].snapshot = FragmentSnapshot(0, st.version + 1000, nan_phi, torch.zeros_like(phi), source="QmLiar")
+    before = st.phi.clone()
+    events = [e for e in loops[0].send(4) if e.kind == "refused"]
+    assert events and "non-finite" in events[0].error
+    assert torch.equal(st.phi, before) and loops[0].version(0) < 1000
+    assert transports[0].rejected and transports[0].rejected[0][0] == "QmLiar"
+
+
+def test_adopt_refuses_a_non_finite_join_download() -> None:
+    loops, _, _ = _pair()
+    st = loops[0].states[0]
+    bad = st.phi.detach().cpu().clone()
+    bad[0] = float("inf")
+    reason = loops[0].adopt(FragmentSnapshot(0, 5, bad, torch.zeros_like(bad), source="QmX"), keep_progress=False)
+    assert reason and "non-finite" in reason and loops[0].version(0) == 0
+    good = st.phi.detach().cpu().clone() + 0.01
+    assert loops[0].adopt(FragmentSnapshot(0, 5, good, torch.zeros_like(good)), keep_progress=False) is None
+    assert loops[0].version(0) == 5 and torch.allclose(st.phi.cpu(), good)
+
+
+def test_check_functions_bound_honest_scales() -> None:
+    limits = GuardLimits()
+    x = torch.randn(1000)
+    assert check_average(x, float(x.norm()), limits) is None
+    assert check_average(x * 100, float(x.norm()), limits) is not None
+    assert check_average(x * 100, 0.0, limits, phi_norm=float(x.norm())) is not None   # contributed nothing
+    assert check_average(x, 0.0, limits, phi_norm=float(x.norm())) is None
+    phi, mom = torch.randn(1000), torch.zeros(1000)
+    avg = torch.randn(1000) * 5  # an early honest step can be several times |phi|
+    assert check_outer_step(phi, mom, phi - 0.7 * 1.9 * avg, 0.9 * mom + avg, avg, limits) is None
+    assert check_outer_step(phi, mom, phi - 1e6 * avg, mom + avg, avg, limits) is not None
+    assert check_shift(phi * 0.01, phi, limits) is None and check_shift(phi, phi, limits) is not None
+    assert check_snapshot(phi + 0.1, mom, phi, limits) is None
+    assert check_snapshot(phi * 1e6, mom, phi, limits) is not None
+    assert check_snapshot(phi[:10], mom[:10], phi, limits) is not None
