@@ -166,8 +166,10 @@ class Node:
         # An impossible clock claim is ignored and counted as an offence; banned peers' clocks do not count.
         self.swarm_clock = SwarmClock(self.peer_id, cfg.network.heartbeat_interval, on_offence=self.reputation.refuse,
                                       is_banned=self.reputation.is_banned)
+        numels = {f.index: f.numel for f in self.fragments}  # a download of another size is refused
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
-                                        timeout=max(30.0, cfg.network.round_timeout))
+                                        timeout=max(30.0, cfg.network.round_timeout), expected_numel=numels.get,
+                                        on_bad=self.reputation.refuse, is_banned=self.reputation.is_banned)
         self.transport = SwarmTransport(
             self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
@@ -180,7 +182,11 @@ class Node:
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5)
-        self.state_server = StateServer(self.runtime, self.fingerprint, self.published.get, self.counters)
+        self.state_server = StateServer(
+            self.runtime, self.fingerprint, self.published.get, self.counters,
+            is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,
+            on_refused=self.reputation.refuse, max_streams_per_peer=cfg.robust.max_streams_per_peer,
+            requests_per_minute=cfg.robust.state_requests_per_minute)
 
     def _start_control(self) -> None:
         """The control API (``locoswarm status``) and metrics, once there is a status to serve."""

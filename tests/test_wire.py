@@ -14,9 +14,10 @@ import functools
 import gc
 import itertools
 import os
+import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 import hivemind  # noqa: F401 (imported up front so the first test's timings exclude the import)
@@ -81,11 +82,12 @@ class Net:
         return reader, writer
 
 
-async def _start_pair() -> tuple[P2P, P2P]:
+async def start_p2ps(n: int) -> list[P2P]:
+    """``n`` P2P daemons on loopback, each bootstrapped from the first."""
     quiet = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], auto_nat=False, nat_port_map=False, use_relay=False)
-    server = await P2P.create(**quiet)
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs(), **quiet)
-    return server, client
+    first = await P2P.create(**quiet)
+    rest = [await P2P.create(initial_peers=await first.get_visible_maddrs(), **quiet) for _ in range(n - 1)]
+    return [first, *rest]
 
 
 def _p2pd_children() -> set[int]:
@@ -101,25 +103,38 @@ def _p2pd_children() -> set[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def net():
+@contextlib.contextmanager
+def p2p_nodes(n: int) -> Iterator[tuple[LoopThread, list[P2P]]]:
+    """A loop thread and ``n`` P2P daemons; on exit the daemons are shut down (and must be gone by PID)
+    and any error the loop reported fails the caller."""
     before = _p2pd_children()
     loop = LoopThread()
-    server, client = loop.run(_start_pair(), timeout=60)
+    p2ps = loop.run(start_p2ps(n), timeout=60)
     ours = _p2pd_children() - before
-    yield Net(loop, server, client)
-    for p2p in (client, server):
-        with contextlib.suppress(Exception):
-            loop.run(p2p.shutdown(), timeout=10)
-    gc.collect()  # an un-retrieved future's error is reported when it is collected
-    loop.run(asyncio.sleep(0.1), timeout=5)
-    errors = list(loop.errors)
-    loop.stop()
+    try:
+        yield loop, p2ps
+    finally:
+        for p2p in reversed(p2ps):
+            with contextlib.suppress(Exception):
+                loop.run(p2p.shutdown(), timeout=10)
+        gc.collect()  # an un-retrieved future's error is reported when it is collected
+        loop.run(asyncio.sleep(0.1), timeout=5)
+        errors = list(loop.errors)
+        loop.stop()
+        deadline = time.monotonic() + 10
+        while ours & _p2pd_children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in ours & _p2pd_children():  # still there: ours, killed by PID
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     assert not errors, f"the event loop reported errors: {errors}"
-    deadline = time.monotonic() + 10
-    while ours & _p2pd_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not ours & _p2pd_children(), "a p2pd started by this module is still running"
+    assert not ours & _p2pd_children(), "a p2pd started by this module was still running"
+
+
+@pytest.fixture(scope="module")
+def net():
+    with p2p_nodes(2) as (loop, (server, client)):
+        yield Net(loop, server, client)
 
 
 def _name() -> str:

@@ -32,9 +32,14 @@ def encode_chunks(codec: Codec, x: torch.Tensor) -> list[bytes]:
 
 
 def decode_chunks(codec: Codec, chunks: list[bytes], numel: int) -> torch.Tensor:
+    """The tensor of ``numel`` elements that ``chunks`` encode; ValueError on a size that does not match."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"impossible element count {numel!r}")
+    # ``numel`` may come from a peer: count its chunks by arithmetic before building any list or tensor.
+    expected = max(1, -(-numel // chunk_elems(codec.block_size)))
+    if len(chunks) != expected:
+        raise ValueError(f"payload has {len(chunks)} chunks, expected {expected} for {numel} elements")
     bounds = chunk_bounds(numel, codec.block_size)
-    if len(chunks) != len(bounds):
-        raise ValueError(f"payload has {len(chunks)} chunks, expected {len(bounds)} for {numel} elements")
     out = torch.empty(numel, dtype=torch.float32)
     for (a, b), data in zip(bounds, chunks, strict=True):
         out[a:b] = codec.decode(data, b - a)

@@ -5,26 +5,79 @@ momentum, 64 Ki elements per message) from an immutable snapshot, so a download 
 half-applied outer step. The client is resumable: when a peer fails mid-stream it continues from the
 last element received with another peer holding the same version. A joiner spreads its fragments
 over several peers.
+
+Both ends use the bounded framing of ``node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
+chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
+concurrent downloads per peer and in total.
+
+The state is served only to a peer that is not banned, has a live heartbeat in this swarm (checked on
+the authenticated libp2p id of the stream, never on a field of the request) and stays within a per-peer
+rate (``StateRateLimiter``). A refusal is one line, ``"<code>: <why>"`` in ``StateChunk.error``, and is
+reported to ``on_refused``; only the refusals a peer earned (too many requests, a malformed request)
+count as offences.
+
+The client trusts nothing it downloads: each chunk must be the next one (no gap, no overlap), of the
+fragment and version asked for, finite, and the whole must be exactly the size this node expects for the
+fragment. A source that breaks a rule is reported to ``on_bad``, everything it sent is dropped, and the
+download starts over with the next holder. Refusals that pass with time (not live yet, too many streams)
+are retried with a backoff until the client's timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from node.swarm.averaging import ByteCounters
-from node.swarm.runtime import NetworkRuntime
+from node.swarm import wire
 from node.transport.base import FragmentSnapshot
 from protocol import swarm_pb2
+
+if TYPE_CHECKING:  # pragma: no cover (types only: the averaging protocol is not needed to move state)
+    from node.swarm.averaging import ByteCounters
+    from node.swarm.runtime import NetworkRuntime
 
 log = logging.getLogger("locoswarm.state")
 
 STATE_HANDLER = "locoswarm.state.v1"
 CHUNK_ELEMS = 1 << 16
+MAX_REQUEST_BYTES = 1024  # a StateRequest is a fingerprint and three integers
+MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
+IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 512 KiB)
+MAX_STREAMS_PER_PEER = 8
+MAX_STREAMS = 64
+REQUESTS_PER_MINUTE = 60
+PARALLEL_DOWNLOADS = 4  # a joiner's concurrent fragment downloads (a server refuses a peer's streams past its cap)
+RETRY_FIRST_S = 0.5  # first wait before asking again after a passing refusal; doubles each time
+RETRY_MAX_S = 4.0
+MAX_RATE_PEERS = 4096  # rate buckets kept (only live peers get one: bounded by the swarm's size)
+
+# The first word of a refusal (``StateChunk.error``), which the client reads to decide what to do next.
+BANNED = "banned"
+NOT_LIVE = "not-live"
+RATE_LIMITED = "rate-limited"
+FINGERPRINT = "fingerprint"
+NO_STATE = "no-state"
+OLD_VERSION = "old-version"
+BAD_OFFSET = "bad-offset"
+_PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
+_STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
+
+
+class RefusalCallback(Protocol):
+    """``Reputation.refuse``'s shape: count a refusal of ``peer`` (``offence``: towards a ban)."""
+
+    def __call__(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> object: ...
+
+
+BadSourceCallback = Callable[[str, str, str], object]  # (peer, kind, detail): counted as an offence
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -35,32 +88,140 @@ def _from_bytes(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """Printable, single-line, bounded text (a peer's words go into logs)."""
+    clean = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return clean if len(clean) <= limit else clean[:limit - 3] + "..."
+
+
+def _refusal(code: str, detail: str) -> str:
+    return f"{code}: {detail}"
+
+
+def _refusal_code(text: str) -> str:
+    return text.split(":", 1)[0].strip()
+
+
+class StateRateLimiter:
+    """Per-peer token buckets: ``per_minute`` requests a minute, in bursts of at most ``per_minute``.
+
+    Used on the network loop only. At most ``max_peers`` buckets are kept (the least recently used is
+    forgotten first); the server asks only about live peers, so the swarm's size bounds them anyway.
+    """
+
+    def __init__(self, per_minute: int, *, now: Callable[[], float] = time.monotonic,
+                 max_peers: int = MAX_RATE_PEERS) -> None:
+        if per_minute < 1 or max_peers < 1:
+            raise ValueError("per_minute and max_peers must be positive")
+        self.per_minute = int(per_minute)
+        self._capacity = float(per_minute)
+        self._per_second = per_minute / 60.0
+        self._now = now
+        self._max_peers = max_peers
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
+
+    def take(self, peer: str) -> bool:
+        """Spend one of ``peer``'s tokens; False (nothing spent) when it has none left."""
+        now = self._now()
+        tokens, at = self._buckets.pop(peer, (self._capacity, now))
+        tokens = min(self._capacity, tokens + max(0.0, now - at) * self._per_second)
+        allowed = tokens >= 1.0
+        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self._max_peers:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
 class StateServer:
-    """Serves snapshots of this node's outer state (``snapshot(fragment)`` must be thread-safe)."""
+    """Serves snapshots of this node's outer state (``snapshot(fragment)`` must be thread-safe) to the
+    live, unbanned peers of this swarm, each within ``requests_per_minute`` (see the module docstring).
+
+    ``is_live(peer)`` and ``is_banned(peer)`` run on the network loop: they must be quick (a table look-up,
+    no network call). ``on_refused(peer, kind, detail, offence=...)`` is told of every refusal.
+    """
 
     def __init__(self, runtime: NetworkRuntime, fingerprint: str,
-                 snapshot: Callable[[int], FragmentSnapshot | None], counters: ByteCounters) -> None:
+                 snapshot: Callable[[int], FragmentSnapshot | None], counters: ByteCounters, *,
+                 is_live: Callable[[str], bool], is_banned: Callable[[str], bool],
+                 on_refused: RefusalCallback | None = None, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+                 requests_per_minute: int = REQUESTS_PER_MINUTE, now: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
         self.snapshot = snapshot
         self.counters = counters
         self.served = 0
-        runtime.call(runtime.p2p.add_protobuf_handler(
-            STATE_HANDLER, self._handle, swarm_pb2.StateRequest, stream_output=True), timeout=30)
+        self._is_live = is_live
+        self._is_banned = is_banned
+        self._on_refused = on_refused
+        self._limiter = StateRateLimiter(requests_per_minute, now=now)
+        self._runtime = runtime
+        self._server = runtime.call(wire.serve(
+            runtime.p2p, STATE_HANDLER, self._handle, swarm_pb2.StateRequest, max_request_bytes=MAX_REQUEST_BYTES,
+            idle_timeout=IDLE_TIMEOUT, max_streams_per_peer=max_streams_per_peer, max_streams=MAX_STREAMS,
+            on_refused=self._stream_refused), timeout=30)
 
-    async def _handle(self, request: swarm_pb2.StateRequest, context) -> AsyncIterator[swarm_pb2.StateChunk]:
-        remote = str(context.remote_id)
+    def close(self) -> None:
+        """Stop serving (downloads already running finish)."""
+        with contextlib.suppress(Exception):
+            self._runtime.call(self._server.stop(), timeout=5)
+
+    def open_streams(self, peer: str | None = None) -> int:
+        """Downloads being served now, to ``peer`` or to anyone."""
+        return self._server.open_streams(peer)
+
+    async def _handle(self, remote: str,
+                      requests: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
+        try:
+            request = await anext(requests, None)
+        except wire.FramingViolation as exc:  # oversize or malformed: the peer's fault (the wire answers it)
+            self._report(remote, "state_request", str(exc), offence=True)
+            raise
+        if request is None:
+            return
+        refusal = self._admit(remote, request)
+        if refusal is None:
+            snap = self.snapshot(request.fragment)
+            refusal = self._unservable(request, snap)
+        if refusal is not None:
+            yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
+            return
+        assert snap is not None
+        async for chunk in self._chunks(remote, request, snap):
+            yield chunk
+        self.served += 1
+
+    def _admit(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
+        """None when ``remote`` may download now, else the refusal (reported)."""
+        if self._is_banned(remote):
+            return self._refuse(remote, BANNED, "state requests from this peer are refused for a while",
+                                kind="state_banned", offence=False)
+        if not self._is_live(remote):  # a stranger, or a joiner whose heartbeat we have not seen yet
+            return self._refuse(remote, NOT_LIVE, "no live heartbeat from this peer in this swarm",
+                                kind="state_not_live", offence=False)
+        if not self._limiter.take(remote):
+            return self._refuse(remote, RATE_LIMITED, f"more than {self._limiter.per_minute} state requests "
+                                                      "a minute", kind="state_rate", offence=True)
         if request.fingerprint != self.fingerprint:
-            yield swarm_pb2.StateChunk(error=f"fingerprint mismatch: {request.fingerprint} vs {self.fingerprint}")
-            return
-        snap = self.snapshot(request.fragment)
+            return self._refuse(remote, FINGERPRINT, f"{request.fingerprint[:40]!r} is not {self.fingerprint}",
+                                kind="state_fingerprint", offence=False)
+        return None
+
+    @staticmethod
+    def _unservable(request: swarm_pb2.StateRequest, snap: FragmentSnapshot | None) -> str | None:
+        """Why this node cannot serve the request (nobody's fault: not reported), or None."""
         if snap is None:
-            yield swarm_pb2.StateChunk(error=f"no state for fragment {request.fragment}")
-            return
+            return _refusal(NO_STATE, f"no state for fragment {request.fragment}")
         if snap.version < request.min_version:
-            yield swarm_pb2.StateChunk(error=f"have version {snap.version} < {request.min_version}")
-            return
+            return _refusal(OLD_VERSION, f"have version {snap.version} < {request.min_version}")
+        if snap.version == request.min_version and request.offset > snap.phi.numel():
+            return _refusal(BAD_OFFSET, f"offset {request.offset} is past the {snap.phi.numel()} elements")
+        return None
+
+    async def _chunks(self, remote: str, request: swarm_pb2.StateRequest,
+                      snap: FragmentSnapshot) -> AsyncIterator[swarm_pb2.StateChunk]:
         numel = snap.phi.numel()
-        for a in range(int(request.offset), numel, CHUNK_ELEMS):
+        # A resumed download continues only within the version it started; a newer one starts over.
+        start = int(request.offset) if snap.version == request.min_version else 0
+        for a in range(start, numel, CHUNK_ELEMS):
             b = min(a + CHUNK_ELEMS, numel)
             msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
                                        phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
@@ -69,21 +230,133 @@ class StateServer:
             await asyncio.sleep(0)
         if numel == 0:
             yield swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0, offset=0)
-        self.served += 1
+
+    def _refuse(self, remote: str, code: str, detail: str, *, kind: str, offence: bool) -> str:
+        log.debug("state: refused %s (%s): %s", remote[:16], code, detail)
+        self._report(remote, kind, detail, offence=offence)
+        return _refusal(code, detail)
+
+    def _stream_refused(self, remote: str, reason: str) -> None:
+        # Over the stream cap: a joiner with many fragments can get there honestly (the cap is configurable).
+        self._report(remote, "state_streams", reason, offence=False)
+
+    def _report(self, remote: str, kind: str, detail: str, *, offence: bool) -> None:
+        if self._on_refused is None:
+            return
+        try:
+            self._on_refused(remote, kind, detail, offence=offence)
+        except Exception as exc:  # bookkeeping must never break serving
+            log.debug("state: on_refused failed: %r", exc)
+
+
+class BadSource(Exception):
+    """The peer served state that breaks the rules (counted against it; its data is dropped)."""
+
+
+class _Passing(Exception):
+    """The peer refused for now (not live yet, too many streams): ask it again after a wait."""
+
+
+class _Download:
+    """One fragment's download, resumable across peers: each chunk is checked against the stream so far."""
+
+    def __init__(self, fragment: int, min_version: int, numel: int) -> None:
+        self.fragment = fragment
+        self._min_version = min_version
+        self._numel = numel
+        self._phi: torch.Tensor | None = None
+        self._mom: torch.Tensor | None = None
+        self._offset = 0
+        self._version: int | None = None
+
+    def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
+        """The request resuming at the next element (of the version started, if any)."""
+        version = self._version if self._version is not None else self._min_version
+        return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
+                                      min_version=version)
+
+    def reset(self) -> None:
+        """Forget what was received (it came from a source found bad)."""
+        self._phi = self._mom = None
+        self._offset, self._version = 0, None
+
+    def add(self, msg: swarm_pb2.StateChunk) -> None:
+        """Take a chunk, or raise: ``BadSource``, ``_Passing``, or RuntimeError for an honest refusal."""
+        if msg.error:
+            text = _one_line(msg.error)
+            if _refusal_code(text) in _PASSING:
+                raise _Passing(text)
+            raise RuntimeError(f"refused: {text}")
+        if msg.fragment != self.fragment:
+            raise BadSource(f"sent fragment {msg.fragment} for fragment {self.fragment}")
+        if msg.version < self._min_version:
+            raise BadSource(f"sent version {msg.version}, below the {self._min_version} asked for")
+        if msg.numel != self._numel:
+            raise BadSource(f"fragment {self.fragment} has {self._numel} elements here, not {msg.numel}")
+        if self._version is not None and msg.version != self._version:
+            if msg.offset != 0:
+                raise BadSource(f"switched from version {self._version} to {msg.version} mid-fragment")
+            self.reset()  # the peer holds a newer version than the one begun elsewhere: start over
+        if msg.offset != self._offset:
+            raise BadSource(f"sent offset {msg.offset}, expected {self._offset} (gap or overlap)")
+        phi, mom = self._chunk(msg)
+        if self._phi is None or self._mom is None:
+            self._version = int(msg.version)
+            self._phi, self._mom = torch.empty(self._numel), torch.empty(self._numel)
+        self._phi[self._offset:self._offset + phi.numel()] = phi
+        self._mom[self._offset:self._offset + mom.numel()] = mom
+        self._offset += phi.numel()
+
+    def _chunk(self, msg: swarm_pb2.StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A well-formed chunk's phi and momentum: equal fp32 lengths, inside the fragment, finite."""
+        if len(msg.phi) != len(msg.momentum) or len(msg.phi) % 4:
+            raise BadSource(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum")
+        count = len(msg.phi) // 4
+        if count > CHUNK_ELEMS or self._offset + count > self._numel or (count == 0 and self._numel):
+            raise BadSource(f"chunk of {count} elements at {self._offset} does not fit {self._numel} elements")
+        phi, mom = _from_bytes(msg.phi), _from_bytes(msg.momentum)
+        for name, values in (("phi", phi), ("momentum", mom)):
+            if not bool(torch.isfinite(values).all()):
+                bad = int((~torch.isfinite(values)).sum())
+                raise BadSource(f"{name} at {self._offset} has {bad} non-finite value(s)")
+        return phi, mom
+
+    def complete(self) -> bool:
+        return self._version is not None and self._offset == self._numel
+
+    def progress(self) -> str:
+        return f"{self._offset}/{self._numel}"
+
+    def snapshot(self, source: str) -> FragmentSnapshot:
+        assert self._version is not None
+        return FragmentSnapshot(self.fragment, self._version,
+                                self._phi if self._phi is not None else torch.zeros(0),
+                                self._mom if self._mom is not None else torch.zeros(0), source=source)
 
 
 class StateClient:
+    """Downloads fragments' outer state from peers, validating everything (see the module docstring).
+
+    ``expected_numel(fragment)`` is the fragment's size on this node (a download of another size is
+    refused); ``on_bad(peer, kind, detail)`` is told of each source that served bad state or broke the
+    framing; holders for which ``is_banned(peer)`` holds are skipped.
+    """
+
     def __init__(self, runtime: NetworkRuntime, fingerprint: str, counters: ByteCounters,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, *, expected_numel: Callable[[int], int | None],
+                 on_bad: BadSourceCallback | None = None, is_banned: Callable[[str], bool] | None = None) -> None:
         self.runtime = runtime
         self.fingerprint = fingerprint
         self.counters = counters
         self.timeout = timeout
+        self._expected_numel = expected_numel
+        self._on_bad = on_bad
+        self._is_banned = is_banned
 
     def fetch(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot | None:
         """Blocking download of one fragment (for the training thread)."""
         try:
-            return self.runtime.call(self.fetch_async(fragment, peers, min_version), timeout=self.timeout)
+            return self.runtime.call(self.fetch_async(fragment, peers, min_version), timeout=self.timeout + 5)
         except Exception as exc:
             log.warning("state download of fragment %d failed: %s", fragment, exc)
             return None
@@ -92,52 +365,96 @@ class StateClient:
         """Download several fragments at once, spread over ``peers`` (a joining node)."""
 
         async def run() -> dict[int, FragmentSnapshot]:
+            slots = asyncio.Semaphore(PARALLEL_DOWNLOADS)
+
+            async def one(frag: int, order: list[str]) -> FragmentSnapshot:
+                async with slots:
+                    return await self.fetch_async(frag, order, min_version)
+
             jobs = []
             for i, frag in enumerate(fragments):
                 rotated = peers[i % len(peers):] + peers[:i % len(peers)]  # a different first peer each
-                jobs.append(self.fetch_async(frag, rotated, min_version))
+                jobs.append(one(frag, rotated))
             got = await asyncio.gather(*jobs, return_exceptions=True)
+            for frag, g in zip(fragments, got, strict=True):
+                if not isinstance(g, FragmentSnapshot):
+                    log.warning("state download of fragment %d failed: %s", frag, g)
             return {f: g for f, g in zip(fragments, got, strict=True) if isinstance(g, FragmentSnapshot)}
 
         if not peers:
             return {}
-        return self.runtime.call(run(), timeout=self.timeout * max(1, len(fragments)))
+        waves = -(-max(1, len(fragments)) // PARALLEL_DOWNLOADS)
+        return self.runtime.call(run(), timeout=(self.timeout + 5) * waves)
 
-    async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot:
-        from hivemind.p2p import PeerID
+    async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0, *,
+                          expected_numel: int | None = None) -> FragmentSnapshot:
+        """Download ``fragment`` at ``min_version`` or newer from the first of ``peers`` that serves it
+        whole and valid; the returned snapshot's ``source`` is the peer that served its last part.
+        Raises RuntimeError when none did within ``timeout``."""
+        numel = expected_numel if expected_numel is not None else self._expected_numel(fragment)
+        if numel is None or numel < 0:
+            raise RuntimeError(f"fragment {fragment}: its size on this node is unknown")
+        download = _Download(fragment, min_version, int(numel))
+        deadline = time.monotonic() + self.timeout
+        errors: list[str] = []
+        order, wait = list(peers), RETRY_FIRST_S
+        while True:
+            again: list[str] = []
+            for peer in order:
+                if self._is_banned is not None and self._is_banned(peer):
+                    errors.append(f"{peer[:12]}: banned here")
+                    continue
+                outcome = await self._try_peer(download, peer, deadline)
+                if isinstance(outcome, FragmentSnapshot):
+                    return outcome
+                if outcome.startswith("again: "):
+                    again.append(peer)
+                errors.append(f"{peer[:12]}: {outcome}")
+            left = deadline - time.monotonic()
+            if not again or left <= 0:
+                break
+            await asyncio.sleep(min(wait, left))
+            order, wait = again, min(2 * wait, RETRY_MAX_S)
+        raise RuntimeError(f"fragment {fragment}: no peer could serve it ({'; '.join(errors[-8:])})")
 
-        phi: list[torch.Tensor] = []
-        mom: list[torch.Tensor] = []
-        offset, version, numel = 0, None, None
-        errors = []
-        for peer in peers:
+    async def _try_peer(self, download: _Download, peer: str, deadline: float) -> FragmentSnapshot | str:
+        """The snapshot, or why not (prefixed ``again: `` when the peer is worth asking again)."""
+        try:
+            async with asyncio.timeout_at(_loop_deadline(deadline)):
+                async with wire.open_stream(self.runtime.p2p, peer, STATE_HANDLER,
+                                            download.request(self.fingerprint), swarm_pb2.StateChunk,
+                                            max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=IDLE_TIMEOUT) as stream:
+                    async for msg in stream:
+                        self.counters.received(peer, download.fragment, -1, msg.ByteSize())
+                        download.add(msg)
+            if download.complete():
+                return download.snapshot(peer)
+            raise BadSource(f"the stream ended at {download.progress()}")
+        except BadSource as exc:
+            return self._bad(download, peer, "bad_state", str(exc))
+        except wire.FramingViolation as exc:  # an oversize or malformed message
+            return self._bad(download, peer, "bad_stream", str(exc))
+        except _Passing as exc:
+            return f"again: {exc}"
+        except wire.PeerRefused as exc:
+            return f"again: {exc}" if str(exc).startswith(_STREAM_CAP) else f"refused: {exc}"
+        except TimeoutError:
+            return "no time left"
+        except Exception as exc:  # a dropped or silent stream, an honest refusal: try the next holder
+            return _one_line(str(exc)) or type(exc).__name__
+
+    def _bad(self, download: _Download, peer: str, kind: str, detail: str) -> str:
+        download.reset()  # nothing of a bad source is kept, however plausible the earlier chunks looked
+        log.warning("state download of fragment %d: refused peer %s: %s", download.fragment, peer[:16], detail)
+        if self._on_bad is not None:
             try:
-                request = swarm_pb2.StateRequest(fingerprint=self.fingerprint, fragment=fragment, offset=offset,
-                                                 min_version=version if version is not None else min_version)
-                stream = await self.runtime.p2p.iterate_protobuf_handler(
-                    PeerID.from_base58(peer), STATE_HANDLER, request, swarm_pb2.StateChunk)
-                async for msg in stream:
-                    self.counters.received(peer, fragment, -1, msg.ByteSize())
-                    if msg.error:
-                        raise RuntimeError(msg.error)
-                    if version is None:
-                        version, numel = msg.version, msg.numel
-                    elif msg.version != version:
-                        # The peer moved on since the first part: keep the newest, start over.
-                        phi.clear(), mom.clear()
-                        version, numel, offset = msg.version, msg.numel, 0
-                        if msg.offset != 0:
-                            raise RuntimeError("version changed mid-download")
-                    if msg.offset != offset:
-                        raise RuntimeError(f"expected offset {offset}, got {msg.offset}")
-                    phi.append(_from_bytes(msg.phi))
-                    mom.append(_from_bytes(msg.momentum))
-                    offset += phi[-1].numel()
-                if numel is not None and offset >= numel:
-                    return FragmentSnapshot(fragment, int(version),
-                                            torch.cat(phi) if phi else torch.zeros(0),
-                                            torch.cat(mom) if mom else torch.zeros(0))
-                errors.append(f"{peer[:12]}: stream ended at {offset}/{numel}")
+                self._on_bad(peer, kind, detail)
             except Exception as exc:
-                errors.append(f"{peer[:12]}: {exc}")
-        raise RuntimeError(f"fragment {fragment}: no peer could serve it ({'; '.join(errors)})")
+                log.debug("state: on_bad failed: %r", exc)
+        return f"{kind}: {detail}"
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    """``time.monotonic()`` deadline -> the running loop's clock (the same clock, but say so explicitly)."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())

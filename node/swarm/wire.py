@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("locoswarm.wire")
 
 __all__ = [
+    "FramingViolation",
     "PeerRefused",
     "ReplyStream",
     "WireError",
@@ -69,6 +70,11 @@ class WireError(Exception):
     """A stream violated the framing rules or its bounds; ``str()`` is a one-line, peer-facing reason."""
 
 
+class FramingViolation(WireError):
+    """The peer broke the framing rules (unknown marker, oversize or malformed frame): a fault or an
+    attack, unlike a timeout or a dropped connection, which the network alone can cause."""
+
+
 class PeerRefused(WireError):
     """The peer sent an error frame: it refused or failed; ``str()`` is its (truncated) text."""
 
@@ -93,10 +99,11 @@ async def read_message(reader: asyncio.StreamReader, msg_type: type[M], *, max_b
                        timeout: float | None) -> M | None:
     """Read one frame: the parsed message, or None at the peer's END frame.
 
-    Raises :class:`WireError` on an unknown marker, an announced length above ``max_bytes`` (refused
-    before reading the body), a truncated frame or a bare end of stream, a message that does not
-    parse, or no complete frame within ``timeout`` seconds (the wait for it included; None: no limit).
-    An error frame raises :class:`PeerRefused` with the peer's text.
+    Raises :class:`FramingViolation` (a :class:`WireError`) on an unknown marker, an announced length
+    above ``max_bytes`` (refused before reading the body) or a message that does not parse; a plain
+    :class:`WireError` on a truncated frame or a bare end of stream, or no complete frame within
+    ``timeout`` seconds (the wait for it included; None: no limit). An error frame raises
+    :class:`PeerRefused` with the peer's text.
     """
     try:
         async with asyncio.timeout(timeout):
@@ -108,12 +115,12 @@ async def read_message(reader: asyncio.StreamReader, msg_type: type[M], *, max_b
 async def _read_frame(reader: asyncio.StreamReader, msg_type: type[M], max_bytes: int) -> M | None:
     marker = await _read_exactly(reader, 1, "marker")
     if marker not in (MESSAGE_MARKER, ERROR_MARKER):
-        raise WireError(f"unknown frame marker 0x{marker[0]:02x}")
+        raise FramingViolation(f"unknown frame marker 0x{marker[0]:02x}")
     length = int.from_bytes(await _read_exactly(reader, HEADER_LEN, "length"), BYTEORDER)
     if marker == ERROR_MARKER:
         return await _read_error_frame(reader, length)
     if length > max_bytes:
-        raise WireError(f"message of {length} bytes exceeds the limit of {max_bytes}")
+        raise FramingViolation(f"message of {length} bytes exceeds the limit of {max_bytes}")
     body = await _read_exactly(reader, length, "body")
     return _parse(msg_type, body)
 
@@ -131,9 +138,11 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, part: str) -> byte
 
 async def _read_error_frame(reader: asyncio.StreamReader, length: int) -> None:
     if length > MAX_ERROR_FRAME:
-        raise WireError(f"error frame of {length} bytes exceeds the limit of {MAX_ERROR_FRAME}")
+        raise FramingViolation(f"error frame of {length} bytes exceeds the limit of {MAX_ERROR_FRAME}")
     error = _parse(_rpc_error_type(), await _read_exactly(reader, length, "body"))
     text = error.message  # type: ignore[attr-defined]
+    if isinstance(text, bytes):  # RPCError is proto2: a string field with invalid UTF-8 parses as bytes
+        text = text.decode("utf-8", "replace")
     if not text:
         return None  # hivemind's END_OF_STREAM: the sender's clean end
     raise PeerRefused(_one_line(text) or "peer error")
@@ -143,7 +152,8 @@ def _parse(msg_type: type[M], body: bytes) -> M:
     try:
         return msg_type.FromString(body)
     except Exception as exc:  # DecodeError, or anything else the parser may raise on hostile bytes
-        raise WireError(f"malformed {msg_type.__name__} ({len(body)} bytes): {_one_line(str(exc), 80)}") from None
+        reason = _one_line(str(exc), 80)
+        raise FramingViolation(f"malformed {msg_type.__name__} ({len(body)} bytes): {reason}") from None
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -223,7 +233,7 @@ class RequestStream(Generic[Req]):
 
     async def __anext__(self) -> Req:
         if self._failure is not None:
-            raise WireError(str(self._failure))
+            raise type(self._failure)(str(self._failure))
         if self._ended:
             raise StopAsyncIteration
         try:

@@ -1,0 +1,398 @@
+"""State download between real libp2p peers (three p2pd daemons on loopback inside this process).
+
+Two holders (``good``, ``other``) and a downloader (``client``). The servers are the node's own
+``StateServer`` with test switches for liveness and bans; a hostile holder is a raw handler registered
+under the state protocol's name with ``wire.serve``. Every test is bounded in time; the daemons are
+stopped (and checked gone by PID) by the fixture.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+from test_wire import LoopThread, p2p_nodes
+
+from node.swarm import state_sync, wire
+from node.swarm.state_sync import (
+    CHUNK_ELEMS,
+    MAX_CHUNK_BYTES,
+    STATE_HANDLER,
+    StateClient,
+    StateRateLimiter,
+    StateServer,
+)
+from node.transport.base import FragmentSnapshot
+from protocol import swarm_pb2
+
+pytestmark = pytest.mark.timeout(120)
+
+NUMEL = 2 * CHUNK_ELEMS + 123  # three chunks, the last one partial
+FP = "fp-test"
+
+
+class ByteCounters:
+    """The two members of averaging.ByteCounters the state protocol uses."""
+
+    def __init__(self) -> None:
+        self.sent_bytes = self.received_bytes = 0
+
+    def sent(self, peer: str, fragment: int, round_: int, n: int) -> None:
+        self.sent_bytes += n
+
+    def received(self, peer: str, fragment: int, round_: int, n: int) -> None:
+        self.received_bytes += n
+
+
+class Runtime:
+    """The two members of NetworkRuntime that StateServer/StateClient use, on the test's loop."""
+
+    def __init__(self, loop: LoopThread, p2p: P2P) -> None:
+        self.p2p = p2p
+        self._loop = loop
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        return self._loop.run(coro, timeout or 60)
+
+
+@dataclass
+class Swarm:
+    loop: LoopThread
+    good: P2P
+    other: P2P
+    client: P2P
+
+    def id(self, p2p: P2P) -> str:
+        return str(p2p.peer_id)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+        return self.loop.run(coro, timeout)
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    with p2p_nodes(3) as (loop, (good, other, client)):
+        yield Swarm(loop, good, other, client)
+
+
+def _snaps(seed: int = 0) -> dict[int, FragmentSnapshot]:
+    g = torch.Generator().manual_seed(seed)
+    snaps = {f: FragmentSnapshot(f, 5 + f, torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g))
+             for f in range(3)}
+    snaps[3] = FragmentSnapshot(3, 1, torch.zeros(0), torch.zeros(0))
+    return snaps
+
+
+def _numel(fragment: int) -> int | None:
+    return {0: NUMEL, 1: NUMEL, 2: NUMEL, 3: 0}.get(fragment)
+
+
+@dataclass
+class Book:
+    """What a server refused and what a client found bad, as the daemon's Reputation would be told."""
+
+    refused: list[tuple[str, str, bool]] = field(default_factory=list)  # (peer, kind, offence)
+    bad: list[tuple[str, str, str]] = field(default_factory=list)  # (peer, kind, detail)
+
+    def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> bool:
+        self.refused.append((peer, kind, offence))
+        return False
+
+    def on_bad(self, peer: str, kind: str, detail: str) -> None:
+        self.bad.append((peer, kind, detail))
+
+
+def _server(swarm: Swarm, p2p: P2P, book: Book, *, live: Callable[[str], bool] = lambda p: True,
+            banned: Callable[[str], bool] = lambda p: False, snaps: dict | None = None, **kw) -> StateServer:
+    return StateServer(Runtime(swarm.loop, p2p), FP, (snaps or _snaps()).get, ByteCounters(), is_live=live,
+                       is_banned=banned, on_refused=book.refuse, **kw)
+
+
+def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP) -> StateClient:
+    return StateClient(Runtime(swarm.loop, swarm.client), fingerprint, ByteCounters(), timeout=timeout,
+                       expected_numel=_numel, on_bad=book.on_bad)
+
+
+def _same(a: FragmentSnapshot, b: FragmentSnapshot) -> bool:
+    return a.version == b.version and torch.equal(a.phi, b.phi) and torch.equal(a.momentum, b.momentum)
+
+
+# ---- honest downloads --------------------------------------------------------------------------------
+
+
+def test_round_trip_sets_the_source_and_refuses_what_cannot_be_served(swarm):
+    book = Book()
+    snaps = _snaps()
+    server = _server(swarm, swarm.good, book, snaps=snaps)
+    client = _client(swarm, book)
+    good = swarm.id(swarm.good)
+    try:
+        got = client.fetch(1, [good], min_version=6)
+        assert got is not None and _same(got, snaps[1]) and got.source == good
+        many = client.fetch_many([0, 1, 2, 3], [good])
+        assert sorted(many) == [0, 1, 2, 3] and many[3].phi.numel() == 0
+        assert all(_same(many[f], snaps[f]) for f in range(4))
+        assert client.fetch(1, [good], min_version=7) is None  # "old-version: have version 6 < 7"
+        assert client.fetch(9, [good]) is None  # a fragment this node does not have: not even asked
+        assert _client(swarm, book, fingerprint="other").fetch(0, [good]) is None
+        assert book.refused == [(swarm.id(swarm.client), "state_fingerprint", False)]
+        assert book.bad == []  # honest refusals are nobody's offence
+        assert server.served == 5
+    finally:
+        server.close()
+
+
+def test_stream_cap_refusals_are_retried_not_counted(swarm):
+    """A joiner downloading more fragments at once than the server's per-peer cap still gets them all."""
+    book = Book()
+    snaps = _snaps()
+    server = _server(swarm, swarm.good, book, snaps=snaps, max_streams_per_peer=1)
+    try:
+        many = _client(swarm, book).fetch_many([0, 1, 2], [swarm.id(swarm.good)])
+        assert sorted(many) == [0, 1, 2] and all(_same(many[f], snaps[f]) for f in range(3))
+        print(f"\n[state] stream-cap refusals while fetching 3 fragments: {len(book.refused)}")
+        assert book.refused and {(kind, offence) for _, kind, offence in book.refused} == {("state_streams", False)}
+        assert book.bad == []
+    finally:
+        server.close()
+
+
+# ---- who is served -------------------------------------------------------------------------------------
+
+
+def test_a_peer_without_a_live_heartbeat_is_refused_until_it_has_one(swarm):
+    book = Book()
+    live: set[str] = set()
+    server = _server(swarm, swarm.good, book, live=lambda p: p in live)
+    client_id = swarm.id(swarm.client)
+    try:
+        t0 = time.monotonic()
+        assert _client(swarm, book, timeout=2.0).fetch(0, [swarm.id(swarm.good)]) is None
+        elapsed = time.monotonic() - t0
+        assert 1.5 < elapsed < 6, elapsed  # retried (a joiner's heartbeat may not be seen yet), then gave up
+        assert book.refused and set(book.refused) == {(client_id, "state_not_live", False)}
+        assert book.bad == [] and server.served == 0
+
+        # Its heartbeat arrives while the client waits: the retried request is served.
+        book.refused.clear()
+        timer = threading.Timer(1.0, live.add, args=(client_id,))
+        timer.start()
+        try:
+            got = _client(swarm, book, timeout=20.0).fetch(0, [swarm.id(swarm.good)])
+        finally:
+            timer.cancel()
+        assert got is not None and got.source == swarm.id(swarm.good)
+        assert book.refused and set(book.refused) == {(client_id, "state_not_live", False)}
+    finally:
+        server.close()
+
+
+def test_a_banned_peer_is_refused_and_the_client_skips_banned_holders(swarm):
+    book = Book()
+    server = _server(swarm, swarm.good, book, banned=lambda p: p == swarm.id(swarm.client))
+    try:
+        assert _client(swarm, book, timeout=3.0).fetch(0, [swarm.id(swarm.good)]) is None
+        assert book.refused == [(swarm.id(swarm.client), "state_banned", False)]  # refused once, not retried
+        client = StateClient(Runtime(swarm.loop, swarm.client), FP, ByteCounters(), timeout=3.0,
+                             expected_numel=_numel, is_banned=lambda p: True)
+        with pytest.raises(RuntimeError, match="banned here"):
+            swarm.run(client.fetch_async(0, [swarm.id(swarm.good)]))
+        assert len(book.refused) == 1  # the banned holder was never asked
+    finally:
+        server.close()
+
+
+def test_rate_limit_refuses_the_request_past_the_limit_as_an_offence(swarm):
+    book = Book()
+    clock = [1000.0]
+    server = _server(swarm, swarm.good, book, requests_per_minute=3, now=lambda: clock[0])
+    client = _client(swarm, book, timeout=5.0)
+    good, client_id = swarm.id(swarm.good), swarm.id(swarm.client)
+    try:
+        for _ in range(3):
+            assert client.fetch(0, [good]) is not None
+        assert book.refused == []
+        t0 = time.monotonic()
+        assert client.fetch(0, [good]) is None  # the 4th within the minute
+        assert time.monotonic() - t0 < 3  # not retried: asking again would be another offence
+        assert book.refused == [(client_id, "state_rate", True)]
+        clock[0] += 20.0  # one token back (3 a minute)
+        assert client.fetch(0, [good]) is not None
+        assert client.fetch(0, [good]) is None
+        assert book.refused == [(client_id, "state_rate", True)] * 2
+        assert book.bad == []
+    finally:
+        server.close()
+
+
+def test_rate_limiter_buckets():
+    clock = [0.0]
+    limiter = StateRateLimiter(60, now=lambda: clock[0], max_peers=2)
+    assert all(limiter.take("a") for _ in range(60)) and not limiter.take("a")
+    clock[0] += 1.0
+    assert limiter.take("a") and not limiter.take("a")  # one a second
+    assert limiter.take("b") and limiter.take("c")  # "a" is forgotten (bounded memory): a full bucket again
+    assert sum(limiter.take("a") for _ in range(100)) == 60
+    with pytest.raises(ValueError):
+        StateRateLimiter(0)
+
+
+def test_a_malformed_request_is_an_offence_and_the_server_keeps_serving(swarm):
+    book = Book()
+    server = _server(swarm, swarm.good, book)
+
+    async def garbage() -> str:
+        from hivemind.p2p import PeerID
+
+        _, reader, writer = await swarm.client.call_binary_stream_handler(
+            PeerID.from_base58(swarm.id(swarm.good)), STATE_HANDLER)
+        writer.write(wire.MESSAGE_MARKER + (1 << 20).to_bytes(8, "big"))  # a 1 MiB "request"
+        await writer.drain()
+        try:
+            await wire.read_message(reader, swarm_pb2.StateChunk, max_bytes=4096, timeout=5)
+            return "no refusal"
+        except wire.WireError as exc:
+            return str(exc)
+        finally:
+            writer.close()
+
+    try:
+        assert "exceeds the limit of 1024" in swarm.run(garbage())
+        assert book.refused == [(swarm.id(swarm.client), "state_request", True)]
+        assert _client(swarm, book).fetch(2, [swarm.id(swarm.good)]) is not None
+    finally:
+        server.close()
+
+
+# ---- hostile holders --------------------------------------------------------------------------------------
+
+_hostile_names = itertools.count()
+
+
+def _chunk(req: swarm_pb2.StateRequest, offset: int, count: int, *, version: int = 9, numel: int = NUMEL,
+           value: float = 0.5, mom_count: int | None = None) -> swarm_pb2.StateChunk:
+    phi = torch.full((count,), value).numpy().tobytes()
+    mom = torch.zeros(count if mom_count is None else mom_count).numpy().tobytes()
+    return swarm_pb2.StateChunk(fragment=req.fragment, version=version, numel=numel, offset=offset, phi=phi,
+                                momentum=mom)
+
+
+def _complete(req: swarm_pb2.StateRequest, **bad) -> list[swarm_pb2.StateChunk]:
+    """A whole fragment's chunks with the middle one altered by ``bad`` (``_chunk``'s keywords)."""
+    last = NUMEL - 2 * CHUNK_ELEMS
+    return [_chunk(req, 0, CHUNK_ELEMS), _chunk(req, CHUNK_ELEMS, CHUNK_ELEMS, **bad),
+            _chunk(req, 2 * CHUNK_ELEMS, last)]
+
+
+def _hostile_chunks(mode: str, req: swarm_pb2.StateRequest) -> list[swarm_pb2.StateChunk]:
+    first = _chunk(req, 0, CHUNK_ELEMS)  # a plausible first chunk: dropped with the rest
+    return {
+        "nan": _complete(req, value=float("nan")),
+        "inf": _complete(req, value=float("-inf")),
+        "inf_momentum": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
+                                              phi=bytes(400), momentum=torch.full((100,), float("inf"))
+                                              .numpy().tobytes())],
+        "wrong_numel": [_chunk(req, 0, 10, numel=10)],
+        "huge_numel": [_chunk(req, 0, CHUNK_ELEMS, numel=1 << 40)],
+        "numel_changes": _complete(req, numel=NUMEL + 1),
+        "chunk_past_end": [_chunk(req, 0, CHUNK_ELEMS), _chunk(req, CHUNK_ELEMS, CHUNK_ELEMS),
+                           _chunk(req, 2 * CHUNK_ELEMS, 200)],
+        "chunk_too_big": [_chunk(req, 0, CHUNK_ELEMS + 1)],
+        "unequal_lengths": [_chunk(req, 0, 100, mom_count=99)],
+        "gap": [first, _chunk(req, CHUNK_ELEMS + 1, 10)],
+        "overlap": [first, _chunk(req, CHUNK_ELEMS - 5, 10)],
+        "version_switch": _complete(req, version=10),
+        "old_version": [_chunk(req, 0, 10, version=1)],
+        "other_fragment": [swarm_pb2.StateChunk(fragment=req.fragment + 1, version=9, numel=NUMEL, offset=0,
+                                                phi=bytes(4), momentum=bytes(4))],
+        "oversize": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
+                                          phi=bytes(MAX_CHUNK_BYTES), momentum=bytes(MAX_CHUNK_BYTES))],
+        "ends_early": [first],
+    }[mode]
+
+
+# mode -> (the kind the client reports, a part of its detail)
+HOSTILE = {
+    "nan": ("bad_state", f"phi at {CHUNK_ELEMS} has {CHUNK_ELEMS} non-finite value(s)"),
+    "inf": ("bad_state", f"phi at {CHUNK_ELEMS} has {CHUNK_ELEMS} non-finite value(s)"),
+    "inf_momentum": ("bad_state", "momentum at 0 has 100 non-finite value(s)"),
+    "wrong_numel": ("bad_state", f"fragment 0 has {NUMEL} elements here, not 10"),
+    "huge_numel": ("bad_state", f"fragment 0 has {NUMEL} elements here, not {1 << 40}"),
+    "numel_changes": ("bad_state", f"has {NUMEL} elements here, not {NUMEL + 1}"),
+    "chunk_past_end": ("bad_state", f"chunk of 200 elements at {2 * CHUNK_ELEMS} does not fit {NUMEL} elements"),
+    "chunk_too_big": ("bad_state", f"chunk of {CHUNK_ELEMS + 1} elements at 0 does not fit"),
+    "unequal_lengths": ("bad_state", "malformed chunk: 400 bytes of phi, 396 of momentum"),
+    "gap": ("bad_state", f"sent offset {CHUNK_ELEMS + 1}, expected {CHUNK_ELEMS} (gap or overlap)"),
+    "overlap": ("bad_state", f"sent offset {CHUNK_ELEMS - 5}, expected {CHUNK_ELEMS} (gap or overlap)"),
+    "version_switch": ("bad_state", "switched from version 9 to 10 mid-fragment"),
+    "old_version": ("bad_state", "sent version 1, below the 5 asked for"),
+    "other_fragment": ("bad_state", "sent fragment 1 for fragment 0"),
+    "oversize": ("bad_stream", "exceeds the limit of"),
+    "ends_early": ("bad_state", f"the stream ended at {CHUNK_ELEMS}/{NUMEL}"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(HOSTILE))
+def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode):
+    book = Book()
+    snaps = _snaps(seed=3)
+    honest = _server(swarm, swarm.good, book, snaps=snaps)
+
+    async def hostile(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        for chunk in _hostile_chunks(mode, req):
+            yield chunk
+
+    bad = swarm.run(wire.serve(swarm.other, STATE_HANDLER, hostile, swarm_pb2.StateRequest,
+                               max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    bad_id, good_id = swarm.id(swarm.other), swarm.id(swarm.good)
+    try:
+        got = _client(swarm, book).fetch(0, [bad_id, good_id], min_version=5)
+        assert got is not None and got.source == good_id
+        assert _same(got, snaps[0])  # nothing of the hostile holder's chunks survived
+        kind, detail = HOSTILE[mode]
+        assert [(peer, k) for peer, k, _ in book.bad] == [(bad_id, kind)]
+        assert detail in book.bad[0][2], book.bad[0][2]
+        print(f"\n[state] {mode}: refused {bad_id[:12]}: {book.bad[0][2]}")
+        # With no honest holder left, the download fails cleanly (no exception, nothing half-applied).
+        assert _client(swarm, book, timeout=5).fetch(0, [bad_id]) is None
+    finally:
+        swarm.run(bad.stop())
+        honest.close()
+
+
+def test_a_holder_that_moves_to_a_newer_version_mid_download_is_followed(swarm):
+    """Resuming at another holder that has a newer version starts over there (not a fault)."""
+    book = Book()
+    new = _snaps(seed=4)
+    for s in new.values():
+        s.version += 1
+    honest = _server(swarm, swarm.good, book, snaps=new)
+
+    async def drops(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        yield _chunk(req, 0, CHUNK_ELEMS, version=5)
+        raise ConnectionError("gone")  # the stream fails: a network fault, not a bad source
+
+    flaky = swarm.run(wire.serve(swarm.other, STATE_HANDLER, drops, swarm_pb2.StateRequest,
+                                 max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    try:
+        got = _client(swarm, book).fetch(0, [swarm.id(swarm.other), swarm.id(swarm.good)], min_version=5)
+        assert got is not None and got.version == 6 and _same(got, new[0])
+        assert book.bad == []
+    finally:
+        swarm.run(flaky.stop())
+        honest.close()
+
+
+def test_constants_bound_a_chunk():
+    assert MAX_CHUNK_BYTES >= 2 * 4 * CHUNK_ELEMS + 64  # a full chunk and its small fields fit
+    assert MAX_CHUNK_BYTES < 2 * 4 * CHUNK_ELEMS + 8192
+    assert state_sync.PARALLEL_DOWNLOADS <= state_sync.MAX_STREAMS_PER_PEER
