@@ -343,8 +343,11 @@ class SwarmClock:
             lines = [p.line(now, bounds.rate or 0.0, self.max_ahead) for p in live.values()]
             median = statistics.median([*lines, self._pos])
             lag = median - self._pos
-            if lag > bounds.band:
-                self._pos = median  # far behind (a long pause, a slow node): take the swarm's clock
+            if lag > bounds.band or (lag > 1.0 and self._slower(bounds)):
+                # Far behind (a long pause), or a node slower than the swarm's median: take the swarm's clock
+                # now. A slow node that only steered would stay behind by its tolerance, i.e. arrive at every
+                # round long after the others formed their groups.
+                self._pos = median
             else:
                 # Within ``tolerance`` the lag is the heartbeats' staleness, not a different pace: steering
                 # on it would slow every node down (or, with overshooting lines, speed it up).
@@ -352,6 +355,11 @@ class SwarmClock:
                 self._pos += max(0.0, 1.0 + GAIN * excess)  # ahead: slower, even standing still; behind: faster
         self._pos = min(float(MAX_CLOCK), self._pos)
         self._clock = max(self._clock, math.floor(self._pos))
+
+    def _slower(self, bounds: _Bounds) -> bool:
+        """Whether this node steps clearly slower than the swarm's median inner-step rate."""
+        own = self._own.rate()
+        return own is not None and bounds.rate is not None and own < 0.8 * bounds.rate
 
     def _report(self, reports: list[tuple[str, str]]) -> None:
         if self.on_offence is None:
