@@ -157,6 +157,21 @@ def test_unequal_nodes_share_one_clock_at_the_median_pace():
     assert not any(n.offences.seen for n in sim.honest())
 
 
+def test_a_slow_node_keeps_up_with_the_swarm_clock():
+    """A node 3x slower than the others takes the median clock as soon as it lags: it meets them in the
+    same rounds (a few steps at most behind, less than a default overlap), not a tolerance behind."""
+    now = FakeTime()
+    sim = honest_swarm([30.0, 30.0, 10.0], now)
+    sim.run(5.0)
+    lags = []
+    for _ in range(40):
+        sim.run(0.5)
+        clocks = [n.clock.value for n in sim.honest()]
+        lags.append(max(clocks[:2]) - clocks[2])
+    assert sorted(lags)[len(lags) // 2] <= 6, lags   # the old steering left it ~30 steps behind
+    assert not any(n.offences.seen for n in sim.honest())
+
+
 def test_alone_a_node_counts_its_own_steps():
     now = FakeTime()
     node = SwarmClock("me", INTERVAL, clock=7, now=now)
