@@ -23,8 +23,8 @@ VOCAB = 257
 
 
 class _Poisoned(AverageHandle):
-    def __init__(self, inner: AverageHandle, poison) -> None:
-        self.inner, self.poison = inner, poison
+    def __init__(self, inner: AverageHandle, poison, group_version: int | None = None) -> None:
+        self.inner, self.poison, self.group_version = inner, poison, group_version
 
     def done(self) -> bool:
         return self.inner.done()
@@ -33,23 +33,31 @@ class _Poisoned(AverageHandle):
         res = self.inner.result(timeout)
         if res.ok and res.average is not None and self.poison is not None:
             res.average = self.poison(res.average)
+        if res.ok and self.group_version is not None:
+            res.max_version = self.group_version
         return res
 
 
 class PoisoningTransport(Transport):
     """Delegates to the hub; rounds listed in ``poison`` come back with their average corrupted, and
-    ``snapshot`` (when set) is what catching up downloads."""
+    ``snapshot`` (when set) is what catching up downloads. ``group_version`` / ``latest`` (when set) stand
+    for the swarm transport's corroborated versions: what a round reports as its group's version, and
+    the newest version this node believes peers hold."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.poison: dict[int, object] = {}
         self.snapshot: FragmentSnapshot | None = None
         self.rejected: list[tuple[str, str]] = []
+        self.group_version: int | None = None
+        self.latest: int | None = None
 
     def start_average(self, request: AverageRequest) -> AverageHandle:
-        return _Poisoned(self.inner.start_average(request), self.poison.get(request.round))
+        return _Poisoned(self.inner.start_average(request), self.poison.get(request.round), self.group_version)
 
     def latest_version(self, fragment: int) -> int:
+        if self.latest is not None:
+            return self.latest
         return self.snapshot.version if self.snapshot is not None else self.inner.latest_version(fragment)
 
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
@@ -155,3 +163,34 @@ def test_check_functions_bound_honest_scales() -> None:
     assert check_snapshot(phi + 0.1, mom, phi, limits) is None
     assert check_snapshot(phi * 1e6, mom, phi, limits) is not None
     assert check_snapshot(phi[:10], mom[:10], phi, limits) is not None
+
+
+def test_a_member_a_version_ahead_of_its_group_takes_the_groups_phi_and_version() -> None:
+    # Node 0 stepped once more than the group (e.g. alone, just before a peer joined): its claim is not
+    # corroborated, so node 1 does not follow it. Averaging deltas alone would keep the two phis apart
+    # for good; node 0 must take the group's version at once and the group's phi before its next send.
+    loops, transports, step = _pair()
+    step(1)
+    step(2)
+    v = loops[0].version(0)
+    assert v == loops[1].version(0) >= 1
+    mine = loops[0].snapshot(0)
+    assert loops[0].adopt(FragmentSnapshot(0, v + 1, mine.phi + 0.01, mine.momentum), keep_progress=True) is None
+    transports[1].latest = v                      # node 1 believes nobody holds a newer version
+    transports[0].group_version = transports[1].group_version = v
+    step(3)
+    events = step(4)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "failed")] == ["merged"]
+    assert loops[0].version(0) == loops[1].version(0) == v + 1
+    assert not torch.equal(loops[0].states[0].phi, loops[1].states[0].phi)  # not yet: at node 0's next send
+    assert not any(e.kind == "caught_up" for e in events[1])
+    for t in transports:  # both now claim v + 1: the hub's view is the corroborated one again
+        t.group_version = t.latest = None
+    step(5)
+    events = step(6)
+    assert [e.kind for e in events[0]][:2] == ["caught_up", "sent"]
+    assert loops[0].version(0) == loops[1].version(0) == v + 2
+    assert torch.equal(loops[0].states[0].phi, loops[1].states[0].phi)
+    assert torch.equal(loops[0].states[0].momentum, loops[1].states[0].momentum)
+    events = step(8)
+    assert not any(e.kind == "caught_up" for e in events[0])  # once: the phis agree again

@@ -114,6 +114,9 @@ class OuterLoop:
         self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback)
                        for f in fragments]
         self.pending: dict[int, _Pending] = {}
+        # Fragments whose phi left the group's (this node was a version ahead of its round's members):
+        # the next send first takes the group's phi at the same version (``_catch_up``).
+        self._resync: set[int] = set()
         self.consensus = PhiConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
@@ -201,6 +204,7 @@ class OuterLoop:
                     g = eager_outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
                     reason = self._outer_step(st, g)
                     if reason is None:
+                        self._follow_group(st, res)
                         st.set_theta(st.phi)
                 if res.ok and reason is not None:
                     events.append(self._refused(st, step, res, pend.sent_step, reason))
@@ -362,6 +366,7 @@ class OuterLoop:
             if reason is not None:
                 return self._refused(st, step, res, pend.sent_step, reason)
             return self._event("failed", st, step, res, pend.sent_step)
+        self._follow_group(st, res)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
         theta = st.theta()
@@ -391,6 +396,15 @@ class OuterLoop:
         st.momentum.copy_(momentum)
         st.version += 1
         return None
+
+    def _follow_group(self, st: FragmentState, res: AverageResult) -> None:
+        """After an outer step from a group round: a member that entered it a version ahead of the
+        group's (corroborated) version, e.g. it stepped alone just before peers joined, holds a phi no
+        other member holds, and averaging deltas would keep it apart for good. It takes the group's
+        version and, before its next send, the group's phi (carrying its local progress over)."""
+        if res.group_size >= 2 and 0 <= res.max_version < st.version - 1:
+            st.version = res.max_version + 1
+            self._resync.add(st.index)
 
     def _check_result(self, res: AverageResult, pend: _Pending) -> str | None:
         if not res.ok or res.average is None:
@@ -434,11 +448,13 @@ class OuterLoop:
 
     # ---- catching up ----------------------------------------------------------------------------
     def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:
-        """Fetch a newer phi_p from peers and carry the local progress onto it (delay-compensated)."""
-        if self.transport.latest_version(st.index) <= st.version:
+        """Fetch a newer phi_p from peers (or, after ``_follow_group``, the group's phi at this version)
+        and carry the local progress onto it (delay-compensated)."""
+        least = st.version if st.index in self._resync else st.version + 1
+        if self.transport.latest_version(st.index) < least:
             return []
         snap = self.transport.fetch_fragment(st.index)
-        if snap is None or snap.version <= st.version:
+        if snap is None or snap.version < least:
             return []
         reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits)
         if reason is not None:
@@ -450,6 +466,7 @@ class OuterLoop:
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
+        self._resync.discard(st.index)
         if self.cfg.method == "compensate":
             new = merge_compensate(theta, st.phi, phi_old, self.cfg.lambda0, st.bounds)
         else:

@@ -41,7 +41,7 @@ class AverageResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     error: str = ""
-    max_version: int = -1                 # newest outer version among the group's members at send time
+    max_version: int = -1                 # newest outer version the group's members hold (corroborated) at send time
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:
