@@ -282,6 +282,9 @@ def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
             time.sleep(0.5)
             seen += spreads()
         assert seen and max(seen) < 0.05, seen
-        assert all(n.status()["consensus"]["last_shift"] < 0.05 for n in nodes)
+        # A consensus round's shift is half the distance between that round's two phis: right after a
+        # node caught up or met a peer of another pair it can be a few percent; rounds bring it down.
+        wait_until(lambda: all(n.status()["consensus"]["last_shift"] < 0.05 for n in nodes), 60,
+                   "consensus shifts below 5% on every node", nodes)
     finally:
         swarm.stop()
