@@ -35,7 +35,6 @@ With ``method = "eager"`` the part of the node's own last contribution not yet a
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -532,31 +531,3 @@ def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, vocab_size: i
         if bar:
             hf_logging.enable_progress_bar()
     return out_dir
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from node.cli import load_config_from_args
-    from node.data import load_tokenizer
-
-    cfg = load_config_from_args(args)
-    vocab_size = load_tokenizer(cfg.model.tokenizer).vocab_size
-    use = "live" if args.live else "outer"
-    out = export_model(Path(args.state_dir), Path(args.out), cfg, vocab_size, use=use)
-    print(f"exported the {'live' if args.live else 'outer (consensus)'} model to {out}")
-    return 0
-
-
-def register_export(sub: Any) -> None:
-    """Add the ``export`` subcommand: write the checkpointed model as a transformers directory."""
-    from node.cli import add_config_args
-
-    parser = sub.add_parser(
-        "export", help="export a node's checkpointed model as a transformers directory",
-        description="Load the checkpoint in --state-dir and save its model with save_pretrained "
-                    "(safetensors) into --out, plus locoswarm.json naming the swarm fingerprint and versions.")
-    add_config_args(parser)
-    parser.add_argument("--state-dir", required=True, help="state dir of the node (holds checkpoint.json)")
-    parser.add_argument("--out", required=True, help="directory to write the model into")
-    parser.add_argument("--live", action="store_true",
-                        help="export this node's live params theta instead of the consensus outer params phi")
-    parser.set_defaults(func=_cmd_export)

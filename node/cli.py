@@ -39,13 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="locoswarm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="locoswarm 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    from node import checkpoint, config, daemon, partition, plan
+    from node import config, daemon, partition, plan
     from node.bench import register as register_bench
     from node.control.cli import register as register_status
+    from node.export import register_export
     from node.sim import register as register_sim
 
     for register in (daemon.register, config.register, partition.register, register_sim, register_bench,
-                     plan.register, checkpoint.register_export, register_status):
+                     plan.register, register_export, register_status):
         register(sub)
     return parser
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.checkpoint import export_model, load_checkpoint, register_export, save_checkpoint
+from node.checkpoint import export_model, load_checkpoint, save_checkpoint
 from node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, fingerprint
 from node.core.codecs import get_codec
 from node.core.outer_loop import OuterLoop
 from node.errors import UserError
+from node.export import register_export
 from node.inner import InnerOptimizer
 from node.model import build_model
 from node.partition import partition
