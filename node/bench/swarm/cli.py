@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=100, help="inner steps between eval losses (default 100)")
     p.add_argument("--ready-timeout", type=float, default=240.0,
                    help="seconds the nodes may take to start and see each other (default 240)")
+    p.add_argument("--keep-logs", action="store_true", help="copy every node's log to OUT/logs/CONFIG/")
     p.set_defaults(func=run_swarm)
 
 
@@ -148,6 +149,7 @@ def run_swarm(args: argparse.Namespace) -> int:
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}",
         "data": data or "the node's default corpus (8 MB of this Python's standard library sources)",
         "base_config": args.config or "built-in defaults",
+        "load_average_start": os.getloadavg(),
     }
     results: dict[str, dict] = {name: {} for name in configs}
     started = time.monotonic()
@@ -200,6 +202,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 run = ConfigRun(name, PeerLaunch(launch_module, cfg_path), topo, settings, proxied=shaped,
                                 on_progress=on_progress)
                 conf.update(run.run())
+                if args.keep_logs:
+                    _copy_logs(Path(tmp) / name, out / "logs" / name)
                 _predict(conf, cfg, params, link if shaped else None, workers, utilization)
                 summary = write_report(out, {**setup, "wall_s": time.monotonic() - started}, results)
                 progress.update(task, description=f"{name}: " + ("done" if "error" not in conf else "FAILED"))
@@ -208,6 +212,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+    setup["load_average_end"] = os.getloadavg()
     summary = write_report(out, {**setup, "wall_s": time.monotonic() - started}, results)
     Console().print(summary)
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'swarm.png'}")
@@ -235,3 +240,12 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
         node["predicted"] = predict(node.get("step_time_s"))
     times = [n["step_time_s"] for n in nodes if n.get("step_time_s")]
     conf["predicted"] = predict(sum(times) / len(times)) if times else None
+
+
+def _copy_logs(src: Path, dst: Path) -> None:
+    """The logs of one configuration's peers and proxies (``--keep-logs``)."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for log in sorted(src.glob("*.log")):
+        shutil.copyfile(log, dst / log.name)

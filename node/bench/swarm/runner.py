@@ -93,9 +93,15 @@ class BenchProc:
             self._log.close()
 
 
-def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> None:
+def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> list[str]:
     """SIGTERM every process (a node leaves gracefully: DHT shut down, no files left), wait up to
-    ``grace_s`` for all of them together, then kill whatever is left by process group."""
+    ``grace_s`` for all of them together, then kill whatever is left by process group. The IPC files
+    of the process trees (recorded before) that outlive them are removed; returns those that could
+    not be (normally none)."""
+    from node.swarm.process import cleanup_ipc_files, descendants, ipc_files
+
+    pids = [q for p in procs if p.alive() for q in (p.pid, *descendants(p.pid))]
+    files = ipc_files(pids)
     for p in procs:
         p.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -103,6 +109,8 @@ def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> None:
         time.sleep(0.1)
     for p in procs:
         p.close()
+    cleanup_ipc_files(pids, files)
+    return sorted(f for f in files if os.path.exists(f))
 
 
 def read_status(state_dir: Path) -> dict:
@@ -112,7 +120,7 @@ def read_status(state_dir: Path) -> dict:
         return {}
 
 
-_PEER_RE = re.compile(r"\b(?:Qm[1-9A-HJ-NP-Za-km-z]{20,}|12D3Koo[1-9A-HJ-NP-Za-km-z]{20,}|[0-9a-f]{12,})\b")
+_PEER_RE = re.compile(r"\b(?:Qm[1-9A-HJ-NP-Za-km-z]{6,}|12D3Koo[1-9A-HJ-NP-Za-km-z]{6,}|[0-9a-f]{12,})\b(?:…|\.\.\.)?")
 _NUM_RE = re.compile(r"\b\d+(?:\.\d+)?\b")
 
 
@@ -296,7 +304,7 @@ class ConfigRun:
             result["error"] = f"{type(exc).__name__}: {exc}"[:600]
         finally:
             self.on_progress("stopping", self.s.seconds)
-            stop_all(self.nodes + self.proxies)
+            result["files_left"] = stop_all(self.nodes + self.proxies)
         return result
 
     def _poll_for(self, seconds: float, what: str, seen: list[dict[tuple, dict]] | None = None) -> None:
