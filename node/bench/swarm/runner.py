@@ -98,9 +98,10 @@ def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> list[str]:
     ``grace_s`` for all of them together, then kill whatever is left by process group. The IPC files
     of the process trees (recorded before) that outlive them are removed; returns those that could
     not be (normally none)."""
-    from node.swarm.process import cleanup_ipc_files, descendants, ipc_files
+    from node.swarm.process import cleanup_ipc_files, descendants, ipc_files, proc_stat
 
     pids = [q for p in procs if p.alive() for q in (p.pid, *descendants(p.pid))]
+    started = {pid: st[4] for pid in pids if (st := proc_stat(pid)) is not None}
     files = ipc_files(pids)
     for p in procs:
         p.signal(signal.SIGTERM)
@@ -109,6 +110,21 @@ def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> list[str]:
         time.sleep(0.1)
     for p in procs:
         p.close()
+
+    def ours_alive() -> list[int]:  # same pid and start time: never a reused pid
+        return [pid for pid, t in started.items() if (st := proc_stat(pid)) is not None and st[4] == t
+                and st[1] not in ("Z", "X")]
+
+    # helpers in sessions of their own (torch's shared-memory manager) exit once their clients are gone
+    deadline = time.monotonic() + 5.0
+    while ours_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in ours_alive():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while ours_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
     cleanup_ipc_files(pids, files)
     return sorted(f for f in files if os.path.exists(f))
 
@@ -268,6 +284,22 @@ class ConfigRun:
                                    + " || ".join(p.tail(3) for p in self.nodes))
             time.sleep(0.25)
 
+    def _wait_bootstrap(self, timeout: float) -> str:
+        """node0's multiaddr in the bench subnet, from its log line "listening on ..." (printed as soon
+        as its DHT is up, well before its first status), so the other peers start while it builds."""
+        subnet = re.escape(self.topo.address(0).rsplit(".", 1)[0] + ".")
+        pattern = re.compile(rf"listening on .*?(/ip4/{subnet}\d+/tcp/\d+/p2p/\w+)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                m = pattern.search(self.nodes[0].log_path.read_text(errors="replace"))
+                if m:
+                    return m.group(1)
+            self._check_alive()
+            time.sleep(0.2)
+        raise RuntimeError(f"node0 announced no address in the bench subnet after {timeout:.0f} s: "
+                           f"{self.nodes[0].tail(3)}")
+
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
         """Start, measure and stop; returns ``{"nodes": [...], ...}`` or ``{"error": ...}``."""
@@ -279,11 +311,7 @@ class ConfigRun:
                     self._start_proxy(i)
             self.on_progress("starting", 0.0)
             self._start_peer(0, None)
-            st0 = self._wait(lambda sts: bool(sts[0].get("addrs")), self.s.ready_timeout, "address of node0")[0]
-            subnet = f"/{self.topo.address(0).rsplit('.', 1)[0]}."
-            boot = next((a for a in st0["addrs"] if subnet in a and "/p2p/" in a), None)
-            if boot is None:
-                raise RuntimeError(f"node0 announced no address in the bench subnet: {st0['addrs']}")
+            boot = self._wait_bootstrap(self.s.ready_timeout)
             result["bootstrap"] = boot
             for i in range(1, n):
                 self._start_peer(i, boot)
