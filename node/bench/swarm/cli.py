@@ -199,7 +199,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 def on_progress(what: str, done: float, task=task, name=name) -> None:
                     progress.update(task, description=f"{name}: {what}", completed=done)
 
-                run = ConfigRun(name, PeerLaunch(launch_module, cfg_path), topo, settings, proxied=shaped,
+                extra = ["--nodes", str(args.nodes)] if name == "hivemind" else []
+                run = ConfigRun(name, PeerLaunch(launch_module, cfg_path, extra), topo, settings, proxied=shaped,
                                 on_progress=on_progress)
                 conf.update(run.run())
                 if args.keep_logs:
