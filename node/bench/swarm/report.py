@@ -90,6 +90,9 @@ def markdown_table(configs: dict[str, dict]) -> str:
             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, conf in configs.items():
         s = conf.get("summary")
+        if not s and not conf.get("error"):
+            rows.append(f"| {name} | - | - | not run (yet) | | | | | | | | |")
+            continue
         if not s:
             rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | could not run: "
                         f"{str(conf.get('error', ''))[:160].replace('|', '/')} | | | | | | | | |")
