@@ -140,8 +140,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     workers = min(args.nodes, base.network.group_size)
     console = Console(stderr=True)
     setup = {
-        "command": "locoswarm bench swarm " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if len(sys.argv) > 2 and sys.argv[1] == "bench" else "locoswarm bench swarm",
+        "command": _command_line(sys.argv),
         "nodes": args.nodes, "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
         "params": params, "workers_per_group": workers, "configs": configs,
         "link": {"upload_bps": up, "download_bps": down, "latency_ms": link.latency_ms, "loss": link.loss,
@@ -250,3 +249,12 @@ def _copy_logs(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for log in sorted(src.glob("*.log")):
         shutil.copyfile(log, dst / log.name)
+
+
+def _command_line(argv: list[str]) -> str:
+    """``locoswarm bench swarm ARGS`` as it was run (also when run as ``python -m node.cli``)."""
+    words = list(argv)
+    for i in range(len(words) - 1):
+        if words[i] == "bench" and words[i + 1] == "swarm":
+            return "locoswarm bench swarm " + " ".join(shlex.quote(a) for a in words[i + 2:])
+    return "locoswarm bench swarm"
