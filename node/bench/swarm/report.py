@@ -122,6 +122,10 @@ def node_table(configs: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def _load(avg: list[float] | tuple[float, ...] | None) -> str:
+    return "-" if not avg else f"{avg[0]:.1f}"
+
+
 def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
     link = setup.get("link", {})
     lines = [
@@ -131,7 +135,9 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         f"({setup.get('params', 0) / 1e6:.2f}M parameters). Each configuration runs fresh nodes for "
         f"{setup.get('seconds'):g} s of measurement after the swarm formed and {setup.get('warmup'):g} s of warm-up; "
         f"all configurations share the same links in one session (wall time {setup.get('wall_s', 0) / 60:.1f} min). "
-        f"Machine: {setup.get('machine', '-')}.", "",
+        f"Machine: {setup.get('machine', '-')}, load average {_load(setup.get('load_average_start'))} at the start "
+        f"and {_load(setup.get('load_average_end'))} at the end (other work on the machine slows every node alike "
+        f"but makes short windows noisy).", "",
         "*Utilization* is the share of wall time a node spends in inner steps over the window (its "
         "`compute_utilization` differenced between two statuses); *vs unshaped* divides it by the same node's "
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
