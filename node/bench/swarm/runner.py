@@ -35,6 +35,14 @@ NODE_PORT = 31337
 PROXY_PORT = 31338
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the bench dies, even by SIGKILL (its own session
+    puts it out of reach of a signal to the bench's group; the setting survives ``ip netns exec``)."""
+    from node.swarm.process import PR_SET_PDEATHSIG, _prctl
+
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class BenchProc:
     """A process in a session of its own (optionally inside a namespace); stopped by process group."""
 
@@ -43,7 +51,7 @@ class BenchProc:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         self.pid = self.proc.pid
 
     def alive(self) -> bool:
