@@ -47,6 +47,7 @@ class NodeOptions:
     device: str = "auto"
     host: str = "127.0.0.1"
     port: int = 0
+    announce: list[str] | None = None  # multiaddrs peers should dial instead of the listen address
     bootstrap: list[str] | None = None
     bootstrap_attempts: int | None = None
     max_steps: int | None = None
@@ -119,8 +120,10 @@ class Node:
         o = self.opts
         o.state_dir.mkdir(parents=True, exist_ok=True)
         bootstrap = o.bootstrap or []
+        extra = {"announce_maddrs": list(o.announce)} if o.announce else {}
         self.dht = start_dht(bootstrap, host=o.host, port=o.port, identity_path=o.state_dir / "identity.key",
-                             attempts=o.bootstrap_attempts, log=lambda line: log.warning(line), stop=self.stop)
+                             attempts=o.bootstrap_attempts, log=lambda line: log.warning(line), stop=self.stop,
+                             **extra)
         self.runtime = NetworkRuntime(self.dht)
         self.peer_id = self.runtime.peer_id
         self.membership = Membership(self.dht, self.cfg, self.peer_id)
@@ -572,6 +575,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (env LOCOSWARM_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(env("LOCOSWARM_PORT", "0")),
                    help="TCP port for libp2p (env LOCOSWARM_PORT; default 0 = any free port)")
+    p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                   help="address peers should dial instead of the listen address, e.g. /ip4/203.0.113.5/tcp/31337 "
+                        "behind a port forward or a proxy (repeatable; default: the listen address)")
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
                    help="a peer to join through (repeatable; env LOCOSWARM_BOOTSTRAP; default [swarm] bootstrap)")
     p.add_argument("--bootstrap-attempts", type=int, default=None,
@@ -622,6 +628,7 @@ def run_node(args: argparse.Namespace) -> int:
                           args.allow_remote_control, may_be_taken={"--control-port"} if control_port_default else ())
     opts = NodeOptions(
         state_dir=Path(args.state_dir), data=data_paths(args), device=args.device, host=args.host, port=args.port,
+        announce=_announce_addrs(args.announce),
         bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
         bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, throttle=args.throttle,
@@ -629,3 +636,23 @@ def run_node(args: argparse.Namespace) -> int:
         control_port=control_port, control_port_default=control_port_default,
         allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
     return Node(cfg, opts).run()
+
+
+def _announce_addrs(addrs: list[str] | None) -> list[str] | None:
+    """``--announce`` values checked: each a TCP multiaddr without a peer id (one line naming a bad one)."""
+    if not addrs:
+        return None
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out = []
+    for addr in addrs:
+        try:
+            ma = Multiaddr(addr)
+            ok = "tcp" in ma and "p2p" not in ma
+        except Exception:
+            ok = False
+        if not ok:
+            raise UserError(f"--announce {addr!r} is not allowed; give a TCP multiaddr without a peer id, "
+                            "e.g. /ip4/203.0.113.5/tcp/31337")
+        out.append(addr)
+    return out

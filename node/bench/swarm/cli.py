@@ -1,0 +1,260 @@
+"""The ``locoswarm bench swarm`` command: set up the links, run each configuration, write the report.
+
+Order of work, and why: every flag is checked first (a bad value costs nothing and names itself);
+then whether namespaces can be made at all (root, ``ip netns add``), both as one line and exit 2.
+The topology is created once; each configuration gets fresh nodes (a swarm of its own) on the same
+links, shaped for every configuration but ``unshaped``. The report is rewritten after each
+configuration, so an interrupted session still leaves what it measured.
+
+Cleanup: a SIGTERM, SIGHUP or Ctrl+C raises ``KeyboardInterrupt`` once (further ones are ignored
+while cleaning up); the ``finally`` blocks stop every peer and proxy by process group and delete the
+namespaces, which removes every veth, qdisc and iptables rule with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from node.errors import UserError
+
+HIVEMIND_MODULE = ["node.bench.swarm.peers", "hivemind"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
+    from node.sim import add_data_args
+
+    p = sub.add_parser("swarm", help="real nodes in network namespaces on shaped links (needs root)",
+                       description=__doc__.splitlines()[0])
+    add_data_args(p)
+    p.add_argument("--out", required=True, help="report directory (results.json, report.md, swarm.png)")
+    p.add_argument("--nodes", type=int, default=4, help="nodes per configuration (default 4)")
+    p.add_argument("--seconds", type=float, default=90.0, help="measured seconds per configuration (default 90)")
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="seconds between the swarm forming and the measurement (default 10)")
+    p.add_argument("--bandwidth", default="20mbit",
+                   help="cap of every link, both directions, tc style: 20mbit, 5mbit, 1gbit, none (default 20mbit)")
+    p.add_argument("--upload", default=None, help="upload cap per node (default: --bandwidth)")
+    p.add_argument("--download", default=None, help="download cap per node (default: --bandwidth)")
+    p.add_argument("--latency-ms", default="0", help="one-way latency added by a TCP proxy per node (default 0)")
+    p.add_argument("--loss", default="0", help="random packet loss per direction: 0.01 or 1%% (default 0)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma-separated configurations (default {DEFAULT_CONFIGS}; known: {','.join(CONFIGS)})")
+    p.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--config", default=None,
+                   help="base peers.toml of the recommended stack (default: built-in defaults)")
+    p.add_argument("--eval-every", type=int, default=100, help="inner steps between eval losses (default 100)")
+    p.add_argument("--ready-timeout", type=float, default=240.0,
+                   help="seconds the nodes may take to start and see each other (default 240)")
+    p.add_argument("--keep-logs", action="store_true", help="copy every node's log to OUT/logs/CONFIG/")
+    p.set_defaults(func=run_swarm)
+
+
+class _Interrupt:
+    """SIGTERM/SIGHUP/SIGINT -> one KeyboardInterrupt; later signals are ignored so cleanup finishes."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.fired:
+            print("locoswarm: cleaning up, please wait", file=sys.stderr)
+            return
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def install(self) -> dict[int, object]:
+        old = {}
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            old[sig] = signal.signal(sig, self)
+        return old
+
+
+def _base_config(args: argparse.Namespace):
+    from node.bench.swarm.spec import PRESETS
+    from node.config import load_config
+
+    if args.preset not in PRESETS:
+        raise UserError(f"--preset: cannot use {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    if args.config and not Path(args.config).is_file():
+        raise UserError(f"--config {args.config}: no such file; give a peers.toml or leave it out")
+    overrides = [f"model.preset={args.preset}", "swarm.name=swarm-bench"]
+    if not args.config:
+        overrides.append("data.max_bytes=8000000")  # every node tokenizes its corpus: keep start-up short
+    return load_config(args.config, overrides)
+
+
+def _params(cfg) -> int:
+    from node.data import load_tokenizer
+    from node.model import build_meta_model, count_params
+
+    return count_params(build_meta_model(cfg.model, load_tokenizer(cfg.model.tokenizer).vocab_size))
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def run_swarm(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from node.bench.swarm import netns, spec
+    from node.bench.swarm.report import write_report
+    from node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
+    from node.config import to_toml
+    from node.plan import recommend, utilization
+    from node.sim import data_paths
+
+    # ---- every flag first: one clear line, exit 2 ----
+    configs = spec.parse_configs(args.configs)
+    spec.check_range("--nodes", args.nodes, 2, 16, "a node count")
+    spec.check_range("--seconds", args.seconds, 5, 3600, "seconds")
+    spec.check_range("--warmup", args.warmup, 0, 600, "seconds")
+    spec.check_range("--eval-every", args.eval_every, 0, 1_000_000, "inner steps")
+    spec.check_range("--ready-timeout", args.ready_timeout, 10, 3600, "seconds")
+    up = spec.parse_link_rate(args.upload if args.upload is not None else args.bandwidth,
+                              "--upload" if args.upload is not None else "--bandwidth")
+    down = spec.parse_link_rate(args.download if args.download is not None else args.bandwidth,
+                                "--download" if args.download is not None else "--bandwidth")
+    link = spec.LinkSpec(up, down, spec.parse_latency(args.latency_ms), spec.parse_loss(args.loss))
+    base = _base_config(args)
+    data = [str(Path(d).resolve()) for d in data_paths(args)]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {args.out}: exists and is not a directory; give a directory for the report")
+    netns.check_possible()
+    netns.remove_stale()
+
+    out.mkdir(parents=True, exist_ok=True)
+    params = _params(base)
+    workers = min(args.nodes, base.network.group_size)
+    console = Console(stderr=True)
+    setup = {
+        "command": _command_line(sys.argv),
+        "nodes": args.nodes, "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
+        "params": params, "workers_per_group": workers, "configs": configs,
+        "link": {"upload_bps": up, "download_bps": down, "latency_ms": link.latency_ms, "loss": link.loss,
+                 "description": link.describe()},
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}",
+        "data": data or "the node's default corpus (8 MB of this Python's standard library sources)",
+        "base_config": args.config or "built-in defaults",
+        "load_average_start": os.getloadavg(),
+    }
+    results: dict[str, dict] = {name: {} for name in configs}
+    started = time.monotonic()
+    interrupt = _Interrupt()
+    old_handlers = interrupt.install()
+    columns = [TextColumn("{task.description:<28}"), BarColumn(),
+               TextColumn("{task.completed:>4.0f}/{task.total:.0f} s"), TimeElapsedColumn()]
+    try:
+        with tempfile.TemporaryDirectory(prefix="locoswarm-swarm-bench-") as tmp, \
+                netns.Topology(args.nodes) as topo, Progress(*columns, console=console) as progress:
+            tasks = {name: progress.add_task(f"{name}: waiting", total=args.seconds) for name in configs}
+            settings = RunSettings(nodes=args.nodes, seconds=args.seconds, warmup=args.warmup,
+                                   ready_timeout=args.ready_timeout, work_dir=Path(tmp), data=data,
+                                   eval_every=args.eval_every, latency_ms=link.latency_ms)
+            for name in configs:
+                conf = results[name]
+                shaped = name != "unshaped"
+                conf["link"] = link.describe() if shaped else "unshaped"
+                if shaped:
+                    topo.shape(netns.Shaping(up, down, link.loss))
+                else:
+                    topo.unshape()
+                conf["qdiscs"] = topo.describe()[topo.ns(0)]
+                pick = None
+                if name == "planner":
+                    step_time = next((r["summary"]["step_time_s"] for r in results.values()
+                                      if r.get("summary") and r["summary"].get("step_time_s")), None)
+                    if step_time is None:
+                        conf["error"] = "no step time measured before the planner's turn (a configuration ran first?)"
+                        continue
+                    rec = recommend(params, step_time, link.rate_bps, latency=link.latency_ms / 1e3, workers=workers)
+                    pick = spec.PlannerPick(rec.h, rec.fragments, rec.tau, rec.codec, rec.utilization)
+                    setup["planner_pick"] = vars(pick)
+                    setup["planner_step_time_s"] = step_time
+                if name == "hivemind":
+                    launch_module = HIVEMIND_MODULE
+                    cfg = spec.config_for("recommended", base)
+                    conf["settings"] = {"optimizer": "hivemind.Optimizer (see node/bench/swarm/peers.py)"}
+                else:
+                    launch_module = ["node.cli", "run"]
+                    cfg = spec.config_for(name if name != "unshaped" else "recommended", base, pick)
+                    conf["settings"] = spec.outer_settings(cfg)
+                cfg_path = Path(tmp) / f"{name}.toml"
+                cfg_path.write_text(to_toml(cfg))
+                task = tasks[name]
+
+                def on_progress(what: str, done: float, task=task, name=name) -> None:
+                    progress.update(task, description=f"{name}: {what}", completed=done)
+
+                extra = ["--nodes", str(args.nodes)] if name == "hivemind" else []
+                run = ConfigRun(name, PeerLaunch(launch_module, cfg_path, extra), topo, settings, proxied=shaped,
+                                on_progress=on_progress)
+                conf.update(run.run())
+                if args.keep_logs:
+                    _copy_logs(Path(tmp) / name, out / "logs" / name)
+                _predict(conf, cfg, params, link if shaped else None, workers, utilization)
+                summary = write_report(out, {**setup, "wall_s": time.monotonic() - started}, results)
+                progress.update(task, description=f"{name}: " + ("done" if "error" not in conf else "FAILED"))
+                if "error" in conf:
+                    progress.console.print(f"{name}: could not run: {conf['error']}")
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+    setup["load_average_end"] = os.getloadavg()
+    summary = write_report(out, {**setup, "wall_s": time.monotonic() - started}, results)
+    Console().print(summary)
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'swarm.png'}")
+    return 0
+
+
+def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> None:
+    """The planner's utilization for this configuration, with each node's measured step time (and the
+    configuration's mean step time for the configuration row)."""
+    if "optimizer" in (conf.get("settings") or {}):
+        conf["predicted"] = None
+        return
+    o = cfg.outer
+    rate = link.rate_bps if link is not None else math.inf
+    latency = link.latency_ms / 1e3 if link is not None else 0.0
+
+    def predict(step_time: float | None) -> float | None:
+        if not step_time:
+            return None
+        return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=o.tau, codec=o.codec,
+                                   latency=latency, workers=workers, block_size=o.block_size))
+
+    nodes = conf.get("nodes") or []
+    for node in nodes:
+        node["predicted"] = predict(node.get("step_time_s"))
+    times = [n["step_time_s"] for n in nodes if n.get("step_time_s")]
+    conf["predicted"] = predict(sum(times) / len(times)) if times else None
+
+
+def _copy_logs(src: Path, dst: Path) -> None:
+    """The logs of one configuration's peers and proxies (``--keep-logs``)."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for log in sorted(src.glob("*.log")):
+        shutil.copyfile(log, dst / log.name)
+
+
+def _command_line(argv: list[str]) -> str:
+    """``locoswarm bench swarm ARGS`` as it was run (also when run as ``python -m node.cli``)."""
+    words = list(argv)
+    for i in range(len(words) - 1):
+        if words[i] == "bench" and words[i + 1] == "swarm":
+            return "locoswarm bench swarm " + " ".join(shlex.quote(a) for a in words[i + 2:])
+    return "locoswarm bench swarm"

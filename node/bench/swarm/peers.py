@@ -1,0 +1,180 @@
+"""Peer programs of the swarm benchmark other than ``locoswarm run``: the ``hivemind`` configuration.
+
+The hook
+--------
+A configuration's peer is started by :class:`node.bench.swarm.runner.ConfigRun` exactly like a
+``locoswarm run`` node: ``python -m node.bench.swarm.peers hivemind`` followed by the node's flags
+(``--config --state-dir --threads --host --port --seed --checkpoint-every --eval-every --control-port
+--device`` and optionally ``--announce``, ``--bootstrap``, ``--data``), inside node i's namespace. It
+must (1) log a line ``... listening on /ip4/<bench subnet address>/tcp/<port>/p2p/<peer id>`` as soon
+as it can be bootstrapped from, and (2) rewrite ``STATE_DIR/status.json`` every second or so with the
+fields the runner reads: ``state`` ("training" once it trains), ``peers`` (one entry per other peer
+it sees), ``uptime_s``, ``compute_utilization`` (compute seconds / uptime), ``inner_step``,
+``syncs_ok``, ``syncs_failed``, ``catch_ups``, ``bytes`` (``sent``/``received``), ``eval_curve``
+(``[[step, loss], ...]``), ``loss`` and ``events``. Another optimizer is one more subcommand here.
+
+``hivemind``
+------------
+hivemind's own ``hivemind.Optimizer`` (the tool a user of this field would otherwise pick) trains the
+same model (:func:`node.model.build_model`, same preset and seed) on the same data and batches with
+the same AdamW settings, in its local-updates mode (``use_local_updates=True``: every peer steps on
+its own gradients; parameters and optimizer state are averaged once the swarm has processed
+``target_batch_size`` samples, here ``outer.h`` steps of every peer: DiLoCo's period without its outer
+optimizer), fp32 payloads (hivemind's 8-bit codecs break under NumPy >= 2.4). Compute seconds are
+forward + backward + the local AdamW step; a ``step()`` that ran an averaging round counts only
+the median local step time as compute, the rest is the round's stall. Bytes are the namespace's
+``eth0`` counters (hivemind counts none itself); ``syncs_ok`` counts the epochs the peer took part in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import statistics
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+log = logging.getLogger("locoswarm.bench.hivemind")
+
+
+def _eth0_bytes() -> tuple[int, int]:
+    """(sent, received) bytes of this network namespace's ``eth0`` (0, 0 when there is none)."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                f = rest.split()
+                return int(f[8]), int(f[0])
+    except OSError:
+        pass
+    return 0, 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m node.bench.swarm.peers hivemind")
+    p.add_argument("--config", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--announce", action="append", default=None)
+    p.add_argument("--bootstrap", action="append", default=None)
+    p.add_argument("--data", nargs="*", default=None)
+    p.add_argument("--nodes", type=int, default=4, help="peers of the swarm (sets target_batch_size)")
+    return p
+
+
+def run_hivemind(argv: list[str]) -> int:
+    """Train with ``hivemind.Optimizer`` until SIGTERM, writing ``status.json`` (see the module doc)."""
+    args, _ = _parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-5s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    import hivemind
+    import torch
+
+    from node.config import load_config
+    from node.data import TrainBatches, eval_batches, evaluate, load_corpus, load_tokenizer
+    from node.fsutil import atomic_write_text
+    from node.model import build_model
+
+    started = time.time()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    state_dir = Path(args.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    dht = None
+    for attempt in range(30):  # hivemind treats an unreachable bootstrap peer as fatal: retry
+        try:
+            dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+                               announce_maddrs=args.announce or None, initial_peers=args.bootstrap or None)
+            break
+        except Exception as exc:
+            log.warning("DHT start failed (attempt %d): %s", attempt + 1, exc)
+            time.sleep(min(5.0, 0.5 * (attempt + 1)))
+    if dht is None:
+        log.error("could not start the DHT")
+        return 1
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    log.info("peer %s listening on %s", dht.peer_id, " ".join(addrs))
+
+    tok = load_tokenizer(cfg.model.tokenizer)
+    corpus = load_corpus(args.data or [], cfg.data, tok)
+    model = build_model(cfg.model, tok.vocab_size, seed=cfg.data.seed)
+    i = cfg.inner
+    batches = TrainBatches(corpus.train, 0, 1, i.batch_size, i.seq_len, args.seed)
+    evals = eval_batches(corpus.eval, i.batch_size, i.seq_len, 4)
+    opt = hivemind.Optimizer(
+        dht=dht, run_id=cfg.swarm.name, params=model.parameters(),
+        optimizer=partial(torch.optim.AdamW, lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay),
+        batch_size_per_step=i.batch_size, target_batch_size=i.batch_size * cfg.outer.h * max(1, args.nodes),
+        use_local_updates=True, matchmaking_time=cfg.network.matchmaking_timeout,
+        averaging_timeout=cfg.network.round_timeout, allreduce_timeout=cfg.network.round_timeout,
+        next_chunk_timeout=cfg.network.round_timeout, verbose=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # hivemind's averager set SIGINT to ignored
+        signal.signal(sig, lambda *_: stop.set())
+    eval_curve = [[0, evaluate(model, evals, "cpu")]]
+    sent0, recv0 = _eth0_bytes()
+    status: dict = {"peer_id": str(dht.peer_id), "addrs": addrs, "state": "training", "events": [],
+                    "syncs_failed": 0, "catch_ups": 0}
+    compute, step, epochs, loss = 0.0, 0, 0, float("nan")
+    local_times: list[float] = []
+    last_write = 0.0
+    while not stop.is_set():
+        batch = batches.get(step)
+        t0 = time.monotonic()
+        out = model(input_ids=batch, labels=batch).loss
+        out.backward()
+        if i.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
+        t1 = time.monotonic()
+        epoch = opt.local_epoch
+        opt.step()
+        opt.zero_grad()
+        t2 = time.monotonic()
+        if opt.local_epoch == epoch:
+            local_times.append(t2 - t1)
+            del local_times[:-50]
+            compute += t2 - t0
+        else:  # this step ran an averaging round: its stall is not compute
+            epochs += 1
+            compute += (t1 - t0) + (statistics.median(local_times) if local_times else 0.0)
+        step += 1
+        loss = float(out.detach())
+        if args.eval_every and step % args.eval_every == 0:
+            eval_curve.append([step, evaluate(model, evals, "cpu")])
+        now = time.time()
+        if now - last_write >= 1.0:
+            last_write = now
+            sent, recv = _eth0_bytes()
+            uptime = now - started
+            n_peers = max(0, int(getattr(opt.tracker.global_progress, "num_peers", 1)) - 1)
+            status.update(uptime_s=uptime, compute_utilization=compute / uptime, inner_step=step,
+                          syncs_ok=epochs, loss=loss, eval_curve=eval_curve,
+                          bytes={"sent": sent - sent0, "received": recv - recv0},
+                          peers={f"peer{k}": {} for k in range(n_peers)}, epoch=opt.local_epoch)
+            atomic_write_text(state_dir / "status.json", json.dumps(status))
+    status["state"] = "stopped"
+    atomic_write_text(state_dir / "status.json", json.dumps(status))
+    opt.shutdown()
+    dht.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "hivemind":
+        print("usage: python -m node.bench.swarm.peers hivemind [node flags]", file=sys.stderr)
+        return 2
+    return run_hivemind(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""What a swarm benchmark runs: flag parsing and the per-configuration swarm descriptors.
+
+Everything here is pure (no processes, no namespaces), so it is unit-tested directly. A bad flag
+value raises :class:`node.errors.UserError` naming the value and what is allowed.
+
+Configurations (``--configs``):
+
+- ``unshaped``: the recommended stack on unshaped links (no tc, no loss, no latency proxy): the
+  ceiling each node's utilization is divided by. Always run first when listed.
+- ``recommended``: the stack of the base ``peers.toml`` (built-in defaults: alpha, H=50, F=2, tau=2,
+  fp4 with error feedback).
+- ``diloco``: blocking DiLoCo: one fragment, no overlap (tau=0), fp32 payloads, method replace.
+- ``planner``: what :func:`node.plan.recommend` picks for the measured step time, parameter count and
+  link (method replace when it picks tau=0, else the base method). Run after a configuration that
+  measured the step time.
+- ``hivemind``: the hook for hivemind's own ``hivemind.Optimizer`` on the same model, data and links
+  (see :mod:`node.bench.swarm.peers`); a configuration whose peer program is not available is
+  reported as "could not run" with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from node.config import SwarmConfig, validate
+from node.errors import UserError
+from node.plan import parse_rate
+
+CONFIGS: tuple[str, ...] = ("unshaped", "recommended", "diloco", "planner", "hivemind")
+DEFAULT_CONFIGS = "unshaped,recommended,diloco,planner"
+PRESETS: tuple[str, ...] = ("tiny", "small")
+MIN_RATE = 100e3  # bit/s: below this a round of even the tiny model takes minutes
+MAX_RATE = 100e9
+MAX_LATENCY_MS = 2000.0
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The shaped link of every node: rates in bit/s (None = uncapped), one-way latency, loss."""
+
+    upload_bps: float | None
+    download_bps: float | None
+    latency_ms: float = 0.0
+    loss: float = 0.0
+
+    @property
+    def rate_bps(self) -> float:
+        """The rate a sync is limited by (the slower direction); inf when uncapped."""
+        rates = [r for r in (self.upload_bps, self.download_bps) if r is not None]
+        return min(rates) if rates else math.inf
+
+    def describe(self) -> str:
+        def rate(r: float | None) -> str:
+            return "uncapped" if r is None else f"{r / 1e6:g} Mbit/s"
+
+        parts = [f"up {rate(self.upload_bps)}", f"down {rate(self.download_bps)}"]
+        if self.latency_ms:
+            parts.append(f"{self.latency_ms:g} ms one-way latency")
+        if self.loss:
+            parts.append(f"{self.loss:.2%} loss")
+        return ", ".join(parts)
+
+
+def parse_link_rate(value: str | None, flag: str) -> float | None:
+    """A tc-style rate (``20mbit``, ``5Mbit/s``, ``1gbit``, ``2MB/s``) in bit/s; ``none``/``0``/empty:
+    uncapped (None). Lower-case ``mbit`` is megabit as in tc (not millibit)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.lower() in ("", "none", "0", "off", "unlimited"):
+        return None
+    rate = parse_rate(text, flag)
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise UserError(f"{flag}: cannot use {value!r}; expected a rate from 100kbit to 100gbit, e.g. 20mbit, "
+                        f"or 'none' for no cap")
+    return rate
+
+
+def parse_loss(value: str | float, flag: str = "--loss") -> float:
+    """A packet loss probability: ``0.01``, ``1%``; allowed 0 to 0.5."""
+    text = str(value).strip()
+    try:
+        loss = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        loss = math.nan
+    if not (math.isfinite(loss) and 0.0 <= loss <= 0.5):
+        raise UserError(f"{flag}: cannot use {value!r}; expected a loss probability from 0 to 0.5, e.g. 0.01 or 1%")
+    return loss
+
+
+def parse_latency(value: str | float, flag: str = "--latency-ms") -> float:
+    """A one-way latency in milliseconds, 0 to 2000."""
+    try:
+        ms = float(str(value).strip())
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and 0.0 <= ms <= MAX_LATENCY_MS):
+        raise UserError(f"{flag}: cannot use {value!r}; expected milliseconds from 0 to {MAX_LATENCY_MS:g}, e.g. 50")
+    return ms
+
+
+def parse_configs(text: str) -> list[str]:
+    """``--configs`` as a list in run order: ``unshaped`` first, ``planner`` after every configuration
+    it can take a measured step time from (``hivemind`` runs last), duplicates dropped."""
+    names: list[str] = []
+    for part in str(text).split(","):
+        name = part.strip()
+        if not name:
+            continue
+        if name not in CONFIGS:
+            raise UserError(f"--configs: unknown configuration {name!r}; choose from {','.join(CONFIGS)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise UserError(f"--configs: cannot use {text!r}; give one or more of {','.join(CONFIGS)}")
+    order = {"unshaped": 0, "recommended": 1, "diloco": 1, "planner": 2, "hivemind": 3}
+    return sorted(names, key=lambda n: order[n])
+
+
+def check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
+    """One line naming ``flag`` when ``value`` is outside ``[low, high]``."""
+    if not (isinstance(value, int | float) and math.isfinite(value) and low <= value <= high):
+        raise UserError(f"{flag}: cannot use {value!r}; expected {what} from {low:g} to {high:g}")
+
+
+@dataclass(frozen=True)
+class PlannerPick:
+    """The planner's recommendation as the settings it changes."""
+
+    h: int
+    fragments: int
+    tau: int
+    codec: str
+    predicted: float
+
+
+def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) -> SwarmConfig:
+    """The swarm descriptor of configuration ``name``: ``base`` with that configuration's changes and a
+    swarm name of its own (so configurations never meet in a DHT), validated."""
+    cfg = copy.deepcopy(base)
+    cfg.swarm = dataclasses.replace(cfg.swarm, name=f"{base.swarm.name}-{name}"[:64], bootstrap=[])
+    o = cfg.outer
+    if name == "diloco":
+        cfg.outer = dataclasses.replace(o, fragments=1, tau=0, codec="fp32", method="replace")
+    elif name == "planner":
+        if pick is None:
+            raise ValueError("the planner configuration needs the planner's pick")
+        method = "replace" if pick.tau == 0 else ("alpha" if o.method in ("replace", "eager") else o.method)
+        cfg.outer = dataclasses.replace(o, h=pick.h, fragments=pick.fragments, tau=pick.tau, codec=pick.codec,
+                                        method=method)
+    validate(cfg, f"bench swarm configuration {name!r}")
+    return cfg
+
+
+def outer_settings(cfg: SwarmConfig) -> dict:
+    """The settings that distinguish configurations, for the report."""
+    o = cfg.outer
+    return {"method": o.method, "h": o.h, "fragments": o.fragments, "tau": o.tau, "codec": o.codec,
+            "error_feedback": o.error_feedback, "group_size": cfg.network.group_size}

@@ -1,0 +1,278 @@
+"""``locoswarm bench swarm``: the pure parts (flags, failure reasons, window arithmetic, report, the
+latency proxy on loopback) and one short real run in network namespaces (skipped, with the reason,
+where namespaces cannot be made)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.bench.swarm import netns, spec
+from node.bench.swarm.proxy import DelayProxy
+from node.bench.swarm.report import FILES, summarize, write_report
+from node.bench.swarm.runner import failure_reason, node_metrics
+from node.config import load_config
+from node.errors import UserError
+from tests.swarm_util import REPO, write_config, write_corpus
+
+# ---- flags --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "bits"), [("20mbit", 20e6), ("5Mbit/s", 5e6), ("1gbit", 1e9), ("2MB/s", 16e6),
+                                             ("500kbit", 500e3)])
+def test_link_rates_parse_like_tc(text: str, bits: float) -> None:
+    assert spec.parse_link_rate(text, "--bandwidth") == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["none", "0", ""])
+def test_no_cap(text: str) -> None:
+    assert spec.parse_link_rate(text, "--bandwidth") is None
+
+
+@pytest.mark.parametrize(("text", "flag"), [("fast", "--bandwidth"), ("10kbit", "--bandwidth"), ("-5mbit", "--upload")])
+def test_bad_rate_names_flag_and_value(text: str, flag: str) -> None:
+    with pytest.raises(UserError) as err:
+        spec.parse_link_rate(text, flag)
+    assert flag in str(err.value) and repr(text) in str(err.value)
+
+
+def test_loss_latency_and_configs() -> None:
+    assert spec.parse_loss("1%") == pytest.approx(0.01)
+    assert spec.parse_loss("0.02") == pytest.approx(0.02)
+    assert spec.parse_latency("50") == 50.0
+    for bad in ("0.9", "x", "-1"):
+        with pytest.raises(UserError, match="--loss"):
+            spec.parse_loss(bad)
+    with pytest.raises(UserError, match="--latency-ms"):
+        spec.parse_latency("9999")
+    assert spec.parse_configs("planner,diloco,unshaped,diloco") == ["unshaped", "diloco", "planner"]
+    with pytest.raises(UserError, match="'fast'"):
+        spec.parse_configs("unshaped,fast")
+
+
+def test_configurations_are_valid_and_distinct() -> None:
+    base = load_config(None, ["swarm.name=b"])
+    diloco = spec.config_for("diloco", base)
+    assert (diloco.outer.fragments, diloco.outer.tau, diloco.outer.codec, diloco.outer.method) == \
+        (1, 0, "fp32", "replace")
+    planner = spec.config_for("planner", base, spec.PlannerPick(h=10, fragments=2, tau=0, codec="fp4", predicted=0.9))
+    assert (planner.outer.h, planner.outer.method) == (10, "replace")
+    assert len({c.swarm.name for c in (base, diloco, planner)}) == 3
+
+
+def test_bench_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="needs root"):
+        netns.check_possible()
+
+
+def test_bad_flag_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(tmp_path / "o"),
+                           "--bandwidth", "fast"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "'fast'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# ---- measurement arithmetic and report -----------------------------------------------------------
+
+
+def _status(uptime: float, util: float, step: int, ok: int, failed: int, sent: int, **extra) -> dict:
+    return {"uptime_s": uptime, "compute_utilization": util, "inner_step": step, "syncs_ok": ok,
+            "syncs_failed": failed, "catch_ups": 0, "bytes": {"sent": sent, "received": sent}, **extra}
+
+
+def test_window_metrics_and_failure_reasons() -> None:
+    before = _status(10.0, 0.5, 100, 1, 0, 1000)
+    after = _status(30.0, 0.65, 300, 5, 2, 41000, eval_curve=[[0, 5.0], [300, 3.0]])
+    events = [{"kind": "failed", "detail": "fragment 0 round v3: peer QmYm6oAYB4NW… sent 3 of 12 reduced chunks"},
+              {"kind": "failed", "detail": "fragment 1 round v4: peer QmAbcdefgh12… sent 1 of 12 reduced chunks"},
+              {"kind": "merged", "detail": "fragment 0 round v5 group 2"}]
+    m = node_metrics(before, after, events)
+    # compute: 0.65 * 30 - 0.5 * 10 = 14.5 s over 20 s of wall
+    assert m["utilization"] == pytest.approx(14.5 / 20)
+    assert m["steps_per_s"] == pytest.approx(10.0)
+    assert m["step_time_s"] == pytest.approx(14.5 / 200)
+    assert (m["rounds_ok"], m["rounds_failed"]) == (4, 2)
+    assert m["failure_reasons"] == {"peer <peer> sent <n> of <n> reduced chunks": 2}
+    assert m["sent_bytes_per_s"] == pytest.approx(2000.0)
+    assert m["eval_loss"] == 3.0
+    assert failure_reason({"kind": "failed", "error": "no peer in group"}) == "no peer in group"
+
+
+def test_report_files(tmp_path: Path) -> None:
+    node = {"utilization": 0.8, "steps_per_s": 5.0, "step_time_s": 0.16, "rounds_ok": 3, "rounds_failed": 1,
+            "failure_reasons": {"no peer in group": 1}, "catch_ups": 0, "sent_bytes_per_s": 1e4,
+            "received_bytes_per_s": 1e4, "eval_loss": 3.2}
+    configs = {"unshaped": {"nodes": [dict(node), {**node, "utilization": 0.9}], "predicted": 1.0,
+                            "settings": {"method": "alpha", "h": 50, "fragments": 2, "tau": 2, "codec": "fp4"}},
+               "diloco": {"nodes": [{**node, "utilization": 0.6}, {**node, "utilization": 0.45}], "predicted": 0.7,
+                          "settings": {"method": "replace", "h": 50, "fragments": 1, "tau": 0, "codec": "fp32"}},
+               "planner": {"error": "RuntimeError: boom"}}
+    table = write_report(tmp_path, {"nodes": 2, "seconds": 20, "warmup": 2, "preset": "tiny", "params": 1e6,
+                                    "link": {"description": "up 20 Mbit/s"}}, configs)
+    for name in FILES:
+        assert (tmp_path / name).stat().st_size > 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    d = doc["configs"]["diloco"]
+    assert [n["relative"] for n in d["nodes"]] == pytest.approx([0.75, 0.5])
+    assert d["summary"]["relative"] == pytest.approx(0.625)
+    assert "could not run" in table and "| diloco |" in table
+    assert (tmp_path / "swarm.png").read_bytes()[:4] == b"\x89PNG"
+    assert summarize({"x": {"nodes": []}})["x"]["summary"] is None
+
+
+# ---- the latency proxy ----------------------------------------------------------------------------
+
+
+def test_proxy_delays_each_direction_on_loopback() -> None:
+    async def scenario() -> tuple[float, float, bytes]:
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(echo, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proxy = DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_s=0.1)
+        pport = await proxy.start()
+        r, w = await asyncio.open_connection("127.0.0.1", pport)
+        t0 = time.monotonic()
+        w.write(b"ping")
+        await w.drain()
+        first = await r.readexactly(4)
+        rtt = time.monotonic() - t0
+        blob = os.urandom(2_000_000)  # throughput is not cut to one buffer per delay
+        t0 = time.monotonic()
+        w.write(blob)
+        await w.drain()
+        got = await r.readexactly(len(blob))
+        bulk = time.monotonic() - t0
+        w.close()
+        await proxy.close()
+        server.close()
+        return rtt, bulk, first + (b"ok" if got == blob else b"bad")
+
+    rtt, bulk, data = asyncio.run(scenario())
+    assert data == b"pingok"
+    assert 0.19 <= rtt < 0.6  # 100 ms each way
+    assert bulk < 2.0
+
+
+# ---- one short real run ----------------------------------------------------------------------------
+
+
+def _namespaces_reason() -> str | None:
+    try:
+        netns.check_possible()
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def _our_processes(marker: str) -> list[str]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd:
+                out.append(f"{entry.name}: {cmd[:160]}")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(520)
+def test_short_real_run_in_namespaces(tmp_path: Path) -> None:
+    reason = _namespaces_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    corpus = write_corpus(tmp_path / "data", docs=6, lines=200)
+    cfg = write_config(tmp_path / "peers.toml", outer={"method": "alpha", "h": 10, "fragments": 2, "tau": 2,
+                                                       "codec": "fp4"},
+                       network={"group_size": 4, "matchmaking_timeout": 3.0, "round_timeout": 10.0,
+                                "heartbeat_interval": 0.5})
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(out), "--nodes", "2",
+           "--configs", "unshaped,recommended", "--seconds", "12", "--warmup", "1", "--bandwidth", "20mbit",
+           "--latency-ms", "20", "--config", str(cfg), "--data", str(corpus), "--eval-every", "50",
+           "--ready-timeout", "200"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=400)  # ~170 s on this 2-core machine at load 9; more when busier
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, 15)  # the bench cleans up on SIGTERM
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    for name in FILES:
+        assert (out / name).stat().st_size > 0, name
+    doc = json.loads((out / "results.json").read_text())
+    for name in ("unshaped", "recommended"):
+        conf = doc["configs"][name]
+        assert "error" not in conf, conf.get("error")
+        assert len(conf["nodes"]) == 2
+        assert conf["files_left"] == []
+        for node in conf["nodes"]:
+            assert 0.05 < node["utilization"] <= 1.05, node
+            assert node["steps"] > 0 and node["steps_per_s"] > 0
+            assert 0.05 < node["relative"] < 3.0
+            assert node["predicted"] is not None and 0 < node["predicted"] <= 1
+    assert doc["configs"]["recommended"]["proxied"] is True
+    assert doc["configs"]["recommended"]["qdiscs"]["upload_qdisc"].startswith("qdisc tbf")
+    assert doc["configs"]["unshaped"]["summary"]["relative"] == pytest.approx(1.0)
+    assert "| recommended |" in (out / "report.md").read_text()
+    # nothing left: namespaces of that bench process, its nodes and proxies
+    assert netns.bench_namespaces(proc.pid) == []
+    assert _our_processes(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sigterm_mid_run_cleans_up(tmp_path: Path) -> None:
+    """A SIGTERM while the peers run stops them, deletes the namespaces and exits 130."""
+    reason = _namespaces_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    corpus = write_corpus(tmp_path / "data", docs=4, lines=100)
+    cfg = write_config(tmp_path / "peers.toml")
+    cmd = [sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(tmp_path / "report"), "--nodes", "2",
+           "--configs", "recommended", "--seconds", "120", "--latency-ms", "10", "--loss", "0.001",
+           "--config", str(cfg), "--data", str(corpus)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _our_processes(str(tmp_path / "data")):
+            time.sleep(0.5)
+        while time.monotonic() < deadline and len(netns.bench_namespaces(proc.pid)) < 3:
+            time.sleep(0.5)
+        assert len(netns.bench_namespaces(proc.pid)) == 3  # hub + 2 nodes
+        time.sleep(5)  # peers importing and starting: the worst moment to be interrupted
+        os.kill(proc.pid, 15)
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 130, output.decode(errors="replace")[-2000:]
+    assert netns.bench_namespaces(proc.pid) == []
+    assert _our_processes(str(tmp_path)) == []
