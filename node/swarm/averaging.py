@@ -33,6 +33,7 @@ Bytes sent and received are counted here, per peer and per fragment.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -52,7 +53,15 @@ from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.base import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    DoneFetch,
+    FetchHandle,
+    FragmentSnapshot,
+    Transport,
+)
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
 
@@ -336,6 +345,26 @@ class _Handle(AverageHandle):
         self._future.cancel()
 
 
+class _FetchHandle(FetchHandle):
+    """A catch-up download running on the transport's download thread."""
+
+    def __init__(self, future: concurrent.futures.Future[FragmentSnapshot | None]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
+        try:
+            return self._future.result(timeout)
+        except Exception as exc:  # a download that failed or was cancelled: no snapshot
+            log.warning("catch-up download failed: %s", exc)
+            return None
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+
 class SwarmTransport(Transport):
     """Averaging with peers found in the DHT (see module docstring).
 
@@ -396,6 +425,7 @@ class SwarmTransport(Transport):
         self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
+        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None  # catch-up downloads (start_fetch)
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
@@ -461,11 +491,22 @@ class SwarmTransport(Transport):
             return None
         return self._fetch(fragment, holders, version)
 
+    def start_fetch(self, fragment: int) -> FetchHandle:
+        """``fetch_fragment`` on a download thread: the training thread polls the handle and trains on."""
+        version, holders = self._newest(fragment)
+        if not holders:
+            return DoneFetch(None)
+        if self._fetcher is None:
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="catch-up")
+        return _FetchHandle(self._fetcher.submit(self._fetch, fragment, holders, version))
+
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
         if snapshot.source:
             self._offence(snapshot.source, "bad_state", reason)
 
     def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(Exception):
             self.runtime.call(self._server.stop(), timeout=5)
 
