@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 import random
+import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -425,7 +426,6 @@ class SwarmTransport(Transport):
         self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
-        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None  # catch-up downloads (start_fetch)
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
@@ -492,21 +492,30 @@ class SwarmTransport(Transport):
         return self._fetch(fragment, holders, version)
 
     def start_fetch(self, fragment: int) -> FetchHandle:
-        """``fetch_fragment`` on a download thread: the training thread polls the handle and trains on."""
+        """``fetch_fragment`` on a download thread: the training thread polls the handle and trains on. The
+        thread is a daemon (a download still running never holds up the node's exit); the outer loop runs
+        at most one download per fragment."""
         version, holders = self._newest(fragment)
         if not holders:
             return DoneFetch(None)
-        if self._fetcher is None:
-            self._fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="catch-up")
-        return _FetchHandle(self._fetcher.submit(self._fetch, fragment, holders, version))
+        future: concurrent.futures.Future[FragmentSnapshot | None] = concurrent.futures.Future()
+
+        def download() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._fetch(fragment, holders, version))
+            except BaseException as exc:  # reported by the handle's result(), never lost
+                future.set_exception(exc)
+
+        threading.Thread(target=download, name=f"catch-up-{fragment}", daemon=True).start()
+        return _FetchHandle(future)
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
         if snapshot.source:
             self._offence(snapshot.source, "bad_state", reason)
 
     def close(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(Exception):
             self.runtime.call(self._server.stop(), timeout=5)
 
