@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from node.config import RobustSection
 from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.swarm.averaging import _Reduction, form_groups, plausible_version
+from node.swarm.averaging import FLOOD_REFUSALS, SwarmTransport, _Reduction, form_groups, plausible_version
 from node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
@@ -141,3 +143,21 @@ def test_claimed_weight_is_bounded_by_max_weight() -> None:
         res = s.done.result()
         assert res.total_weight <= 100 + 100 + 150 + 1e-6 and not res.refused
     asyncio.run(run())
+
+
+def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not() -> None:
+    # The stream-cap callback on a stand-in transport: the open streams are what the server's gate says.
+    open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}
+    offences: list[tuple[str, bool]] = []
+    stub = SimpleNamespace(_server=SimpleNamespace(open_streams=lambda peer: open_now.get(peer, 0)),
+                           robust=RobustSection(max_streams_per_peer=8), _over_cap=OrderedDict(),
+                           _offence=lambda peer, kind, detail, offence: offences.append((peer, offence)))
+    for _ in range(3 * FLOOD_REFUSALS):
+        SwarmTransport._stream_refused(stub, "QmFlood", "too many streams: this peer already has 8 open")
+    for _ in range(3):  # an honest member's short burst over its cap
+        SwarmTransport._stream_refused(stub, "QmBurst", "too many streams: this peer already has 8 open")
+    for _ in range(3 * FLOOD_REFUSALS):  # refused because the server is full of others' streams
+        SwarmTransport._stream_refused(stub, "QmLate", "too many streams: the server has 80 open")
+    counted = {p: sum(1 for q, o in offences if q == p and o) for p in open_now}
+    assert counted == {"QmFlood": 3, "QmBurst": 0, "QmLate": 0}
+    assert len(offences) == 6 * FLOOD_REFUSALS + 3  # every refusal is still counted as a refusal

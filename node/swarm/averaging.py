@@ -76,6 +76,8 @@ MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's 
 MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group formed are remembered
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
 MAX_HEADER_BYTES = 64 * 1024
+FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
+MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
 # several times larger (a member that just caught up made little progress of its own, its partners a
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
@@ -441,11 +443,12 @@ class SwarmTransport(Transport):
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
         self._stream_timeout = matchmaking_timeout + round_timeout + 5.0
+        self._over_cap: OrderedDict[str, int] = OrderedDict()  # peer -> streams refused over its own cap
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
             max_streams_per_peer=self.robust.max_streams_per_peer, max_streams=64 + 4 * group_size,
-            on_refused=lambda peer, why: self._offence(peer, "streams", why, offence=False)), timeout=30)
+            on_refused=self._stream_refused), timeout=30)
 
     def _own_subkey(self) -> str:
         from node.swarm.records import dht_identity, owner_subkey
@@ -461,6 +464,20 @@ class SwarmTransport(Transport):
         self.refusals.append(f"{peer[:12]}: {kind}: {detail}")
         if self.reputation is not None:
             self.reputation.refuse(peer, kind, detail, offence=offence)
+
+    def _stream_refused(self, peer: str, why: str) -> None:
+        """A stream refused by the caps. Alone it may be an honest peer's burst, or the server being full
+        because of someone else, so it is no offence; but every ``FLOOD_REFUSALS``-th stream a peer opens
+        while it already holds its own cap is one: no honest member gets near that (it opens a few streams
+        per round), a flooder gets banned within seconds."""
+        offence = False
+        if self._server.open_streams(peer) >= self.robust.max_streams_per_peer:
+            count = self._over_cap.pop(peer, 0) + 1
+            self._over_cap[peer] = count
+            while len(self._over_cap) > MAX_TRACKED_FLOODERS:
+                self._over_cap.popitem(last=False)
+            offence = count % FLOOD_REFUSALS == 0
+        self._offence(peer, "streams", why, offence=offence)
 
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
