@@ -178,7 +178,7 @@ class Node:
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
-            latest_versions=self._latest_versions, fetch=self._catch_up_fetch,
+            latest_versions=self._latest_versions, fetch=self.state_client.fetch,
             pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight)
         self.transport.counters = self.counters
@@ -289,8 +289,6 @@ class Node:
                     self._on_sync(ev)
             else:  # ahead of the swarm's median: our clock waits for it, and nothing new is due
                 self.outer.add_tokens(batch.numel())
-                for ev in self.outer.poll(self.clock):  # a catch-up download that landed meanwhile
-                    self._on_sync(ev)
             self._realign_schedule()
             self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
             if o.eval_every and self.local_step % o.eval_every == 0:
@@ -328,7 +326,7 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-        elif ev.kind in ("refused", "diverged", "catch_up_loop"):
+        elif ev.kind in ("refused", "diverged"):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
@@ -405,16 +403,6 @@ class Node:
                     claims[pid] = int(fs.version)
         best = plausible_version(claims)
         return best, [p for p, v in claims.items() if v == best]
-
-    def _catch_up_fetch(self, fragment: int, holders: list[str], version: int):
-        """A catch-up download (run on the transport's download thread while training goes on). phi is
-        always exact. Momentum comes in bf16 (a quarter fewer bytes) where exactness is not needed: under
-        gossip (more peers than one group holds), where phis differ between groups anyway. When the whole
-        swarm fits in one group, every member holds a bit-identical phi (what "agree" in the status means);
-        a rounded momentum would make this node's next outer steps differ in the last bits for about a
-        hundred rounds, so there it stays exact."""
-        gossip = len(self.peer_table) + 1 > self.cfg.network.group_size
-        return self.state_client.fetch(fragment, holders, version, momentum="bf16" if gossip else "fp32")
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
@@ -515,8 +503,7 @@ class Node:
                           "time": hb.time} for p, hb in self.peer_table.items()},
             "spread": {str(k): v for k, v in spread.items()},
             "syncs_ok": self.outer.stats.syncs_ok - self.solo_steps, "syncs_failed": self.outer.stats.syncs_failed,
-            "catch_ups": self.outer.stats.catch_ups, "catch_up_loops": self.outer.stats.catch_up_loops,
-            "solo_steps": self.solo_steps,
+            "catch_ups": self.outer.stats.catch_ups, "solo_steps": self.solo_steps,
             "consensus": {"rounds": self.outer.stats.consensus_rounds,
                           "last_shift": self.outer.stats.last_consensus_shift},
             "bytes": {"sent": self.counters.total_sent, "received": self.counters.total_received,

@@ -1,18 +1,10 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class MomentumEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    MOMENTUM_FP32: _ClassVar[MomentumEncoding]
-    MOMENTUM_BF16: _ClassVar[MomentumEncoding]
-MOMENTUM_FP32: MomentumEncoding
-MOMENTUM_BF16: MomentumEncoding
 
 class FragmentStatus(_message.Message):
     __slots__ = ("fragment", "version", "phi_hash", "phi_norm", "last_send")
@@ -147,21 +139,19 @@ class AverageReply(_message.Message):
     def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "momentum_encoding")
+    __slots__ = ("fingerprint", "fragment", "offset", "min_version")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
-    MOMENTUM_ENCODING_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     offset: int
     min_version: int
-    momentum_encoding: MomentumEncoding
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., momentum_encoding: _Optional[_Union[MomentumEncoding, str]] = ...) -> None: ...
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "momentum_encoding")
+    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -169,7 +159,6 @@ class StateChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PHI_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
-    MOMENTUM_ENCODING_FIELD_NUMBER: _ClassVar[int]
     error: str
     fragment: int
     version: int
@@ -177,5 +166,4 @@ class StateChunk(_message.Message):
     offset: int
     phi: bytes
     momentum: bytes
-    momentum_encoding: MomentumEncoding
-    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., momentum_encoding: _Optional[_Union[MomentumEncoding, str]] = ...) -> None: ...
+    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ...) -> None: ...

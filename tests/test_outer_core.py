@@ -36,7 +36,7 @@ from node.core.robust import make_aggregator
 from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
 from node.model import build_model
 from node.partition import partition
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, Transport
 from node.transport.inprocess import HEADER_BYTES, InProcessHub
 from node.transport.reduce import part_ranges
 from node.transport.reduce import reduce_group as _reduce_group
@@ -427,32 +427,13 @@ class _FailedHandle(AverageHandle):
         return AverageResult.failed("scripted drop")
 
 
-class HeldFetch(FetchHandle):
-    """A download that has its snapshot (taken when it started) but lands only when the test says so: a
-    download slower than the node's rounds."""
-
-    def __init__(self, snapshot: FragmentSnapshot | None) -> None:
-        self.snapshot = snapshot
-        self.landed = False
-
-    def done(self) -> bool:
-        return self.landed
-
-    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
-        assert self.landed, "the core waited for a download that has not landed"
-        return self.snapshot
-
-
 class RecordingTransport(Transport):
-    """Delegates to the hub, records every request and handle; drops the rounds in ``drop_rounds``. With
-    ``hold_fetches``, catch-up downloads are ``HeldFetch``es, recorded in ``fetches``."""
+    """Delegates to the hub, records every request and handle; drops the rounds in ``drop_rounds``."""
 
-    def __init__(self, inner: Transport, drop_rounds: set[int] | None = None, hold_fetches: bool = False) -> None:
+    def __init__(self, inner: Transport, drop_rounds: set[int] | None = None) -> None:
         self.inner = inner
         self.drop_rounds = drop_rounds or set()
         self.calls: list[tuple[AverageRequest, AverageHandle]] = []
-        self.hold_fetches = hold_fetches
-        self.fetches: list[HeldFetch] = []
 
     def start_average(self, request: AverageRequest) -> AverageHandle:
         handle = _FailedHandle() if request.round in self.drop_rounds else self.inner.start_average(request)
@@ -464,12 +445,6 @@ class RecordingTransport(Transport):
 
     def fetch_fragment(self, fragment: int):
         return self.inner.fetch_fragment(fragment)
-
-    def start_fetch(self, fragment: int) -> FetchHandle:
-        if not self.hold_fetches:
-            return self.inner.start_fetch(fragment)
-        self.fetches.append(HeldFetch(self.inner.fetch_fragment(fragment)))
-        return self.fetches[-1]
 
 
 def _outer(**kw) -> OuterSection:
@@ -484,14 +459,12 @@ class Swarm:
 
     def __init__(self, base: torch.nn.Module, n: int, outer: OuterSection, *, drop_prob: float = 0.0,
                  seed: int = 0, drops: dict[int, set[int]] | None = None,
-                 expected_group_size: int | None = None, group_size: int | None = None,
-                 fetch_on_flush: bool = False, hold_fetches: bool = False) -> None:
+                 expected_group_size: int | None = None, group_size: int | None = None) -> None:
         self.hub = InProcessHub(get_codec(outer.codec, outer.block_size), group_size or n, seed=seed,
-                                drop_prob=drop_prob, fetch_on_flush=fetch_on_flush)
+                                drop_prob=drop_prob)
         self.fragments = partition(base, outer.fragments)
         self.models = [copy.deepcopy(base) for _ in range(n)]
-        self.transports = [RecordingTransport(self.hub.transport(i), (drops or {}).get(i), hold_fetches)
-                           for i in range(n)]
+        self.transports = [RecordingTransport(self.hub.transport(i), (drops or {}).get(i)) for i in range(n)]
         self.loops = [OuterLoop(m, self.fragments, outer, tr, expected_group_size=expected_group_size or n)
                       for m, tr in zip(self.models, self.transports, strict=True)]
         for i, loop in enumerate(self.loops):
@@ -617,64 +590,14 @@ def test_failed_sync_is_atomic_and_tokens_carry_over(base_model) -> None:
     assert sum(loop.stats.syncs_failed for loop in swarm.loops) == n_failed
 
 
-def test_behind_worker_sends_on_time_and_catches_up_when_the_download_lands(base_model) -> None:
-    # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. Downloads complete at the hub's flush,
-    # like a download that takes a while; tau = 1 lets us look between send and merge of the step-4 sync.
-    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}}, fetch_on_flush=True)
-    for t in range(1, 4):
-        swarm.step(t)
-    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
-    assert not torch.equal(swarm.phi(2), swarm.phi(0))
-    swarm.train()
-    phi_old, theta_old = swarm.phi(2), swarm.theta(2)
-    momentum_old = swarm.loops[2].states[0].momentum.clone()
-    for loop in swarm.loops:
-        loop.collect(4)
-    events = [loop.send(4) for loop in swarm.loops]
-    # (a) the behind worker sends on time, from the phi it has, while its download is in flight ...
-    assert [e.kind for e in events[2]] == ["sent"]
-    fetch = swarm.loops[2].fetches[0]
-    assert not fetch.handle.done() and fetch.started == 4
-    req = swarm.transports[2].calls[-1][0]
-    assert req.version == 0 and req.weight == 40.0  # the dropped round's tokens ride along
-    assert_close(decode_chunks(get_codec("fp32"), req.chunks, req.numel), phi_old - theta_old, atol=1e-6, rtol=0)
-    # ... and keeps training: nothing waits for the download, nothing changes until it lands.
-    swarm.train()
-    assert swarm.loops[2].poll(4) == []
-    assert torch.equal(swarm.phi(2), phi_old) and swarm.loops[2].version(0) == 0
-    swarm.hub.flush()  # the round and the download complete
-    assert fetch.handle.done()
-    assert swarm.loops[2].collect(4) == []  # landed, but the fragment's sync is in flight: it waits for it
-    assert swarm.loops[2].version(0) == 0 and torch.equal(swarm.loops[2].states[0].momentum, momentum_old)
-
-    # Step 5: the round merges everywhere (worker 2 on its stale phi), then the download lands on worker 2:
-    # replaying the round on it gives exactly the group's phi and momentum, and the progress made since the
-    # send rides on it.
-    swarm.train()
-    theta_now = swarm.theta(2)
-    events = [loop.collect(5) for loop in swarm.loops]
-    assert [e.kind for e in events[0]] == ["merged"]
-    assert [e.kind for e in events[2]] == ["merged", "caught_up"]
-    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
-    assert torch.equal(swarm.phi(2), swarm.phi(0))
-    assert torch.equal(swarm.loops[2].states[0].momentum, swarm.loops[0].states[0].momentum)
-    assert not swarm.loops[2].fetches
-    # rebase keeps the progress made since the send (theta_old is theta at the send): on the group's phi
-    assert_close(swarm.theta(2), swarm.phi(2) - (theta_old - theta_now), atol=1e-6, rtol=0)
-    for t in (6, 7, 8):
-        events = swarm.step(t)
-        assert not any(_kinds(ev, "caught_up") or _kinds(ev, "failed") for ev in events)
-    assert [loop.version(0) for loop in swarm.loops] == [3, 3, 3]
-    assert torch.equal(swarm.phi(2), swarm.phi(0))
-    assert swarm.loops[2].stats.catch_ups == 1 and swarm.loops[2].stats.catch_up_loops == 0
-
-
-def test_behind_worker_with_a_synchronous_fetch_catches_up_before_sending(base_model) -> None:
-    # A transport whose download is done at once (the default of start_fetch): it lands before the send.
+def test_behind_worker_catches_up_before_sending(base_model) -> None:
+    # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
+    # and merge of the step-4 sync.
     swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
     for t in range(1, 4):
         swarm.step(t)
     assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    assert not torch.equal(swarm.phi(2), swarm.phi(0))
     swarm.train()
     phi_old, theta_old = swarm.phi(2), swarm.theta(2)
     for loop in swarm.loops:
@@ -695,52 +618,6 @@ def test_behind_worker_with_a_synchronous_fetch_catches_up_before_sending(base_m
         swarm.step(t)
     assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
     assert swarm.loops[2].stats.catch_ups == 1
-
-
-def test_a_download_slower_than_the_rounds_never_makes_the_node_miss_one(base_model) -> None:
-    # Worker 2 misses round 2; its download then takes three rounds' time. Meanwhile it sends every round
-    # on time and every one merges; when the download lands, the rounds merged meanwhile are replayed on
-    # it: exactly the peers' phi and momentum, with the local progress carried over. One catch-up, no loop.
-    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=0), drops={2: {2}}, hold_fetches=True)
-    for t in range(1, 4):
-        swarm.step(t)
-    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
-    for t in range(4, 10):
-        events = swarm.step(t)
-        if t % 2 == 0:
-            assert [e.kind for e in events[2]] == ["sent", "merged"], (t, events[2])  # (a) on time, merged
-            assert {e.group_size for e in _kinds(events[2], "merged")} == {3}
-    assert len(swarm.transports[2].fetches) == 1  # one download, still in flight
-    assert swarm.loops[2].version(0) == 3 and swarm.loops[0].version(0) == 4
-    assert not torch.equal(swarm.phi(2), swarm.phi(0))
-    phi_stale, theta_before = swarm.phi(2), swarm.theta(2)
-    swarm.transports[2].fetches[0].landed = True
-    events = swarm.loops[2].poll(9)
-    assert [e.kind for e in events] == ["caught_up"]
-    assert swarm.loops[2].version(0) == swarm.loops[0].version(0) == 4
-    assert torch.equal(swarm.phi(2), swarm.phi(0))
-    assert torch.equal(swarm.loops[2].states[0].momentum, swarm.loops[0].states[0].momentum)
-    assert_close(swarm.theta(2), swarm.phi(2) - (phi_stale - theta_before), atol=1e-6, rtol=0)
-    events = swarm.step(10)
-    assert [e.kind for e in events[2]] == ["sent", "merged"]
-    assert torch.equal(swarm.phi(2), swarm.phi(0))
-    assert swarm.loops[2].stats.catch_ups == 1 and swarm.loops[2].stats.catch_up_loops == 0
-
-
-def test_two_catch_ups_without_a_merged_round_between_are_a_catch_up_loop(base_model) -> None:
-    # Worker 2's rounds 2 and 4 fail: it catches up at 4 (round 2 missed), fails round 4, catches up again
-    # at 6 with no merged round since: a loop. Round 6 merges; a catch-up after that (round 10 missed) is not.
-    swarm = Swarm(base_model, 3, _outer(h=2, tau=0), drops={2: {2, 4, 10}})
-    events = {t: swarm.step(t)[2] for t in range(1, 13)}
-    kinds = {t: [e.kind for e in evs] for t, evs in events.items()}
-    assert kinds[4] == ["caught_up", "sent", "failed"]
-    assert kinds[6] == ["caught_up", "catch_up_loop", "sent", "merged"]
-    assert kinds[12] == ["caught_up", "sent", "merged"]
-    assert sum(k.count("catch_up_loop") for k in kinds.values()) == 1
-    loop = _kinds(events[6], "catch_up_loop")[0]
-    assert loop.fragment == 0 and loop.step == 6 and loop.version == 2
-    assert "since the previous catch-up at step 4" in loop.error
-    assert swarm.loops[2].stats.catch_up_loops == 1 and swarm.loops[2].stats.catch_ups == 3
 
 
 def test_stats_bytes_equal_results_and_reduce_pattern(base_model) -> None:

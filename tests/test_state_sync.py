@@ -24,7 +24,6 @@ from node.swarm import state_sync, wire
 from node.swarm.state_sync import (
     CHUNK_ELEMS,
     MAX_CHUNK_BYTES,
-    MOMENTUM_ENCODINGS,
     STATE_HANDLER,
     StateClient,
     StateRateLimiter,
@@ -116,9 +115,8 @@ def _server(swarm: Swarm, p2p: P2P, book: Book, *, live: Callable[[str], bool] =
                        is_banned=banned, on_refused=book.refuse, **kw)
 
 
-def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP,
-            counters: ByteCounters | None = None) -> StateClient:
-    return StateClient(Runtime(swarm.loop, swarm.client), fingerprint, counters or ByteCounters(), timeout=timeout,
+def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP) -> StateClient:
+    return StateClient(Runtime(swarm.loop, swarm.client), fingerprint, ByteCounters(), timeout=timeout,
                        expected_numel=_numel, on_bad=book.on_bad)
 
 
@@ -149,45 +147,6 @@ def test_round_trip_sets_the_source_and_refuses_what_cannot_be_served(swarm):
         assert server.served == 5
     finally:
         server.close()
-
-
-def test_bf16_momentum_is_exact_phi_and_rounded_momentum_in_fewer_bytes(swarm):
-    """A catch-up asks for momentum in bf16: phi arrives bit-exact, momentum rounded to bf16, and the
-    download is about a quarter smaller than the exact one."""
-    book = Book()
-    snaps = _snaps()
-    server = _server(swarm, swarm.good, book, snaps=snaps)
-    good = swarm.id(swarm.good)
-    exact_bytes, half_bytes = ByteCounters(), ByteCounters()
-    try:
-        exact = _client(swarm, book, counters=exact_bytes).fetch(1, [good], min_version=6)
-        half = _client(swarm, book, counters=half_bytes).fetch(1, [good], min_version=6, momentum="bf16")
-        assert exact is not None and _same(exact, snaps[1])
-        assert half is not None and half.version == 6 and half.source == good
-        assert torch.equal(half.phi, snaps[1].phi)  # phi stays exact
-        assert half.momentum.dtype == torch.float32
-        assert torch.equal(half.momentum, snaps[1].momentum.to(torch.bfloat16).float())
-        assert not torch.equal(half.momentum, snaps[1].momentum)
-        ratio = half_bytes.received_bytes / exact_bytes.received_bytes
-        print(f"\n[state] bf16 momentum: {half_bytes.received_bytes} B vs {exact_bytes.received_bytes} B fp32 "
-              f"({ratio:.3f})")
-        assert 0.74 < ratio < 0.76
-        with pytest.raises(ValueError, match="fp8"):
-            swarm.run(_client(swarm, book).fetch_async(1, [good], momentum="fp8"))
-        assert book.bad == []
-    finally:
-        server.close()
-
-
-def test_a_server_sends_fp32_momentum_where_bf16_would_not_be_finite():
-    big = torch.tensor([1.0, 3.4e38, -2.0])  # finite in fp32, rounds to inf in bf16
-    data, encoding = state_sync._momentum_bytes(big, swarm_pb2.MOMENTUM_BF16)
-    assert encoding == swarm_pb2.MOMENTUM_FP32 and torch.equal(state_sync._from_bytes(data), big)
-    data, encoding = state_sync._momentum_bytes(big[:1], swarm_pb2.MOMENTUM_BF16)
-    assert encoding == swarm_pb2.MOMENTUM_BF16 and len(data) == 2
-    _, encoding = state_sync._momentum_bytes(big[:1], 7)  # an encoding this server does not know: fp32
-    assert encoding == swarm_pb2.MOMENTUM_FP32
-    assert set(MOMENTUM_ENCODINGS) == {"fp32", "bf16"}
 
 
 def test_stream_cap_refusals_are_retried_not_counted(swarm):
@@ -318,13 +277,11 @@ _hostile_names = itertools.count()
 
 
 def _chunk(req: swarm_pb2.StateRequest, offset: int, count: int, *, version: int = 9, numel: int = NUMEL,
-           value: float = 0.5, mom_count: int | None = None, encoding: int = 0,
-           mom_value: float = 0.0, mom_dtype: torch.dtype = torch.float32) -> swarm_pb2.StateChunk:
+           value: float = 0.5, mom_count: int | None = None) -> swarm_pb2.StateChunk:
     phi = torch.full((count,), value).numpy().tobytes()
-    mom = torch.full((count if mom_count is None else mom_count,), mom_value, dtype=mom_dtype)
-    mom_bytes = mom.view(torch.int16).numpy().tobytes() if mom_dtype == torch.bfloat16 else mom.numpy().tobytes()
+    mom = torch.zeros(count if mom_count is None else mom_count).numpy().tobytes()
     return swarm_pb2.StateChunk(fragment=req.fragment, version=version, numel=numel, offset=offset, phi=phi,
-                                momentum=mom_bytes, momentum_encoding=encoding)
+                                momentum=mom)
 
 
 def _complete(req: swarm_pb2.StateRequest, **bad) -> list[swarm_pb2.StateChunk]:
@@ -358,8 +315,6 @@ def _hostile_chunks(mode: str, req: swarm_pb2.StateRequest) -> list[swarm_pb2.St
         "oversize": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
                                           phi=bytes(MAX_CHUNK_BYTES), momentum=bytes(MAX_CHUNK_BYTES))],
         "ends_early": [first],
-        "unasked_bf16": _complete(req, encoding=swarm_pb2.MOMENTUM_BF16, mom_dtype=torch.bfloat16),
-        "unknown_encoding": _complete(req, encoding=7),
     }[mode]
 
 
@@ -381,29 +336,6 @@ HOSTILE = {
     "other_fragment": ("bad_state", "sent fragment 1 for fragment 0"),
     "oversize": ("bad_stream", "exceeds the limit of"),
     "ends_early": ("bad_state", f"the stream ended at {CHUNK_ELEMS}/{NUMEL}"),
-    "unasked_bf16": ("bad_state", "momentum encoding 1 was not asked for (asked 0)"),
-    "unknown_encoding": ("bad_state", "momentum encoding 7 was not asked for (asked 0)"),
-}
-
-
-def _hostile_bf16_chunks(mode: str, req: swarm_pb2.StateRequest) -> list[swarm_pb2.StateChunk]:
-    """What a hostile holder answers a request that accepts bf16 momentum."""
-    bf16 = {"encoding": swarm_pb2.MOMENTUM_BF16, "mom_dtype": torch.bfloat16}
-    return {
-        "fp32_bytes_labelled_bf16": _complete(req, encoding=swarm_pb2.MOMENTUM_BF16),  # 4 bytes a value
-        "bf16_bytes_labelled_fp32": _complete(req, mom_dtype=torch.bfloat16),         # 2 bytes a value
-        "nan_bf16": _complete(req, mom_value=float("nan"), **bf16),
-        "inf_bf16": _complete(req, mom_value=float("inf"), **bf16),
-        "short_bf16": _complete(req, mom_count=CHUNK_ELEMS - 1, **bf16),
-    }[mode]
-
-
-HOSTILE_BF16 = {
-    "fp32_bytes_labelled_bf16": f"{4 * CHUNK_ELEMS} bytes of phi, {4 * CHUNK_ELEMS} of momentum (2 bytes a value)",
-    "bf16_bytes_labelled_fp32": f"{4 * CHUNK_ELEMS} bytes of phi, {2 * CHUNK_ELEMS} of momentum (4 bytes a value)",
-    "nan_bf16": f"momentum at {CHUNK_ELEMS} has {CHUNK_ELEMS} non-finite value(s)",
-    "inf_bf16": f"momentum at {CHUNK_ELEMS} has {CHUNK_ELEMS} non-finite value(s)",
-    "short_bf16": f"{4 * CHUNK_ELEMS} bytes of phi, {2 * CHUNK_ELEMS - 2} of momentum (2 bytes a value)",
 }
 
 
@@ -431,32 +363,6 @@ def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode):
         print(f"\n[state] {mode}: refused {bad_id[:12]}: {book.bad[0][2]}")
         # With no honest holder left, the download fails cleanly (no exception, nothing half-applied).
         assert _client(swarm, book, timeout=5).fetch(0, [bad_id]) is None
-    finally:
-        swarm.run(bad.stop())
-        honest.close()
-
-
-@pytest.mark.parametrize("mode", sorted(HOSTILE_BF16))
-def test_a_hostile_holder_of_bf16_momentum_is_refused_and_the_next_holder_serves(swarm, mode):
-    book = Book()
-    snaps = _snaps(seed=5)
-    honest = _server(swarm, swarm.good, book, snaps=snaps)
-
-    async def hostile(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
-        req = await anext(requests)
-        assert req.momentum_encoding == swarm_pb2.MOMENTUM_BF16
-        for chunk in _hostile_bf16_chunks(mode, req):
-            yield chunk
-
-    bad = swarm.run(wire.serve(swarm.other, STATE_HANDLER, hostile, swarm_pb2.StateRequest,
-                               max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
-    bad_id, good_id = swarm.id(swarm.other), swarm.id(swarm.good)
-    try:
-        got = _client(swarm, book).fetch(0, [bad_id, good_id], min_version=5, momentum="bf16")
-        assert got is not None and got.source == good_id and torch.equal(got.phi, snaps[0].phi)
-        assert torch.equal(got.momentum, snaps[0].momentum.to(torch.bfloat16).float())
-        assert [(peer, k) for peer, k, _ in book.bad] == [(bad_id, "bad_state")]
-        assert HOSTILE_BF16[mode] in book.bad[0][2], book.bad[0][2]
     finally:
         swarm.run(bad.stop())
         honest.close()

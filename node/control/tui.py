@@ -22,8 +22,7 @@ from rich.text import Text
 SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
 EVENT_STYLES = {"failed": "bold red", "timed_out": "bold red", "peer_left": "yellow", "peer_joined": "green",
-                "joined": "green", "resumed": "cyan", "caught_up": "cyan", "catch_up_loop": "bold yellow",
-                "merged": "dim"}
+                "joined": "green", "resumed": "cyan", "caught_up": "cyan", "merged": "dim"}
 
 
 # ---- formatting -----------------------------------------------------------------------------------

@@ -7,18 +7,9 @@ workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``coll
    complete result gets the Nesterov outer step on (phi_p, b_p), then the method's merge rule sets
    theta_p. A failed result changes nothing: the local progress stays in theta_p and the next sync of
    the fragment carries it (weighted by all the tokens it represents).
-2. ``send``: every fragment the schedule names at ``t`` is sent: Delta_p = phi_p - theta_p (+ error
-   feedback), encode, snapshot theta_p, start the asynchronous average. If peers hold a newer version,
-   a download of theirs (phi_p, b_p) starts first, in the background: the node sends on time with the
-   phi it has and keeps training (see "Catching up" below).
-
-Catching up. A node that fell behind never waits for the download: waiting made it late for the round it
-was catching up for, so it missed that one too and fell behind again (a catch-up loop). ``collect`` (every
-inner step) applies a download once it has landed and no sync of its fragment is in flight: the guard
-checks it, the group rounds this node merged meanwhile are replayed on it (they were outer steps on this
-node's stale phi; on the download they are the steps its peers took), and the local progress is rebased
-onto the result (delay-compensated under ``compensate``), as a blocking catch-up did. Two catch-ups of a
-fragment with no merged round in between are reported as a "catch_up_loop" event.
+2. ``send``: every fragment the schedule names at ``t`` is sent: catch up first if peers hold a newer
+   version (fetch phi_p, b_p and rebase the local progress onto them), then Delta_p = phi_p - theta_p
+   (+ error feedback), encode, snapshot theta_p, start the asynchronous average.
 
 ``eager`` differs (tau = H): at a send, its own fresh Delta and the late group average of the
 previous round form the outer gradient (see ``node.core.merge``), theta_p <- phi_p, and the fresh
@@ -48,19 +39,12 @@ from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
 from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
-from node.transport.base import (
-    AverageHandle,
-    AverageRequest,
-    AverageResult,
-    FetchHandle,
-    FragmentSnapshot,
-    Transport,
-)
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 
 
 @dataclass
 class SyncEvent:
-    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "catch_up_loop" | "refused" | "diverged"
+    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "refused" | "diverged"
     fragment: int
     step: int
     version: int
@@ -80,7 +64,6 @@ class OuterStats:
     syncs_ok: int = 0
     syncs_failed: int = 0
     catch_ups: int = 0
-    catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its previous one
     refused: int = 0                      # results or snapshots the guards refused
     consensus_rounds: int = 0
     last_consensus_shift: float = 0.0     # |phi_bar - phi| / |phi| of the last consensus round
@@ -104,17 +87,6 @@ class _Pending:
     own_share: float = 0.0
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
-
-
-@dataclass
-class _Fetch:
-    """A catch-up download of one fragment, running while the node trains (``OuterLoop._catch_up``)."""
-
-    handle: FetchHandle
-    started: int                 # swarm step it started at
-    # Group rounds of the fragment this node merged while it ran: (the group's version before the round,
-    # the group's average). Replayed on the download, whose phi is the one the group stepped from.
-    replay: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class OuterLoop:
@@ -145,8 +117,6 @@ class OuterLoop:
         # Fragments whose phi left the group's (this node was a version ahead of its round's members):
         # the next send first takes the group's phi at the same version (``_catch_up``).
         self._resync: set[int] = set()
-        self.fetches: dict[int, _Fetch] = {}            # catch-up downloads in flight, by fragment
-        self._caught_up_at: dict[int, int] = {}         # fragment -> step of a catch-up not followed by a merge
         self.consensus = PhiConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
@@ -198,19 +168,6 @@ class OuterLoop:
                 continue  # eager consumes its late result at the next send of the fragment
             del self.pending[p]
             events.append(self._merge(self.states[p], pend, self._wait(pend), step))
-        return events + self.poll(step)
-
-    def poll(self, step: int) -> list[SyncEvent]:
-        """Apply every catch-up download that has landed, of fragments with no sync in flight (``collect``
-        calls it; a driver whose clock stands still calls it between inner steps). A download that lands
-        while a sync of its fragment is in flight waits for that sync's result: the result is an outer step
-        on this node's (stale) phi, and once merged it is replayed on the download (``_land``), so neither
-        the round nor the download is lost and nothing needs undoing."""
-        events = []
-        for p in sorted(self.fetches):
-            if p in self.pending or not self.fetches[p].handle.done():
-                continue
-            events += self._land(self.states[p], self.fetches.pop(p), step)
         return events
 
     def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
@@ -410,8 +367,6 @@ class OuterLoop:
                 return self._refused(st, step, res, pend.sent_step, reason)
             return self._event("failed", st, step, res, pend.sent_step)
         self._follow_group(st, res)
-        self._record_for_replay(st, res)
-        self._caught_up_at.pop(st.index, None)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
         theta = st.theta()
@@ -493,49 +448,24 @@ class OuterLoop:
 
     # ---- catching up ----------------------------------------------------------------------------
     def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:
-        """Before a send: start downloading a newer phi_p (or, after ``_follow_group``, the group's phi at this
-        version) when peers hold one. A download that is already done (a transport that fetches at once) is
-        applied now, so the send carries the new version; one still running is applied by ``poll`` once it
-        lands, and this send goes out on time from the phi this node has."""
-        if st.index not in self.fetches and self.transport.latest_version(st.index) >= self._least(st):
-            self.fetches[st.index] = _Fetch(self.transport.start_fetch(st.index), step)
-        fetch = self.fetches.get(st.index)
-        if fetch is None or not fetch.handle.done():
+        """Fetch a newer phi_p from peers (or, after ``_follow_group``, the group's phi at this version)
+        and carry the local progress onto it (delay-compensated)."""
+        least = st.version if st.index in self._resync else st.version + 1
+        if self.transport.latest_version(st.index) < least:
             return []
-        del self.fetches[st.index]
-        return self._land(st, fetch, step)
-
-    def _least(self, st: FragmentState) -> int:
-        """The version a download must bring: a newer one, or the same one when this node's phi left the
-        group's (``_follow_group``)."""
-        return st.version if st.index in self._resync else st.version + 1
-
-    def _record_for_replay(self, st: FragmentState, res: AverageResult) -> None:
-        """A group round merged while a download of the fragment runs: keep its average for ``_replay``."""
-        fetch = self.fetches.get(st.index)
-        if fetch is not None and res.average is not None:
-            fetch.replay.append((res.max_version, res.average.detach().clone()))
-
-    def _land(self, st: FragmentState, fetch: _Fetch, step: int) -> list[SyncEvent]:
-        """A download has landed: check it (a refused one changes nothing and is held against its source),
-        replay the rounds merged meanwhile, and if the result is newer than this node's version, take it and
-        carry the local progress onto it (delay-compensated under ``compensate``, else rebased)."""
-        snap = fetch.handle.result(timeout=0)
-        if snap is None or snap.version + len(fetch.replay) < self._least(st):
-            return []  # nobody served it, or it cannot be newer: the next send looks again
+        snap = self.transport.fetch_fragment(st.index)
+        if snap is None or snap.version < least:
+            return []
         reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits)
         if reason is not None:
             self.transport.reject_snapshot(snap, reason)
             self.stats.refused += 1
             return [SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {reason}")]
-        phi, momentum, version = self._replay(snap, fetch.replay, st.phi.device)
-        if version < self._least(st):
-            return []
         theta = st.theta()
         phi_old = st.phi.clone()
-        st.phi.copy_(phi)
-        st.momentum.copy_(momentum)
-        st.version = version
+        st.phi.copy_(snap.phi.to(st.phi.device))
+        st.momentum.copy_(snap.momentum.to(st.momentum.device))
+        st.version = snap.version
         self._resync.discard(st.index)
         if self.cfg.method == "compensate":
             new = merge_compensate(theta, st.phi, phi_old, self.cfg.lambda0, st.bounds)
@@ -543,39 +473,7 @@ class OuterLoop:
             new = merge_rebase(theta, st.phi, phi_old)
         st.set_theta(new)
         self.stats.catch_ups += 1
-        return [SyncEvent("caught_up", st.index, step, st.version), *self._loop_event(st, fetch, step)]
-
-    def _replay(self, snap: FragmentSnapshot, replay: list[tuple[int, torch.Tensor]],
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The downloaded (phi, momentum, version) advanced by the group rounds merged while it ran: a round
-        whose group stepped from the download's version is applied to it (the step the group took); rounds
-        the download already includes are skipped; replaying stops at a gap (or a step the guard refuses),
-        leaving an older version that may then be no newer than this node's."""
-        phi, momentum, version = snap.phi.to(device).clone(), snap.momentum.to(device).clone(), snap.version
-        for base, average in replay:
-            if base < version:
-                continue
-            if base > version:
-                break
-            average = average.to(device)
-            new_phi, new_momentum = phi.clone(), momentum.clone()
-            self.optimizer.step(new_phi, new_momentum, average)
-            if check_outer_step(phi, momentum, new_phi, new_momentum, average, self.limits) is not None:
-                break
-            phi, momentum, version = new_phi, new_momentum, version + 1
-        return phi, momentum, version
-
-    def _loop_event(self, st: FragmentState, fetch: _Fetch, step: int) -> list[SyncEvent]:
-        """A "catch_up_loop" event when the fragment caught up before and merged no round since: the node
-        falls behind as fast as it catches up (a download slower than the rounds, or rounds that keep failing)."""
-        previous = self._caught_up_at.get(st.index)
-        self._caught_up_at[st.index] = step
-        if previous is None:
-            return []
-        self.stats.catch_up_loops += 1
-        return [SyncEvent("catch_up_loop", st.index, step, st.version,
-                          error=f"caught up again (download started at step {fetch.started}) with no merged round "
-                                f"since the previous catch-up at step {previous}")]
+        return [SyncEvent("caught_up", st.index, step, st.version)]
 
     def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
         """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With

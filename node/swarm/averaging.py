@@ -33,13 +33,11 @@ Bytes sent and received are counted here, per peer and per fragment.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
 import math
 import random
-import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -54,15 +52,7 @@ from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from node.transport.base import (
-    AverageHandle,
-    AverageRequest,
-    AverageResult,
-    DoneFetch,
-    FetchHandle,
-    FragmentSnapshot,
-    Transport,
-)
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
 
@@ -348,26 +338,6 @@ class _Handle(AverageHandle):
         self._future.cancel()
 
 
-class _FetchHandle(FetchHandle):
-    """A catch-up download running on the transport's download thread."""
-
-    def __init__(self, future: concurrent.futures.Future[FragmentSnapshot | None]) -> None:
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
-        try:
-            return self._future.result(timeout)
-        except Exception as exc:  # a download that failed or was cancelled: no snapshot
-            log.warning("catch-up download failed: %s", exc)
-            return None
-
-    def cancel(self) -> None:
-        self._future.cancel()
-
-
 class SwarmTransport(Transport):
     """Averaging with peers found in the DHT (see module docstring).
 
@@ -507,26 +477,6 @@ class SwarmTransport(Transport):
         if not holders:
             return None
         return self._fetch(fragment, holders, version)
-
-    def start_fetch(self, fragment: int) -> FetchHandle:
-        """``fetch_fragment`` on a download thread: the training thread polls the handle and trains on. The
-        thread is a daemon (a download still running never holds up the node's exit); the outer loop runs
-        at most one download per fragment."""
-        version, holders = self._newest(fragment)
-        if not holders:
-            return DoneFetch(None)
-        future: concurrent.futures.Future[FragmentSnapshot | None] = concurrent.futures.Future()
-
-        def download() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(self._fetch(fragment, holders, version))
-            except BaseException as exc:  # reported by the handle's result(), never lost
-                future.set_exception(exc)
-
-        threading.Thread(target=download, name=f"catch-up-{fragment}", daemon=True).start()
-        return _FetchHandle(future)
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
         if snapshot.source:

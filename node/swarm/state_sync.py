@@ -1,13 +1,10 @@
 """Outer-state download between peers: how a joining node (or one that fell behind) gets phi and b.
 
-The server answers a ``StateRequest`` for one fragment with a stream of ``StateChunk``s (phi in fp32,
-momentum in fp32 or, when the request accepts it, bf16; 64 Ki elements per message) from an immutable
-snapshot, so a download never sees a half-applied outer step. phi is always exact: a node's next
-pseudo-gradient is taken against it. Momentum only shapes later outer steps, so a catch-up may take it in
-bf16 (a quarter fewer bytes in all); each chunk says which encoding it carries, and a server sends fp32
-for a chunk whose bf16 rounding would not be finite. The client is resumable: when a peer fails
-mid-stream it continues from the last element received with another peer holding the same version. A
-joiner spreads its fragments over several peers.
+The server answers a ``StateRequest`` for one fragment with a stream of ``StateChunk``s (fp32 phi and
+momentum, 64 Ki elements per message) from an immutable snapshot, so a download never sees a
+half-applied outer step. The client is resumable: when a peer fails mid-stream it continues from the
+last element received with another peer holding the same version. A joiner spreads its fragments
+over several peers.
 
 Both ends use the bounded framing of ``node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
 chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
@@ -20,10 +17,9 @@ reported to ``on_refused``; only the refusals a peer earned (too many requests, 
 count as offences.
 
 The client trusts nothing it downloads: each chunk must be the next one (no gap, no overlap), of the
-fragment and version asked for, finite, its momentum in fp32 or the encoding asked for with exactly the
-bytes that encoding takes, and the whole must be exactly the size this node expects for the fragment. A
-source that breaks a rule is reported to ``on_bad``, everything it sent is dropped, and the download
-starts over with the next holder. Refusals that pass with time (not live yet, too many streams)
+fragment and version asked for, finite, and the whole must be exactly the size this node expects for the
+fragment. A source that breaks a rule is reported to ``on_bad``, everything it sent is dropped, and the
+download starts over with the next holder. Refusals that pass with time (not live yet, too many streams)
 are retried with a backoff until the client's timeout.
 """
 
@@ -53,7 +49,7 @@ log = logging.getLogger("locoswarm.state")
 STATE_HANDLER = "locoswarm.state.v1"
 CHUNK_ELEMS = 1 << 16
 MAX_REQUEST_BYTES = 1024  # a StateRequest is a fingerprint and three integers
-MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32 (the widest), plus the small fields
+MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
 IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 512 KiB)
 MAX_STREAMS_PER_PEER = 8
 MAX_STREAMS = 64
@@ -74,10 +70,6 @@ BAD_OFFSET = "bad-offset"
 _PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
 _STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
 
-# Momentum encodings: name (the client's API) -> wire value, and the bytes one element takes.
-MOMENTUM_ENCODINGS = {"fp32": swarm_pb2.MOMENTUM_FP32, "bf16": swarm_pb2.MOMENTUM_BF16}
-_MOMENTUM_WIDTH = {swarm_pb2.MOMENTUM_FP32: 4, swarm_pb2.MOMENTUM_BF16: 2}
-
 
 class RefusalCallback(Protocol):
     """``Reputation.refuse``'s shape: count a refusal of ``peer`` (``offence``: towards a ban)."""
@@ -94,28 +86,6 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 
 def _from_bytes(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
-
-
-def _to_bf16_bytes(t: torch.Tensor) -> bytes | None:
-    """``t`` as little-endian bfloat16 (round to nearest), or None when the rounding is not finite."""
-    half = t.detach().to("cpu", torch.bfloat16).contiguous()
-    if not bool(torch.isfinite(half).all()):
-        return None
-    return half.view(torch.int16).numpy().astype("<i2").tobytes()
-
-
-def _from_bf16_bytes(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16)).view(torch.bfloat16).float()
-
-
-def _momentum_bytes(t: torch.Tensor, accepted: int) -> tuple[bytes, int]:
-    """A chunk's momentum in the encoding the request accepts (fp32 when bf16 would not be finite, or when
-    the request names an encoding this server does not know), and that encoding."""
-    if accepted == swarm_pb2.MOMENTUM_BF16:
-        data = _to_bf16_bytes(t)
-        if data is not None:
-            return data, swarm_pb2.MOMENTUM_BF16
-    return _to_bytes(t), swarm_pb2.MOMENTUM_FP32
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -253,10 +223,8 @@ class StateServer:
         start = int(request.offset) if snap.version == request.min_version else 0
         for a in range(start, numel, CHUNK_ELEMS):
             b = min(a + CHUNK_ELEMS, numel)
-            momentum, encoding = _momentum_bytes(snap.momentum[a:b], request.momentum_encoding)
             msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
-                                       phi=_to_bytes(snap.phi[a:b]), momentum=momentum,
-                                       momentum_encoding=encoding)
+                                       phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
             self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
             yield msg
             await asyncio.sleep(0)
@@ -292,12 +260,10 @@ class _Passing(Exception):
 class _Download:
     """One fragment's download, resumable across peers: each chunk is checked against the stream so far."""
 
-    def __init__(self, fragment: int, min_version: int, numel: int,
-                 momentum: int = swarm_pb2.MOMENTUM_FP32) -> None:
+    def __init__(self, fragment: int, min_version: int, numel: int) -> None:
         self.fragment = fragment
         self._min_version = min_version
         self._numel = numel
-        self._momentum = momentum  # the least exact momentum encoding asked for (fp32 is always accepted)
         self._phi: torch.Tensor | None = None
         self._mom: torch.Tensor | None = None
         self._offset = 0
@@ -307,7 +273,7 @@ class _Download:
         """The request resuming at the next element (of the version started, if any)."""
         version = self._version if self._version is not None else self._min_version
         return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
-                                      min_version=version, momentum_encoding=self._momentum)
+                                      min_version=version)
 
     def reset(self) -> None:
         """Forget what was received (it came from a source found bad)."""
@@ -342,20 +308,13 @@ class _Download:
         self._offset += phi.numel()
 
     def _chunk(self, msg: swarm_pb2.StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """A well-formed chunk's phi and momentum: fp32 phi, momentum in fp32 or the encoding asked for, as
-        many momentum values as phi values, inside the fragment, finite."""
-        encoding = msg.momentum_encoding
-        if encoding not in (swarm_pb2.MOMENTUM_FP32, self._momentum):
-            raise BadSource(f"momentum encoding {encoding} was not asked for (asked {self._momentum})")
-        width = _MOMENTUM_WIDTH[encoding]
-        if len(msg.phi) % 4 or len(msg.momentum) != len(msg.phi) // 4 * width:
-            raise BadSource(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum "
-                            f"({width} bytes a value)")
+        """A well-formed chunk's phi and momentum: equal fp32 lengths, inside the fragment, finite."""
+        if len(msg.phi) != len(msg.momentum) or len(msg.phi) % 4:
+            raise BadSource(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum")
         count = len(msg.phi) // 4
         if count > CHUNK_ELEMS or self._offset + count > self._numel or (count == 0 and self._numel):
             raise BadSource(f"chunk of {count} elements at {self._offset} does not fit {self._numel} elements")
-        phi = _from_bytes(msg.phi)
-        mom = _from_bf16_bytes(msg.momentum) if encoding == swarm_pb2.MOMENTUM_BF16 else _from_bytes(msg.momentum)
+        phi, mom = _from_bytes(msg.phi), _from_bytes(msg.momentum)
         for name, values in (("phi", phi), ("momentum", mom)):
             if not bool(torch.isfinite(values).all()):
                 bad = int((~torch.isfinite(values)).sum())
@@ -394,13 +353,10 @@ class StateClient:
         self._on_bad = on_bad
         self._is_banned = is_banned
 
-    def fetch(self, fragment: int, peers: list[str], min_version: int = 0, *,
-              momentum: str = "fp32") -> FragmentSnapshot | None:
-        """Blocking download of one fragment (for a thread other than the network loop's); ``momentum``:
-        the encoding asked for it (see ``fetch_async``)."""
+    def fetch(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot | None:
+        """Blocking download of one fragment (for the training thread)."""
         try:
-            return self.runtime.call(self.fetch_async(fragment, peers, min_version, momentum=momentum),
-                                     timeout=self.timeout + 5)
+            return self.runtime.call(self.fetch_async(fragment, peers, min_version), timeout=self.timeout + 5)
         except Exception as exc:
             log.warning("state download of fragment %d failed: %s", fragment, exc)
             return None
@@ -431,17 +387,14 @@ class StateClient:
         return self.runtime.call(run(), timeout=(self.timeout + 5) * waves)
 
     async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0, *,
-                          expected_numel: int | None = None, momentum: str = "fp32") -> FragmentSnapshot:
+                          expected_numel: int | None = None) -> FragmentSnapshot:
         """Download ``fragment`` at ``min_version`` or newer from the first of ``peers`` that serves it
         whole and valid; the returned snapshot's ``source`` is the peer that served its last part.
-        ``momentum`` ("fp32" or "bf16"): the least exact encoding accepted for the momentum (phi is always
-        fp32; a server may still send fp32). Raises RuntimeError when none did within ``timeout``."""
-        if momentum not in MOMENTUM_ENCODINGS:
-            raise ValueError(f"momentum encoding {momentum!r} is not one of {sorted(MOMENTUM_ENCODINGS)}")
+        Raises RuntimeError when none did within ``timeout``."""
         numel = expected_numel if expected_numel is not None else self._expected_numel(fragment)
         if numel is None or numel < 0:
             raise RuntimeError(f"fragment {fragment}: its size on this node is unknown")
-        download = _Download(fragment, min_version, int(numel), MOMENTUM_ENCODINGS[momentum])
+        download = _Download(fragment, min_version, int(numel))
         deadline = time.monotonic() + self.timeout
         errors: list[str] = []
         order, wait = list(peers), RETRY_FIRST_S

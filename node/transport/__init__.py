@@ -5,13 +5,6 @@ one process (the simulator, unit tests). The swarm transport (hivemind DHT + lib
 behind the same interface.
 """
 
-from node.transport.base import (
-    AverageHandle,
-    AverageRequest,
-    AverageResult,
-    FetchHandle,
-    FragmentSnapshot,
-    Transport,
-)
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 
-__all__ = ["AverageHandle", "AverageRequest", "AverageResult", "FetchHandle", "FragmentSnapshot", "Transport"]
+__all__ = ["AverageHandle", "AverageRequest", "AverageResult", "FragmentSnapshot", "Transport"]

@@ -72,34 +72,6 @@ class AverageHandle(ABC):
         """Give up on this round (the node is leaving)."""
 
 
-class FetchHandle(ABC):
-    """A download of one fragment's outer state running in the background (``Transport.start_fetch``)."""
-
-    @abstractmethod
-    def done(self) -> bool:
-        """True once ``result()`` returns without waiting."""
-
-    @abstractmethod
-    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
-        """The downloaded snapshot, or None when no peer served it (never an exception)."""
-
-    def cancel(self) -> None:  # noqa: B027 - optional for transports that cannot cancel
-        """Give up on this download (its result is no longer wanted)."""
-
-
-class DoneFetch(FetchHandle):
-    """A download that completed before ``start_fetch`` returned (a transport that fetches synchronously)."""
-
-    def __init__(self, snapshot: FragmentSnapshot | None) -> None:
-        self._snapshot = snapshot
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
-        return self._snapshot
-
-
 class Transport(ABC):
     @abstractmethod
     def start_average(self, request: AverageRequest) -> AverageHandle:
@@ -112,13 +84,6 @@ class Transport(ABC):
     @abstractmethod
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         """Outer state of ``fragment`` from a peer holding the newest version, or None."""
-
-    def start_fetch(self, fragment: int) -> FetchHandle:
-        """Start downloading the outer state of ``fragment`` from a peer holding the newest version; returns
-        at once with a handle the caller polls between inner steps, so that a node that fell behind keeps
-        training (and sending its rounds) while the download runs. By default the download runs here, before
-        returning (``fetch_fragment``): right for transports whose fetch costs nothing (in-process)."""
-        return DoneFetch(self.fetch_fragment(fragment))
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:  # noqa: B027
         """The core refused a snapshot this transport fetched (the guard found it absurd): a transport

@@ -4,8 +4,7 @@ Used by the simulator and unit tests. It performs the same reduction as the swar
 (``node.transport.reduce``) on the same codec bytes and counts bytes with the same exchange pattern,
 so simulated bandwidth figures are the ones the network would carry. Workers run in lock-step in one
 thread: each calls ``start_average`` during a step's send phase, then the driver calls ``flush()``,
-which completes every round started so far. A catch-up download (``start_fetch``) completes at once, or,
-with ``fetch_on_flush``, at the next ``flush()``: a download still running while the node trains on.
+which completes every round started so far.
 """
 
 from __future__ import annotations
@@ -21,15 +20,7 @@ from node.config import RobustSection
 from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.core.robust import make_aggregator
-from node.transport.base import (
-    AverageHandle,
-    AverageRequest,
-    AverageResult,
-    DoneFetch,
-    FetchHandle,
-    FragmentSnapshot,
-    Transport,
-)
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.reduce import reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector.
@@ -49,26 +40,6 @@ class _Handle(AverageHandle):
         return self._result
 
 
-class _Fetch(FetchHandle):
-    """A download the hub completes at its next ``flush()`` (from the newest holder at that time)."""
-
-    def __init__(self, fragment: int, worker: int) -> None:
-        self.fragment, self.worker = fragment, worker
-        self._done = False
-        self._snapshot: FragmentSnapshot | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self, timeout: float | None = None) -> FragmentSnapshot | None:
-        if not self._done:
-            raise RuntimeError("in-process download not completed: the driver must call hub.flush() first")
-        return self._snapshot
-
-    def complete(self, snapshot: FragmentSnapshot | None) -> None:
-        self._snapshot, self._done = snapshot, True
-
-
 @dataclass
 class _Pending:
     worker: int
@@ -86,11 +57,10 @@ class InProcessHub:
         seed: seeds group formation and dropped syncs.
         drop_prob: probability that a worker's sync is dropped (fails for that worker only).
         robust: how reducers screen and combine contributions (``[robust]``; default: its defaults).
-        fetch_on_flush: catch-up downloads complete at the next ``flush()`` instead of at once.
     """
 
     def __init__(self, codec: Codec, group_size: int, seed: int = 0, drop_prob: float = 0.0,
-                 robust: RobustSection | None = None, fetch_on_flush: bool = False) -> None:
+                 robust: RobustSection | None = None) -> None:
         self.codec = codec
         self.group_size = group_size
         self.robust = robust or RobustSection()
@@ -100,8 +70,6 @@ class InProcessHub:
         self._pending: dict[tuple[int, int], list[_Pending]] = defaultdict(list)
         self._sources: dict[int, Callable[[int], FragmentSnapshot]] = {}
         self._versions: dict[int, Callable[[int], int]] = {}
-        self.fetch_on_flush = fetch_on_flush
-        self._fetches: list[_Fetch] = []
         self.n_workers = 0
 
     def transport(self, worker: int) -> InProcessTransport:
@@ -120,10 +88,7 @@ class InProcessHub:
         return handle
 
     def flush(self) -> None:
-        """Complete every round and download started so far."""
-        fetches, self._fetches = self._fetches, []
-        for f in fetches:
-            f.complete(self.fetch(f.fragment, exclude=f.worker))
+        """Complete every round started so far."""
         pending, self._pending = self._pending, defaultdict(list)
         for key in sorted(pending):
             self._complete_round(sorted(pending[key], key=lambda p: p.worker))
@@ -178,14 +143,6 @@ class InProcessHub:
                    key=lambda w: self._versions[w](fragment), default=None)
         return None if best is None else self._sources[best](fragment)
 
-    def start_fetch(self, fragment: int, worker: int) -> FetchHandle:
-        if not self.fetch_on_flush:
-            return DoneFetch(self.fetch(fragment, exclude=worker))
-        handle = _Fetch(fragment, worker)
-        self._fetches.append(handle)
-        return handle
-
-
 
 class InProcessTransport(Transport):
     def __init__(self, hub: InProcessHub, worker: int) -> None:
@@ -200,6 +157,3 @@ class InProcessTransport(Transport):
 
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         return self.hub.fetch(fragment, exclude=self.worker)
-
-    def start_fetch(self, fragment: int) -> FetchHandle:
-        return self.hub.start_fetch(fragment, self.worker)
