@@ -103,20 +103,9 @@ class LocalProc:
 
     def stop(self) -> None:
         """Kill the process, its group and the groups of its descendants; wait until they are gone."""
-        from node.swarm.process import descendants, group_members
+        from node.swarm.process import kill_groups, tree_groups
 
-        groups = {self.proc.pid}
-        for pid in descendants(self.proc.pid):
-            with contextlib.suppress(OSError):
-                groups.add(os.getpgid(pid))
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while any(group_members(g) for g in groups) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_groups(tree_groups(self.proc.pid), self.proc)
         self._log.close()
 
 

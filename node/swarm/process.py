@@ -30,6 +30,7 @@ import ctypes
 import glob
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -119,6 +120,29 @@ def group_members(pgid: int) -> list[int]:
         if st is not None and st[3] == pgid and st[1] not in ("Z", "X"):
             out.append(pid)
     return out
+
+
+def tree_groups(pid: int) -> set[int]:
+    """Process groups of ``pid`` (a group leader) and of its descendants (a DHT child leads its own)."""
+    groups = {pid}
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(child))
+    return groups
+
+
+def kill_groups(groups: Iterable[int], proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGKILL every process group in ``groups``, reap ``proc`` and wait (bounded) until the groups are
+    empty: what a harness that started ``proc`` in its own group does to leave nothing behind."""
+    groups = set(groups)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def p2pd_pids(pids: Iterable[int]) -> list[int]:

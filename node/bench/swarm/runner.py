@@ -69,30 +69,18 @@ class BenchProc:
 
     def groups(self) -> set[int]:
         """Process groups of this process and its descendants (the DHT child leads its own)."""
-        from node.swarm.process import descendants
+        from node.swarm.process import tree_groups
 
-        groups = {self.pid}
-        for pid in descendants(self.pid):
-            with contextlib.suppress(OSError):
-                groups.add(os.getpgid(pid))
-        return groups
+        return tree_groups(self.pid)
 
     def kill(self) -> None:
         """SIGKILL every process group of this process tree, wait until they are gone, remove the IPC
         files (hivemind sockets, torch shared memory) the killed processes leave behind."""
-        from node.swarm.process import cleanup_ipc_files, descendants, group_members, ipc_files
+        from node.swarm.process import cleanup_ipc_files, descendants, ipc_files, kill_groups
 
         pids = [self.pid, *descendants(self.pid)] if self.alive() else []
-        groups = self.groups()
         files = ipc_files(pids)
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while any(group_members(g) for g in groups) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        kill_groups(self.groups(), self.proc)
         cleanup_ipc_files(pids, files)
 
     def close(self) -> None:
