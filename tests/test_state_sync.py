@@ -9,6 +9,7 @@ stopped (and checked gone by PID) by the fixture.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -340,7 +341,8 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("mode", sorted(HOSTILE))
-def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode):
+def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode, caplog):
+    caplog.set_level(logging.INFO, logger="locoswarm.state")
     book = Book()
     snaps = _snaps(seed=3)
     honest = _server(swarm, swarm.good, book, snaps=snaps)
@@ -354,9 +356,18 @@ def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode):
                                max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
     bad_id, good_id = swarm.id(swarm.other), swarm.id(swarm.good)
     try:
-        got = _client(swarm, book).fetch(0, [bad_id, good_id], min_version=5)
-        assert got is not None and got.source == good_id
-        assert _same(got, snaps[0])  # nothing of the hostile holder's chunks survived
+        for attempt in range(3):
+            caplog.clear()
+            got = _client(swarm, book).fetch(0, [bad_id, good_id], min_version=5)
+            assert got is not None and got.source == good_id
+            assert _same(got, snaps[0])  # nothing of the hostile holder's chunks survived
+            if book.bad:
+                break
+            # Not counted: only a network failure of the stream to the hostile holder may explain that
+            # (seen once in a loaded CI run); anything else is a defect. Ask again.
+            failed = [r.getMessage() for r in caplog.records if f"from {bad_id[:16]} failed" in r.getMessage()]
+            assert failed, f"the hostile holder was neither refused nor failed: {caplog.text[-2000:]}"
+            print(f"\n[state] {mode}: attempt {attempt}: {failed}")
         kind, detail = HOSTILE[mode]
         assert [(peer, k) for peer, k, _ in book.bad] == [(bad_id, kind)]
         assert detail in book.bad[0][2], book.bad[0][2]

@@ -441,7 +441,9 @@ class StateClient:
         except TimeoutError:
             return "no time left"
         except Exception as exc:  # a dropped or silent stream, an honest refusal: try the next holder
-            return _one_line(str(exc)) or type(exc).__name__
+            why = _one_line(str(exc)) or type(exc).__name__
+            log.info("state download of fragment %d from %s failed: %s", download.fragment, peer[:16], why)
+            return why
 
     def _bad(self, download: _Download, peer: str, kind: str, detail: str) -> str:
         download.reset()  # nothing of a bad source is kept, however plausible the earlier chunks looked
