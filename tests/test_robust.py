@@ -13,6 +13,7 @@ from node.config import RobustSection
 from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
 from node.core.robust import (
+    NORM_ABSURD,
     ClippedMean,
     ContributionStats,
     Median,
@@ -89,6 +90,16 @@ def test_trusted_member_is_never_refused_and_is_the_reference_of_a_pair() -> Non
     assert sc.accepted == [0, 1]
     sc = screen([stats("me", 100.0, [1.0], finite=False), stats("x", 100.0, [1.0])], S, trusted=0)
     assert 0 in sc.accepted
+
+
+def test_a_large_norm_is_a_relative_refusal_an_absurd_one_is_not() -> None:
+    """A pair refuses a partner far larger than the reducer without blaming it (the reducer may have made
+    little progress); a norm beyond NORM_ABSURD times the reference is blamed (an offence) even there."""
+    large = screen([stats("me", 1.0, [1.0]), stats("x", 1.0, [20.0])], S, trusted=0)
+    absurd = screen([stats("me", 1.0, [1.0]), stats("x", 1.0, [1e30])], S, trusted=0)
+    assert [r.relative for r in large.refusals] == [True]
+    assert [r.relative for r in absurd.refusals] == [False]
+    assert 1e3 * S.reject_factor < NORM_ABSURD  # honest progress differences stay far below it
 
 
 def test_a_pair_without_a_trusted_side_is_not_judged() -> None:

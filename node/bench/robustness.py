@@ -1,12 +1,13 @@
 """``locoswarm bench robustness``: honest nodes against hostile peers, one scenario per attack.
 
 Each scenario is a short multi-process swarm on loopback (real ``locoswarm run`` processes, real
-DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then ``clean``
-adds one more honest node, and an attack scenario adds ``N`` hostile peers of one kind
-(``python -m node.bench.hostile``: a node with the attack patched in, or a client that never joins).
-For ``--seconds`` the honest nodes are sampled: eval loss, rounds merged and failed, memory. The
-report compares the honest nodes' eval loss per scenario with the clean one and lists what they
-refused of the attackers and whether they banned them. Writes ``results.json``, ``report.md`` and
+DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then an attack
+scenario adds ``N`` hostile peers of one kind (``python -m node.bench.hostile``: a node with the attack
+patched in, or a client that never joins) and ``clean`` adds ``N`` more honest nodes instead, for each
+``N`` of ``--counts``. For ``--seconds`` the honest nodes are sampled: eval loss, rounds merged and
+failed, memory. The report compares the honest nodes' eval loss per scenario with the clean one of
+the same ``N`` (as many processes share the machine, so the honest nodes get as much of it) and lists
+what they refused of the attackers and whether they banned them. Writes ``results.json``, ``report.md`` and
 ``robustness.png`` to ``--out``.
 """
 
@@ -17,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,7 +114,7 @@ class LocalProc:
 @dataclass
 class Scenario:
     kind: str        # "clean" or an attack of node.bench.hostile
-    hostile: int     # hostile peers (0 for clean)
+    hostile: int     # peers added to the honest swarm: hostile ones, or honest ones for "clean"
 
     @property
     def name(self) -> str:
@@ -215,7 +217,9 @@ class ScenarioRun:
     def start_extra(self, boot: str) -> None:
         kind, n = self.scenario.kind, self.scenario.hostile
         if kind == "clean":
-            self.extra.append(self.spawn("honest-extra", ["node.cli", "run"], [*self.node_args(), "--bootstrap", boot]))
+            for i in range(n):
+                self.extra.append(self.spawn(f"honest-extra{i}", ["node.cli", "run"],
+                                             [*self.node_args(), "--bootstrap", boot]))
         elif kind in CLIENT_KINDS:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
@@ -297,7 +301,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
                        description=__doc__.splitlines()[0])
     add_data_args(p)
-    p.add_argument("--out", required=True, help="report directory (results.json, report.md, robustness.png)")
+    p.add_argument("--out", required=True,
+                   help="report directory (results.json, report.md, robustness.png; the nodes' logs under logs/)")
     p.add_argument("--config", default=None,
                    help="the swarm's peers.toml (default: a tiny fast swarm written for the benchmark)")
     p.add_argument("--kinds", default=",".join(KINDS),
@@ -323,7 +328,7 @@ def _scenarios(kinds_text: str, counts_text: str) -> list[Scenario]:
         raise UserError(f"--counts {counts_text!r}: each count must be in 1..4")
     out = []
     for kind in kinds:
-        out += [Scenario(kind, 0)] if kind == "clean" else [Scenario(kind, n) for n in counts]
+        out += [Scenario(kind, n) for n in counts]
     return out
 
 
@@ -360,6 +365,7 @@ def run_robustness(args: argparse.Namespace) -> int:
             config = Path(args.config).resolve() if args.config else write_tiny_config(root / "peers.toml")
             outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress).run()
             results[scenario.name] = outcome.summary()
+            _keep_logs(root, out / "logs" / scenario.name)
             progress.console.print(_one_line(scenario.name, results[scenario.name]))
             progress.update(overall, advance=1)
             write_report(out, setup, results, time.perf_counter() - started)
@@ -367,6 +373,13 @@ def run_robustness(args: argparse.Namespace) -> int:
     Console().print(report["table_md"])
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'robustness.png'}")
     return 0
+
+
+def _keep_logs(root: Path, dest: Path) -> None:
+    """The scenario's node logs, kept next to the report (the scenario's folder is temporary)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log_file in root.glob("*.log"):
+        shutil.copyfile(log_file, dest / log_file.name)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -385,8 +398,16 @@ def _one_line(name: str, r: dict) -> str:
             f"RSS +{r['rss_growth_mb']:.0f} MB")
 
 
+def clean_baseline(results: dict[str, dict], r: dict) -> float | None:
+    """The final eval of the clean scenario with as many added peers as ``r`` (None if it did not run)."""
+    added = r.get("hostile", 1)
+    for other in results.values():
+        if other["kind"] == "clean" and other.get("hostile", 1) == added:
+            return other.get("final_eval")
+    return None
+
+
 def markdown_table(results: dict[str, dict]) -> str:
-    clean = results.get("clean", {}).get("final_eval")
     rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | max eval during | rounds ok | "
             "rounds failed | attacker refused | banned by | RSS growth (MB) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -394,9 +415,10 @@ def markdown_table(results: dict[str, dict]) -> str:
         if r["error"]:
             rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | |")
             continue
+        attack = r["kind"] != "clean"
+        clean = clean_baseline(results, r)
         rel = (f"{100 * (r['final_eval'] - clean) / clean:+.1f}%" if clean and r["final_eval"] is not None
-               and name != "clean" else "-")
-        attack = name != "clean"
+               and attack else "-")
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r['banned_by']}/{len(r['honest'])}" if attack else "-"
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
@@ -408,8 +430,9 @@ def markdown_table(results: dict[str, dict]) -> str:
 def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: float) -> str:
     lines = [
         "# Robustness benchmark", "",
-        f"{setup['honest']} honest nodes per scenario (real processes on loopback); `clean` adds one more honest "
-        f"node, an attack scenario adds hostile peers of one kind (`python -m node.bench.hostile`). "
+        f"{setup['honest']} honest nodes per scenario (real processes on loopback); an attack scenario adds N "
+        f"hostile peers of one kind (`python -m node.bench.hostile`; `xN` in its name, 1 if none), `clean` adds N "
+        f"more honest nodes instead; vs clean compares with the clean run of the same N. "
         f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
@@ -447,13 +470,14 @@ def plot(path: Path, results: dict[str, dict]) -> None:
         points = [(t, v) for t, v in points if math.isfinite(v)]
         if points:
             ax.plot([t for t, _ in points], [v for _, v in points], label=name,
-                    lw=2.5 if name == "clean" else 1.2, color="black" if name == "clean" else None)
+                    lw=2.5 if r["kind"] == "clean" else 1.2, color="black" if r["kind"] == "clean" else None,
+                    ls="--" if r["kind"] == "clean" and r.get("hostile", 1) > 1 else "-")
     ax.set_xlabel("seconds since the attack started")
     ax.set_ylabel("honest nodes' eval loss (mean)")
     ax.set_title("eval loss of the honest nodes")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    names = [n for n in results if n != "clean"]
+    names = [n for n, r in results.items() if r["kind"] != "clean"]
     ys = range(len(names))
     bx.barh([y - 0.2 for y in ys], [results[n]["attacker_refused"] for n in names], height=0.4, label="refused")
     bx.barh([y + 0.2 for y in ys], [results[n]["banned_by"] for n in names], height=0.4, label="banned by (nodes)")

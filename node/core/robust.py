@@ -51,6 +51,10 @@ from node.config import AGGREGATORS, RobustSection
 
 #: A weight above this many times its cap is not a rounding matter but a lie (or a bug): refused.
 WEIGHT_ABSURD = 100.0
+#: A norm above this many times the reference is absurd, not merely large: honest pseudo-gradients
+#: differ by their members' step counts and learning rates (a ratio of a few thousand at most, across a
+#: warmup), so such a refusal is an offence even in a pair, where the reference is the reducer's own.
+NORM_ABSURD = 1e6
 
 
 @dataclass
@@ -73,7 +77,7 @@ class Refusal:
     sender: str
     kind: str       # "bad_contribution" | "bad_weight"
     detail: str
-    relative: bool = False   # judged against the group's reference (not absolute: non-finite, absurd weight)
+    relative: bool = False   # judged against the group's reference (not absolute: non-finite, absurd weight/norm)
 
 
 @dataclass
@@ -147,7 +151,8 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
         if i != trusted and ref_norm > 0 and norm > settings.reject_factor * ref_norm:
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
                                     f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
-                                    f"{ref_norm:.3g} (limit {settings.reject_factor:g}x)", relative=True))
+                                    f"{ref_norm:.3g} (limit {settings.reject_factor:g}x)",
+                                    relative=norm <= NORM_ABSURD * ref_norm))
         elif i != trusted and ref_norm == 0 and norm > 0 and len(live) > 2:
             # Every other member changed nothing here: a lone large change is not believable.
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
