@@ -3,11 +3,13 @@
 Each scenario is a short multi-process swarm on loopback (real ``locoswarm run`` processes, real
 DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then an attack
 scenario adds ``N`` hostile peers of one kind (``python -m node.bench.hostile``: a node with the attack
-patched in, or a client that never joins) and ``clean`` adds ``N`` more honest nodes instead, for each
-``N`` of ``--counts``. For ``--seconds`` the honest nodes are sampled: eval loss, rounds merged and
-failed, memory. The report compares the honest nodes' eval loss per scenario with the clean one of
-the same ``N`` (as many processes share the machine, so the honest nodes get as much of it) and lists
-what they refused of the attackers and whether they banned them. Writes ``results.json``, ``report.md`` and
+patched in, or a client that never joins) and ``clean`` adds ``N`` bystanders instead, for each ``N``
+of ``--counts``: nodes that train as hard as a hostile node but in a swarm of their own, so the honest
+nodes share the machine's cores as they do under attack but average only with each other, as they do
+when every attacker's contribution is refused. For ``--seconds`` the honest nodes are sampled: eval
+loss, rounds merged and failed, memory. The report compares the honest nodes' eval loss per scenario
+with the clean one of the same ``N`` and lists what they refused of the attackers and whether they
+banned them. Writes ``results.json``, ``report.md`` and
 ``robustness.png`` to ``--out``.
 """
 
@@ -114,7 +116,7 @@ class LocalProc:
 @dataclass
 class Scenario:
     kind: str        # "clean" or an attack of node.bench.hostile
-    hostile: int     # peers added to the honest swarm: hostile ones, or honest ones for "clean"
+    hostile: int     # peers added: hostile ones, or bystanders (another swarm) for "clean"
 
     @property
     def name(self) -> str:
@@ -217,9 +219,11 @@ class ScenarioRun:
     def start_extra(self, boot: str) -> None:
         kind, n = self.scenario.kind, self.scenario.hostile
         if kind == "clean":
+            # Bystanders: as much CPU as a hostile node, none of its (refused) contributions; an honest
+            # extra member would make the baseline a larger swarm that learns faster than the one attacked.
             for i in range(n):
-                self.extra.append(self.spawn(f"honest-extra{i}", ["node.cli", "run"],
-                                             [*self.node_args(), "--bootstrap", boot]))
+                self.extra.append(self.spawn(f"bystander{i}", ["node.cli", "run"],
+                                             [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"]))
         elif kind in CLIENT_KINDS:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
@@ -432,7 +436,8 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "# Robustness benchmark", "",
         f"{setup['honest']} honest nodes per scenario (real processes on loopback); an attack scenario adds N "
         f"hostile peers of one kind (`python -m node.bench.hostile`; `xN` in its name, 1 if none), `clean` adds N "
-        f"more honest nodes instead; vs clean compares with the clean run of the same N. "
+        f"bystanders instead (nodes training as hard, each in a swarm of its own: the same share of the machine's "
+        f"cores, no contribution); vs clean compares with the clean run of the same N. "
         f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
