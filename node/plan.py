@@ -13,7 +13,14 @@ in which every worker exchanges with all others at once (hivemind's butterfly al
 worker sends ``r·P`` bits, ``r = 2·(n−1)/n`` (1 for n = 2, up to 2 for large groups), and each of the
 two phases pays the one-way latency L once::
 
-    T_sync(P) = r·P / bandwidth + 2·L
+    T_sync(P) = O + r·P / bandwidth + 2·L
+
+``O`` (``--round-overhead``, default ``ROUND_OVERHEAD_S`` = 1 s) is what every sync of this node pays
+on top of its bytes: matchmaking through the DHT (entries stored, then polled until every live peer
+arrived or the window closed), group formation, waiting for the group's last member, and DHT messages
+queued behind bulk data. Issue 10 measured roughly 1 s per round with 4 real nodes on 20 Mbit/s links;
+``locoswarm bench swarm`` passes what it measures. The Table 4 calibration below uses O = 0 (the
+paper's datacenter all-reduce has no DHT matchmaking). O delays a sync but does not occupy the link.
 
 The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
 uncontended, so a group is as fast as one link.
@@ -31,7 +38,7 @@ the backward pass; default 0 = not overlapped). Past W, training waits. The link
 a time, so if syncs come faster than it can carry them, the link sets the pace. Per period::
 
     stall = K · max(0, T_sync − W)
-    wall  = max(C + stall, K · T_sync)          (steady state)
+    wall  = max(C + stall, K · (T_sync − O))    (steady state)
     utilization = C / wall
 
 Quantization, dequantization and the outer step / merge are assumed free (cost 0); real runs pay a
@@ -39,8 +46,16 @@ little for them (ALGORITHMS.md §8). Steps have a constant duration; no straggle
 groups.
 
 *Required bandwidth* (closed form). ``utilization ≥ u`` holds iff ``T_sync ≤ T_max`` with
-``T_max = min(W + C·(1/u − 1)/K, C/(u·K))``, so ``bandwidth ≥ r·P / (T_max − 2·L)`` (infinite if the
-latency alone exceeds T_max).
+``T_max = min(W + C·(1/u − 1)/K, C/(u·K) + O)``, so ``bandwidth ≥ r·P / (T_max − 2·L − O)``
+(infinite if the latency and overhead alone exceed T_max).
+
+*Recommendation.* A grid setting qualifies when its predicted utilization reaches the target, is not
+below blocking DiLoCo's (H = 50, fp32) by more than ``DILOCO_MARGIN``, and its average link load stays
+within ``LINK_LOAD_MAX`` of the bandwidth: a link kept busy by bulk transfers delays matchmaking and
+heartbeats in ways this model does not capture (measured: H=10 fp32 using half of a 20 Mbit/s link
+reached 0.64 of the unshaped utilization where 0.91 was predicted). Codecs are preferred widest first
+(less quantization), except where the link is the bottleneck (blocking DiLoCo does not reach the
+target on it): there fp4 comes first.
 
 *Methods* (rows of the table):
 - dp: every step all-reduces all N gradients (``--baseline-codec``, fp32 default), blocking:
@@ -79,6 +94,9 @@ from node.errors import UserError
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
 BLOCK_SIZE = 64  # elements per fp32 codec scale (node.core.codecs default)
 PHASES = 2  # reduce-scatter + all-gather, one latency each
+ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
+LINK_LOAD_MAX = 0.5  # a recommended setting's average link load, as a share of the bandwidth
+DILOCO_MARGIN = 0.02  # a recommended setting predicts at least blocking DiLoCo's utilization minus this
 
 GRID_H: tuple[int, ...] = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
 GRID_F: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -227,57 +245,59 @@ class _Period:
     syncs: int  # K, sync events per period
     wire_bits: float  # r·P, bits each worker sends per sync
     window: float  # W, seconds a sync may run without stalling
+    overhead: float  # O, fixed seconds per sync that do not use the link
 
 
 def _period(params: float, step_time: float, *, h: int, fragments: int, tau: float, codec: str,
-            workers: int, backward_overlap: float, block_size: int) -> _Period:
+            workers: int, backward_overlap: float, block_size: int, round_overhead: float) -> _Period:
     payload = params / fragments * codec_bits(codec, block_size)
     return _Period(compute=h * step_time, syncs=fragments, wire_bits=ring_factor(workers) * payload,
-                   window=(tau + backward_overlap) * step_time)
+                   window=(tau + backward_overlap) * step_time, overhead=round_overhead)
 
 
-def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0) -> float:
-    """Seconds of one sync: ``wire_bits / bandwidth + 2·latency``."""
-    return wire_bits / bandwidth + PHASES * latency
+def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0, round_overhead: float = 0.0) -> float:
+    """Seconds of one sync: ``round_overhead + wire_bits / bandwidth + 2·latency``."""
+    return round_overhead + wire_bits / bandwidth + PHASES * latency
 
 
 def utilization(params: float, step_time: float, bandwidth: float, *, h: int = 1, fragments: int = 1,
                 tau: float = 0, codec: str = "fp32", latency: float = 0.0, workers: int = DEFAULT_WORKERS,
-                backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE) -> float:
+                backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
     """Compute utilization in [0, 1] of a schedule (see the module docstring for the model).
 
     ``h`` inner steps per period, ``fragments`` syncs of ``params / fragments`` parameters per period,
-    each overlapping ``tau`` inner steps; ``bandwidth`` in bit/s, ``latency`` and ``step_time`` in
-    seconds. ``h=1, fragments=1, tau=0`` is data-parallel.
+    each overlapping ``tau`` inner steps; ``bandwidth`` in bit/s, ``latency``, ``step_time`` and
+    ``round_overhead`` (O, fixed per sync) in seconds. ``h=1, fragments=1, tau=0`` is data-parallel.
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
     if p.wire_bits == 0:  # a single worker: nothing to send
         return 1.0
-    t_sync = sync_time(p.wire_bits, bandwidth, latency)
-    wall = max(p.compute + p.syncs * max(0.0, t_sync - p.window), p.syncs * t_sync)
+    t_sync = sync_time(p.wire_bits, bandwidth, latency, p.overhead)
+    wall = max(p.compute + p.syncs * max(0.0, t_sync - p.window), p.syncs * (t_sync - p.overhead))
     return p.compute / wall
 
 
 def _max_sync_time(p: _Period, target: float) -> float:
-    """Longest sync (seconds) that still reaches ``target`` utilization."""
+    """Longest sync (seconds, overhead included) that still reaches ``target`` utilization."""
     budget = p.compute * (1.0 / target - 1.0) / p.syncs
-    return min(p.window + budget, p.compute / (target * p.syncs))
+    return min(p.window + budget, p.compute / (target * p.syncs) + p.overhead)
 
 
 def required_bandwidth(params: float, step_time: float, *, target: float = DEFAULT_TARGET, h: int = 1,
                        fragments: int = 1, tau: float = 0, codec: str = "fp32", latency: float = 0.0,
                        workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                       block_size: int = BLOCK_SIZE) -> float:
+                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
     """Smallest bandwidth (bit/s) at which the schedule reaches ``target`` utilization.
 
-    Closed form of the model: ``r·P / (T_max − 2·L)``; ``math.inf`` when latency alone prevents it.
+    Closed form of the model: ``r·P / (T_max − 2·L − O)``; ``math.inf`` when latency and overhead alone
+    prevent it.
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
     if p.wire_bits == 0:
         return 0.0
-    room = _max_sync_time(p, target) - PHASES * latency
+    room = _max_sync_time(p, target) - PHASES * latency - p.overhead
     return p.wire_bits / room if room > 0 else math.inf
 
 
@@ -303,12 +323,12 @@ class Row:
 
 def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: int, fragments: int,
          tau: int, codec: str, target: float, latency: float, workers: int, backward_overlap: float,
-         block_size: int) -> Row:
+         block_size: int, round_overhead: float) -> Row:
     kw = dict(h=h, fragments=fragments, tau=tau, codec=codec, latency=latency, workers=workers,
-              backward_overlap=backward_overlap, block_size=block_size)
+              backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size)
-    budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
+    budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency - p.overhead
     return Row(method=method, h=h, fragments=fragments, tau=tau, codec=codec,
                bytes_per_sync=p.wire_bits / 8.0,
                avg_bandwidth=p.syncs * p.wire_bits / p.compute,
@@ -320,7 +340,7 @@ def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: i
 def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = DEFAULT_H,
                 fragments: int = DEFAULT_FRAGMENTS, tau: int = DEFAULT_TAU, target: float = DEFAULT_TARGET,
                 latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE) -> list[Row]:
+                baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> list[Row]:
     """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm)."""
     specs = [
         ("dp", 1, 1, 0, baseline_codec),
@@ -332,7 +352,8 @@ def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = D
         ("locoswarm", h, fragments, tau, "fp4"),
     ]
     return [_row(name, params, step_time, bandwidth, h=rh, fragments=rf, tau=rt, codec=rc, target=target,
-                 latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size)
+                 latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
+                 round_overhead=round_overhead)
             for name, rh, rf, rt, rc in specs]
 
 
@@ -361,33 +382,62 @@ def _grid(h_values: tuple[int, ...], f_values: tuple[int, ...], tau_values: tupl
                         yield h, f, tau, codec
 
 
+def link_load(params: float, step_time: float, bandwidth: float, *, h: int, fragments: int, codec: str,
+              workers: int = DEFAULT_WORKERS, block_size: int = BLOCK_SIZE) -> float:
+    """Average share of the link a schedule's syncs keep busy over its compute time."""
+    wire_bits = ring_factor(workers) * params / fragments * codec_bits(codec, block_size)
+    return fragments * wire_bits / (h * step_time) / bandwidth
+
+
+def diloco_utilization(params: float, step_time: float, bandwidth: float, *, latency: float = 0.0,
+                       workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
+                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
+    """Blocking DiLoCo's predicted utilization (H = DEFAULT_H, one fp32 sync): the floor of a pick."""
+    return utilization(params, step_time, bandwidth, h=DEFAULT_H, fragments=1, tau=0, codec="fp32",
+                       latency=latency, workers=workers, backward_overlap=backward_overlap,
+                       block_size=block_size, round_overhead=round_overhead)
+
+
 def recommend(params: float, step_time: float, bandwidth: float, *, target: float = DEFAULT_TARGET,
               latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-              block_size: int = BLOCK_SIZE, h_values: tuple[int, ...] = GRID_H,
+              block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, h_values: tuple[int, ...] = GRID_H,
               f_values: tuple[int, ...] = GRID_F, tau_values: tuple[int, ...] = GRID_TAU,
               codecs: tuple[str, ...] = CODECS) -> Recommendation:
-    """Search the (H, F, tau, codec) grid for the first setting reaching ``target`` on the link.
+    """Search the (H, F, tau, codec) grid for the first setting that qualifies on the link.
 
-    Preference order: the smallest H (more frequent syncs converge better), then the widest codec
-    (less quantization), then the smallest tau (less staleness), then the smallest F. F must divide H
-    and tau is at most H/F. If nothing reaches the target, returns the setting with the highest
+    A setting qualifies when it reaches ``target``, predicts at least blocking DiLoCo's utilization
+    minus ``DILOCO_MARGIN`` and keeps the link's average load within ``LINK_LOAD_MAX`` (module
+    docstring). Preference order: the smallest H (more frequent syncs converge better), then the widest
+    codec (less quantization; the narrowest instead where the link is the bottleneck, i.e. blocking
+    DiLoCo does not reach the target), then the smallest tau (less staleness), then the smallest F. F must
+    divide H and tau is at most H/F. If nothing qualifies, returns the setting with the highest
     utilization (ties broken by the same preference) with ``reached=False``.
     """
-    kw = dict(latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size)
+    kw = dict(latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
+              round_overhead=round_overhead)
+    diloco = diloco_utilization(params, step_time, bandwidth, **kw)
+    threshold = max(target, diloco - DILOCO_MARGIN)
+    # The link is the bottleneck when blocking DiLoCo cannot reach the target on it: then the narrowest
+    # codec comes first (fp4 costs little quality, and a lightly loaded link keeps the fixed cost small).
+    order = tuple(sorted(codecs, key=codec_bits)) if diloco < target else codecs
     best: tuple[float, tuple[int, int, int, str]] | None = None
-    for h, f, tau, codec in _grid(h_values, f_values, tau_values, codecs):
+    for h, f, tau, codec in _grid(h_values, f_values, tau_values, order):
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
-        reached = util >= target * (1 - 1e-12)
-        if reached or best is None or util > best[0]:
+        load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
+                         block_size=block_size)
+        qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX
+        if qualifies or best is None or util > best[0]:
             best = (util, (h, f, tau, codec))
-        if reached:
+        if qualifies:
             break
     if best is None:
         raise UserError("plan: the search grid is empty; no (H, F, tau) combination is valid")
     util, (h, f, tau, codec) = best
     need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=tau, codec=codec, **kw)
-    return Recommendation(reached=util >= target * (1 - 1e-12), h=h, fragments=f, tau=tau, codec=codec,
-                          utilization=util, required_bandwidth=need, target=target)
+    load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
+                     block_size=block_size)
+    return Recommendation(reached=util >= target * (1 - 1e-12) and load <= LINK_LOAD_MAX, h=h, fragments=f,
+                          tau=tau, codec=codec, utilization=util, required_bandwidth=need, target=target)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -428,16 +478,20 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     tau = _parse_int(args.tau, "--tau", 0, h)
     target = parse_fraction(args.target, "--target")
     overlap = parse_fraction(args.backward_overlap, "--backward-overlap", allow_zero=True)
-    common = dict(target=target, latency=latency, workers=workers, backward_overlap=overlap)
+    overhead = parse_seconds(args.round_overhead, "--round-overhead", allow_zero=True)
+    common = dict(target=target, latency=latency, workers=workers, backward_overlap=overlap,
+                  round_overhead=overhead)
     rows = method_rows(params, step_time, bandwidth, h=h, fragments=fragments, tau=tau,
                        baseline_codec=args.baseline_codec, **common)
     rec = recommend(params, step_time, bandwidth, **common)
     return {
         "inputs": {"params": params, "step_time_s": step_time, "bandwidth_bit_s": bandwidth,
                    "latency_s": latency, "workers": workers, "h": h, "fragments": fragments, "tau": tau,
-                   "target": target, "backward_overlap": overlap, "baseline_codec": args.baseline_codec},
+                   "target": target, "backward_overlap": overlap, "baseline_codec": args.baseline_codec,
+                   "round_overhead_s": overhead},
         "model": {"ring_factor": ring_factor(workers), "phases_per_sync": PHASES,
-                  "codec_bits": {c: codec_bits(c) for c in CODECS}, "quantize_merge_cost_s": 0.0},
+                  "codec_bits": {c: codec_bits(c) for c in CODECS}, "quantize_merge_cost_s": 0.0,
+                  "round_overhead_s": overhead, "link_load_max": LINK_LOAD_MAX, "diloco_margin": DILOCO_MARGIN},
         "methods": [{**asdict(r), "required_bandwidth": _finite(r.required_bandwidth),
                      "peak_bandwidth": _finite(r.peak_bandwidth)} for r in rows],
         "recommendation": {**asdict(rec), "required_bandwidth": _finite(rec.required_bandwidth)},
@@ -491,8 +545,11 @@ def _print_plan(plan: dict[str, Any]) -> None:
     ring = plan["model"]["ring_factor"]
     console.print(f"B/sync: bytes a worker sends per sync (ring factor {ring:.2f}); rates in bit/s: avg = "
                   "bytes over compute time, peak = one sync within its overlap window and stall budget, "
-                  f"need = minimum bandwidth for {target:.0%} utilization. Quantize/merge cost 0, backward "
-                  f"overlap {inp['backward_overlap']:g} step.")
+                  f"need = minimum bandwidth for {target:.0%} utilization. Round overhead "
+                  f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), quantize/merge "
+                  f"cost 0, backward overlap {inp['backward_overlap']:g} step. A recommendation keeps the "
+                  f"link's average load within {LINK_LOAD_MAX:.0%} and predicts at least blocking DiLoCo's "
+                  "utilization.")
     rec = plan["recommendation"]
     setting = f"H={rec['h']} F={rec['fragments']} tau={rec['tau']} codec={rec['codec']}"
     need = rec["required_bandwidth"]
@@ -540,6 +597,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--backward-overlap", default="0", metavar="O",
                         help="fraction of a step every reduction hides behind (backward pass), e.g. "
                              "0.67 (default 0)")
+    parser.add_argument("--round-overhead", default=str(ROUND_OVERHEAD_S), metavar="O",
+                        help="fixed seconds every sync pays besides its bytes: matchmaking, group formation, "
+                             f"the last member (default {ROUND_OVERHEAD_S:g}, as measured on 20 Mbit/s links; "
+                             "0 for the paper's datacenter model)")
     parser.add_argument("--baseline-codec", default="fp32", choices=("fp32", "bf16"),
                         help="codec of dp, diloco, streaming and eager rows (default fp32)")
     parser.add_argument("--json", action="store_true", help="print rows and recommendation as JSON")

@@ -112,7 +112,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     from node.bench.swarm.report import write_report
     from node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
     from node.config import to_toml
-    from node.plan import recommend, utilization
+    from node.plan import ROUND_OVERHEAD_S, recommend, utilization
     from node.sim import data_paths
 
     # ---- every flag first: one clear line, exit 2 ----
@@ -179,7 +179,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                     if step_time is None:
                         conf["error"] = "no step time measured before the planner's turn (a configuration ran first?)"
                         continue
-                    rec = recommend(params, step_time, link.rate_bps, latency=link.latency_ms / 1e3, workers=workers)
+                    rec = recommend(params, step_time, link.rate_bps, latency=link.latency_ms / 1e3, workers=workers,
+                                    round_overhead=ROUND_OVERHEAD_S)
                     pick = spec.PlannerPick(rec.h, rec.fragments, rec.tau, rec.codec, rec.utilization)
                     setup["planner_pick"] = vars(pick)
                     setup["planner_step_time_s"] = step_time
@@ -222,6 +223,8 @@ def run_swarm(args: argparse.Namespace) -> int:
 def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> None:
     """The planner's utilization for this configuration, with each node's measured step time (and the
     configuration's mean step time for the configuration row)."""
+    from node import plan
+
     if "optimizer" in (conf.get("settings") or {}):
         conf["predicted"] = None
         return
@@ -233,7 +236,8 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
         if not step_time:
             return None
         return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=o.tau, codec=o.codec,
-                                   latency=latency, workers=workers, block_size=o.block_size))
+                                   latency=latency, workers=workers, block_size=o.block_size,
+                                   round_overhead=plan.ROUND_OVERHEAD_S))
 
     nodes = conf.get("nodes") or []
     for node in nodes:

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from node.fsutil import atomic_write_bytes, atomic_write_text
+from node.plan import ROUND_OVERHEAD_S
 
 FILES = ("results.json", "report.md", "swarm.png")
 
@@ -143,7 +144,8 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
         "machine whose cores all peers share, that is the ceiling. *Planner predicted* is `node.plan.utilization` "
         "for the configuration's H, F, tau and codec with the measured step time, the parameter count, the link "
-        "rate and latency and n = min(nodes, group size) workers: compare it with *vs unshaped*. Rounds: merged "
+        "rate and latency, n = min(nodes, group size) workers and the planner's round overhead "
+        f"({ROUND_OVERHEAD_S:g} s per sync): compare it with *vs unshaped*. Rounds: merged "
         "and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
