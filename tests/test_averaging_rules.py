@@ -47,18 +47,6 @@ def test_a_peer_that_bans_everyone_isolates_only_itself(round_: int) -> None:
     assert [liar] in groups and sorted(p for p in members if p != liar) in groups
 
 
-@pytest.mark.parametrize("round_", range(24))
-def test_a_peer_banned_by_some_members_cannot_split_the_others(round_: int) -> None:
-    """One member has banned the attacker, the others not yet: the honest members stay together every
-    round (the attacker is placed last, so it never takes the seat of the member that bans it)."""
-    for n in (3, 5):
-        members = PEERS[:n]
-        attacker = members[round_ % n]
-        honest = sorted(p for p in members if p != attacker)
-        groups = form_groups(members, 0, round_, n, {honest[0]: [attacker]})
-        assert honest in groups and [attacker] in groups, (n, groups)
-
-
 def test_exclusions_never_put_a_conflicting_pair_together() -> None:
     members = PEERS[:8]
     excluded = {"Qma": ["Qmb", "Qmc"], "Qmd": ["Qma"], "Qmh": ["Qmg"]}

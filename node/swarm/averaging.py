@@ -150,11 +150,12 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     """Balanced random groups, the same on every member that saw the same entries.
 
     ``excluded`` maps a member to the peers it bans: two peers of which one excludes the other are never
-    in one group. Members are placed in shuffled order, those banned by fewer members first, each in the
-    smallest group (of the balanced number) that has room and no conflict, else in a new group. So a
-    peer everyone bans ends up alone, a peer that bans everyone isolates only itself, and a peer banned
-    by only some members is placed after the others, so it cannot split them: the members that have
-    not banned it yet never have to choose between it and the members that have.
+    in one group. Members are placed in shuffled order, each in the smallest group (of the balanced
+    number) that has room and no conflict, else in a new group, so a peer everyone bans ends up alone
+    and a peer that bans everyone isolates only itself. A peer banned by only some members is not placed
+    last on purpose: the ban may be a liar's (a Sybil banning an honest node would then isolate it every
+    round); the members that have not banned it yet ban it soon themselves (an absurd contribution is an
+    offence even in a pair, ``node.core.robust.NORM_ABSURD``).
     """
     seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
     order = sorted(members)
@@ -163,16 +164,12 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     if not excluded or not any(excluded.values()):
         return [sorted(order[g::n_groups]) for g in range(n_groups)]
     conflicts: dict[str, set[str]] = defaultdict(set)
-    banned_by: dict[str, int] = defaultdict(int)
     present = set(order)
     for peer, banned in excluded.items():
-        for other in set(banned):
+        for other in banned:
             if other in present and other != peer:
                 conflicts[peer].add(other)
                 conflicts[other].add(peer)
-                banned_by[other] += 1
-    # Stable: the shuffled order stays among peers banned equally often (each member computes the same).
-    order.sort(key=lambda peer: banned_by[peer])
     capacity = -(-len(order) // n_groups)
     groups: list[list[str]] = [[] for _ in range(n_groups)]
     for peer in order:

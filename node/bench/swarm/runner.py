@@ -35,24 +35,38 @@ NODE_PORT = 31337
 PROXY_PORT = 31338
 
 
+#: Signals that stop the bench (cli._Interrupt): held back while a child is spawned and recorded.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the bench dies, even by SIGKILL (its own session
-    puts it out of reach of a signal to the bench's group; the setting survives ``ip netns exec``)."""
+    puts it out of reach of a signal to the bench's group; the setting survives ``ip netns exec``).
+    The stop signals the spawner blocked are unblocked again (a blocked mask survives exec)."""
     from node.swarm.process import PR_SET_PDEATHSIG, _prctl
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class BenchProc:
     """A process in a session of its own (optionally inside a namespace); stopped by process group."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, into: list[BenchProc],
+                 env: dict[str, str] | None = None) -> None:
+        """Start the process and append it to ``into`` with the stop signals held back, so that a Ctrl+C
+        or SIGTERM (a KeyboardInterrupt) can never fall between the two and leave an untracked child."""
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        self.pid = self.proc.pid
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.pid = self.proc.pid
+            into.append(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is handled here, once recorded
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -243,7 +257,7 @@ class ConfigRun:
         argv = [*self.topo.exec_prefix(i), sys.executable, "-m", "node.bench.swarm.proxy",
                 "--listen", f"{self.topo.address(i)}:{PROXY_PORT}", "--target", f"127.0.0.1:{NODE_PORT}",
                 "--delay-ms", f"{self.s.latency_ms:g}"]
-        self.proxies.append(BenchProc(f"proxy{i}", argv, self.root / f"proxy{i}.log", self._env()))
+        BenchProc(f"proxy{i}", argv, self.root / f"proxy{i}.log", self.proxies, self._env())
 
     def _start_peer(self, i: int, bootstrap: str | None) -> None:
         host = "127.0.0.1" if self.proxied else self.topo.address(i)
@@ -258,7 +272,7 @@ class ConfigRun:
         if self.s.data:
             args += ["--data", *self.s.data]
         argv = [*self.topo.exec_prefix(i), sys.executable, "-m", *self.launch.module, *args]
-        self.nodes.append(BenchProc(f"{self.name}/node{i}", argv, self.root / f"node{i}.log", self._env()))
+        BenchProc(f"{self.name}/node{i}", argv, self.root / f"node{i}.log", self.nodes, self._env())
 
     def statuses(self) -> list[dict]:
         return [read_status(self.state_dir(i)) for i in range(len(self.nodes))]
