@@ -247,6 +247,11 @@ class _Period:
     window: float  # W, seconds a sync may run without stalling
     overhead: float  # O, fixed seconds per sync that do not use the link
 
+    @property
+    def avg_bandwidth(self) -> float:
+        """Bit/s the syncs send on average over the compute time."""
+        return self.syncs * self.wire_bits / self.compute
+
 
 def _period(params: float, step_time: float, *, h: int, fragments: int, tau: float, codec: str,
             workers: int, backward_overlap: float, block_size: int, round_overhead: float) -> _Period:
@@ -331,7 +336,7 @@ def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: i
     budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency - p.overhead
     return Row(method=method, h=h, fragments=fragments, tau=tau, codec=codec,
                bytes_per_sync=p.wire_bits / 8.0,
-               avg_bandwidth=p.syncs * p.wire_bits / p.compute,
+               avg_bandwidth=p.avg_bandwidth,
                peak_bandwidth=p.wire_bits / budget if budget > 0 else math.inf,
                utilization=utilization(params, step_time, bandwidth, **kw),
                required_bandwidth=required_bandwidth(params, step_time, target=target, **kw))
@@ -385,8 +390,9 @@ def _grid(h_values: tuple[int, ...], f_values: tuple[int, ...], tau_values: tupl
 def link_load(params: float, step_time: float, bandwidth: float, *, h: int, fragments: int, codec: str,
               workers: int = DEFAULT_WORKERS, block_size: int = BLOCK_SIZE) -> float:
     """Average share of the link a schedule's syncs keep busy over its compute time."""
-    wire_bits = ring_factor(workers) * params / fragments * codec_bits(codec, block_size)
-    return fragments * wire_bits / (h * step_time) / bandwidth
+    p = _period(params, step_time, h=h, fragments=fragments, tau=0, codec=codec, workers=workers,
+                backward_overlap=0.0, block_size=block_size, round_overhead=0.0)
+    return p.avg_bandwidth / bandwidth
 
 
 def diloco_utilization(params: float, step_time: float, bandwidth: float, *, latency: float = 0.0,
@@ -420,22 +426,20 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     # The link is the bottleneck when blocking DiLoCo cannot reach the target on it: then the narrowest
     # codec comes first (fp4 costs little quality, and a lightly loaded link keeps the fixed cost small).
     order = tuple(sorted(codecs, key=codec_bits)) if diloco < target else codecs
-    best: tuple[float, tuple[int, int, int, str]] | None = None
+    best: tuple[float, float, tuple[int, int, int, str]] | None = None
     for h, f, tau, codec in _grid(h_values, f_values, tau_values, order):
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
         load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
                          block_size=block_size)
         qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX
         if qualifies or best is None or util > best[0]:
-            best = (util, (h, f, tau, codec))
+            best = (util, load, (h, f, tau, codec))
         if qualifies:
             break
     if best is None:
         raise UserError("plan: the search grid is empty; no (H, F, tau) combination is valid")
-    util, (h, f, tau, codec) = best
+    util, load, (h, f, tau, codec) = best
     need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=tau, codec=codec, **kw)
-    load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
-                     block_size=block_size)
     return Recommendation(reached=util >= target * (1 - 1e-12) and load <= LINK_LOAD_MAX, h=h, fragments=f,
                           tau=tau, codec=codec, utilization=util, required_bandwidth=need, target=target)
 

@@ -404,10 +404,9 @@ def _one_line(name: str, r: dict) -> str:
 
 def clean_baseline(results: dict[str, dict], r: dict) -> float | None:
     """The final eval of the clean scenario with as many added peers as ``r`` (None if it did not run)."""
-    added = r.get("hostile", 1)
     for other in results.values():
-        if other["kind"] == "clean" and other.get("hostile", 1) == added:
-            return other.get("final_eval")
+        if other["kind"] == "clean" and other["hostile"] == r["hostile"]:
+            return other["final_eval"]
     return None
 
 
@@ -476,7 +475,7 @@ def plot(path: Path, results: dict[str, dict]) -> None:
         if points:
             ax.plot([t for t, _ in points], [v for _, v in points], label=name,
                     lw=2.5 if r["kind"] == "clean" else 1.2, color="black" if r["kind"] == "clean" else None,
-                    ls="--" if r["kind"] == "clean" and r.get("hostile", 1) > 1 else "-")
+                    ls="--" if r["kind"] == "clean" and r["hostile"] > 1 else "-")
     ax.set_xlabel("seconds since the attack started")
     ax.set_ylabel("honest nodes' eval loss (mean)")
     ax.set_title("eval loss of the honest nodes")

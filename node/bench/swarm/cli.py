@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from node.errors import UserError
+from node.plan import ROUND_OVERHEAD_S
 
 HIVEMIND_MODULE = ["node.bench.swarm.peers", "hivemind"]
 
@@ -112,7 +113,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     from node.bench.swarm.report import write_report
     from node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
     from node.config import to_toml
-    from node.plan import ROUND_OVERHEAD_S, recommend, utilization
+    from node.plan import recommend, utilization
     from node.sim import data_paths
 
     # ---- every flag first: one clear line, exit 2 ----
@@ -223,8 +224,6 @@ def run_swarm(args: argparse.Namespace) -> int:
 def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> None:
     """The planner's utilization for this configuration, with each node's measured step time (and the
     configuration's mean step time for the configuration row)."""
-    from node import plan
-
     if "optimizer" in (conf.get("settings") or {}):
         conf["predicted"] = None
         return
@@ -237,7 +236,7 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
             return None
         return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=o.tau, codec=o.codec,
                                    latency=latency, workers=workers, block_size=o.block_size,
-                                   round_overhead=plan.ROUND_OVERHEAD_S))
+                                   round_overhead=ROUND_OVERHEAD_S))
 
     nodes = conf.get("nodes") or []
     for node in nodes:
