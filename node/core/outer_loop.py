@@ -66,6 +66,8 @@ class OuterStats:
     catch_ups: int = 0
     refused: int = 0                      # results or snapshots the guards refused
     consensus_rounds: int = 0
+    consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
+    last_consensus_error: str = ""
     last_consensus_shift: float = 0.0     # |phi_bar - phi| / |phi| of the last consensus round
     bytes_by_round: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -256,6 +258,8 @@ class OuterLoop:
         self.stats.bytes_sent += res.bytes_sent
         self.stats.bytes_received += res.bytes_received
         if not res.ok:
+            self.stats.consensus_failed += 1
+            self.stats.last_consensus_error = res.error
             return
         self.stats.consensus_rounds += 1
         if res.average is None:  # every member already held this phi

@@ -23,7 +23,10 @@ accepted value is kept) and reported to ``on_offence(peer, "clock", detail)``:
 
 - between two heartbeats of a known peer, its inner steps may not advance faster than ``max_rate``
   and its clock not faster than ``rate_factor`` times the swarm's inner-step rate (``max_rate``
-  while no rate is known), measured on this node's own time, plus a slack for polling jitter;
+  while no rate is known), measured on this node's own time, plus a slack for polling jitter, unless
+  the new clock lands within that slack of the other clocks' lower median (an honest node far behind
+  jumps to the median: that is catching up, and a CI run saw three such jumps get an honest node
+  banned by everyone);
 - a peer's first claim (new, or back after a silence of ``4 * interval``) may not be more than that
   slack above the lower median of the other witnesses (this node's clock once joined, the other
   accepted peers, the other first claims seen together); a lone first claim cannot be contradicted;
@@ -273,12 +276,12 @@ class SwarmClock:
             if peer is None or claim.seen - peer.accepted_at > self.gap:
                 firsts[pid] = claim  # new, or back after a silence: judged against the others
             else:
-                self._judge_known(pid, peer, claim, bounds, reports)
+                self._judge_known(pid, peer, claim, now, bounds, reports)
         for pid, claim in firsts.items():
             self._judge_first(pid, claim, [c for q, c in firsts.items() if q != pid], now, bounds, reports)
         return reports
 
-    def _judge_known(self, pid: str, peer: PeerClock, claim: Claim, bounds: _Bounds,
+    def _judge_known(self, pid: str, peer: PeerClock, claim: Claim, now: float, bounds: _Bounds,
                      reports: list[tuple[str, str]]) -> None:
         if not peer.went_back(claim):
             # Elapsed time on this node's clock: a peer's own timestamps cannot stretch its allowance.
@@ -291,22 +294,37 @@ class SwarmClock:
                                      f"(at most {max_steps:.0f} possible)"))
                 return
             if clock > max_clock:
-                reports.append((pid, f"clock jumped {peer.clock} -> {claim.clock} in {elapsed:.1f} s (at most "
-                                     f"{max_clock:.0f} possible at {bounds.clock_rate:.1f} steps/s)"))
-                return
+                # An honest node far behind (a pause, a slow machine) jumps to the swarm's median clock,
+                # and right after joins the rates measured are still the slow start's: a jump that lands
+                # within the slack of the other witnesses' lower median is catching up, not a lie.
+                ref = self._witnesses_median(pid, [], now, bounds)
+                if ref is None or self._line(claim, now, bounds) > ref + bounds.slack:
+                    reports.append((pid, f"clock jumped {peer.clock} -> {claim.clock} in {elapsed:.1f} s (at most "
+                                         f"{max_clock:.0f} possible at {bounds.clock_rate:.1f} steps/s"
+                                         + ("" if ref is None else f", and above the swarm's {ref:.0f}") + ")"))
+                    return
         peer.accept(claim, self._anchor(claim))
 
-    def _judge_first(self, pid: str, claim: Claim, others: list[Claim], now: float, bounds: _Bounds,
-                     reports: list[tuple[str, str]]) -> None:
+    def _line(self, claim: Claim, now: float, bounds: _Bounds) -> float:
+        """A claim's clock extrapolated to ``now`` at the swarm's inner-step rate."""
+        return claim.clock + (bounds.rate or 0.0) * min(max(0.0, now - self._anchor(claim)), self.max_ahead)
+
+    def _witnesses_median(self, pid: str, others: list[Claim], now: float, bounds: _Bounds) -> float | None:
+        """The lower median of every clock but ``pid``'s: ``others`` (claims judged together with it), the
+        accepted live peers and this node's own once joined. None when there is no other witness."""
         rate = bounds.rate or 0.0
-        witnesses = [c.clock + rate * min(max(0.0, now - self._anchor(c)), self.max_ahead) for c in others]
+        witnesses = [self._line(c, now, bounds) for c in others]
         witnesses += [p.line(now, rate, self.max_ahead) for q, p in self._live(now).items() if q != pid]
         if self._established:
             witnesses.append(self._pos)
-        line = claim.clock + rate * min(max(0.0, now - self._anchor(claim)), self.max_ahead)
-        if witnesses and line > (ref := lower_median(witnesses)) + bounds.slack:
+        return lower_median(witnesses) if witnesses else None
+
+    def _judge_first(self, pid: str, claim: Claim, others: list[Claim], now: float, bounds: _Bounds,
+                     reports: list[tuple[str, str]]) -> None:
+        ref = self._witnesses_median(pid, others, now, bounds)
+        if ref is not None and self._line(claim, now, bounds) > ref + bounds.slack:
             reports.append((pid, f"clock {claim.clock} is more than {bounds.slack:.0f} steps above the swarm's "
-                                 f"{ref:.0f} (lower median of {len(witnesses)} other clock(s))"))
+                                 f"{ref:.0f} (lower median of the other clocks)"))
             return
         self._peers[pid] = PeerClock(claim, self._anchor(claim), self._window, 0.5 * self.interval)
 

@@ -293,7 +293,8 @@ def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
     left after ``grace_s``, removes their IPC files (:func:`cleanup_ipc_files`) and exits. It ignores
     SIGINT, SIGTERM and SIGHUP, so a Ctrl+C of the group lets the node shut down cleanly; it holds no
     inherited file descriptors except stdin/stdout/stderr. Returns the watchdog's pid; call
-    :func:`stop_watchdog` after an orderly shutdown.
+    :func:`stop_watchdog` after an orderly shutdown: the watchdog then only tidies up once this process
+    has exited (torch's shared-memory files, which its ``torch_shm_manager`` does not always remove).
     """
     parent = os.getpid()
     pgid = os.getpgrp()
@@ -316,7 +317,9 @@ def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
 def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    # SIGUSR1: the parent died (PDEATHSIG); SIGUSR2: the parent shut down in order (stop_watchdog).
+    # Both blocked and taken with sigtimedwait, so neither can be lost.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     _prctl(PR_SET_NAME, _WATCHDOG_NAME)
     _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
     with contextlib.suppress(OSError):
@@ -325,6 +328,7 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
     seen: dict[int, int] = {}  # pid -> starttime of the parent's descendants at the last poll
     groups: set[int] = set()  # process groups led by those descendants (e.g. the DHT's, see dht.py)
     files: set[str] = set()
+    orderly = False
     while os.getppid() == parent:
         snapshot, led = {}, set()
         for p in descendants(parent):
@@ -335,11 +339,18 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
                     led.add(p)
         seen, groups = snapshot, led
         files = ipc_files([parent, *seen]) | {f for f in files if os.path.exists(f)}
-        # wakes on SIGUSR1 (parent death; it is blocked, so it cannot be lost) or after poll_s
-        signal.sigtimedwait({signal.SIGUSR1}, poll_s)
+        # wakes on SIGUSR1 (parent death), SIGUSR2 (orderly shutdown) or after poll_s
+        got = signal.sigtimedwait({signal.SIGUSR1, signal.SIGUSR2}, poll_s)
+        orderly = orderly or (got is not None and got.si_signo == signal.SIGUSR2)
     # the parent is gone: the descendants seen last, its group and the groups they led
     if pgid is not None:
         groups.add(pgid)
+    if orderly:
+        # Everything was shut down in order; what may still live is torch's shm manager, which exits by
+        # itself once its last client is gone. Give it that moment, then stop and tidy up as below.
+        deadline = time.monotonic() + 3 * grace_s
+        while time.monotonic() < deadline and any(_same_alive(p, t) for p, t in seen.items()):
+            time.sleep(0.02)
 
     def collect(targets: dict[int, int]) -> dict[int, int]:
         for p in _all_pids():
@@ -372,13 +383,14 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
 
 
 def stop_watchdog(pid: int | None) -> None:
-    """Stop the watchdog after an orderly shutdown (kill it and reap it)."""
+    """Tell the watchdog that this process shut down in order. It stays until this process has exited,
+    then removes what torch leaves in ``/dev/shm`` (its ``torch_shm_manager`` removes a segment only when
+    it exits itself, and a loaded CI run saw segments outlive it) and ends; it cannot become a zombie of
+    ours, since it only ends after we do."""
     if not pid:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, 0)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGUSR2)
 
 
 # ---- signals ----
