@@ -326,7 +326,7 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-        elif ev.kind in ("refused", "diverged"):
+        elif ev.kind in ("refused", "diverged", "dropped"):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"

@@ -590,6 +590,32 @@ def test_failed_sync_is_atomic_and_tokens_carry_over(base_model) -> None:
     assert sum(loop.stats.syncs_failed for loop in swarm.loops) == n_failed
 
 
+@pytest.mark.parametrize("max_carry", [3, 0])
+def test_a_fragment_whose_rounds_keep_failing_drops_the_progress_it_carries(base_model, max_carry: int) -> None:
+    """Worker 2's rounds all fail: it carries its progress (and tokens) for max_carry - 1 failed rounds; the
+    max_carry-th drops it (theta <- phi, tokens 0, a "dropped" event) instead of growing a stale delta that
+    peers end up refusing. max_carry = 0 carries it forever."""
+    swarm = Swarm(base_model, 3, _outer(h=2, max_carry=max_carry), drops={2: set(range(100))})
+    dropped_at, weights = [], []
+    for t in range(1, 17):
+        events = swarm.step(t)
+        if t % 2:
+            continue
+        weights.append(swarm.transports[2].calls[-1][0].weight)
+        assert _kinds(events[2], "failed") and _kinds(events[0], "merged")
+        if _kinds(events[2], "dropped"):
+            dropped_at.append(t)
+            assert torch.equal(swarm.theta(2), swarm.phi(2))
+            assert swarm.loops[2].states[0].tokens_since_send == 0.0
+        else:
+            assert not torch.equal(swarm.theta(2), swarm.phi(2))  # the progress is still carried
+    if max_carry:
+        assert dropped_at == [6, 12]  # every 3rd failed round (sends at even steps)
+        assert weights == [20.0, 40.0, 60.0, 20.0, 40.0, 60.0, 20.0, 40.0]
+    else:
+        assert dropped_at == [] and weights == [20.0 * k for k in range(1, 9)]
+
+
 def test_behind_worker_catches_up_before_sending(base_model) -> None:
     # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
     # and merge of the step-4 sync.

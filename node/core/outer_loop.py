@@ -6,7 +6,8 @@ workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``coll
 1. ``collect``: every sync due at ``t`` (sent at ``t_s`` with ``t_s + tau = t``) is waited for; a
    complete result gets the Nesterov outer step on (phi_p, b_p), then the method's merge rule sets
    theta_p. A failed result changes nothing: the local progress stays in theta_p and the next sync of
-   the fragment carries it (weighted by all the tokens it represents).
+   the fragment carries it (weighted by all the tokens it represents), up to ``max_carry`` failed
+   rounds in a row; then that stale progress is dropped (theta_p <- phi_p, a "dropped" event).
 2. ``send``: every fragment the schedule names at ``t`` is sent: catch up first if peers hold a newer
    version (fetch phi_p, b_p and rebase the local progress onto them), then Delta_p = phi_p - theta_p
    (+ error feedback), encode, snapshot theta_p, start the asynchronous average.
@@ -44,7 +45,7 @@ from node.transport.base import AverageHandle, AverageRequest, AverageResult, Fr
 
 @dataclass
 class SyncEvent:
-    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "refused" | "diverged"
+    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "refused" | "diverged" | "dropped"
     fragment: int
     step: int
     version: int
@@ -169,7 +170,7 @@ class OuterLoop:
             if pend.due_step > step or self.cfg.method == "eager":
                 continue  # eager consumes its late result at the next send of the fragment
             del self.pending[p]
-            events.append(self._merge(self.states[p], pend, self._wait(pend), step))
+            events.extend(self._merge(self.states[p], pend, self._wait(pend), step))
         return events
 
     def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
@@ -213,7 +214,7 @@ class OuterLoop:
                 else:
                     events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
             else:
-                events.append(self._merge(self.states[p], pend, res, step))
+                events.extend(self._merge(self.states[p], pend, res, step))
         return events
 
     # ---- sends ----------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ class OuterLoop:
     def _wait(self, pend: _Pending) -> AverageResult:
         return pend.handle.result(timeout=self.wait_timeout)
 
-    def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> SyncEvent:
+    def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> list[SyncEvent]:
         reason = self._check_result(res, pend) if res.ok else None
         if res.ok and reason is None:
             reason = self._outer_step(st, res.average)
@@ -368,8 +369,11 @@ class OuterLoop:
                 st.residual.copy_(pend.residual_before)
             self._apply_consensus(st)
             if reason is not None:
-                return self._refused(st, step, res, pend.sent_step, reason)
-            return self._event("failed", st, step, res, pend.sent_step)
+                event = self._refused(st, step, res, pend.sent_step, reason)
+            else:
+                event = self._event("failed", st, step, res, pend.sent_step)
+            return [event, *self._bound_carry(st, step)]
+        st.failed_rounds = 0
         self._follow_group(st, res)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
@@ -387,7 +391,26 @@ class OuterLoop:
             raise ValueError(f"unknown merge method {method!r}")
         st.set_theta(new)
         self._apply_consensus(st)
-        return self._event("merged", st, step, res, pend.sent_step)
+        return [self._event("merged", st, step, res, pend.sent_step)]
+
+    def _bound_carry(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        """After a failed round: the local progress stays in theta for the next sync, but not forever. A
+        fragment whose rounds keep failing carries an ever larger, ever staler delta, until the peers'
+        screening refuses it as too large, so every later round fails too (seen: a joiner whose first
+        rounds failed carried 900 steps, was refused 400 times, then banned for its token weight). After
+        ``max_carry`` failed rounds in a row the fragment drops that progress (theta <- phi), as a
+        hivemind peer that fell out of sync reloads the swarm's state; the next sync starts fresh."""
+        st.failed_rounds += 1
+        if not self.cfg.max_carry or st.failed_rounds < self.cfg.max_carry:
+            return []
+        failed, st.failed_rounds = st.failed_rounds, 0
+        st.set_theta(st.phi)
+        st.tokens_since_send = 0.0
+        if st.residual is not None:
+            st.residual.zero_()
+        return [SyncEvent("dropped", st.index, step, st.version,
+                          error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
+                                "(theta <- phi)")]
 
     def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> str | None:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""

@@ -28,6 +28,7 @@ class FragmentState:
     own_prev: torch.Tensor | None = None   # eager: own decoded contribution of the last send
     own_share: float = 0.0                 # eager: token share assumed for own_prev
     last_quant_error: float = 0.0
+    failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
 
     @classmethod
     def create(cls, index: int, params: Sequence[torch.nn.Parameter], error_feedback: bool) -> FragmentState:
