@@ -114,7 +114,7 @@ class FakeNode:
                        "1": {"version": None, "holders": 0, "distinct_hashes": 0, "norm_spread": 0.0,
                              "max_version": 6, "max_lag": 1}},
             "syncs_ok": 5, "syncs_failed": 1, "catch_ups": 0, "solo_steps": 3,
-            "consensus": {"rounds": 0, "last_shift": None},
+            "consensus": {"rounds": 4, "last_shift": None, "failed": 3, "last_error": "no peer in group"},
             "bytes": {"sent": c.total_sent, "received": c.total_received, "sent_by_peer": dict(c.sent_by_peer),
                       "received_by_peer": dict(c.received_by_peer),
                       "sent_by_fragment": {str(k): v for k, v in c.sent_by_fragment.items()}},
@@ -173,6 +173,7 @@ def test_proto_round_trip_keeps_the_status(fake):
     assert back["peers"][PEER]["fragments"] == {"0": 7, "1": 6}
     assert [e["kind"] for e in back["events"]] == [e["kind"] for e in st["events"]]
     assert back["eval_curve"] == [[0, 5.5], [100, 3.4]]
+    assert back["consensus"] == {"rounds": 4, "last_shift": None, "failed": 3, "last_error": "no peer in group"}
     assert back["reputation"] == st["reputation"]
     assert back["reputation"]["refused"] == 6 and back["reputation"]["banned"] == 1
     outsider = back["reputation"]["peers"][OUTSIDER]
@@ -264,6 +265,8 @@ def test_metrics_text_format(fake):
     assert f'locoswarm_bytes_sent_total{{peer="{PEER}"}} 126000' in text
     assert 'locoswarm_fragment_version{fragment="0"} 7' in text
     assert 'locoswarm_syncs_total{result="failed"} 1' in text
+    assert 'locoswarm_consensus_rounds_total{result="ok"} 4' in text
+    assert 'locoswarm_consensus_rounds_total{result="failed"} 3' in text
     assert "locoswarm_peers 1" in text
     assert 'locoswarm_fragment_staleness_steps{fragment="0"} 4' in text
     assert f'locoswarm_refused_total{{peer="{OUTSIDER}",kind="forged_sender"}} 2' in text

@@ -86,8 +86,10 @@ def render_metrics(st: dict) -> str:
           int(st.get("catch_ups", 0)))
     w.one("locoswarm_solo_steps_total", "counter", "Outer steps taken with no live peer (a swarm of one).",
           int(st.get("solo_steps", 0)))
-    w.one("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging).",
-          int((st.get("consensus") or {}).get("rounds") or 0))
+    consensus = st.get("consensus") or {}
+    w.metric("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging) by result.",
+             [({"result": "ok"}, int(consensus.get("rounds") or 0)),
+              ({"result": "failed"}, int(consensus.get("failed") or 0))])
     b = st.get("bytes") or {}
     for direction in ("sent", "received"):
         w.metric(f"locoswarm_bytes_{direction}_total", "counter",

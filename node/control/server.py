@@ -273,6 +273,8 @@ def status_to_proto(st: dict) -> control_pb2.Status:
     _set(msg, loss=None if st.get("loss") is None else float(st["loss"]))
     consensus = st.get("consensus") or {}
     msg.consensus_rounds = int(consensus.get("rounds") or 0)
+    msg.consensus_failed = int(consensus.get("failed") or 0)
+    msg.consensus_last_error = str(consensus.get("last_error") or "")
     _set(msg, consensus_last_shift=None if consensus.get("last_shift") is None else float(consensus["last_shift"]))
     for clock, loss in st.get("eval_curve", []) or []:
         msg.eval_curve.add(clock=int(clock), loss=float(loss))
@@ -343,7 +345,8 @@ def status_from_proto(msg: control_pb2.Status) -> dict:
         "spread": spread,
         "syncs_ok": msg.syncs_ok, "syncs_failed": msg.syncs_failed, "catch_ups": msg.catch_ups,
         "solo_steps": msg.solo_steps,
-        "consensus": {"rounds": msg.consensus_rounds, "last_shift": _opt(msg, "consensus_last_shift")},
+        "consensus": {"rounds": msg.consensus_rounds, "last_shift": _opt(msg, "consensus_last_shift"),
+                      "failed": msg.consensus_failed, "last_error": msg.consensus_last_error},
         "bytes": {"sent": msg.bytes.sent, "received": msg.bytes.received, "sent_per_s": msg.bytes.sent_per_s,
                   "received_per_s": msg.bytes.received_per_s, "sent_by_peer": dict(msg.bytes.sent_by_peer),
                   "received_by_peer": dict(msg.bytes.received_by_peer),

@@ -131,8 +131,11 @@ def _network_panel(st: dict) -> Panel:
     g.add_row("up", f"{human_bytes(b.get('sent_per_s', 0))}/s   total {human_bytes(b.get('sent', 0))}")
     g.add_row("down", f"{human_bytes(b.get('received_per_s', 0))}/s   total {human_bytes(b.get('received', 0))}")
     failed = int(st.get("syncs_failed", 0))
+    consensus = st.get("consensus") or {}
+    c_failed = int(consensus.get("failed") or 0)
     g.add_row("rounds", Text.assemble(f"{st.get('syncs_ok', 0)} ok   ", (f"{failed} failed", "red" if failed else ""),
-                                      f"   {(st.get('consensus') or {}).get('rounds', 0)} consensus"))
+                                      f"   {consensus.get('rounds', 0)} consensus",
+                                      (f" ({c_failed} failed)" if c_failed else "", "red")))
     g.add_row("other", f"{st.get('catch_ups', 0)} catch-ups")
     refused, banned = _refusal_totals(st)
     g.add_row("peers", Text.assemble((f"{refused} refused", "yellow" if refused else ""), "   ",
