@@ -289,6 +289,51 @@ def test_announced_600_mib_message_is_refused_without_allocating_it(net):
         net.run(server.stop())
 
 
+def test_a_peer_the_gatekeeper_refuses_gets_one_frame_and_nothing_of_it_is_read(net):
+    """A banned peer's stream: the error frame, then the stream is closed; the handler never runs and the
+    server reads none of what the peer pushes (a banned flooder's megabytes cost the server nothing)."""
+    seen: list[str] = []
+    asked: list[str] = []
+    refuse = {"on": True}
+
+    def gatekeeper(remote: str) -> str | None:
+        asked.append(remote)
+        return "refused: this node bans your peer id for now" if refuse["on"] else None
+
+    server = _serve(net, functools.partial(_counting, seen), max_request_bytes=64 * 1024, gatekeeper=gatekeeper)
+
+    async def push() -> tuple[int, str]:
+        reader, writer = await net.raw_stream(server.name)
+        writer.write(wire.MESSAGE_MARKER + (600 * MiB).to_bytes(wire.HEADER_LEN, "big"))
+        block, sent = bytes(MiB), 0
+        with contextlib.suppress(ConnectionError, OSError):
+            for _ in range(64):
+                writer.write(block)
+                await asyncio.wait_for(writer.drain(), 2)
+                sent += len(block)
+        try:
+            await wire.read_message(reader, swarm_pb2.StateChunk, max_bytes=4096, timeout=5)
+            refusal = "no refusal"
+        except WireError as exc:  # the refusal, or a broken pipe if the close overtook it
+            refusal = str(exc)
+        writer.close()
+        return sent, refusal
+
+    try:
+        sent, refusal = net.run(push(), timeout=60)
+        print(f"\n[wire] banned peer pushed {sent >> 20} MiB before its stream was gone; refusal: {refusal!r}")
+        assert asked == [net.client_id]
+        assert seen == [] and refusal != "no refusal"
+        assert sent < 64 * MiB, "the server kept reading a refused peer's stream"
+        assert _wait_until(lambda: server.open_streams() == 0, 5)
+        refuse["on"] = False  # no longer refused: served as usual
+        replies = net.run(_collect(open_stream(net.client, net.server_id, server.name, _requests(2),
+                                               swarm_pb2.StateChunk, max_reply_bytes=4096, idle_timeout=5)))
+        assert [r.fragment for r in replies] == [0, 1]
+    finally:
+        net.run(server.stop())
+
+
 def test_trickling_client_is_dropped_after_idle_timeout(net):
     server = _serve(net, _echo, idle_timeout=1.0)
 

@@ -428,7 +428,7 @@ class SwarmTransport(Transport):
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
             max_streams_per_peer=self.robust.max_streams_per_peer, max_streams=64 + 4 * group_size,
-            on_refused=self._stream_refused), timeout=30)
+            on_refused=self._stream_refused, gatekeeper=self._refuse_banned), timeout=30)
 
     def _own_subkey(self) -> str:
         from node.swarm.records import dht_identity, owner_subkey
@@ -461,6 +461,14 @@ class SwarmTransport(Transport):
 
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
+
+    def _refuse_banned(self, peer: str) -> str | None:
+        """The stream server's first question: a banned peer's stream is refused before anything of it is
+        read (counted, no new offence)."""
+        if not self._banned(peer):
+            return None
+        self._offence(peer, "banned", "stream from a banned peer", offence=False)
+        return "refused: this node bans your peer id for now"
 
     # ---- Transport ------------------------------------------------------------------------------
     def start_average(self, request: AverageRequest) -> AverageHandle:
@@ -817,10 +825,7 @@ class SwarmTransport(Transport):
         if first is None or not first.HasField("header"):
             raise WireError("expected a header first")
         self.counters.received_unmatched(remote, first.ByteSize())
-        h = first.header
-        if self._banned(remote):
-            self._offence(remote, "banned", "stream from a banned peer", offence=False)
-            raise WireError("refused: this node bans your peer id for now")
+        h = first.header  # (a banned peer's stream never gets here: see ``_refuse_banned``)
         if h.fingerprint != self.fingerprint:
             text = f"swarm fingerprint mismatch: peer has {h.fingerprint[:40]}, this node {self.fingerprint}"
             self._offence(remote, "fingerprint", text, offence=False)

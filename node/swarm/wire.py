@@ -250,6 +250,7 @@ class RequestStream(Generic[Req]):
 
 Handler = Callable[[str, RequestStream[Any]], AsyncIterator[Message]]
 RefusedCallback = Callable[[str, str], None]
+Gatekeeper = Callable[[str], str | None]
 
 
 class StreamGate:
@@ -288,11 +289,16 @@ class WireServer:
     escapes the handler is sent to the peer as an error frame; any other failure is logged at debug
     and answered with a generic error. The stream is closed in every case and no exception reaches
     hivemind's tasks.
+
+    ``gatekeeper(remote)``, when given, is asked first: a reason it returns (e.g. the peer is banned) is
+    written as the error frame and the stream is closed at once, without reading anything the peer sends
+    and without lingering: a banned flooder's megabytes per stream would otherwise still be read and dropped.
     """
 
     def __init__(self, p2p: P2P, name: str, handler: Handler, request_type: type[Message], *,
                  max_request_bytes: int, idle_timeout: float | None, max_streams_per_peer: int,
-                 max_streams: int, on_refused: RefusedCallback | None = None) -> None:
+                 max_streams: int, on_refused: RefusedCallback | None = None,
+                 gatekeeper: Gatekeeper | None = None) -> None:
         self._p2p = p2p
         self.name = name
         self._handler = handler
@@ -301,6 +307,7 @@ class WireServer:
         self._idle_timeout = idle_timeout
         self._gate = StreamGate(max_streams_per_peer, max_streams)
         self._on_refused = on_refused
+        self._gatekeeper = gatekeeper
         # Refused streams linger briefly (see LINGER_TIMEOUT); past this many at once they close at once.
         self._max_lingering = max_streams
         self._lingering = 0
@@ -320,6 +327,9 @@ class WireServer:
         remote = "?"
         try:
             remote = str(stream_info.peer_id)
+            if self._gatekeeper is not None and (refusal := self._gatekeeper(remote)) is not None:
+                await _try_write_error(writer, refusal)
+                return
             refusal = self._gate.admit(remote)
             if refusal is not None:
                 await self._refuse(remote, refusal, reader, writer)
@@ -391,17 +401,18 @@ async def _aclose(iterator: object) -> None:
 
 async def serve(p2p: P2P, name: str, handler: Handler, request_type: type[Message], *, max_request_bytes: int,
                 idle_timeout: float | None, max_streams_per_peer: int, max_streams: int,
-                on_refused: RefusedCallback | None = None) -> WireServer:
+                on_refused: RefusedCallback | None = None, gatekeeper: Gatekeeper | None = None) -> WireServer:
     """Register ``handler`` under ``name`` on ``p2p`` with bounded framing; returns the started server.
 
     ``handler(remote, requests)`` returns an async iterator of replies; ``requests`` yields parsed
     messages of at most ``max_request_bytes`` each, each within ``idle_timeout`` seconds. A peer with
     ``max_streams_per_peer`` streams open on this handler, or any peer while ``max_streams`` are open,
-    gets an error frame and ``on_refused(remote, reason)`` is called.
+    gets an error frame and ``on_refused(remote, reason)`` is called; a peer ``gatekeeper`` refuses gets
+    its error frame and nothing else (see :class:`WireServer`).
     """
     server = WireServer(p2p, name, handler, request_type, max_request_bytes=max_request_bytes,
                         idle_timeout=idle_timeout, max_streams_per_peer=max_streams_per_peer,
-                        max_streams=max_streams, on_refused=on_refused)
+                        max_streams=max_streams, on_refused=on_refused, gatekeeper=gatekeeper)
     await server.start()
     return server
 
