@@ -17,10 +17,10 @@ from node.core.codecs import (
     CODECS,
     FP4_LEVELS,
     Codec,
-    ErrorFeedback,
     get_codec,
     quantization_error,
 )
+from node.core.payload import encode_with_feedback
 
 SIZES = (1, 2, 63, 64, 65, 1000, 4097)
 BLOCK_SIZES = (1, 7, 64, 128)
@@ -284,15 +284,21 @@ def test_decode_accumulate_rejects_bad_accumulator() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _ef(codec: Codec, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+    """One sync's error-feedback encoding as the outer loop does it, as one payload (one chunk)."""
+    chunks, decoded = encode_with_feedback(codec, x, residual)
+    assert len(chunks) == 1
+    return chunks[0], decoded
+
+
 @pytest.mark.parametrize("name", CODECS)
 def test_error_feedback_residual_update(name: str) -> None:
     codec = get_codec(name)
-    ef = ErrorFeedback(codec)
     x = _randn(300, seed=7).reshape(3, 100)
     residual = _randn(300, seed=8) * 0.1
     old = residual.clone()
     ptr = residual.data_ptr()
-    payload, decoded = ef.encode(x, residual)
+    payload, decoded = _ef(codec, x, residual)
     assert residual.data_ptr() == ptr
     assert torch.equal(decoded, codec.decode(payload, 300))
     assert torch.equal(residual, (x.reshape(-1) + old) - decoded)
@@ -301,17 +307,17 @@ def test_error_feedback_residual_update(name: str) -> None:
 def test_error_feedback_without_residual_is_plain_encode() -> None:
     codec = get_codec("fp4")
     x = _randn(100, seed=9)
-    payload, decoded = ErrorFeedback(codec).encode(x, None)
+    payload, decoded = _ef(codec, x, None)
     assert payload == codec.encode(x)
     assert torch.equal(decoded, codec.decode(payload, 100))
 
 
 def test_error_feedback_rejects_mismatched_residual() -> None:
-    ef = ErrorFeedback(get_codec("fp4"))
+    codec = get_codec("fp4")
     with pytest.raises(ValueError, match="residual"):
-        ef.encode(torch.zeros(10), torch.zeros(9))
+        encode_with_feedback(codec, torch.zeros(10), torch.zeros(9))
     with pytest.raises(ValueError, match="residual"):
-        ef.encode(torch.zeros(10), torch.zeros(10, dtype=torch.float64))
+        encode_with_feedback(codec, torch.zeros(10), torch.zeros(10, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("name", ["int8", "fp4"])
@@ -320,13 +326,12 @@ def test_error_feedback_mean_converges(name: str) -> None:
     codec = get_codec(name)
     x = _randn(1000, seed=10) * 1e-3
     steps = 100
-    ef = ErrorFeedback(codec)
     residual = torch.zeros(1000)
     sum_ef = torch.zeros(1000)
     sum_plain = torch.zeros(1000)
     for _ in range(steps):
-        sum_ef += ef.encode(x, residual)[1]
-        sum_plain += ef.encode(x, None)[1]
+        sum_ef += _ef(codec, x, residual)[1]
+        sum_plain += _ef(codec, x, None)[1]
     err_ef = ((sum_ef / steps) - x).norm().item()
     err_plain = ((sum_plain / steps) - x).norm().item()
     assert err_plain > 0
@@ -351,7 +356,7 @@ def test_cuda_round_trip(name: str) -> None:
     y = codec.decode(data, x.numel())
     assert y.device.type == "cpu"
     residual = torch.zeros(4097, device="cuda")
-    payload, decoded = ErrorFeedback(codec).encode(x.cuda(), residual)
+    payload, decoded = _ef(codec, x.cuda(), residual)
     assert payload == data and decoded.device.type == "cuda"
     assert torch.equal(decoded.cpu(), y)
     acc = torch.zeros(4097, device="cuda")

@@ -31,7 +31,6 @@ __all__ = [
     "FP4_LEVELS",
     "Bf16Codec",
     "Codec",
-    "ErrorFeedback",
     "Fp4Codec",
     "Fp32Codec",
     "Int8Codec",
@@ -397,48 +396,6 @@ def quantization_error(x: torch.Tensor, codec: Codec) -> float:
     err = torch.linalg.vector_norm(decoded.to(torch.float64) - ref).item()
     norm = torch.linalg.vector_norm(ref).item()
     return err / (norm + torch.finfo(torch.float32).tiny)
-
-
-class ErrorFeedback:
-    """Carries each sync's quantization error into the next one (EF: e <- (x + e) - Q(x + e)).
-
-    Without it, a low-bit codec drops the same part of a slowly varying pseudo-gradient every sync
-    and that bias accumulates in the outer optimizer; with it the dropped part is sent later, so the
-    time-average of what peers receive tracks the true pseudo-gradient.
-    """
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-
-    def encode(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
-        """Return ``(payload, decoded)``; ``decoded`` is fp32 1-D on ``x``'s device.
-
-        ``decoded`` is obtained by decoding the payload itself, so it is bit-identical to what every
-        receiver reconstructs for this sender. When ``residual`` is given it is added first and then
-        overwritten in place with ``(x + residual_old) - decoded``.
-        """
-        flat = _flatten_fp32(x)
-        if residual is None:
-            payload = self.codec.encode(flat)
-            return payload, self.codec.decode(payload, flat.numel()).to(flat.device)
-        self._check_residual(residual, flat)
-        target = flat + residual.detach().reshape(-1)
-        payload = self.codec.encode(target)
-        decoded = self.codec.decode(payload, target.numel()).to(target.device)
-        residual.copy_((target - decoded).view(residual.shape))
-        return payload, decoded
-
-    @staticmethod
-    def _check_residual(residual: torch.Tensor, flat: torch.Tensor) -> None:
-        if residual.dtype != torch.float32 or residual.numel() != flat.numel():
-            raise ValueError(
-                f"error-feedback residual must be float32 with {flat.numel()} elements, "
-                f"got dtype={residual.dtype} numel={residual.numel()}"
-            )
-        if residual.device != flat.device:
-            raise ValueError(
-                f"error-feedback residual is on {residual.device} but the input is on {flat.device}"
-            )
 
 
 def _fp4_levels() -> tuple[float, ...]:

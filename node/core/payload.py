@@ -57,13 +57,18 @@ def encode_with_feedback(codec: Codec, x: torch.Tensor,
 
     Returns the chunks and the fp32 values they decode to (on ``x``'s device): that decoded tensor is
     this sender's contribution as every peer will see it. The residual is updated in place to the
-    quantization error ``(x + e) - decoded``, which the next sync of this fragment carries.
+    quantization error ``(x + e) - decoded``, which the next sync of this fragment carries (EF: without
+    it a low-bit codec drops the same part of a slowly varying pseudo-gradient every sync, and that bias
+    accumulates in the outer optimizer; with it the dropped part is sent later).
     """
     target = x.reshape(-1).float()
     if residual is not None:
-        target = target + residual
+        if residual.dtype != torch.float32 or residual.numel() != target.numel() or residual.device != target.device:
+            raise ValueError(f"error-feedback residual must be float32 with {target.numel()} elements on "
+                             f"{target.device}, got {residual.dtype} with {residual.numel()} on {residual.device}")
+        target = target + residual.reshape(-1)
     chunks = encode_chunks(codec, target)
     decoded = decode_chunks(codec, chunks, target.numel()).to(target.device)
     if residual is not None:
-        residual.copy_(target - decoded)
+        residual.copy_((target - decoded).view(residual.shape))
     return chunks, decoded

@@ -25,8 +25,6 @@ class FragmentState:
     version: int = 0
     last_send: int | None = None           # swarm step of the last send
     tokens_since_send: float = 0.0
-    own_prev: torch.Tensor | None = None   # eager: own decoded contribution of the last send
-    own_share: float = 0.0                 # eager: token share assumed for own_prev
     last_quant_error: float = 0.0
     failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
 
