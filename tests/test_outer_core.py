@@ -687,6 +687,44 @@ def test_eager_runs_rounds_and_theta_equals_phi_after_send(base_model) -> None:
     assert [loop.version(0) for loop in swarm.loops] == [4, 4]
 
 
+def test_eager_with_one_worker_is_blocking_diloco_exactly(base_model) -> None:
+    """Alone, the group average of round k-1 is exactly the node's own contribution, so the eager outer
+    gradient avg(k-1) - own(k-1) + own(k) is own(k): the outer steps of blocking DiLoCo, at the same steps."""
+    eager = Swarm(base_model, 1, _outer(method="eager", h=3, tau=3))
+    diloco = Swarm(base_model, 1, _outer(method="replace", h=3, tau=0))
+    for t in range(1, 19):
+        eager.step(t)
+        diloco.step(t)
+        assert torch.equal(eager.theta(0), diloco.theta(0)), t
+        assert torch.equal(eager.phi(0), diloco.phi(0)), t
+    assert eager.loops[0].version(0) == diloco.loops[0].version(0) == 6
+
+
+def test_eager_with_identical_workers_applies_own_at_once_and_the_rest_a_round_late(base_model) -> None:
+    """M workers with identical data: all hold one phi, and round k's outer gradient is the paper's
+    g_k = own_k / M + (M - 1) / M * avg_{k-1} with avg_{k-1} = own_{k-1} (not DiLoCo's own_k: eager with
+    identical data is DiLoCo with (M-1)/M of every update one round late, so the two differ)."""
+    m, h = 3, 2
+    outer = _outer(method="eager", h=h, tau=h)
+    swarm = Swarm(base_model, m, outer)
+    swarm.gens = [torch.Generator().manual_seed(5) for _ in range(m)]  # identical inner progress
+    phi, buf = swarm.phi(0), torch.zeros_like(swarm.phi(0))
+    opt = NesterovOuterOptimizer(outer.lr, outer.momentum)
+    prev = None
+    for t in range(1, 4 * h + 1):
+        swarm.train()
+        own = swarm.phi(0) - swarm.theta(0)
+        swarm.sync(t)
+        if t % h:
+            continue
+        g = own / m if prev is None else own / m + (m - 1) / m * prev
+        opt.step(phi, buf, g)
+        prev = own
+        for i in range(m):
+            assert_close(swarm.phi(i), phi, atol=1e-6, rtol=0)
+            assert torch.equal(swarm.phi(i), swarm.phi(0))
+
+
 def _eager_cumulative(base_model, tokens: list[float]) -> tuple[Swarm, torch.Tensor, list[torch.Tensor]]:
     """lr = 1, mu = 0: phi_end = phi0 - sum of all outer gradients applied (two rounds, then drain)."""
     swarm = Swarm(base_model, 2, _outer(method="eager", h=2, tau=2, lr=1.0, momentum=0.0))

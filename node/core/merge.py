@@ -69,7 +69,10 @@ def eager_outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tens
     """
     g = own_now * share_now
     if late_average is not None:
-        g = g + late_average.to(g.device)
+        # The late part first: others' progress of round k-1, which is exactly 0 for a worker alone (its
+        # average is its own contribution), so that eager with one worker is blocking DiLoCo bit for bit.
+        late = late_average.to(g.device)
         if own_prev is not None:
-            g = g - own_prev * share_prev
+            late = late - own_prev * share_prev
+        g = g + late
     return g
