@@ -25,12 +25,9 @@ At every instant either the current pair or the previous pair is intact and hold
 save (or the new one), so a crash at any point loses nothing that was saved. An intact current pair
 is rotated only after its hash checks, so a damaged current pair never overwrites a good previous one.
 
-In-flight syncs (``OuterLoop.pending``) are not saved. A restarted node re-sends instead: the local
-progress is still phi - theta in the saved state. A fragment whose sync was in flight is saved as if
-that sync had failed (its tokens added back to ``tokens_since_send``, its residual as before the send),
-which is exactly what ``OuterLoop`` does with a failed sync. If the group did complete that round, that
-one contribution of the node is counted twice: the price of never waiting for the network at a save.
-With ``method = "eager"`` the part of the node's own last contribution not yet applied is dropped.
+The outer loop's part is what ``OuterLoop.state_dict()`` returns (its tensors under ``outer/``, its
+records under ``"fragments"`` and ``"outer"``) and goes back through ``OuterLoop.load_state_dict()``:
+in-flight syncs are not saved (a restarted node re-sends; see ``OuterLoop.state_dict``).
 """
 
 from __future__ import annotations
@@ -64,7 +61,6 @@ PREVIOUS = "checkpoint.prev"
 _ST_FORMAT = f"locoswarm-checkpoint/{FORMAT}"
 _TMP_PREFIX = ".checkpoint"
 _TMP_SUFFIX = ".tmp"
-_STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups")
 
 
 def _paths(state_dir: Path, stem: str) -> tuple[Path, Path]:
@@ -241,8 +237,8 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _collect(model: torch.nn.Module, inner: InnerOptimizer, outer: OuterLoop) -> tuple[dict[str, torch.Tensor], list]:
-    """The tensors of a checkpoint and the per-fragment records (see the module docstring)."""
+def _collect(model: torch.nn.Module, inner: InnerOptimizer, outer: OuterLoop) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of a checkpoint and the outer loop's state (see the module docstring)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         tensors[f"model/{name}"] = _cpu(p)
@@ -252,26 +248,10 @@ def _collect(model: torch.nn.Module, inner: InnerOptimizer, outer: OuterLoop) ->
                 tensors[f"inner/{i}/{key}"] = _cpu(value)
             elif isinstance(value, int | float):
                 tensors[f"inner/{i}/{key}"] = torch.tensor(float(value), dtype=torch.float32)
-    eager = outer.cfg.method == "eager"
-    fragments = []
-    for st in outer.states:
-        pend = outer.pending.get(st.index)
-        tokens, residual = st.tokens_since_send, st.residual
-        if pend is not None and not eager:
-            # Saved as if the in-flight sync had failed (OuterLoop._merge does the same on failure).
-            tokens += pend.weight
-            if pend.residual_before is not None and residual is not None:
-                residual = pend.residual_before
-        tensors[f"outer/{st.index}/phi"] = _cpu(st.phi)
-        tensors[f"outer/{st.index}/momentum"] = _cpu(st.momentum)
-        if residual is not None:
-            tensors[f"outer/{st.index}/residual"] = _cpu(residual)
-        fragments.append({"index": st.index, "version": int(st.version),
-                          "last_send": None if st.last_send is None else int(st.last_send),
-                          "tokens_since_send": float(tokens)})
-    if getattr(outer, "shared_r", None) is not None:
-        tensors["outer/shared_r"] = _cpu(outer.shared_r)
-    return tensors, fragments
+    state = outer.state_dict()
+    for key, value in state["tensors"].items():
+        tensors[f"outer/{key}"] = _cpu(value)
+    return tensors, state
 
 
 def save_checkpoint(state_dir: Path, *, model: torch.nn.Module, inner: InnerOptimizer, outer: OuterLoop,
@@ -296,17 +276,15 @@ def save_checkpoint(state_dir: Path, *, model: torch.nn.Module, inner: InnerOpti
     state_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(state_dir)
     content_id = uuid.uuid4().hex
-    tensors, fragments = _collect(model, inner, outer)
-    stats = getattr(outer, "stats", None)
+    tensors, state = _collect(model, inner, outer)
     doc: dict[str, Any] = {
         "format": FORMAT,
         "fingerprint": fingerprint,
         "content_id": content_id,
         "tensors_sha256": "",
         "inner_steps_done": int(inner.steps_done),
-        "fragments": fragments,
-        "outer": {"expected_share": float(getattr(outer, "expected_share", 0.0)),
-                  "stats": {k: getattr(stats, k) for k in _STAT_FIELDS if hasattr(stats, k)}},
+        "fragments": state["fragments"],
+        "outer": {"expected_share": state["expected_share"], "stats": state["stats"]},
         "meta": dict(meta),
     }
     new_st, new_json = _paths(state_dir, CURRENT)
@@ -379,15 +357,17 @@ def load_checkpoint(state_dir: Path, *, model: torch.nn.Module, inner: InnerOpti
                                                   "optimizer does not have")
                 if kind in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                     _expect(pair, key, tuple(params[int(i)].shape))
+        required, optional = outer.state_shapes()
         records = pair.doc.get("fragments")
-        if not isinstance(records, list) or len(records) != len(outer.states):
+        n_fragments = sum(1 for key in required if key.endswith("/phi"))
+        if not isinstance(records, list) or len(records) != n_fragments:
             raise _Unusable(pair.json_path, f"records {len(records or [])} fragments but this node has "
-                                            f"{len(outer.states)}")
-        for st in outer.states:
-            _expect(pair, f"outer/{st.index}/phi", tuple(st.phi.shape))
-            _expect(pair, f"outer/{st.index}/momentum", tuple(st.momentum.shape))
-            if f"outer/{st.index}/residual" in pair.shapes:
-                _expect(pair, f"outer/{st.index}/residual", tuple(st.phi.shape))
+                                            f"{n_fragments}")
+        for key, shape in required.items():
+            _expect(pair, f"outer/{key}", shape)
+        for key, shape in optional.items():
+            if f"outer/{key}" in pair.shapes and key != "shared_r":
+                _expect(pair, f"outer/{key}", shape)
         _check_finite(pair)
 
     pair = _select(state_dir, fingerprint, check)
@@ -432,31 +412,9 @@ def _restore(pair: _Pair, model: torch.nn.Module, inner: InnerOptimizer, outer: 
         inner.optimizer.load_state_dict(sd)
         inner.steps_done = int(pair.doc["inner_steps_done"])
 
-        records = {int(r["index"]): r for r in pair.doc["fragments"]}
-        for st in outer.states:
-            st.phi.copy_(f.get_tensor(f"outer/{st.index}/phi"))
-            st.momentum.copy_(f.get_tensor(f"outer/{st.index}/momentum"))
-            if st.residual is not None:
-                # error_feedback is a local setting: a checkpoint without a residual restores zero.
-                key = f"outer/{st.index}/residual"
-                if key in pair.shapes:
-                    st.residual.copy_(f.get_tensor(key))
-                else:
-                    st.residual.zero_()
-            rec = records[st.index]
-            st.version = int(rec["version"])
-            st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
-            st.tokens_since_send = float(rec["tokens_since_send"])
-        if hasattr(outer, "shared_r"):
-            outer.shared_r = f.get_tensor("outer/shared_r") if "outer/shared_r" in pair.shapes else None
-    outer.pending.clear()
+        outer_tensors = {key[len("outer/"):]: f.get_tensor(key) for key in pair.shapes if key.startswith("outer/")}
     extra = pair.doc.get("outer") or {}
-    if "expected_share" in extra and hasattr(outer, "expected_share"):
-        outer.expected_share = float(extra["expected_share"])
-    stats = getattr(outer, "stats", None)
-    for key, value in (extra.get("stats") or {}).items():
-        if key in _STAT_FIELDS and stats is not None:
-            setattr(stats, key, value)
+    outer.load_state_dict({"tensors": outer_tensors, "fragments": pair.doc["fragments"], **extra})
 
 
 # ---- export ----------------------------------------------------------------------------------------

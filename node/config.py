@@ -91,10 +91,11 @@ class InnerSection:
 @dataclass
 class OuterSection:
     method: str = setting("alpha", shared=True,
-                          choices=("replace", "alpha", "rebase", "compensate", "eager"),
+                          choices=("replace", "alpha", "rebase", "compensate", "eager", "delay"),
                           help="how a sync result is merged into the live params: replace (DiLoCo), "
                                "alpha (Streaming DiLoCo), rebase (DiLoCoX one-step delay), "
-                               "compensate (CoCoDC), eager (eager updates, needs tau = h)")
+                               "compensate (CoCoDC), eager (eager updates, needs tau = h), "
+                               "delay (naive one-outer-step delay, needs tau = h)")
     h: int = setting(50, shared=True, min=1, max=100000, help="inner steps between two syncs of a fragment")
     fragments: int = setting(2, shared=True, min=1, max=256, help="number of fragments F")
     tau: int = setting(2, shared=True, min=0, help="inner steps a sync overlaps with training (<= h)")
@@ -205,8 +206,8 @@ _NOTES = {
     "model.d_model": "must be divisible by n_heads when both are set",
     "model.tokenizer": '"bytes" or an existing directory',
     "inner.seq_len": "at most model.max_seq_len",
-    "outer.method": "replace needs tau = 0; eager needs tau = h",
-    "outer.tau": "at most h; 0 for method = replace; equal to h for method = eager",
+    "outer.method": "replace needs tau = 0; eager and delay need tau = h",
+    "outer.tau": "at most h; 0 for method = replace; equal to h for method = eager or delay",
     "outer.fragments": "at most h when schedule = fixed (offsets must be distinct)",
     "outer.sends_per_h": "at most h",
     "robust.reject_factor": "at least clip_factor",
@@ -500,7 +501,7 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
                     f"{w.assign('outer', 'h', o.h)}; a sync overlaps at most h inner steps, set tau <= {o.h}")
 
     w = where("outer.method", "outer.tau", "outer.h")
-    if o.method == "eager" and o.tau != o.h:
+    if o.method in ("eager", "delay") and o.tau != o.h:
         raise _fail(f"{w.source}: {w.assign('outer', 'method', o.method)} needs tau = h (got tau = {o.tau}, "
                     f"h = {o.h}); set tau = {o.h} or choose another method")
     if o.method == "replace" and o.tau != 0:

@@ -120,6 +120,7 @@ def test_init_output_loads_to_defaults(tmp_path):
     # cross-field rules
     ({"outer": {"tau": 51}}, ["[outer] tau = 51", "[outer] h = 50", "tau <= 50"]),
     ({"outer": {"method": "eager"}}, ['[outer] method = "eager"', "tau = h", "tau = 50"]),
+    ({"outer": {"method": "delay"}}, ['[outer] method = "delay"', "tau = h", "tau = 50"]),
     ({"outer": {"method": "replace"}}, ['[outer] method = "replace"', "tau = 0", '"alpha"', '"compensate"',
                                         '"rebase"']),
     ({"outer": {"fragments": 51, "tau": 0}}, ["[outer] fragments = 51", "schedule", "distinct",
@@ -146,6 +147,7 @@ def test_bad_config_messages(data, parts):
 @pytest.mark.parametrize("data", [
     {"outer": {"fragments": 51, "tau": 0, "schedule": "adaptive"}},  # fragments > h ok when adaptive
     {"outer": {"method": "eager", "tau": 50}},
+    {"outer": {"method": "delay", "tau": 50}},
     {"outer": {"method": "replace", "tau": 0}},
     {"outer": {"tau": 50}},
     {"outer": {"lr": 1}},  # int for float

@@ -725,6 +725,35 @@ def test_eager_with_identical_workers_applies_own_at_once_and_the_rest_a_round_l
             assert torch.equal(swarm.phi(i), swarm.phi(0))
 
 
+def test_naive_delay_applies_the_previous_rounds_average_and_restarts_theta(base_model) -> None:
+    """The naive one-outer-step delay (lr 1, no momentum, by hand): at the send of round k the outer step is
+    the group average of round k-1 (nothing at round 1), theta <- phi, and round k's fresh progress, measured
+    from the phi of round k-1, is sent. Unlike rebase, the progress made while round k-1 ran is not kept."""
+    swarm = Swarm(base_model, 2, _outer(method="delay", h=2, tau=2, lr=1.0, momentum=0.0))
+    phi0 = swarm.phi(0)
+    sent_from = phi0
+    for t in range(1, 7):
+        swarm.train()
+        own = [swarm.phi(i) - swarm.theta(i) for i in range(2)]
+        events = swarm.sync(t)
+        if t % 2:
+            continue
+        k = t // 2
+        req = swarm.transports[0].calls[-1][0]
+        assert_close(decode_chunks(get_codec("fp32"), req.chunks, req.numel), own[0], atol=0, rtol=0)
+        if k == 1:
+            assert torch.equal(swarm.phi(0), phi0)  # nothing late yet: a zero step
+        else:
+            late = swarm.transports[0].calls[-2][1].result().average
+            assert_close(swarm.phi(0), sent_from - late, atol=1e-6, rtol=0)
+            assert [e.kind for e in events[0]] == ["merged", "sent"]
+        for i in range(2):
+            assert torch.equal(swarm.theta(i), swarm.phi(i))
+        assert_close(swarm.phi(0), swarm.phi(1), atol=0, rtol=0)
+        sent_from = swarm.phi(0)
+    assert [loop.version(0) for loop in swarm.loops] == [3, 3]
+
+
 def _eager_cumulative(base_model, tokens: list[float]) -> tuple[Swarm, torch.Tensor, list[torch.Tensor]]:
     """lr = 1, mu = 0: phi_end = phi0 - sum of all outer gradients applied (two rounds, then drain)."""
     swarm = Swarm(base_model, 2, _outer(method="eager", h=2, tau=2, lr=1.0, momentum=0.0))

@@ -246,6 +246,7 @@ def test_group_sigkill_leaves_no_process(swarm):
     {"method": "alpha", "tau": 2, "codec": "int8"},
     {"method": "rebase", "tau": 8},
     {"method": "eager", "tau": 8, "fragments": 1},
+    {"method": "delay", "tau": 8, "fragments": 1},
     {"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
 ], ids=lambda o: o["method"])
 def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):

@@ -16,11 +16,20 @@ at send time, so ``snapshot - theta`` is the local progress made while the sync 
 - ``eager``       the outer step takes g = late_avg - share_prev * own_prev + share_now * own_now,
                   then theta <- phi. Eager updates (Kale et al., 2025): the node's own contribution
                   is applied at once, everyone else's one round late.
+- ``delay``       the outer step takes g = late_avg (the group average of the previous round), then
+                  theta <- phi: the *naive* one-outer-step delay, the baseline of the Eager paper (its
+                  own progress reaches phi only through the group's average, one round late). Unlike
+                  ``rebase``, the local progress made while the sync ran is not kept in theta.
+
+Each method is one class (:class:`MergeRule`), chosen once from ``[outer] method`` by
+:func:`make_merge_rule`; the outer loop asks it, never the method's name.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -76,3 +85,126 @@ def eager_outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tens
             late = late - own_prev * share_prev
         g = g + late
     return g
+
+
+# ---- one class per method ---------------------------------------------------------------------------
+
+Bounds = Sequence[tuple[int, int]]
+
+
+class MergeRule(ABC):
+    """How a fragment's sync result enters theta (see the module docstring).
+
+    ``late`` rules (eager, delay) overlap a whole round (tau = h): a round's result is consumed at the
+    fragment's next send, where it forms the outer gradient with the fresh local progress
+    (:meth:`LateRule.outer_gradient`); the others merge at collect time (:meth:`merge`).
+    """
+
+    name: ClassVar[str]
+    late: ClassVar[bool] = False
+
+    @abstractmethod
+    def merge(self, theta: torch.Tensor, phi: torch.Tensor, snapshot: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+        """theta after the outer step moved phi; ``snapshot`` is theta when the sync was sent."""
+
+    def carry(self, theta: torch.Tensor, phi_new: torch.Tensor, phi_old: torch.Tensor,
+              bounds: Bounds) -> torch.Tensor:
+        """theta after a catch-up replaced phi_old by a downloaded phi_new: the local progress rides on it."""
+        return merge_rebase(theta, phi_new, phi_old)
+
+
+class Replace(MergeRule):
+    """DiLoCo / Streaming DiLoCo without overlap (Douillard et al. 2023, 2025): theta <- phi."""
+
+    name = "replace"
+
+    def merge(self, theta, phi, snapshot, bounds):
+        return merge_replace(theta, phi)
+
+
+class Alpha(MergeRule):
+    """Streaming DiLoCo's overlap mix (Douillard et al. 2025): theta <- alpha * theta + (1 - alpha) * phi."""
+
+    name = "alpha"
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def merge(self, theta, phi, snapshot, bounds):
+        return merge_alpha(theta, phi, self.alpha)
+
+
+class Rebase(MergeRule):
+    """DiLoCoX's one-step-delay overlap (Qi et al. 2025): theta <- phi - (snapshot - theta)."""
+
+    name = "rebase"
+
+    def merge(self, theta, phi, snapshot, bounds):
+        return merge_rebase(theta, phi, snapshot)
+
+
+class Compensate(MergeRule):
+    """CoCoDC's first-order delay compensation (2025): theta <- phi - (g + lambda * g * g * D) per tensor,
+    also when a catch-up moves phi under the local progress."""
+
+    name = "compensate"
+
+    def __init__(self, lambda0: float) -> None:
+        self.lambda0 = lambda0
+
+    def merge(self, theta, phi, snapshot, bounds):
+        return merge_compensate(theta, phi, snapshot, self.lambda0, bounds)
+
+    def carry(self, theta, phi_new, phi_old, bounds):
+        return merge_compensate(theta, phi_new, phi_old, self.lambda0, bounds)
+
+
+class LateRule(MergeRule):
+    """A rule whose round overlaps a whole round: the outer step happens at the next send, on
+    g = late_avg - share_prev * own_prev + share_now * own_now (theta <- phi afterwards)."""
+
+    late = True
+
+    def merge(self, theta, phi, snapshot, bounds):
+        return phi.clone()
+
+    @abstractmethod
+    def own_share(self, expected_share: float) -> float:
+        """The share of its fresh progress a worker applies at once (its expected token share, or 0)."""
+
+    @staticmethod
+    def outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tensor | None, share_prev: float,
+                       own_now: torch.Tensor, share_now: float) -> torch.Tensor:
+        return eager_outer_gradient(late_average, own_prev, share_prev, own_now, share_now)
+
+
+class Eager(LateRule):
+    """Eager updates (Kale et al. 2025): the worker's own fresh progress is applied at once at its token
+    share, everyone else's one round late."""
+
+    name = "eager"
+
+    def own_share(self, expected_share: float) -> float:
+        return expected_share
+
+
+class NaiveDelay(LateRule):
+    """The naive one-outer-step delay (the Eager paper's baseline): the outer step of round k applies the
+    group average of round k-1, nothing of the fresh progress, and theta restarts from phi."""
+
+    name = "delay"
+
+    def own_share(self, expected_share: float) -> float:
+        return 0.0
+
+
+def make_merge_rule(method: str, *, alpha: float = 0.5, lambda0: float = 0.2) -> MergeRule:
+    """The rule of ``[outer] method``."""
+    rules = {"replace": Replace, "rebase": Rebase, "eager": Eager, "delay": NaiveDelay}
+    if method in rules:
+        return rules[method]()
+    if method == "alpha":
+        return Alpha(alpha)
+    if method == "compensate":
+        return Compensate(lambda0)
+    raise ValueError(f"unknown merge method {method!r}")

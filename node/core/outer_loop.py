@@ -12,9 +12,9 @@ workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``coll
    version (fetch phi_p, b_p and rebase the local progress onto them), then Delta_p = phi_p - theta_p
    (+ error feedback), encode, snapshot theta_p, start the asynchronous average.
 
-``eager`` differs (tau = H): at a send, its own fresh Delta and the late group average of the
-previous round form the outer gradient (see ``node.core.merge``), theta_p <- phi_p, and the fresh
-Delta is sent.
+The late rules (``eager``, ``delay``; tau = H) differ: at a send, the late group average of the
+previous round (and, for eager, a share of the fresh Delta) forms the outer gradient (see
+``node.core.merge``), theta_p <- phi_p, and the fresh Delta is sent.
 
 Whatever peers sent passes ``node.core.guard`` before it changes phi, momentum or theta: a group
 average, the outer step it makes, a consensus shift, a downloaded snapshot. A refused one leaves the
@@ -35,7 +35,7 @@ from node.config import OuterSection
 from node.core.codecs import get_codec
 from node.core.consensus import CONSENSUS_CODEC, PhiConsensus, phi_digest
 from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot, non_finite
-from node.core.merge import eager_outer_gradient, merge_alpha, merge_compensate, merge_rebase, merge_replace
+from node.core.merge import LateRule, make_merge_rule
 from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
 from node.core.schedule import ScheduleState, ScheduleView, make_schedule
@@ -109,6 +109,7 @@ class OuterLoop:
                  *, expected_group_size: int = 2, wait_timeout: float | None = None,
                  limits: GuardLimits | None = None) -> None:
         self.cfg = outer
+        self.rule = make_merge_rule(outer.method, alpha=outer.alpha, lambda0=outer.lambda0)
         self.transport = transport
         self.codec = get_codec(outer.codec, outer.block_size)
         self.optimizer = NesterovOuterOptimizer(outer.lr, outer.momentum)
@@ -167,8 +168,8 @@ class OuterLoop:
         events = []
         for p in sorted(self.pending):
             pend = self.pending[p]
-            if pend.due_step > step or self.cfg.method == "eager":
-                continue  # eager consumes its late result at the next send of the fragment
+            if pend.due_step > step or self.rule.late:
+                continue  # a late rule consumes the result at the next send of the fragment
             del self.pending[p]
             events.extend(self._merge(self.states[p], pend, self._wait(pend), step))
         return events
@@ -180,18 +181,18 @@ class OuterLoop:
             if only is not None and p not in only:
                 continue
             st = self.states[p]
-            if p in self.pending and self.cfg.method != "eager":
+            if p in self.pending and not self.rule.late:
                 continue  # still in flight: its progress rides on the next sync
-            if self.cfg.method == "eager":
-                events.extend(self._send_eager(st, step))
+            if isinstance(self.rule, LateRule):
+                events.extend(self._send_late(self.rule, st, step))
             else:
                 events.extend(self._send(st, step))
         return events
 
     def _schedule_view(self) -> ScheduleView:
-        # eager's syncs are always in flight (consumed at the next send), so they block no pick
+        # a late rule's syncs are always in flight (consumed at the next send), so they block no pick
         return ScheduleView(last_send=[s.last_send for s in self.states],
-                            in_flight=set(self.pending) if self.cfg.method != "eager" else set(),
+                            in_flight=set(self.pending) if not self.rule.late else set(),
                             shared_r=self.shared_r)
 
     def drain(self, step: int) -> list[SyncEvent]:
@@ -200,11 +201,11 @@ class OuterLoop:
         for p in sorted(self.pending):
             pend = self.pending.pop(p)
             res = self._wait(pend)
-            if self.cfg.method == "eager":
+            if isinstance(self.rule, LateRule):
                 st = self.states[p]
                 reason = self._check_result(res, pend)
                 if res.ok and reason is None:
-                    g = eager_outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
+                    g = self.rule.outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
                     reason = self._outer_step(st, g)
                     if reason is None:
                         self._follow_group(st, res)
@@ -276,7 +277,7 @@ class OuterLoop:
         self.stats.last_consensus_shift = float(torch.linalg.vector_norm(shift)) / max(
             1e-12, float(torch.linalg.vector_norm(st.phi)))
 
-    def _send_eager(self, st: FragmentState, step: int) -> list[SyncEvent]:
+    def _send_late(self, rule: LateRule, st: FragmentState, step: int) -> list[SyncEvent]:
         events = []
         theta = st.theta()
         own_now_raw = st.phi - theta
@@ -305,8 +306,8 @@ class OuterLoop:
                 late_avg, own_prev, share_prev = late.own, late.own, late.own_share
             if reason is None or not res.ok:
                 events.append(self._event("merged" if res.ok else "failed", st, step, res, late.sent_step))
-        share_now = self.expected_share
-        g = eager_outer_gradient(late_avg, own_prev, share_prev, own_now, share_now)
+        share_now = rule.own_share(self.expected_share)
+        g = rule.outer_gradient(late_avg, own_prev, share_prev, own_now, share_now)
         reason = self._outer_step(st, g)
         if reason is not None:  # cannot come from peers (their part was checked): keep phi, report
             events.append(SyncEvent("refused", st.index, step, st.version, error=reason))
@@ -377,19 +378,7 @@ class OuterLoop:
         self._follow_group(st, res)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
-        theta = st.theta()
-        method = self.cfg.method
-        if method == "replace":
-            new = merge_replace(theta, st.phi)
-        elif method == "alpha":
-            new = merge_alpha(theta, st.phi, self.cfg.alpha)
-        elif method == "rebase":
-            new = merge_rebase(theta, st.phi, pend.snapshot)
-        elif method == "compensate":
-            new = merge_compensate(theta, st.phi, pend.snapshot, self.cfg.lambda0, st.bounds)
-        else:
-            raise ValueError(f"unknown merge method {method!r}")
-        st.set_theta(new)
+        st.set_theta(self.rule.merge(st.theta(), st.phi, pend.snapshot, st.bounds))
         self._apply_consensus(st)
         return [self._event("merged", st, step, res, pend.sent_step)]
 
@@ -494,11 +483,7 @@ class OuterLoop:
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
         self._resync.discard(st.index)
-        if self.cfg.method == "compensate":
-            new = merge_compensate(theta, st.phi, phi_old, self.cfg.lambda0, st.bounds)
-        else:
-            new = merge_rebase(theta, st.phi, phi_old)
-        st.set_theta(new)
+        st.set_theta(self.rule.carry(theta, st.phi, phi_old, st.bounds))
         self.stats.catch_ups += 1
         return [SyncEvent("caught_up", st.index, step, st.version)]
 
@@ -521,6 +506,80 @@ class OuterLoop:
         st.version = snap.version
         st.set_theta(st.phi - progress)
         return None
+
+    # ---- the state contract (checkpoints) ----------------------------------------------------------
+    STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups")
+
+    def state_shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """``(required, optional)`` tensor keys of :meth:`state_dict` with their shapes."""
+        required, optional = {}, {"shared_r": (len(self.states),)}
+        for st in self.states:
+            required[f"{st.index}/phi"] = required[f"{st.index}/momentum"] = tuple(st.phi.shape)
+            optional[f"{st.index}/residual"] = tuple(st.phi.shape)
+        return required, optional
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the outer loop: ``tensors`` (``<p>/phi``, ``<p>/momentum``,
+        ``<p>/residual`` with error feedback, ``shared_r`` once known; live tensors, copy them to keep
+        them), per-fragment ``fragments`` records (index, version, last_send, tokens_since_send), the
+        ``expected_share`` and a few ``stats``.
+
+        In-flight syncs are not kept: a fragment whose sync is in flight is saved as if that sync had failed
+        (its tokens added back, its residual as before the send), which is what :meth:`_merge` does with a
+        failed sync; a restarted node re-sends that progress. If the group did complete that round, this
+        contribution counts twice: the price of never waiting for the network at a save. Under a late rule
+        (eager, delay) the part of the last own contribution not yet applied is dropped."""
+        tensors: dict[str, torch.Tensor] = {}
+        fragments = []
+        for st in self.states:
+            pend = self.pending.get(st.index)
+            tokens, residual = st.tokens_since_send, st.residual
+            if pend is not None and not self.rule.late:
+                tokens += pend.weight
+                if pend.residual_before is not None and residual is not None:
+                    residual = pend.residual_before
+            tensors[f"{st.index}/phi"] = st.phi
+            tensors[f"{st.index}/momentum"] = st.momentum
+            if residual is not None:
+                tensors[f"{st.index}/residual"] = residual
+            fragments.append({"index": st.index, "version": int(st.version),
+                              "last_send": None if st.last_send is None else int(st.last_send),
+                              "tokens_since_send": float(tokens)})
+        if self.shared_r is not None:
+            tensors["shared_r"] = self.shared_r
+        return {"tensors": tensors, "fragments": fragments, "expected_share": float(self.expected_share),
+                "stats": {k: getattr(self.stats, k) for k in self.STAT_FIELDS}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (the caller checked shapes and finiteness). Nothing is
+        in flight afterwards; a missing residual (error feedback is a local setting) restores zero."""
+        tensors = state["tensors"]
+        records = {int(r["index"]): r for r in state["fragments"]}
+        for st in self.states:
+            st.phi.copy_(tensors[f"{st.index}/phi"])
+            st.momentum.copy_(tensors[f"{st.index}/momentum"])
+            if st.residual is not None:
+                residual = tensors.get(f"{st.index}/residual")
+                if residual is not None:
+                    st.residual.copy_(residual)
+                else:
+                    st.residual.zero_()
+            rec = records[st.index]
+            st.version = int(rec["version"])
+            st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
+            st.tokens_since_send = float(rec["tokens_since_send"])
+            st.failed_rounds = 0
+        shared_r = tensors.get("shared_r")
+        self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
+        self.pending.clear()
+        self.pending_consensus.clear()
+        self._resync.clear()
+        if "expected_share" in state:
+            self.expected_share = float(state["expected_share"])
+        for key, value in (state.get("stats") or {}).items():
+            if key in self.STAT_FIELDS:
+                setattr(self.stats, key, value)
 
     def snapshot(self, fragment: int) -> FragmentSnapshot:
         st = self.states[fragment]
