@@ -353,7 +353,7 @@ class Node:
         """When joining, start the adaptive schedule from a peer's state (last sends, the averaged R),
         as its heartbeat tells it: usually right, and a slot's matchmaking corrects it otherwise
         (see ``_realign_schedule``)."""
-        if self.cfg.outer.schedule != "adaptive":
+        if not self.outer.schedule.adaptive:
             return
         donors = [hb for hb in self.peer_table.values() if hb.has_state and hb.fragments]
         if not donors:

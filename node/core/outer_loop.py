@@ -158,7 +158,7 @@ class OuterLoop:
             due = self.schedule.due(t, view)
             for p in due:
                 latest.setdefault(p, t)
-            if due and self.cfg.schedule == "adaptive":
+            if due and self.schedule.adaptive:
                 break  # one pick per slot: the newest slot's
         for t in sorted(set(latest.values())):
             events += self.send(t, only={p for p, tp in latest.items() if tp == t})
@@ -327,7 +327,7 @@ class OuterLoop:
         return self.transport.start_average(AverageRequest(
             fragment=st.index, round=step, chunks=chunks, numel=st.numel,
             weight=st.tokens_since_send, version=st.version, extras=self._r_vector(step),
-            schedule=self.schedule_state() if self.cfg.schedule == "adaptive" else None))
+            schedule=self.schedule_state() if self.schedule.adaptive else None))
 
     # ---- the adaptive schedule's shared state ---------------------------------------------------
     def schedule_state(self) -> ScheduleState:
@@ -346,7 +346,7 @@ class OuterLoop:
 
     def _r_vector(self, step: int) -> torch.Tensor:
         """CoCoDC's R_p = |phi_p - theta_p|_1 / (I_p |p|) for every fragment (adaptive schedule only)."""
-        if self.cfg.schedule != "adaptive":
+        if not self.schedule.adaptive:
             return torch.zeros(0)
         r = torch.zeros(len(self.states))
         for st in self.states:

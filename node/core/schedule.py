@@ -38,6 +38,9 @@ class ScheduleView:
 
 
 class FixedSchedule:
+    #: Whether members pick from shared state (last sends, averaged R) that travels with their rounds.
+    adaptive = False
+
     def __init__(self, h: int, n_fragments: int) -> None:
         if n_fragments > h:
             raise ValueError(f"fixed schedule needs fragments <= h, got {n_fragments} > {h}")
@@ -53,6 +56,8 @@ class FixedSchedule:
 
 
 class AdaptiveSchedule:
+    adaptive = True
+
     def __init__(self, h: int, n_fragments: int, sends_per_h: int = 0) -> None:
         self.h = h
         self.n_fragments = n_fragments
