@@ -14,7 +14,8 @@ import torch
 from node.config import RobustSection
 from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.swarm.averaging import FLOOD_REFUSALS, SwarmTransport, _Reduction, form_groups, plausible_version
+from node.swarm.averaging import FLOOD_REFUSALS, SwarmTransport, _Reduction, plausible_version
+from node.transport.groups import form_groups
 from node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]

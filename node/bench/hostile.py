@@ -397,7 +397,7 @@ class InjectClient(HostileClient):
         return out
 
     async def inject_round(self, fragment: int, round_: int) -> None:
-        from node.swarm.averaging import form_groups
+        from node.transport.groups import form_groups
 
         entries = await self.entries(fragment, round_)
         if len(entries) < 2:

@@ -37,7 +37,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import random
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -53,6 +52,7 @@ from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.groups import form_groups
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
 
@@ -143,49 +143,6 @@ def match_entry(peer_id: str, req: AverageRequest, arrival: float,
 
 def group_hash(members: list[str]) -> bytes:
     return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
-
-
-def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
-                excluded: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
-    """Balanced random groups, the same on every member that saw the same entries.
-
-    Groups have at most ``group_size`` members, except that nobody is left alone by the split: when the
-    balanced split would make groups of one (3 members in pairs, 5 in pairs), there is one group fewer,
-    so one group has a member more. A lone member's round fails ("no peer in group"), and a member count
-    that does not divide is the usual case in a swarm where peers come and go or miss a round.
-
-    ``excluded`` maps a member to the peers it bans: two peers of which one excludes the other are never
-    in one group. Members are placed in shuffled order, each in the smallest group (of the balanced
-    number) that has room and no conflict, else in a new group, so a peer everyone bans ends up alone
-    and a peer that bans everyone isolates only itself. A peer banned by only some members is not placed
-    last on purpose: the ban may be a liar's (a Sybil banning an honest node would then isolate it every
-    round); the members that have not banned it yet ban it soon themselves (an absurd contribution is an
-    offence even in a pair, ``node.core.robust.NORM_ABSURD``).
-    """
-    seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
-    order = sorted(members)
-    random.Random(seed).shuffle(order)
-    n_groups = max(1, -(-len(order) // group_size))
-    while n_groups > 1 and len(order) // n_groups < 2:
-        n_groups -= 1
-    if not excluded or not any(excluded.values()):
-        return [sorted(order[g::n_groups]) for g in range(n_groups)]
-    conflicts: dict[str, set[str]] = defaultdict(set)
-    present = set(order)
-    for peer, banned in excluded.items():
-        for other in banned:
-            if other in present and other != peer:
-                conflicts[peer].add(other)
-                conflicts[other].add(peer)
-    capacity = -(-len(order) // n_groups)
-    groups: list[list[str]] = [[] for _ in range(n_groups)]
-    for peer in order:
-        fits = [g for g in groups if len(g) < capacity and not conflicts[peer] & set(g)]
-        if fits:
-            min(fits, key=len).append(peer)
-        else:
-            groups.append([peer])
-    return [sorted(g) for g in groups if g]
 
 
 def plausible_version(claims: Mapping[str, int], own: str | None = None) -> int:

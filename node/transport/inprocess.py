@@ -21,6 +21,7 @@ from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.core.robust import make_aggregator
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.groups import form_groups
 from node.transport.reduce import reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector.
@@ -52,9 +53,10 @@ class InProcessHub:
 
     Args:
         codec: the swarm's payload codec.
-        group_size: at most this many members per group; members of a round are shuffled and split
-            into balanced groups (``group_size >= workers`` is an all-reduce).
-        seed: seeds group formation and dropped syncs.
+        group_size: at most this many members per group; members of a round are split into random
+            balanced groups by the swarm's rule (``node.transport.groups``; ``group_size >= workers`` is an
+            all-reduce).
+        seed: seeds dropped syncs.
         drop_prob: probability that a worker's sync is dropped (fails for that worker only).
         robust: how reducers screen and combine contributions (``[robust]``; default: its defaults).
     """
@@ -100,10 +102,13 @@ class InProcessHub:
                 m.handle._result = AverageResult.failed("dropped", own_weight=m.request.weight)
             else:
                 alive.append(m)
-        self._rng.shuffle(alive)
-        n_groups = -(-len(alive) // self.group_size) if alive else 0
-        for g in range(n_groups):
-            self._reduce(sorted(alive[g::n_groups], key=lambda p: p.worker))
+        if not alive:
+            return
+        # The swarm's rule (node.transport.groups): the same split for the same members and round.
+        by_id = {f"w{m.worker:06d}": m for m in alive}
+        key = alive[0].request
+        for group in form_groups(list(by_id), key.fragment, key.round, self.group_size):
+            self._reduce([by_id[p] for p in group])
 
     def _reduce(self, group: list[_Pending]) -> None:
         if len(group) < 2 and self.n_workers > 1:

@@ -1,0 +1,58 @@
+"""Group formation: how the members of one round are split into averaging groups.
+
+One rule for every transport (the swarm's matchmaking and the in-process hub of the simulator), so that
+what the simulator measures is what the network runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+
+def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
+                excluded: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
+    """Balanced random groups, the same on every member that saw the same entries.
+
+    Groups have at most ``group_size`` members, except that nobody is left alone by the split: when the
+    balanced split would make groups of one (3 members in pairs, 5 in pairs), there is one group fewer,
+    so one group has a member more. A lone member's round fails ("no peer in group"), and a member count
+    that does not divide is the usual case in a swarm where peers come and go or miss a round.
+
+    ``excluded`` maps a member to the peers it bans: two peers of which one excludes the other are never
+    in one group. Members are placed in shuffled order, each in the smallest group (of the balanced
+    number) that has room and no conflict, else in a new group, so a peer everyone bans ends up alone
+    and a peer that bans everyone isolates only itself. A peer banned by only some members is not placed
+    last on purpose: the ban may be a liar's (a Sybil banning an honest node would then isolate it every
+    round); the members that have not banned it yet ban it soon themselves (an absurd contribution is an
+    offence even in a pair, ``node.core.robust.NORM_ABSURD``).
+    """
+    seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
+    order = sorted(members)
+    random.Random(seed).shuffle(order)
+    n_groups = max(1, -(-len(order) // group_size))
+    while n_groups > 1 and len(order) // n_groups < 2:
+        n_groups -= 1
+    if not excluded or not any(excluded.values()):
+        return [sorted(order[g::n_groups]) for g in range(n_groups)]
+    conflicts: dict[str, set[str]] = defaultdict(set)
+    present = set(order)
+    for peer, banned in excluded.items():
+        for other in banned:
+            if other in present and other != peer:
+                conflicts[peer].add(other)
+                conflicts[other].add(peer)
+    capacity = -(-len(order) // n_groups)
+    groups: list[list[str]] = [[] for _ in range(n_groups)]
+    for peer in order:
+        fits = [g for g in groups if len(g) < capacity and not conflicts[peer] & set(g)]
+        if fits:
+            min(fits, key=len).append(peer)
+        else:
+            groups.append([peer])
+    return [sorted(g) for g in groups if g]
+
+
+__all__ = ["form_groups"]
