@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from node.config import SwarmConfig, fingerprint
+from node.core.schedule import ScheduleState
 from node.errors import UserError
 
 log = logging.getLogger("locoswarm.node")
@@ -243,8 +244,8 @@ class Node:
                                   f"{len(holders)} peer(s); swarm clock {self.clock}")
         else:
             self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
-        for st in self.outer.states:
-            self._publish(st.index)
+        for p in range(self.outer.n_fragments):
+            self._publish(p)
         self.initial_eval = self._evaluate()
         self.eval_curve = [(self.clock, self.initial_eval)]
         log.info("eval loss at start: %.4f", self.initial_eval)
@@ -359,11 +360,12 @@ class Node:
         if not donors:
             return
         donor = min(donors, key=lambda hb: hb.peer_id)  # the leader rule of the slots' matchmaking
+        last_send = list(self.outer.schedule_state().last_send)
         for fs in donor.fragments:
-            if fs.fragment < len(self.outer.states):
-                self.outer.states[fs.fragment].last_send = None if fs.last_send < 0 else int(fs.last_send)
-        if donor.shared_r:
-            self.outer.shared_r = torch.tensor(list(donor.shared_r), dtype=torch.float32)
+            if 0 <= fs.fragment < len(last_send):
+                last_send[fs.fragment] = None if fs.last_send < 0 else int(fs.last_send)
+        shared_r = tuple(float(x) for x in donor.shared_r) if len(donor.shared_r) == len(last_send) else None
+        self.outer.set_schedule_state(ScheduleState(tuple(last_send), shared_r))
 
     def _realign_schedule(self) -> None:
         """Adopt the slot leader's adaptive-schedule state when a slot showed that our picks differ
@@ -372,7 +374,7 @@ class Node:
         if hint is None or hint.round <= self._realigned_at:
             return
         self._realigned_at = hint.round
-        if any(st.last_send is not None and st.last_send > hint.round for st in self.outer.states):
+        if any(t is not None and t > hint.round for t in self.outer.schedule_state().last_send):
             return
         self.outer.adopt_schedule(hint.state, hint.fragment, hint.round)
         self._event("realigned", f"adaptive schedule: took the state of slot leader {hint.leader[:12]} "
@@ -422,8 +424,9 @@ class Node:
         from protocol import swarm_pb2
 
         frags = []
+        schedule = self.outer.schedule_state()
         for p, snap in sorted(self.published.items()):
-            last = self.outer.states[p].last_send
+            last = schedule.last_send[p]
             frags.append(swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
                                                   phi_norm=float(snap.phi.norm()),
                                                   last_send=-1 if last is None else last))
@@ -432,7 +435,7 @@ class Node:
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
             loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
             has_state=self.status.get("state") == "training", control_port=self.opts.control_port,
-            shared_r=[] if self.outer.shared_r is None else [float(x) for x in self.outer.shared_r])
+            shared_r=list(schedule.shared_r or ()))
 
     def _heartbeats(self) -> None:
         interval = self.cfg.network.heartbeat_interval
@@ -493,12 +496,7 @@ class Node:
             "loss": self.status.get("loss"), "tokens_per_s": self.status.get("tokens_per_s", 0.0),
             "compute_utilization": self.compute_seconds / uptime if uptime else 0.0,
             "eval_curve": getattr(self, "eval_curve", []),
-            "fragments": [{"fragment": s.index, "version": s.version, "numel": s.numel,
-                           "last_send": s.last_send, "quant_error": s.last_quant_error,
-                           "phi_hash": _crc(self.published[s.index].phi) if s.index in self.published else None,
-                           "phi_norm": float(self.published[s.index].phi.norm()) if s.index in self.published
-                           else None}
-                          for s in self.outer.states],
+            "fragments": [{**f, **self._published_status(f["fragment"])} for f in self.outer.fragment_status()],
             "peers": {p: {"clock": hb.clock, "inner_step": hb.inner_step, "tokens_per_s": hb.tokens_per_s,
                           "time": hb.time} for p, hb in self.peer_table.items()},
             "spread": {str(k): v for k, v in spread.items()},
@@ -517,6 +515,12 @@ class Node:
             "events": self.events[-50:],
         }
 
+    def _published_status(self, fragment: int) -> dict:
+        snap = self.published.get(fragment)
+        if snap is None:
+            return {"phi_hash": None, "phi_norm": None}
+        return {"phi_hash": _crc(snap.phi), "phi_norm": float(snap.phi.norm())}
+
     def _write_status(self) -> None:
         from node.fsutil import atomic_write_text
 
@@ -531,7 +535,7 @@ class Node:
         from node.checkpoint import save_checkpoint
 
         self.status["state"] = "leaving"
-        log.info("leaving: finishing %d in-flight round(s)", len(self.outer.pending))
+        log.info("leaving: finishing %d in-flight round(s)", self.outer.in_flight())
         for ev in self.outer.drain(self.clock):
             self._on_sync(ev)
         save_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,

@@ -198,7 +198,7 @@ class StateAttack(NodeAttack):
         def plausible_heartbeat(node, leaving: bool = False):
             hb = heartbeat(node, leaving)
             for fs in hb.fragments:  # the norm a peer sees looks healthy; only the served state is NaN
-                fs.phi_norm = float(node.outer.states[fs.fragment].phi.norm())
+                fs.phi_norm = float(node.outer.snapshot(fs.fragment).phi.norm())
             return hb
 
         Node._publish, Node._heartbeat = poisoned_publish, plausible_heartbeat

@@ -335,6 +335,12 @@ class OuterLoop:
         r = None if self.shared_r is None else tuple(float(x) for x in self.shared_r.tolist())
         return ScheduleState(tuple(s.last_send for s in self.states), r)
 
+    def set_schedule_state(self, state: ScheduleState) -> None:
+        """Start the adaptive schedule from another worker's state (a joining node takes a peer's)."""
+        for st, last in zip(self.states, state.last_send, strict=True):
+            st.last_send = last
+        self.shared_r = None if state.shared_r is None else torch.tensor(state.shared_r, dtype=torch.float32)
+
     def adopt_schedule(self, state: ScheduleState, picked: int, step: int) -> None:
         """Take another worker's schedule state as it was at its send slot ``step``, where it picked
         ``picked``: from the next slot on, both pick the same fragments again. Used when members of a
@@ -588,6 +594,19 @@ class OuterLoop:
 
     def version(self, fragment: int) -> int:
         return self.states[fragment].version
+
+    @property
+    def n_fragments(self) -> int:
+        return len(self.states)
+
+    def in_flight(self) -> int:
+        """Syncs started and not merged yet."""
+        return len(self.pending)
+
+    def fragment_status(self) -> list[dict]:
+        """Per fragment, for status displays: index, version, size, last send and last quantization error."""
+        return [{"fragment": st.index, "version": st.version, "numel": st.numel, "last_send": st.last_send,
+                 "quant_error": st.last_quant_error} for st in self.states]
 
 
 def _relative_error(decoded: torch.Tensor, target: torch.Tensor) -> float:

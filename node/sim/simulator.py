@@ -144,16 +144,20 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
         peak_bytes_per_sync=max(s.peak_bytes_per_sync for s in stats),
         syncs_ok=sum(s.syncs_ok for s in stats), syncs_failed=sum(s.syncs_failed for s in stats),
         catch_ups=sum(s.catch_ups for s in stats), inner_steps=[w.local_step for w in workers],
-        wall_seconds=time.perf_counter() - start, n_params=sum(s.numel for s in workers[0].outer.states),
+        wall_seconds=time.perf_counter() - start, n_params=_outer_phi(workers[0]).numel(),
         extra={"spread": phi_spread(workers)})
 
 
 def phi_spread(workers: list[_Worker]) -> float:
     """Largest relative L2 distance of any worker's phi from worker 0's (consensus check)."""
-    ref = torch.cat([s.phi for s in workers[0].outer.states])
+    ref = _outer_phi(workers[0])
     norm = float(torch.linalg.vector_norm(ref)) or 1.0
-    return max((float(torch.linalg.vector_norm(torch.cat([s.phi for s in w.outer.states]) - ref)) / norm
-                for w in workers[1:]), default=0.0)
+    return max((float(torch.linalg.vector_norm(_outer_phi(w) - ref)) / norm for w in workers[1:]), default=0.0)
+
+
+def _outer_phi(worker: _Worker) -> torch.Tensor:
+    """A worker's phi over all fragments, as one flat vector."""
+    return torch.cat([worker.outer.snapshot(p).phi for p in range(worker.outer.n_fragments)])
 
 
 def simulate_dp(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *, label: str = "dp",
