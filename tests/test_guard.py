@@ -155,6 +155,9 @@ def test_check_functions_bound_honest_scales() -> None:
     assert check_average(x * 100, float(x.norm()), limits) is not None
     assert check_average(x * 100, 0.0, limits, phi_norm=float(x.norm())) is not None   # contributed nothing
     assert check_average(x, 0.0, limits, phi_norm=float(x.norm())) is None
+    # a joiner's own progress is tiny next to its partner's: 20x its own is fine while small next to phi
+    assert check_average(x, float(x.norm()) / 20, limits, phi_norm=10 * float(x.norm())) is None
+    assert check_average(x * 100, float(x.norm()), limits, phi_norm=10 * float(x.norm())) is not None
     phi, mom = torch.randn(1000), torch.zeros(1000)
     avg = torch.randn(1000) * 5  # an early honest step can be several times |phi|
     assert check_outer_step(phi, mom, phi - 0.7 * 1.9 * avg, 0.9 * mom + avg, avg, limits) is None

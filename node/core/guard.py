@@ -24,7 +24,8 @@ import torch
 
 @dataclass(frozen=True)
 class GuardLimits:
-    max_average_ratio: float = 16.0   # |group average| <= this x |own contribution| (when it has one)
+    max_average_ratio: float = 16.0   # |group average| <= this x |own contribution| (when it has one) ...
+    max_average_phi: float = 1.0      # ... or <= this x |phi| (a joiner's own progress is tiny next to others')
     max_step_ratio: float = 8.0       # |outer step| <= this x (|average| + |old momentum|): lr <= ~4
     max_shift_fraction: float = 0.5   # consensus: |phi_bar - phi| <= this x |phi|
     max_jump_fraction: float = 10.0   # catch-up: |phi_new - phi| <= this x |phi| (absurd only)
@@ -45,16 +46,19 @@ def non_finite(name: str, x: torch.Tensor) -> str | None:
 
 def check_average(average: torch.Tensor, own_norm: float, limits: GuardLimits, *, phi_norm: float = 0.0) -> str | None:
     """A group average about to enter the outer step: finite, and not absurdly larger than this
-    node's own contribution (the mean of honest contributions cannot exceed the largest of them). A node
-    that contributed nothing (no progress since its last sync) judges by phi instead: an average larger
-    than ``max_jump_fraction`` x |phi| is absurd."""
+    node's own contribution (the mean of honest contributions cannot exceed the largest of them) unless it
+    stays within ``max_average_phi`` x |phi|: a node that joined a moment ago has made a few steps, its
+    partner a whole round's (a CI run saw an honest joiner refuse 19x and 29x its own, average norm 4-6
+    against a phi norm of ~40, fail its rounds, and be banned). A node that contributed nothing (no
+    progress since its last sync) judges by phi alone: an average larger than ``max_jump_fraction`` x |phi|
+    is absurd."""
     reason = non_finite("group average", average)
     if reason:
         return reason
     norm = _norm(average)
-    if own_norm > 0 and norm > limits.max_average_ratio * own_norm:
+    if own_norm > 0 and norm > limits.max_average_ratio * own_norm and norm > limits.max_average_phi * phi_norm:
         return (f"group average norm {norm:.3g} is {norm / own_norm:.1f}x this node's own contribution "
-                f"(limit {limits.max_average_ratio:g}x)")
+                f"(limit {limits.max_average_ratio:g}x) and above phi's norm {phi_norm:.3g}")
     if own_norm <= 0 and phi_norm > 0 and norm > limits.max_jump_fraction * phi_norm:
         return (f"group average norm {norm:.3g} is {norm / phi_norm:.1f}x phi's norm while this node "
                 f"contributed nothing (limit {limits.max_jump_fraction:g}x)")

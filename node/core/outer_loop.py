@@ -42,6 +42,8 @@ from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 
+MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
+
 
 @dataclass
 class SyncEvent:
@@ -324,9 +326,11 @@ class OuterLoop:
         return events
 
     def _start(self, st: FragmentState, step: int, chunks: list[bytes]) -> AverageHandle:
+        # A contribution weighs at least one token: reducers refuse a weight <= 0 as a lie, and a fragment
+        # that just dropped its progress (or made no step since) has an honest zero to send.
         return self.transport.start_average(AverageRequest(
             fragment=st.index, round=step, chunks=chunks, numel=st.numel,
-            weight=st.tokens_since_send, version=st.version, extras=self._r_vector(step),
+            weight=max(st.tokens_since_send, MIN_WEIGHT), version=st.version, extras=self._r_vector(step),
             schedule=self.schedule_state() if self.schedule.adaptive else None))
 
     # ---- the adaptive schedule's shared state ---------------------------------------------------

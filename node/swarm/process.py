@@ -201,31 +201,41 @@ def _unix_sockets() -> list[tuple[str, str]]:
     return out
 
 
-def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = ()) -> list[str]:
+def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = (), retry_s: float = 0.0) -> list[str]:
     """Remove IPC files left by the given processes once none of them is alive: ``files`` recorded
     earlier with :func:`ipc_files` (sockets still bound by a living process are kept) and
     ``/dev/shm/torch_<pid>_*`` of each pid. Returns the removed paths.
 
     Measured: a DHT started and shut down normally leaves nothing; one whose process exits without
     ``shutdown()`` (or whose p2pd failed to bootstrap) leaves ``/tmp/hivemind-p2pd-*.sock``; a SIGKILL
-    of the node also leaves ``/dev/shm/torch_<pid>_*``."""
+    of the node also leaves ``/dev/shm/torch_<pid>_*``.
+
+    A socket still listed as bound is kept; with ``retry_s`` the check is repeated for that long (a killed
+    process's sockets can stay listed for a moment after it died: a loaded CI run left a p2pd socket)."""
     pids = list(pids)
     if any(is_alive(p) for p in pids):
         return []
     candidates = set(files)
     for pid in pids:
         candidates.update(glob.glob(f"/dev/shm/torch_{pid}_*"))
-    in_use = {path for _, path in _unix_sockets()} if candidates else set()
-    removed = []
-    for path in sorted(candidates):
-        if path in in_use and not path.startswith("/dev/shm/"):
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    removed: list[str] = []
+    deadline = time.monotonic() + retry_s
+    while True:
+        in_use = {path for _, path in _unix_sockets()} if candidates else set()
+        kept = set()
+        for path in sorted(candidates):
+            if path in in_use and not path.startswith("/dev/shm/"):
+                kept.add(path)
+                continue
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        candidates = {p for p in kept if os.path.exists(p)}
+        if not candidates or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.05)
 
 
 def terminate_processes(pids: Iterable[int], grace_s: float = 1.0) -> list[int]:
@@ -362,7 +372,7 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
     targets = collect(dict(seen))
     stopped = len(targets)
     if not targets:
-        cleanup_ipc_files([parent], files)
+        cleanup_ipc_files([parent], files, retry_s=2.0)
         return
     for group in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -376,7 +386,7 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_same_alive(p, t) for p, t in targets.items()):
         time.sleep(0.02)
-    cleanup_ipc_files([parent, *seen, *targets], files)
+    cleanup_ipc_files([parent, *seen, *targets], files, retry_s=2.0)
     with contextlib.suppress(OSError):
         os.write(2, f"locoswarm watchdog: node process {parent} is gone; stopped {stopped} "
                     f"leftover process(es)\n".encode())
