@@ -247,44 +247,49 @@ async def _counting(seen: list[str], remote: str, requests: RequestStream) -> As
         raise
 
 
+async def _push_frame(net: Net, name: str, announced: int, max_bytes: int) -> tuple[int, int, str]:
+    """A hostile client: announces a frame of ``announced`` bytes and pushes up to ``max_bytes`` of it (20 s
+    at most). Returns the bytes pushed before the server stopped it, the peak RSS meanwhile, the refusal."""
+    reader, writer = await net.raw_stream(name)
+    writer.write(wire.MESSAGE_MARKER + announced.to_bytes(wire.HEADER_LEN, "big"))
+    block = bytes(MiB)
+    sent, peak = 0, rss_bytes()
+    deadline = time.monotonic() + 20
+    with contextlib.suppress(ConnectionError, OSError):  # TimeoutError included: the server stopped reading
+        while sent < max_bytes and time.monotonic() < deadline:
+            writer.write(block)
+            await asyncio.wait_for(writer.drain(), 2)
+            sent += len(block)
+            peak = max(peak, rss_bytes())
+    try:
+        await wire.read_message(reader, swarm_pb2.StateChunk, max_bytes=4096, timeout=5)
+        refusal = "no refusal"
+    except WireError as exc:  # the refusal, or a broken pipe if the close overtook it
+        refusal = str(exc)
+    writer.close()
+    return sent, peak, refusal
+
+
+def _serves_the_next_client(net: Net, server: wire.WireServer) -> None:
+    replies = net.run(_collect(open_stream(net.client, net.server_id, server.name, _requests(2),
+                                           swarm_pb2.StateChunk, max_reply_bytes=4096, idle_timeout=5)))
+    assert [r.fragment for r in replies] == [0, 1]
+
+
 def test_announced_600_mib_message_is_refused_without_allocating_it(net):
     seen: list[str] = []
     server = _serve(net, functools.partial(_counting, seen), max_request_bytes=64 * 1024)
     announced = 600 * MiB
-
-    async def flood() -> tuple[int, int, str]:
-        reader, writer = await net.raw_stream(server.name)
-        writer.write(wire.MESSAGE_MARKER + announced.to_bytes(wire.HEADER_LEN, "big"))
-        block = bytes(MiB)
-        sent, peak = 0, rss_bytes()
-        deadline = time.monotonic() + 20
-        with contextlib.suppress(ConnectionError, OSError):  # TimeoutError included: the server stopped reading
-            while sent < announced and time.monotonic() < deadline:
-                writer.write(block)
-                await asyncio.wait_for(writer.drain(), 2)
-                sent += len(block)
-                peak = max(peak, rss_bytes())
-        try:
-            await wire.read_message(reader, swarm_pb2.StateChunk, max_bytes=4096, timeout=5)
-            refusal = "no refusal"
-        except WireError as exc:  # the refusal, or a broken pipe if the close overtook it
-            refusal = str(exc)
-        writer.close()
-        return sent, peak, refusal
-
     try:
         start = rss_bytes()
-        sent, peak, refusal = net.run(flood(), timeout=60)
+        sent, peak, refusal = net.run(_push_frame(net, server.name, announced, announced), timeout=60)
         print(f"\n[wire] flood: announced {announced >> 20} MiB, client pushed {sent >> 20} MiB before the "
               f"server stopped it; RSS {start >> 20} -> peak {peak >> 20} MiB; refusal: {refusal!r}")
         assert seen == [f"message of {announced} bytes exceeds the limit of 65536"]
         assert refusal != "no refusal"
         assert peak - start < 64 * MiB, "the server buffered the announced message"
         assert _wait_until(lambda: server.open_streams() == 0, 5)
-        # The server is healthy for the next client.
-        replies = net.run(_collect(open_stream(net.client, net.server_id, server.name, _requests(2),
-                                               swarm_pb2.StateChunk, max_reply_bytes=4096, idle_timeout=5)))
-        assert [r.fragment for r in replies] == [0, 1]
+        _serves_the_next_client(net, server)  # the server is healthy for the next client
     finally:
         net.run(server.stop())
 
@@ -301,35 +306,15 @@ def test_a_peer_the_gatekeeper_refuses_gets_one_frame_and_nothing_of_it_is_read(
         return "refused: this node bans your peer id for now" if refuse["on"] else None
 
     server = _serve(net, functools.partial(_counting, seen), max_request_bytes=64 * 1024, gatekeeper=gatekeeper)
-
-    async def push() -> tuple[int, str]:
-        reader, writer = await net.raw_stream(server.name)
-        writer.write(wire.MESSAGE_MARKER + (600 * MiB).to_bytes(wire.HEADER_LEN, "big"))
-        block, sent = bytes(MiB), 0
-        with contextlib.suppress(ConnectionError, OSError):
-            for _ in range(64):
-                writer.write(block)
-                await asyncio.wait_for(writer.drain(), 2)
-                sent += len(block)
-        try:
-            await wire.read_message(reader, swarm_pb2.StateChunk, max_bytes=4096, timeout=5)
-            refusal = "no refusal"
-        except WireError as exc:  # the refusal, or a broken pipe if the close overtook it
-            refusal = str(exc)
-        writer.close()
-        return sent, refusal
-
     try:
-        sent, refusal = net.run(push(), timeout=60)
+        sent, _, refusal = net.run(_push_frame(net, server.name, 600 * MiB, 64 * MiB), timeout=60)
         print(f"\n[wire] banned peer pushed {sent >> 20} MiB before its stream was gone; refusal: {refusal!r}")
         assert asked == [net.client_id]
         assert seen == [] and refusal != "no refusal"
         assert sent < 64 * MiB, "the server kept reading a refused peer's stream"
         assert _wait_until(lambda: server.open_streams() == 0, 5)
         refuse["on"] = False  # no longer refused: served as usual
-        replies = net.run(_collect(open_stream(net.client, net.server_id, server.name, _requests(2),
-                                               swarm_pb2.StateChunk, max_reply_bytes=4096, idle_timeout=5)))
-        assert [r.fragment for r in replies] == [0, 1]
+        _serves_the_next_client(net, server)
     finally:
         net.run(server.stop())
 
