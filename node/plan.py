@@ -53,7 +53,10 @@ groups.
 below blocking DiLoCo's (H = 50, fp32) by more than ``DILOCO_MARGIN``, and its average link load stays
 within ``LINK_LOAD_MAX`` of the bandwidth: a link kept busy by bulk transfers delays matchmaking and
 heartbeats in ways this model does not capture (measured: H=10 fp32 using half of a 20 Mbit/s link
-reached 0.64 of the unshaped utilization where 0.91 was predicted). Codecs are preferred widest first
+reached 0.64 of the unshaped utilization where 0.91 was predicted), and its sync events are at least
+``MIN_SYNC_INTERVAL_S`` apart (H·S/F, the default matchmaking window of a round): syncs every 2.6 s
+(H=10, F=1 at 0.26 s steps, predicted 0.92) measured 0.36 of unshaped with 20 of 36 rounds failed,
+since a node's rounds then overlap one another's matchmaking. Codecs are preferred widest first
 (less quantization), except where the link is the bottleneck (blocking DiLoCo does not reach the
 target on it): there fp4 comes first.
 
@@ -97,6 +100,7 @@ PHASES = 2  # reduce-scatter + all-gather, one latency each
 ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
 LINK_LOAD_MAX = 0.5  # a recommended setting's average link load, as a share of the bandwidth
 DILOCO_MARGIN = 0.02  # a recommended setting predicts at least blocking DiLoCo's utilization minus this
+MIN_SYNC_INTERVAL_S = 5.0  # a recommended setting's sync events are at least this far apart (H·S/F seconds)
 
 GRID_H: tuple[int, ...] = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
 GRID_F: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -408,16 +412,17 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
               latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
               block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, h_values: tuple[int, ...] = GRID_H,
               f_values: tuple[int, ...] = GRID_F, tau_values: tuple[int, ...] = GRID_TAU,
-              codecs: tuple[str, ...] = CODECS) -> Recommendation:
+              codecs: tuple[str, ...] = CODECS, min_sync_interval: float = MIN_SYNC_INTERVAL_S) -> Recommendation:
     """Search the (H, F, tau, codec) grid for the first setting that qualifies on the link.
 
     A setting qualifies when it reaches ``target``, predicts at least blocking DiLoCo's utilization
-    minus ``DILOCO_MARGIN`` and keeps the link's average load within ``LINK_LOAD_MAX`` (module
-    docstring). Preference order: the smallest H (more frequent syncs converge better), then the widest
-    codec (less quantization; the narrowest instead where the link is the bottleneck, i.e. blocking
-    DiLoCo does not reach the target), then the smallest tau (less staleness), then the smallest F. F must
-    divide H and tau is at most H/F. If nothing qualifies, returns the setting with the highest
-    utilization (ties broken by the same preference) with ``reached=False``.
+    minus ``DILOCO_MARGIN``, keeps the link's average load within ``LINK_LOAD_MAX`` and spaces its sync
+    events at least ``min_sync_interval`` seconds apart (module docstring). Preference order: the
+    smallest H (more frequent syncs converge better), then the widest codec (less quantization; the
+    narrowest instead where the link is the bottleneck, i.e. blocking DiLoCo does not reach the target),
+    then the smallest tau (less staleness), then the smallest F. F must divide H and tau is at most H/F.
+    If nothing qualifies, returns a spaced setting with the highest utilization (an unspaced one only if
+    none is spaced; ties broken by the same preference) with ``reached=False``.
     """
     kw = dict(latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
               round_overhead=round_overhead)
@@ -426,21 +431,23 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     # The link is the bottleneck when blocking DiLoCo cannot reach the target on it: then the narrowest
     # codec comes first (fp4 costs little quality, and a lightly loaded link keeps the fixed cost small).
     order = tuple(sorted(codecs, key=codec_bits)) if diloco < target else codecs
-    best: tuple[float, float, tuple[int, int, int, str]] | None = None
+    # Without a qualifying setting: the best-spaced, then highest-utilization one (reached=False).
+    best: tuple[bool, float, float, tuple[int, int, int, str]] | None = None
     for h, f, tau, codec in _grid(h_values, f_values, tau_values, order):
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
         load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
                          block_size=block_size)
-        qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX
-        if qualifies or best is None or util > best[0]:
-            best = (util, load, (h, f, tau, codec))
+        spaced = h * step_time / f >= min_sync_interval * (1 - 1e-12)
+        qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX and spaced
+        if qualifies or best is None or (spaced, util) > best[:2]:
+            best = (spaced, util, load, (h, f, tau, codec))
         if qualifies:
             break
     if best is None:
         raise UserError("plan: the search grid is empty; no (H, F, tau) combination is valid")
-    util, load, (h, f, tau, codec) = best
+    spaced, util, load, (h, f, tau, codec) = best
     need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=tau, codec=codec, **kw)
-    return Recommendation(reached=util >= target * (1 - 1e-12) and load <= LINK_LOAD_MAX, h=h, fragments=f,
+    return Recommendation(reached=util >= target * (1 - 1e-12) and load <= LINK_LOAD_MAX and spaced, h=h, fragments=f,
                           tau=tau, codec=codec, utilization=util, required_bandwidth=need, target=target)
 
 
@@ -552,8 +559,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
                   f"need = minimum bandwidth for {target:.0%} utilization. Round overhead "
                   f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), quantize/merge "
                   f"cost 0, backward overlap {inp['backward_overlap']:g} step. A recommendation keeps the "
-                  f"link's average load within {LINK_LOAD_MAX:.0%} and predicts at least blocking DiLoCo's "
-                  "utilization.")
+                  f"link's average load within {LINK_LOAD_MAX:.0%}, predicts at least blocking DiLoCo's "
+                  f"utilization and spaces its syncs at least {MIN_SYNC_INTERVAL_S:g} s apart.")
     rec = plan["recommendation"]
     setting = f"H={rec['h']} F={rec['fragments']} tau={rec['tau']} codec={rec['codec']}"
     need = rec["required_bandwidth"]

@@ -205,6 +205,18 @@ def test_the_pick_for_the_measured_20mbit_swarm() -> None:
     assert recommend(params, step, 1e11, **kw).codec == "fp32"
 
 
+def test_the_pick_spaces_its_syncs_at_least_the_minimum_interval_apart() -> None:
+    """The idle-machine 20 Mbit/s bench (reports/swarm-20mbit-idle): at 0.26 s steps the planner picked
+    H=10 F=1 tau=5 fp4, a sync every 2.6 s: predicted 0.92, measured 0.36 of unshaped (20 of 36 rounds
+    failed). Syncs are now at least MIN_SYNC_INTERVAL_S apart; without the floor the old pick returns."""
+    params, step, bw = 1.12e6, 0.26, 20e6
+    kw = dict(workers=4, round_overhead=plan.ROUND_OVERHEAD_S)
+    rec = recommend(params, step, bw, **kw)
+    assert rec.h * step / rec.fragments >= plan.MIN_SYNC_INTERVAL_S and rec.reached
+    old = recommend(params, step, bw, **kw, min_sync_interval=0.0)
+    assert old.h * step / old.fragments < plan.MIN_SYNC_INTERVAL_S
+
+
 def test_required_bandwidth_infinite_when_latency_dominates() -> None:
     # dp with 0.1 s steps allows 5.3 ms of stall per step at 95%; 2 × 50 ms latency cannot fit
     assert required_bandwidth(1e9, 0.1, latency=0.05) == math.inf
@@ -277,7 +289,8 @@ def test_recommendation_reaches_target_and_is_preferred(params: float, step: flo
             if h % f == 0 and tau <= h // f
             and utilization(params, step, bandwidth, h=h, fragments=f, tau=tau, codec=c, latency=latency)
             >= threshold - 1e-12
-            and plan.link_load(params, step, bandwidth, h=h, fragments=f, codec=c) <= plan.LINK_LOAD_MAX]
+            and plan.link_load(params, step, bandwidth, h=h, fragments=f, codec=c) <= plan.LINK_LOAD_MAX
+            and h * step / f >= plan.MIN_SYNC_INTERVAL_S]
     link_bound = plan.diloco_utilization(params, step, bandwidth, latency=latency) < 0.95
     assert min(hits, key=lambda s: _preference_key(*s, link_bound)) == (rec.h, rec.fragments, rec.tau, rec.codec)
 
@@ -292,7 +305,7 @@ def test_recommendation_when_nothing_reaches_the_target() -> None:
     assert not rec.reached and rec.utilization < 0.95
     best = max(utilization(1e10, 0.1, 1e6, h=h, fragments=f, tau=tau, codec=c)
                for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
-               if h % f == 0 and tau <= h // f)
+               if h % f == 0 and tau <= h // f and h * 0.1 / f >= plan.MIN_SYNC_INTERVAL_S)
     assert rec.utilization == pytest.approx(best)
     assert rec.required_bandwidth > 1e6
 
