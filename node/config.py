@@ -154,9 +154,10 @@ class RobustSection:
                                    help="token weights are clamped at this many times the group's median weight")
     trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
                                    help="trimmed_mean: share of members dropped from each side per coordinate")
-    consensus_tolerance: float = setting(0.02, shared=True, min=0.0, max=1.0,
+    consensus_tolerance: float = setting(0.1, shared=True, min=0.0, max=1.0,
                                          help="rounds averaging phi itself: deviations below this share of |phi| "
-                                              "are normal drift, never clipped or refused")
+                                              "are normal drift, never clipped or refused (a pair refuses a phi "
+                                              "reject_factor times further: 80% of |phi| by default)")
     ban_threshold: int = setting(3, shared=False, min=1, max=1_000_000,
                                  help="offences within ban_window before this node bans a peer")
     ban_window: float = setting(600.0, shared=False, min=1.0, max=1e7,
