@@ -26,6 +26,7 @@ from node.swarm.state_sync import (
     CHUNK_ELEMS,
     MAX_CHUNK_BYTES,
     STATE_HANDLER,
+    HolderBackoff,
     StateClient,
     StateRateLimiter,
     StateServer,
@@ -116,9 +117,10 @@ def _server(swarm: Swarm, p2p: P2P, book: Book, *, live: Callable[[str], bool] =
                        is_banned=banned, on_refused=book.refuse, **kw)
 
 
-def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP) -> StateClient:
+def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP,
+            backoff: HolderBackoff | None = None) -> StateClient:
     return StateClient(Runtime(swarm.loop, swarm.client), fingerprint, ByteCounters(), timeout=timeout,
-                       expected_numel=_numel, on_bad=book.on_bad)
+                       expected_numel=_numel, on_bad=book.on_bad, backoff=backoff)
 
 
 def _same(a: FragmentSnapshot, b: FragmentSnapshot) -> bool:
@@ -210,11 +212,11 @@ def test_a_banned_peer_is_refused_and_the_client_skips_banned_holders(swarm):
         server.close()
 
 
-def test_rate_limit_refuses_the_request_past_the_limit_as_an_offence(swarm):
+def test_rate_limit_refuses_without_blame_and_the_client_waits_before_asking_again(swarm):
     book = Book()
     clock = [1000.0]
     server = _server(swarm, swarm.good, book, requests_per_minute=3, now=lambda: clock[0])
-    client = _client(swarm, book, timeout=5.0)
+    client = _client(swarm, book, timeout=5.0, backoff=HolderBackoff(now=lambda: clock[0]))
     good, client_id = swarm.id(swarm.good), swarm.id(swarm.client)
     try:
         for _ in range(3):
@@ -222,15 +224,47 @@ def test_rate_limit_refuses_the_request_past_the_limit_as_an_offence(swarm):
         assert book.refused == []
         t0 = time.monotonic()
         assert client.fetch(0, [good]) is None  # the 4th within the minute
-        assert time.monotonic() - t0 < 3  # not retried: asking again would be another offence
-        assert book.refused == [(client_id, "state_rate", True)]
-        clock[0] += 20.0  # one token back (3 a minute)
+        assert time.monotonic() - t0 < 3  # not retried at once
+        # refused, but no offence: an honest node far behind asks often and cannot see the server's bucket
+        assert book.refused == [(client_id, "state_rate", False)]
+        assert client.fetch(0, [good]) is None  # the holder refused lately: not even asked
+        assert book.refused == [(client_id, "state_rate", False)]
+        clock[0] += state_sync.BACKOFF_FIRST_S[state_sync.RATE_LIMITED] + 15.0  # a token back, the wait over
         assert client.fetch(0, [good]) is not None
-        assert client.fetch(0, [good]) is None
-        assert book.refused == [(client_id, "state_rate", True)] * 2
         assert book.bad == []
     finally:
         server.close()
+
+
+def test_a_peer_that_keeps_asking_past_the_refusals_floods_and_that_is_an_offence(swarm):
+    book = Book()
+    clock = [1000.0]
+    server = _server(swarm, swarm.good, book, requests_per_minute=3, now=lambda: clock[0])
+    good, client_id = swarm.id(swarm.good), swarm.id(swarm.client)
+    try:
+        for _ in range(9):  # a client that ignores the refusals (a fresh backoff each time)
+            _client(swarm, book, timeout=5.0).fetch(0, [good])
+        # 3 served, 3 refused without blame, then each refusal past 3 a minute is a flood offence
+        assert book.refused == [(client_id, "state_rate", False)] * 3 + [(client_id, "state_rate", True)] * 3
+    finally:
+        server.close()
+
+
+def test_holder_backoff_waits_per_refusal_and_doubles_while_refused():
+    clock = [0.0]
+    backoff = HolderBackoff(now=lambda: clock[0])
+    assert backoff.waiting("a") == 0
+    assert backoff.refused("a", state_sync.BANNED) == state_sync.BACKOFF_FIRST_S[state_sync.BANNED]
+    assert backoff.refused("b", state_sync.OLD_VERSION) == state_sync.BACKOFF_DEFAULT_S
+    assert backoff.waiting("a") == state_sync.BACKOFF_FIRST_S[state_sync.BANNED]
+    clock[0] += 100.0
+    assert backoff.waiting("a") == 0 and backoff.waiting("b") == 0
+    waits = [backoff.refused("b", state_sync.OLD_VERSION) for _ in range(10)]
+    assert waits[:3] == [2 * state_sync.BACKOFF_DEFAULT_S, 4 * state_sync.BACKOFF_DEFAULT_S,
+                         8 * state_sync.BACKOFF_DEFAULT_S]
+    assert waits[-1] == state_sync.BACKOFF_MAX_S
+    backoff.served("b")
+    assert backoff.waiting("b") == 0 and backoff.refused("b", state_sync.OLD_VERSION) == state_sync.BACKOFF_DEFAULT_S
 
 
 def test_rate_limiter_buckets():

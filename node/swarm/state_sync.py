@@ -13,14 +13,15 @@ concurrent downloads per peer and in total.
 The state is served only to a peer that is not banned, has a live heartbeat in this swarm (checked on
 the authenticated libp2p id of the stream, never on a field of the request) and stays within a per-peer
 rate (``StateRateLimiter``). A refusal is one line, ``"<code>: <why>"`` in ``StateChunk.error``, and is
-reported to ``on_refused``; only the refusals a peer earned (too many requests, a malformed request)
-count as offences.
+reported to ``on_refused``; only the refusals a peer earned (a flood of requests far past the rate, a
+malformed request) count as offences.
 
 The client trusts nothing it downloads: each chunk must be the next one (no gap, no overlap), of the
 fragment and version asked for, finite, and the whole must be exactly the size this node expects for the
 fragment. A source that breaks a rule is reported to ``on_bad``, everything it sent is dropped, and the
 download starts over with the next holder. Refusals that pass with time (not live yet, too many streams)
-are retried with a backoff until the client's timeout.
+are retried with a backoff until the client's timeout; a holder that refused for another reason (banned,
+rate-limited, no newer state) is not asked again for a while (``HolderBackoff``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ REQUESTS_PER_MINUTE = 60
 PARALLEL_DOWNLOADS = 4  # a joiner's concurrent fragment downloads (a server refuses a peer's streams past its cap)
 RETRY_FIRST_S = 0.5  # first wait before asking again after a passing refusal; doubles each time
 RETRY_MAX_S = 4.0
+# A holder that refused this node is not asked again for a while (per refusal code; the wait doubles while
+# it keeps refusing): a node behind in a fast swarm would otherwise ask at every send, several times a
+# second, and earn the rate limit's refusals (and, asking on, a flood offence) from every holder.
+BACKOFF_FIRST_S = {"banned": 30.0, "rate-limited": 5.0}
+BACKOFF_DEFAULT_S = 2.0
+BACKOFF_MAX_S = 120.0
 MAX_RATE_PEERS = 4096  # rate buckets kept (only live peers get one: bounded by the swarm's size)
 
 # The first word of a refusal (``StateChunk.error``), which the client reads to decide what to do next.
@@ -105,6 +112,10 @@ def _refusal_code(text: str) -> str:
 class StateRateLimiter:
     """Per-peer token buckets: ``per_minute`` requests a minute, in bursts of at most ``per_minute``.
 
+    A refusal is no offence by itself (an honest node far behind asks often, and a peer cannot know the
+    other's bucket); a peer refused more than ``per_minute`` times a minute keeps asking regardless of the
+    answers, and each refusal past that is a flood offence (:meth:`flooding`).
+
     Used on the network loop only. At most ``max_peers`` buckets are kept (the least recently used is
     forgotten first); the server asks only about live peers, so the swarm's size bounds them anyway.
     """
@@ -119,16 +130,24 @@ class StateRateLimiter:
         self._now = now
         self._max_peers = max_peers
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
+        self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()  # refusals allowed, the same way
 
     def take(self, peer: str) -> bool:
         """Spend one of ``peer``'s tokens; False (nothing spent) when it has none left."""
+        return self._spend(self._buckets, peer)
+
+    def flooding(self, peer: str) -> bool:
+        """Count one refusal of ``peer``: True when it was refused more than ``per_minute`` times a minute."""
+        return not self._spend(self._refusals, peer)
+
+    def _spend(self, buckets: OrderedDict[str, tuple[float, float]], peer: str) -> bool:
         now = self._now()
-        tokens, at = self._buckets.pop(peer, (self._capacity, now))
+        tokens, at = buckets.pop(peer, (self._capacity, now))
         tokens = min(self._capacity, tokens + max(0.0, now - at) * self._per_second)
         allowed = tokens >= 1.0
-        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
-        while len(self._buckets) > self._max_peers:
-            self._buckets.popitem(last=False)
+        buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
+        while len(buckets) > self._max_peers:
+            buckets.popitem(last=False)
         return allowed
 
 
@@ -199,7 +218,8 @@ class StateServer:
                                 kind="state_not_live", offence=False)
         if not self._limiter.take(remote):
             return self._refuse(remote, RATE_LIMITED, f"more than {self._limiter.per_minute} state requests "
-                                                      "a minute", kind="state_rate", offence=True)
+                                                      "a minute", kind="state_rate",
+                                offence=self._limiter.flooding(remote))
         if request.fingerprint != self.fingerprint:
             return self._refuse(remote, FINGERPRINT, f"{request.fingerprint[:40]!r} is not {self.fingerprint}",
                                 kind="state_fingerprint", offence=False)
@@ -249,8 +269,48 @@ class StateServer:
             log.debug("state: on_refused failed: %r", exc)
 
 
+class HolderBackoff:
+    """Holders that refused this node, each not asked again until its wait ends. The first wait depends
+    on the refusal (a ban lasts, a rate limit refills quickly), doubles while the holder keeps refusing
+    (up to ``BACKOFF_MAX_S``) and is forgotten when the holder serves."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic, max_peers: int = MAX_RATE_PEERS) -> None:
+        self._now = now
+        self._max_peers = max_peers
+        self._peers: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (until, last wait)
+
+    def waiting(self, peer: str) -> float:
+        """Seconds before ``peer`` may be asked again (0: now)."""
+        until, _ = self._peers.get(peer, (0.0, 0.0))
+        return max(0.0, until - self._now())
+
+    def refused(self, peer: str, code: str) -> float:
+        """``peer`` refused with ``code``: its new wait (seconds)."""
+        _, last = self._peers.pop(peer, (0.0, 0.0))
+        wait = min(BACKOFF_MAX_S, 2 * last if last else BACKOFF_FIRST_S.get(code, BACKOFF_DEFAULT_S))
+        self._peers[peer] = (self._now() + wait, wait)
+        while len(self._peers) > self._max_peers:
+            self._peers.popitem(last=False)
+        return wait
+
+    def served(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+
+class _Refused(RuntimeError):
+    """A holder's honest refusal (``code`` is its first word): it is not asked again for a while."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"refused: {text}")
+        self.code = code
+
+
 class BadSource(Exception):
     """The peer served state that breaks the rules (counted against it; its data is dropped)."""
+
+
+class _AllWaiting(RuntimeError):
+    """Every holder asked for refused this node lately (``HolderBackoff``): nobody is asked now."""
 
 
 class _Passing(Exception):
@@ -286,7 +346,7 @@ class _Download:
             text = _one_line(msg.error)
             if _refusal_code(text) in _PASSING:
                 raise _Passing(text)
-            raise RuntimeError(f"refused: {text}")
+            raise _Refused(_refusal_code(text), text)
         if msg.fragment != self.fragment:
             raise BadSource(f"sent fragment {msg.fragment} for fragment {self.fragment}")
         if msg.version < self._min_version:
@@ -344,7 +404,8 @@ class StateClient:
 
     def __init__(self, runtime: NetworkRuntime, fingerprint: str, counters: ByteCounters,
                  timeout: float = 60.0, *, expected_numel: Callable[[int], int | None],
-                 on_bad: BadSourceCallback | None = None, is_banned: Callable[[str], bool] | None = None) -> None:
+                 on_bad: BadSourceCallback | None = None, is_banned: Callable[[str], bool] | None = None,
+                 backoff: HolderBackoff | None = None) -> None:
         self.runtime = runtime
         self.fingerprint = fingerprint
         self.counters = counters
@@ -352,11 +413,15 @@ class StateClient:
         self._expected_numel = expected_numel
         self._on_bad = on_bad
         self._is_banned = is_banned
+        self._backoff = backoff or HolderBackoff()
 
     def fetch(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot | None:
         """Blocking download of one fragment (for the training thread)."""
         try:
             return self.runtime.call(self.fetch_async(fragment, peers, min_version), timeout=self.timeout + 5)
+        except _AllWaiting as exc:  # every holder refused us lately: nothing was asked, nothing to report
+            log.debug("state download of fragment %d: %s", fragment, exc)
+            return None
         except Exception as exc:
             log.warning("state download of fragment %d failed: %s", fragment, exc)
             return None
@@ -398,11 +463,16 @@ class StateClient:
         deadline = time.monotonic() + self.timeout
         errors: list[str] = []
         order, wait = list(peers), RETRY_FIRST_S
+        if order and all(self._backoff.waiting(p) > 0 for p in order):
+            raise _AllWaiting(f"fragment {fragment}: every holder refused this node lately; not asked again yet")
         while True:
             again: list[str] = []
             for peer in order:
                 if self._is_banned is not None and self._is_banned(peer):
                     errors.append(f"{peer[:12]}: banned here")
+                    continue
+                if (left := self._backoff.waiting(peer)) > 0:
+                    errors.append(f"{peer[:12]}: refused lately, not asked for {left:.0f} s")
                     continue
                 outcome = await self._try_peer(download, peer, deadline)
                 if isinstance(outcome, FragmentSnapshot):
@@ -428,6 +498,7 @@ class StateClient:
                         self.counters.received(peer, download.fragment, -1, msg.ByteSize())
                         download.add(msg)
             if download.complete():
+                self._backoff.served(peer)
                 return download.snapshot(peer)
             raise BadSource(f"the stream ended at {download.progress()}")
         except BadSource as exc:
@@ -436,8 +507,16 @@ class StateClient:
             return self._bad(download, peer, "bad_stream", str(exc))
         except _Passing as exc:
             return f"again: {exc}"
+        except _Refused as exc:
+            wait = self._backoff.refused(peer, exc.code)
+            log.info("state download of fragment %d from %s: %s (not asked again for %.0f s)", download.fragment,
+                     peer[:16], exc, wait)
+            return str(exc)
         except wire.PeerRefused as exc:
-            return f"again: {exc}" if str(exc).startswith(_STREAM_CAP) else f"refused: {exc}"
+            if str(exc).startswith(_STREAM_CAP):
+                return f"again: {exc}"
+            self._backoff.refused(peer, "refused")
+            return f"refused: {exc}"
         except TimeoutError:
             return "no time left"
         except Exception as exc:  # a dropped or silent stream, an honest refusal: try the next holder
