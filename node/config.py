@@ -544,7 +544,11 @@ def _read_file(path: str | os.PathLike) -> tuple[dict, str]:
         raise _fail(f"{source}: is a directory, not a peers.toml file; pass the file, or {_INIT_HINT}")
     try:
         with open(source, "rb") as fh:
-            return tomllib.load(fh), source
+            data = tomllib.load(fh)
+        if not data:  # an empty descriptor is a mistake (a wrong file, a failed copy), not a choice of defaults
+            raise _fail(f"{source}: is empty (no settings); write at least [swarm] name = \"...\", or run without "
+                        f"--config for the built-in defaults, or {_INIT_HINT}")
+        return data, source
     except tomllib.TOMLDecodeError as exc:
         raise _fail(f"{source}: invalid TOML: {exc}; fix the syntax (see https://toml.io)") from None
     except UnicodeDecodeError:

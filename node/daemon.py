@@ -38,6 +38,8 @@ from node.errors import UserError
 
 log = logging.getLogger("locoswarm.node")
 
+PORT_FILE = "listen_port"  # in the state dir: the libp2p port to listen on again after a restart
+
 
 @dataclass
 class NodeOptions:
@@ -99,6 +101,7 @@ class Node:
         watchdog = process.start_watchdog()
         process.install_signal_handlers(self.stop)
         try:
+            self._prepare()  # everything a user can get wrong is checked before anything starts
             self._start_network()
             process.install_signal_handlers(self.stop)  # hivemind may have replaced them
             self._build()
@@ -112,6 +115,9 @@ class Node:
         finally:
             self._shutdown_network()
             process.stop_watchdog(watchdog)
+            lock = getattr(self, "_state_lock", None)
+            if lock is not None:
+                lock.release()
 
     def _start_network(self) -> None:
         from node.swarm.dht import join_command, start_dht, visible_maddrs
@@ -119,12 +125,11 @@ class Node:
         from node.swarm.runtime import NetworkRuntime
 
         o = self.opts
-        o.state_dir.mkdir(parents=True, exist_ok=True)
         bootstrap = o.bootstrap or []
         extra = {"announce_maddrs": list(o.announce)} if o.announce else {}
-        self.dht = start_dht(bootstrap, host=o.host, port=o.port, identity_path=o.state_dir / "identity.key",
-                             attempts=o.bootstrap_attempts, log=lambda line: log.warning(line), stop=self.stop,
-                             **extra)
+        self.dht = start_dht(bootstrap, host=o.host, port=self._listen_port(),
+                             identity_path=o.state_dir / "identity.key", attempts=o.bootstrap_attempts,
+                             log=lambda line: log.warning(line), stop=self.stop, **extra)
         self.runtime = NetworkRuntime(self.dht)
         self.peer_id = self.runtime.peer_id
         self.membership = Membership(self.dht, self.cfg, self.peer_id)
@@ -132,36 +137,76 @@ class Node:
         self.membership.announce_fingerprint()
         self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
         self.maddrs = visible_maddrs(self.dht)
+        self._remember_port()
         log.info("peer %s listening on %s", self.peer_id, " ".join(self.maddrs))
         if not bootstrap:
             log.info("started a new swarm %r (fingerprint %s); to join it from another machine run:\n  %s",
                      self.cfg.swarm.name, self.fingerprint, join_command(self.maddrs, o.config_path))
 
-    def _build(self) -> None:
-        from node.core.codecs import get_codec
-        from node.core.outer_loop import OuterLoop
-        from node.data import TrainBatches, eval_batches, load_corpus, load_tokenizer
+    def _listen_port(self) -> int:
+        """``--port``, or (0: any) the port this state dir listened on last time when it is free: a restarted
+        node keeps its address, so the join command it printed before still works."""
+        from node.swarm.dht import tcp_port_free
+
+        o = self.opts
+        if o.port:
+            return o.port
+        with contextlib.suppress(OSError, ValueError):
+            port = int((o.state_dir / PORT_FILE).read_text().strip())
+            if 0 < port < 65536:
+                if tcp_port_free(o.host, port):
+                    return port
+                log.warning("port %d, where this node listened before, is taken now: listening on another one "
+                            "(peers that bootstrap from the old address must use the new one below)", port)
+        return 0
+
+    def _remember_port(self) -> None:
+        from node.fsutil import atomic_write_text
+        from node.swarm.dht import maddr_port
+
+        ports = {maddr_port(a) for a in self.maddrs} - {None}
+        if len(ports) == 1:
+            with contextlib.suppress(OSError):
+                atomic_write_text(self.opts.state_dir / PORT_FILE, f"{ports.pop()}\n")
+
+    def _prepare(self) -> None:
+        """The local half of the node, before any network: the state dir, the device, the data, the model
+        and its fragments. A bad flag or setting fails here, before a DHT starts or a join command prints."""
+        from node.data import eval_batches, load_corpus, load_tokenizer
+        from node.fsutil import prepare_state_dir
         from node.inner import InnerOptimizer
         from node.model import build_model, resolve_device
         from node.partition import partition
-        from node.swarm.averaging import ByteCounters, SwarmTransport
-        from node.swarm.clock import SwarmClock
-        from node.swarm.reputation import Reputation
-        from node.swarm.state_sync import StateClient, StateServer
 
         o, cfg = self.opts, self.cfg
+        self._state_lock = prepare_state_dir(o.state_dir)
         if o.threads:
             torch.set_num_threads(o.threads)
         self.device = resolve_device(o.device)
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.corpus = load_corpus(o.data, cfg.data, tokenizer)
         log.info("data: %s", self.corpus.description)
+        for warning in self.corpus.warnings:
+            log.warning("data: %s", warning)
         self.model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed).to(self.device)
         self.fragments = partition(self.model, cfg.outer.fragments)
         self.inner = InnerOptimizer(self.model, cfg.inner)
+        self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
+
+    def _build(self) -> None:
+        """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
+        loop, the state server."""
+        from node.core.codecs import get_codec
+        from node.core.outer_loop import OuterLoop
+        from node.data import TrainBatches
+        from node.swarm.averaging import ByteCounters, SwarmTransport
+        from node.swarm.clock import SwarmClock
+        from node.swarm.reputation import Reputation
+        from node.swarm.state_sync import StateClient, StateServer
+
+        o, cfg = self.opts, self.cfg
         seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
         self.batches = TrainBatches(self.corpus.train, 0, 1, cfg.inner.batch_size, cfg.inner.seq_len, seed)
-        self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
         codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
         self.counters = ByteCounters()
         rb = cfg.robust  # refusals and bans per peer

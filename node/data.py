@@ -18,7 +18,7 @@ import os
 import sysconfig
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -167,9 +167,17 @@ def discover_files(paths: Sequence[str], extensions: Sequence[str]) -> list[Path
 # Corpus
 
 
+SEGMENT_BYTES = 256 * 1024   # a longer document is split into segments of about this size (see _segments)
+BINARY_PROBE = 64 * 1024      # bytes of a file looked at to tell text from binary
+MAX_BAD_UTF8 = 0.02           # share of undecodable bytes beyond which a file is binary, not text
+ODD_SPLIT = 2.0               # an eval share this many times off data.eval_fraction gets a warning
+
+
 @dataclass
 class Corpus:
-    """Train and eval tokens (1-D int32, documents joined, each ending with eos) and counts."""
+    """Train and eval tokens (1-D int32, documents joined, each ending with eos) and counts.
+    ``n_docs`` counts the split's units: documents, long ones cut into segments. ``warnings`` are
+    one-line notes on the data the caller should show (skipped binary files, an odd split)."""
 
     train: torch.Tensor
     eval: torch.Tensor
@@ -179,6 +187,39 @@ class Corpus:
     n_files: int
     skipped_lines: int
     description: str
+    skipped_binary: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def is_binary(data: bytes) -> bool:
+    """Whether ``data`` (a file's first bytes) is binary: a NUL byte, or more than ``MAX_BAD_UTF8``
+    of it undecodable as UTF-8 (a multi-byte character cut at the end does not count)."""
+    probe = data[:BINARY_PROBE]
+    if b"\x00" in probe:
+        return True
+    bad = probe.decode("utf-8", errors="replace").count("\ufffd")
+    return bad > max(4.0, MAX_BAD_UTF8 * len(probe))
+
+
+def _segments(key: str, data: bytes, size: int = SEGMENT_BYTES) -> Iterator[tuple[str, bytes]]:
+    """A document of at most ``size`` bytes as is; a longer one in pieces of about ``size`` bytes, each
+    cut after a newline where one is near (else at a UTF-8 character boundary), keyed ``key@i``. The split
+    hashes the pieces: one big file no longer goes wholly to eval or wholly to train."""
+    if len(data) <= size:
+        yield key, data
+        return
+    start, i = 0, 0
+    while start < len(data):
+        end = min(len(data), start + size)
+        if end < len(data):
+            newline = data.rfind(b"\n", start + size // 2, end)
+            if newline >= 0:
+                end = newline + 1
+            else:
+                while end > start + 1 and (data[end] & 0xC0) == 0x80:  # not inside a multi-byte character
+                    end -= 1
+        yield f"{key}@{i}", data[start:end]
+        start, i = end, i + 1
 
 
 class _Reader:
@@ -194,6 +235,7 @@ class _Reader:
         self.remaining = max_bytes
         self.skipped_lines = 0
         self.files_read = 0
+        self.skipped_binary: list[str] = []
         parents = [str(f.parent) for f in files]
         self.root = os.path.commonpath(parents) if parents else ""
 
@@ -212,9 +254,13 @@ class _Reader:
                 yield from self._jsonl(path, key)
             else:
                 with open(path, "rb") as fh:
-                    data = self._take(fh.read(self.remaining))
+                    data = fh.read(self.remaining)
+                if is_binary(data):
+                    self.skipped_binary.append(key)  # not text: reading it would train on noise
+                    continue
+                data = self._take(data)
                 if data:
-                    yield key, data
+                    yield from _segments(key, data)
 
     def _jsonl(self, path: Path, key: str) -> Iterator[tuple[str, bytes]]:
         with open(path, "rb") as fh:
@@ -229,7 +275,7 @@ class _Reader:
                     continue
                 data = self._take(text.encode("utf-8"))
                 if data:
-                    yield f"{key}#{lineno}", data
+                    yield from _segments(f"{key}#{lineno}", data)
 
     def _field(self, line: bytes) -> str | None:
         try:
@@ -286,7 +332,8 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     Files are read in sorted order until ``data_cfg.max_bytes`` bytes of text (the last document is
     cut), so every worker with the same files and settings reads the same prefix. A document goes to
     eval iff blake2b(seed, key) < eval_fraction (see ``_eval_mask``). A corpus of exactly one document
-    (e.g. one big .txt) is split by tokens instead: its last ``eval_fraction`` goes to eval.
+    (shorter than one segment) is split by tokens instead: its last ``eval_fraction`` goes to eval. A
+    document longer than ``SEGMENT_BYTES`` is split as several (``_segments``); binary files are skipped.
     ``min_train_tokens`` lets the caller require one batch worth of training tokens.
     """
     start = time.perf_counter()
@@ -297,12 +344,17 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
         keys.append(key)
         docs.append(_tokenize(tokenizer, data))
     where = _name_paths(paths)
+    binary = reader.skipped_binary
     if not docs:
-        raise UserError(f"no text found in {where} (skipped {reader.skipped_lines} bad .jsonl lines; "
-                        f"text field is data.text_field = {data_cfg.text_field!r})")
+        raise UserError(f"no text found in {where} (skipped {reader.skipped_lines} bad .jsonl lines"
+                        + (f" and {len(binary)} binary file(s), e.g. {binary[0]!r}" if binary else "")
+                        + f"; text field is data.text_field = {data_cfg.text_field!r}); give text files "
+                          "(.txt, .md, source code, .jsonl)")
+    warnings = [f"skipped {len(binary)} binary file(s) (not UTF-8 text): {', '.join(binary[:3])}"
+                + (" ..." if len(binary) > 3 else "")] if binary else []
     if len(docs) == 1:
         train, eval_ = _split_single(docs[0], data_cfg.eval_fraction, tokenizer.eos_id)
-        n_train_docs = n_eval_docs = 1
+        n_train_docs, n_eval_docs = 1, 0  # one document, split by tokens
     else:
         mask = _eval_mask([_split_value(k, data_cfg.seed) for k in keys], data_cfg.eval_fraction)
         train = _join([d for d, m in zip(docs, mask, strict=True) if not m], tokenizer.eos_id)
@@ -313,14 +365,22 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
         raise UserError(f"corpus too small: {where} gives {len(train)} train and {len(eval_)} eval tokens, "
                         f"need at least {max(min_train_tokens, 2)} train tokens; add data or raise "
                         "data.max_bytes")
+    share = len(eval_) / (len(train) + len(eval_))
+    if data_cfg.eval_fraction > 0 and not 1 / ODD_SPLIT <= share / data_cfg.eval_fraction <= ODD_SPLIT:
+        warnings.append(f"the eval split holds {share:.1%} of the tokens, not the data.eval_fraction = "
+                        f"{data_cfg.eval_fraction:g} asked for ({len(docs)} documents or segments are too few to "
+                        "split finely): add data or set data.eval_fraction")
     seconds = time.perf_counter() - start
     n_bytes = data_cfg.max_bytes - reader.remaining
-    description = (f"{where}: {reader.files_read} files, {len(docs)} docs ({n_train_docs} train / "
-                   f"{n_eval_docs} eval), {n_bytes / 1e6:.1f} MB, {len(train):,} train + "
-                   f"{len(eval_):,} eval tokens, {reader.skipped_lines} skipped lines, {seconds:.1f} s")
+    split = ("1 doc split by tokens" if len(docs) == 1
+             else f"{len(docs)} docs or segments ({n_train_docs} train / {n_eval_docs} eval)")
+    description = (f"{where}: {reader.files_read - len(binary)} files, {split}, {n_bytes / 1e6:.1f} MB, "
+                   f"{len(train):,} train + {len(eval_):,} eval tokens, {reader.skipped_lines} skipped lines"
+                   + (f", {len(binary)} binary files skipped" if binary else "") + f", {seconds:.1f} s")
     return Corpus(train=train, eval=eval_, n_docs=len(docs), n_train_docs=n_train_docs,
-                  n_eval_docs=n_eval_docs, n_files=reader.files_read, skipped_lines=reader.skipped_lines,
-                  description=description)
+                  n_eval_docs=n_eval_docs, n_files=reader.files_read - len(binary),
+                  skipped_lines=reader.skipped_lines, description=description, skipped_binary=binary,
+                  warnings=warnings)
 
 
 def _split_single(doc: np.ndarray, eval_fraction: float, eos: int) -> tuple[torch.Tensor, torch.Tensor]:

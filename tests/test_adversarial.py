@@ -149,13 +149,7 @@ class Watch:
         return after
 
 
-# Known issue (see the 2026-11-24 stop note): in a full-suite run the NaN attacker, right after joining,
-# can race its clock ahead of the honest pair and never meet them in a round, so it is neither refused
-# nor banned within the window while the honest nodes wait out the matchmaking window for it each round.
-# Failed 2 of 3 full runs, passed alone; marked until that liveness problem is fixed.
-_NAN_RACE = pytest.mark.xfail(strict=False, reason="a joiner racing ahead of the swarm clock never meets the "
-                                                    "honest pair in a round (known issue, stop note 2026-11-24)")
-NODE_ATTACKS = ["weight", "values", pytest.param("nan", marks=_NAN_RACE), "reducer", "state", "clock", "forge"]
+NODE_ATTACKS = ["weight", "values", "nan", "reducer", "state", "clock", "forge"]
 
 
 @pytest.mark.parametrize("attack", NODE_ATTACKS)

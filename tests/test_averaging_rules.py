@@ -14,7 +14,14 @@ import torch
 from node.config import RobustSection
 from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.swarm.averaging import FLOOD_REFUSALS, SwarmTransport, _Reduction, plausible_version
+from node.swarm.averaging import (
+    FLOOD_REFUSALS,
+    NO_SHOW_ROUNDS,
+    NoShows,
+    SwarmTransport,
+    _Reduction,
+    plausible_version,
+)
 from node.transport.groups import form_groups
 from node.transport.reduce import PartContribution
 
@@ -55,6 +62,25 @@ def test_exclusions_never_put_a_conflicting_pair_together() -> None:
         for group in form_groups(members, 2, round_, 2, excluded):
             for peer, banned in excluded.items():
                 assert not (peer in group and set(banned) & set(group)), (round_, group)
+
+
+def test_a_live_peer_that_keeps_missing_rounds_is_no_longer_waited_for() -> None:
+    shows = NoShows()
+    live = {"Qma", "Qmb", "Qmc"}
+    for _ in range(NO_SHOW_ROUNDS - 1):
+        shows.record(live, {"Qma", "Qmb"}, live)
+        assert shows.skipped() == set()  # one missed round is bad luck
+    shows.record(live, {"Qma", "Qmb"}, live)
+    assert shows.skipped() == {"Qmc"}
+    shows.record(live, {"Qma", "Qmb", "Qmc"}, live)  # it came to a round: waited for again
+    assert shows.skipped() == set()
+    for _ in range(NO_SHOW_ROUNDS):
+        shows.record(live, {"Qma"}, live)
+    assert shows.skipped() == {"Qmb", "Qmc"}
+    shows.record({"Qma", "Qmb"}, {"Qma"}, {"Qma", "Qmb"})  # Qmc left the swarm: forgotten
+    assert shows.skipped() == {"Qmb"}
+    shows.record(set(), {"Qma"}, {"Qma", "Qmb"})  # a round that waited for nobody (all skipped or banned)
+    assert shows.skipped() == {"Qmb"}
 
 
 def test_plausible_version_needs_a_second_claimant() -> None:

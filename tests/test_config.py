@@ -343,8 +343,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     ('[outer]\ncodec = "fp5"\n', ()),
     ("[outer\n", ()),
     (None, ()),
-    ("", ("--set", "outer.h=0")),
-    ("", ("--set", "outerh")),
+    ("", ()),
+    ("# comments only\n", ()),
+    ("[swarm]\n", ("--set", "outer.h=0")),
+    ("[swarm]\n", ("--set", "outerh")),
 ])
 def test_cli_errors(tmp_path, content, args):
     p = tmp_path / "bad.toml"

@@ -11,11 +11,14 @@ import torch
 
 from node.config import DataSection, ModelSection
 from node.data import (
+    SEGMENT_BYTES,
     ByteTokenizer,
     TrainBatches,
+    _segments,
     discover_files,
     eval_batches,
     evaluate,
+    is_binary,
     load_corpus,
     load_tokenizer,
 )
@@ -137,6 +140,49 @@ def test_split_guarantees_and_small_corpora(tmp_path: Path) -> None:
     (tmp_path / "tiny.txt").write_text("ab")
     with pytest.raises(UserError, match=r"tiny\.txt"):
         load_corpus([str(tmp_path / "tiny.txt")], DataSection(), ByteTokenizer(), min_train_tokens=1024)
+
+
+def test_one_big_file_is_split_in_segments_near_the_eval_fraction(tmp_path: Path) -> None:
+    line = "a line of text in one big file, with ünïcödé ✓\n"
+    (tmp_path / "big.txt").write_text(line * (40 * SEGMENT_BYTES // len(line.encode())))
+    corpus = load_corpus([str(tmp_path / "big.txt")], DataSection(eval_fraction=0.1, max_bytes=10**8),
+                         ByteTokenizer())
+    total = len(corpus.train) + len(corpus.eval)
+    assert corpus.n_docs >= 40 and corpus.n_eval_docs >= 1
+    assert 0.05 < len(corpus.eval) / total < 0.2, (len(corpus.eval), total)  # not all of it, nor nothing
+    assert corpus.warnings == []
+    text = ByteTokenizer().decode(torch.cat([corpus.train, corpus.eval]).tolist())
+    assert "\ufffd" not in text  # segments end at a newline: no character cut in two
+
+
+def test_segments_cut_at_newlines_or_character_boundaries() -> None:
+    data = ("ü" * 1000).encode()  # no newline at all: cuts must fall between characters
+    pieces = list(_segments("k", data, size=301))
+    assert b"".join(p for _, p in pieces) == data
+    assert all(p.decode("utf-8") for _, p in pieces)
+    assert [k for k, _ in pieces] == [f"k@{i}" for i in range(len(pieces))]
+    lines = b"".join(b"line %03d\n" % i for i in range(200))
+    pieces = list(_segments("k", lines, size=100))
+    assert b"".join(p for _, p in pieces) == lines and all(p.endswith(b"\n") for _, p in pieces)
+    assert list(_segments("k", b"short", size=100)) == [("k", b"short")]
+
+
+def test_binary_files_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "d", 6)
+    (tmp_path / "d" / "model.txt").write_bytes(bytes(range(256)) * 40)
+    corpus = load_corpus([str(tmp_path / "d")], DataSection(eval_fraction=0.3), ByteTokenizer())
+    assert corpus.skipped_binary == ["model.txt"] and corpus.n_docs == 6
+    assert any("binary" in w and "model.txt" in w for w in corpus.warnings)
+    assert "1 binary files skipped" in corpus.description
+    assert not is_binary("plain text, ünïcödé ✓ and a cut multi-byte character: ✓".encode()[:-1])
+    assert is_binary(b"text with a NUL \x00 byte")
+
+
+def test_an_odd_split_is_warned_about(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "d", 3, size=3000)  # three documents cannot give 2% to eval
+    corpus = load_corpus([str(tmp_path / "d")], DataSection(eval_fraction=0.02), ByteTokenizer())
+    assert corpus.n_eval_docs == 1
+    assert any("eval split holds" in w and "data.eval_fraction" in w for w in corpus.warnings), corpus.warnings
 
 
 def test_max_bytes_stops_reading(tmp_path: Path) -> None:

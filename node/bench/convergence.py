@@ -146,6 +146,8 @@ def run_convergence(args: argparse.Namespace) -> int:
         corpus = load_corpus(data_paths(args), cfg.data, tokenizer)
     console.print(f"[bold]bench convergence[/] profile={prof.name} workers={prof.workers} steps={prof.steps} "
                   f"H={prof.h} F={prof.fragments} tau={prof.tau} device={device}\n[dim]{corpus.description}[/]")
+    for warning in corpus.warnings:
+        console.print(f"[yellow]data: {warning}[/]")
     spec = SimSpec(workers=prof.workers, steps=prof.steps, eval_every=prof.eval_every,
                    eval_batches=prof.eval_batches, seed=args.seed, device=str(device))
     results: dict[str, dict] = {}

@@ -445,7 +445,13 @@ def _bind_error(host: str, port: int, flag: str) -> UserError:
 
 
 def _add_port(server: grpc.Server, host: str, port: int) -> int:
-    """The port bound, or 0 (grpc raises on some versions, returns 0 on others)."""
+    """The port bound, or 0 (grpc raises on some versions, returns 0 on others). A taken port is found
+    first: grpc's core prints its own raw ``add_port.cc ... Address already in use`` line to stderr for one,
+    which users read as a crash."""
+    from node.swarm.dht import tcp_port_free
+
+    if port and not tcp_port_free(host, port):
+        return 0
     try:
         return int(server.add_insecure_port(format_hostport(host, port)))
     except RuntimeError:

@@ -84,6 +84,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     with console.status("loading data"):
         corpus = load_corpus(data_paths(args), cfg.data, tokenizer)
     console.print(f"[dim]{corpus.description}[/]")
+    for warning in corpus.warnings:
+        console.print(f"[yellow]data: {warning}[/]")
     label = args.method or cfg.outer.method
     if args.method is not None:
         cfg = method_config(cfg, args.method, cfg.outer.tau)

@@ -75,6 +75,31 @@ MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 REDUCED_RATIO = 1000.0
 
 
+NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
+
+
+class NoShows:
+    """Live peers that keep missing rounds. A peer that heartbeats but has not entered the last
+    ``NO_SHOW_ROUNDS`` rounds this node was in (a clock far from the swarm's, a broken or hostile node)
+    is no longer waited for: without this every round would wait the whole matchmaking window for it.
+    It is still a member of any round it does enter in time, and that clears its record."""
+
+    def __init__(self, rounds: int = NO_SHOW_ROUNDS) -> None:
+        self.rounds = rounds
+        self._missed: dict[str, int] = {}
+
+    def skipped(self) -> set[str]:
+        """The peers not waited for now."""
+        return {p for p, n in self._missed.items() if n >= self.rounds}
+
+    def record(self, expected: set[str], members: set[str], live: set[str]) -> None:
+        """One round closed: ``expected`` peers were waited for (or skipped), ``members`` came."""
+        for peer in expected - members:
+            self._missed[peer] = self._missed.get(peer, 0) + 1
+        for peer in [p for p in self._missed if p in members or p not in live]:
+            del self._missed[peer]  # it came, or it left the swarm: bounded by the live peers
+
+
 class RoundRefused(RuntimeError):
     """A peer broke the protocol (an offence); ``kind`` names it for the reputation table."""
 
@@ -376,6 +401,7 @@ class SwarmTransport(Transport):
         # (fragment, round) -> peers whose stream for it was refused before this node formed its group
         self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
+        self.no_shows = NoShows()
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
@@ -552,8 +578,10 @@ class SwarmTransport(Transport):
         me = match_entry(self.peer_id, req, get_dht_time(), banned)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
-        expected = (set(self.live_peers()) | {self.peer_id}) - set(banned)
-        core = (set(self.pace_peers()) | {self.peer_id}) - set(banned)
+        live = set(self.live_peers())
+        awaited = live - set(banned)
+        expected = (awaited - self.no_shows.skipped()) | {self.peer_id}
+        core = (set(self.pace_peers()) | {self.peer_id}) & expected
         grace = min(self.grace(), self.matchmaking_timeout)
         # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
         # close the window for everyone by claiming an arrival in the past.
@@ -573,6 +601,7 @@ class SwarmTransport(Transport):
         if not set(entries) >= expected:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
+        self.no_shows.record(awaited, {p for p, e in entries.items() if e.arrival <= window_end}, live)
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}

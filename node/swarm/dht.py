@@ -390,6 +390,34 @@ def _is_link_local(addr: str) -> bool:
     return False
 
 
+def tcp_port_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def maddr_port(maddr: str) -> int | None:
+    """The TCP port of a multiaddr like ``/ip4/1.2.3.4/tcp/31337/p2p/Qm...`` (None without one)."""
+    parts = str(maddr).split("/")
+    if "tcp" in parts and "p2p-circuit" not in parts:
+        with contextlib.suppress(ValueError, IndexError):
+            return int(parts[parts.index("tcp") + 1])
+    return None
+
+
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """This node's own multiaddrs (each with ``/p2p/<peer id>``), loopback first."""
     addrs: list[str] = []
