@@ -419,28 +419,21 @@ def _restore(pair: _Pair, model: torch.nn.Module, inner: InnerOptimizer, outer: 
 
 # ---- export ----------------------------------------------------------------------------------------
 
-def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, vocab_size: int, *, use: str = "outer") -> Path:
-    """Write the checkpoint's model as a ``transformers`` directory loadable with ``from_pretrained``.
-
-    ``use="outer"`` exports phi, the consensus the swarm agreed on (the same on every peer at equal
-    versions); ``use="live"`` exports this node's own live params theta. Also writes
-    ``out_dir/locoswarm.json`` (fingerprint, fragment versions, the checkpoint's meta) so the export
-    can be traced to its swarm. Returns ``out_dir``.
-    """
+def load_trained_model(state_dir: Path, cfg: SwarmConfig, vocab_size: int, *,
+                       use: str = "outer") -> tuple[torch.nn.Module, _Pair]:
+    """The checkpoint's model on CPU: ``use="outer"`` loads phi, the consensus the swarm agreed on (the
+    same on every peer at equal versions); ``use="live"`` this node's own live params theta. Returns the
+    model and the checkpoint pair it came from. Raises ``UserError`` without a usable checkpoint."""
     from node.config import fingerprint as swarm_fingerprint
-    from node.config import to_dict
-    from node.fsutil import atomic_write_text
     from node.model import build_model
     from node.partition import fragment_params, partition
 
     if use not in ("outer", "live"):
-        raise UserError(f"export use = {use!r}; choose 'outer' (consensus phi) or 'live' (this node's theta)")
-    state_dir, out_dir = Path(state_dir), Path(out_dir)
+        raise UserError(f"use = {use!r}; choose 'outer' (consensus phi) or 'live' (this node's theta)")
+    state_dir = Path(state_dir)
     if not state_dir.is_dir():
         raise UserError(f"state dir {state_dir} does not exist; pass the --state-dir of a node that has "
                         "saved a checkpoint")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file; give a directory to write the model into")
     fp = swarm_fingerprint(cfg)
     model = build_model(cfg.model, vocab_size)
     fragments = partition(model, cfg.outer.fragments)
@@ -470,6 +463,26 @@ def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, vocab_size: i
                 for p in fragment_params(model, frag):
                     p.copy_(phi[start:start + p.numel()].view_as(p))
                     start += p.numel()
+    return model.eval(), pair
+
+
+def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, tokenizer, *, use: str = "outer") -> Path:
+    """Write the checkpoint's model (see :func:`load_trained_model` for ``use``) as a ``transformers``
+    directory loadable with ``from_pretrained``, with ``tokenizer`` (the swarm's: ``node.data``) saved
+    beside it so ``AutoTokenizer.from_pretrained`` loads it too, and the end-of-document token as the
+    model's eos. Also writes ``out_dir/locoswarm.json`` (fingerprint, fragment versions, the checkpoint's
+    meta) so the export can be traced to its swarm. Returns ``out_dir``."""
+    from node.config import fingerprint as swarm_fingerprint
+    from node.config import to_dict
+    from node.fsutil import atomic_write_text
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file; give a directory to write the model into")
+    model, pair = load_trained_model(state_dir, cfg, tokenizer.vocab_size, use=use)
+    fp = swarm_fingerprint(cfg)
+    for config in (model.config, model.generation_config):
+        config.eos_token_id = config.pad_token_id = tokenizer.eos_id
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -477,6 +490,7 @@ def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, vocab_size: i
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out_dir), safe_serialization=True)
+        tokenizer.save(out_dir)
         record = {"fingerprint": fp, "weights": use, "content_id": pair.doc["content_id"],
                   "checkpoint": str(pair.json_path), "inner_steps_done": pair.doc.get("inner_steps_done"),
                   "versions": {str(r["index"]): r["version"] for r in pair.doc.get("fragments", [])},

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from node.errors import UserError
+from node.helptext import describe
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,17 +37,17 @@ def load_config_from_args(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="locoswarm", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="locoswarm", description=describe(__doc__))
     parser.add_argument("--version", action="version", version="locoswarm 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     from node import config, daemon, partition, plan
     from node.bench import register as register_bench
     from node.control.cli import register as register_status
-    from node.export import register_export
+    from node.export import register_export, register_generate
     from node.sim import register as register_sim
 
     for register in (daemon.register, config.register, partition.register, register_sim, register_bench,
-                     plan.register, register_export, register_status):
+                     plan.register, register_export, register_generate, register_status):
         register(sub)
     return parser
 

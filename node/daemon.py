@@ -35,6 +35,7 @@ import torch
 from node.config import SwarmConfig, fingerprint
 from node.core.schedule import ScheduleState
 from node.errors import UserError
+from node.helptext import describe
 
 log = logging.getLogger("locoswarm.node")
 
@@ -617,7 +618,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     env = os.environ.get
     p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
-                       description=__doc__.splitlines()[0])
+                       description=describe(__doc__))
     add_config_args(p)
     add_data_args(p)
     p.add_argument("--state-dir", default=env("LOCOSWARM_STATE_DIR", "locoswarm-state"),

@@ -52,6 +52,46 @@ class ByteTokenizer:
         values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
 
+    def to_transformers(self):
+        """The same tokenizer as a ``transformers`` fast tokenizer (ids 0..255 = bytes, 256 = eos), so an
+        exported model loads with ``AutoTokenizer.from_pretrained`` and needs nothing of locoswarm.
+
+        Built on the ``tokenizers`` library's byte-level pre-tokenizer, which shows each byte as one
+        printable character (GPT-2's mapping); a BPE model without merges then maps each such character
+        to its byte value, so encoding gives exactly ``encode`` and decoding joins the bytes again."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        shown = _byte_characters()
+        vocab = {shown[b]: b for b in range(256)}
+        vocab[EOS_TEXT] = self.eos_id
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOS_TEXT, special=True, normalized=False)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT, pad_token=EOS_TEXT,
+                                       model_max_length=10**9, clean_up_tokenization_spaces=False)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        self.to_transformers().save_pretrained(str(directory))
+
+
+EOS_TEXT = "<|endoftext|>"
+
+
+def _byte_characters() -> list[str]:
+    """Byte value -> the printable character the byte-level pre-tokenizer shows it as: printable
+    Latin-1 bytes as themselves, the other 68 (controls, space, soft hyphen, ...) as U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shown, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            shown[b] = chr(b)
+        else:
+            shown[b] = chr(256 + extra)
+            extra += 1
+    return [shown[b] for b in range(256)]
+
 
 class HFTokenizer:
     """A local ``transformers`` tokenizer behind the same small interface as ``ByteTokenizer``."""
@@ -73,6 +113,9 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return self._tok.decode(values, skip_special_tokens=True)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        self._tok.save_pretrained(str(directory))
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -1,4 +1,5 @@
-"""``locoswarm export``: write a node's checkpointed model as a transformers directory.
+"""``locoswarm export`` and ``locoswarm generate``: a node's checkpointed model as a transformers
+directory (with the swarm's tokenizer), or sampled from on the command line.
 
 Kept apart from ``node.checkpoint`` so that building the command line (every ``locoswarm`` call,
 ``locoswarm status`` included) does not import torch: the checkpoint code is imported when the
@@ -18,9 +19,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from node.data import load_tokenizer
 
     cfg = load_config_from_args(args)
-    vocab_size = load_tokenizer(cfg.model.tokenizer).vocab_size
     use = "live" if args.live else "outer"
-    out = export_model(Path(args.state_dir), Path(args.out), cfg, vocab_size, use=use)
+    out = export_model(Path(args.state_dir), Path(args.out), cfg, load_tokenizer(cfg.model.tokenizer), use=use)
     print(f"exported the {'live' if args.live else 'outer (consensus)'} model to {out}")
     return 0
 
@@ -39,3 +39,76 @@ def register_export(sub: Any) -> None:
     parser.add_argument("--live", action="store_true",
                         help="export this node's live params theta instead of the consensus outer params phi")
     parser.set_defaults(func=_cmd_export)
+
+
+def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
+                  seed: int, max_seq_len: int) -> str:
+    """The model's continuation of ``prompt`` (sampled with ``temperature`` and ``top_k``; greedy at
+    temperature 0), stopping at the end-of-document token or after ``max_new_tokens``. The model sees at
+    most its ``max_seq_len`` last tokens."""
+    import torch
+
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]  # an empty prompt starts a new document
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            window = torch.tensor([(ids + out)[-max_seq_len:]], dtype=torch.long)
+            logits = model(input_ids=window).logits[0, -1].float()
+            if temperature <= 0:
+                token = int(logits.argmax())
+            else:
+                logits = logits / temperature
+                if 0 < top_k < logits.numel():
+                    kth = torch.topk(logits, top_k).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            if token == tokenizer.eos_id:
+                break
+            out.append(token)
+    return tokenizer.decode(out)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from node.checkpoint import load_trained_model
+    from node.cli import load_config_from_args
+    from node.data import load_tokenizer
+    from node.errors import UserError
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} is not allowed; give at least 1")
+    if not 0 <= args.temperature <= 10:
+        raise UserError(f"--temperature {args.temperature} is not allowed; use 0 (greedy) to 10")
+    if args.top_k < 0:
+        raise UserError(f"--top-k {args.top_k} is not allowed; use 0 (no cut) or more")
+    cfg = load_config_from_args(args)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    model, _ = load_trained_model(Path(args.state_dir), cfg, tokenizer.vocab_size,
+                                  use="live" if args.live else "outer")
+    text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                         max_seq_len=cfg.model.max_seq_len)
+    print(args.prompt + text)
+    return 0
+
+
+def register_generate(sub: Any) -> None:
+    """Add the ``generate`` subcommand: sample text from a node's checkpointed model."""
+    from node.cli import add_config_args
+
+    parser = sub.add_parser(
+        "generate", help="sample text from a node's checkpointed model",
+        description="Load the checkpoint in --state-dir (the swarm's consensus phi, or --live) and print the "
+                    "prompt followed by the model's continuation.")
+    add_config_args(parser)
+    parser.add_argument("--state-dir", required=True, help="state dir of the node (holds checkpoint.json)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=200,
+                        help="stop after this many tokens (bytes with the byte tokenizer; default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=50,
+                        help="sample among the k likeliest tokens; 0 = all (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--live", action="store_true",
+                        help="use this node's live params theta instead of the consensus outer params phi")
+    parser.set_defaults(func=_cmd_generate)

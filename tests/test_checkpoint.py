@@ -16,6 +16,7 @@ from node.checkpoint import export_model, load_checkpoint, save_checkpoint
 from node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, fingerprint
 from node.core.codecs import get_codec
 from node.core.outer_loop import OuterLoop
+from node.data import ByteTokenizer
 from node.errors import UserError
 from node.export import register_export
 from node.inner import InnerOptimizer
@@ -269,12 +270,17 @@ def test_everything_damaged_names_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("use", ["outer", "live"])
 def test_export_loads_with_transformers(tmp_path: Path, use: str) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     node = _trained()
     node.save(tmp_path / "state", step=7)
-    out = export_model(tmp_path / "state", tmp_path / "out", SwarmConfig(), VOCAB, use=use)
+    out = export_model(tmp_path / "state", tmp_path / "out", SwarmConfig(), ByteTokenizer(), use=use)
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)  # the swarm's byte tokenizer
+    text = "a swarm of ünïcödé ✓\n"
+    assert tokenizer.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text)
+    assert tokenizer.decode(ByteTokenizer().encode(text)) == text
+    assert tokenizer.eos_token_id == loaded.config.eos_token_id == ByteTokenizer.eos_id
     named = dict(loaded.named_parameters())
     if use == "outer":
         for frag, st in zip(partition(node.model, 2), node.outer.states, strict=True):
@@ -289,10 +295,10 @@ def test_export_loads_with_transformers(tmp_path: Path, use: str) -> None:
 
 def test_export_errors_are_user_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="does not exist"):
-        export_model(tmp_path / "nope", tmp_path / "out", SwarmConfig(), VOCAB)
+        export_model(tmp_path / "nope", tmp_path / "out", SwarmConfig(), ByteTokenizer())
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no checkpoint"):
-        export_model(tmp_path / "empty", tmp_path / "out", SwarmConfig(), VOCAB)
+        export_model(tmp_path / "empty", tmp_path / "out", SwarmConfig(), ByteTokenizer())
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
@@ -348,3 +354,42 @@ def test_cli_export_subprocess(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     bad = run(tmp_path / "nope")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+# ---- generate --------------------------------------------------------------------------------------
+
+def test_generate_greedy_matches_transformers_generate_on_the_export(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from node.checkpoint import load_trained_model
+    from node.export import generate_text
+
+    _trained().save(tmp_path / "state")
+    export_model(tmp_path / "state", tmp_path / "out", SwarmConfig(), ByteTokenizer())
+    model, _ = load_trained_model(tmp_path / "state", SwarmConfig(), VOCAB)
+    ours = generate_text(model, ByteTokenizer(), "The swarm ", max_new_tokens=12, temperature=0.0, top_k=0,
+                         seed=0, max_seq_len=SwarmConfig().model.max_seq_len)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
+    ids = tok("The swarm ", return_tensors="pt", add_special_tokens=False).input_ids
+    out = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.eos_token_id)
+    assert ours == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    sampled = [generate_text(model, ByteTokenizer(), "x", max_new_tokens=20, temperature=1.0, top_k=10, seed=s,
+                             max_seq_len=64) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]  # seeded
+
+
+def test_cli_generate_prints_the_prompt_and_its_continuation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    import node.cli
+
+    monkeypatch.delenv("LOCOSWARM_CONFIG", raising=False)
+    _trained().save(tmp_path / "state")
+    argv = ["generate", "--state-dir", str(tmp_path / "state"), "--prompt", "Hello", "--max-new-tokens", "8"]
+    assert node.cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+    for bad in (["--max-new-tokens", "0"], ["--temperature", "-1"], ["--state-dir", str(tmp_path / "nope")]):
+        assert node.cli.main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("locoswarm: error: ") and "Traceback" not in err

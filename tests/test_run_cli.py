@@ -150,3 +150,32 @@ def test_prepare_state_dir_says_what_is_wrong(tmp_path: Path, monkeypatch: pytes
     finally:
         lock.release()
     prepare_state_dir(ro).release()  # released: usable again
+
+
+def _subparsers(parser) -> dict:
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def test_every_help_text_is_plain_and_every_option_explained() -> None:
+    from node.cli import build_parser
+    from node.helptext import describe
+
+    assert describe("``locoswarm run``: the :class:`~node.daemon.Node`'s ``loop``\nmore") == \
+        "locoswarm run: the node.daemon.Node's loop"
+    todo = [("locoswarm", build_parser())]
+    seen = 0
+    while todo:
+        name, parser = todo.pop()
+        text = parser.format_help()
+        assert "``" not in text and ":class:" not in text and ":func:" not in text, f"{name}:\n{text}"
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help text"
+        todo += [(f"{name} {sub}", p) for sub, p in _subparsers(parser).items()]
+        seen += 1
+    assert seen > 10

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from node.errors import UserError
+from node.helptext import describe
 
 ALL_METHODS = ("dp", "diloco", "streaming", "streaming-fp4", "delayed", "naive-delay", "eager",
                "streaming-overlap", "cocodc", "locoswarm")
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from node.sim import add_data_args
 
     p = sub.add_parser("convergence", help="all methods side by side on the same data, seed and steps",
-                       description=__doc__.splitlines()[0])
+                       description=describe(__doc__))
     add_config_args(p)
     add_data_args(p)
     p.add_argument("--out", required=True, help="report directory (results.json, report.md, loss.png)")
@@ -68,7 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tau", type=int, default=None, help="overlap of the tau>0 methods")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the simulated runs (torch RNG, dropped syncs); data sampling follows data.seed "
+                        "(default 0)")
     p.add_argument("--render-only", action="store_true",
                    help="re-render report.md and loss.png from an existing DIR/results.json")
     p.set_defaults(func=run_convergence)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.errors import UserError
+from node.helptext import describe
 
 KINDS = ("clean", "weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
 CLIENT_KINDS = ("inject", "flood", "download")
@@ -303,7 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from node.sim import add_data_args
 
     p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
-                       description=__doc__.splitlines()[0])
+                       description=describe(__doc__))
     add_data_args(p)
     p.add_argument("--out", required=True,
                    help="report directory (results.json, report.md, robustness.png; the nodes' logs under logs/)")

@@ -27,6 +27,7 @@ from typing import Any
 from node.control import DEFAULT_CONTROL_HOST, DEFAULT_CONTROL_PORT, ENV_CONTROL, NodeUnreachable, parse_hostport
 from node.control import format_hostport as _fmt
 from node.errors import UserError
+from node.helptext import describe
 
 RPC_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     default = os.environ.get(ENV_CONTROL) or f"{DEFAULT_CONTROL_HOST}:{DEFAULT_CONTROL_PORT}"
     p = sub.add_parser("status", help="watch a running node (or, with --swarm, a swarm) in the terminal",
-                       description=__doc__.splitlines()[0])
+                       description=describe(__doc__))
     p.add_argument("--control", default=default, metavar="HOST:PORT",
                    help=f"the node's control API (env {ENV_CONTROL}; default {default})")
     p.add_argument("--once", action="store_true", help="print one frame and exit")

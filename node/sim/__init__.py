@@ -44,13 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_data_args(p)
     p.add_argument("--workers", type=int, default=4, help="number of simulated workers (default 4)")
     p.add_argument("--steps", type=int, default=200, help="swarm clock steps (default 200)")
-    p.add_argument("--method", default=None,
-                   help="apply a benchmark method preset (dp, diloco, streaming, ...); default: the config")
+    from node.sim.methods import METHODS
+
+    p.add_argument("--method", default=None, choices=list(METHODS), metavar="METHOD",
+                   help=f"apply a benchmark method preset: {', '.join(METHODS)} (default: the config's "
+                        "[outer] settings)")
     p.add_argument("--speeds", default=None, help="relative worker speeds in (0,1], e.g. 1,1,1,0.33")
     p.add_argument("--drop-prob", type=float, default=0.0, help="probability a worker's sync is dropped")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N steps (default 25)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the run's randomness: which syncs --drop-prob drops, torch's global RNG (data "
+                        "sampling follows data.seed) (default 0)")
     p.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="write the result as JSON")
     p.set_defaults(func=run_simulate)
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from node.errors import UserError
+from node.helptext import describe
 from node.plan import ROUND_OVERHEAD_S
 
 HIVEMIND_MODULE = ["node.bench.swarm.peers", "hivemind"]
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from node.sim import add_data_args
 
     p = sub.add_parser("swarm", help="real nodes in network namespaces on shaped links (needs root)",
-                       description=__doc__.splitlines()[0])
+                       description=describe(__doc__))
     add_data_args(p)
     p.add_argument("--out", required=True, help="report directory (results.json, report.md, swarm.png)")
     p.add_argument("--nodes", type=int, default=4, help="nodes per configuration (default 4)")
