@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from node.checkpoint import export_model, load_checkpoint, save_checkpoint
+from node.commands.export import register_export
 from node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, fingerprint
 from node.core.codecs import get_codec
 from node.core.outer_loop import OuterLoop
 from node.data import ByteTokenizer
 from node.errors import UserError
-from node.export import register_export
 from node.inner import InnerOptimizer
 from node.model import build_model
 from node.partition import partition
@@ -362,7 +362,7 @@ def test_generate_greedy_matches_transformers_generate_on_the_export(tmp_path: P
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from node.checkpoint import load_trained_model
-    from node.export import generate_text
+    from node.generate import generate_text
 
     _trained().save(tmp_path / "state")
     export_model(tmp_path / "state", tmp_path / "out", SwarmConfig(), ByteTokenizer())

@@ -85,15 +85,8 @@ def test_table_and_json() -> None:
 
 
 def test_cli_partition(capsys) -> None:
-    from node.partition import _handler
+    from node.commands.partition import _handler
 
     args = argparse.Namespace(config=None, overrides=["outer.fragments=2"], json=True)
-
-    try:
-        import node.config as config
-
-        config.load_config  # noqa: B018
-    except AttributeError:
-        pytest.skip("node.config.load_config is not available yet")
     assert _handler(args) == 0
     assert [d["index"] for d in json.loads(capsys.readouterr().out)] == [0, 1]

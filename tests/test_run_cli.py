@@ -179,3 +179,19 @@ def test_every_help_text_is_plain_and_every_option_explained() -> None:
         todo += [(f"{name} {sub}", p) for sub, p in _subparsers(parser).items()]
         seen += 1
     assert seen > 10
+
+
+DOMAIN = ["node.config", "node.partition", "node.checkpoint", "node.daemon", "node.data", "node.model", "node.plan",
+          "node.core.outer_loop", "node.swarm.averaging"]
+
+
+@pytest.mark.parametrize("module", DOMAIN)
+def test_domain_modules_do_not_import_the_command_line(module: str) -> None:
+    code = (f"import sys, {module}, inspect\n"
+            "bad = [m for m in sys.modules if m in ('node.cli', 'node.commands') or m.startswith('node.commands.')]\n"
+            f"src = inspect.getsource({module})\n"
+            "bad += [w for w in ('node.cli', 'node.commands') if w in src]\n"
+            "print(bad)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", f"{module} reaches the CLI layer: {res.stdout}"

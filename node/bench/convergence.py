@@ -53,7 +53,7 @@ PROFILES = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.cli import add_config_args
+    from node.commands import add_config_args
     from node.sim import add_data_args
 
     p = sub.add_parser("convergence", help="all methods side by side on the same data, seed and steps",
@@ -98,7 +98,7 @@ def _methods(text: str) -> list[str]:
 
 def base_config(args: argparse.Namespace, prof: Profile):
     """The user's config (or defaults) with the profile's model, inner and schedule settings."""
-    from node.cli import load_config_from_args
+    from node.commands import load_config_from_args
     from node.config import validate
 
     cfg = load_config_from_args(args)

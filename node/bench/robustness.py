@@ -59,15 +59,17 @@ class LocalProc:
     """One ``python -m ...`` process of a scenario in its own session (killed by process group, never
     by name); ``status.json`` in its state dir is how it is observed."""
 
-    def __init__(self, name: str, module: list[str], args: list[str], state_dir: Path, log_path: Path) -> None:
+    def __init__(self, name: str, module: list[str], args: list[str], state_dir: Path, log_path: Path,
+                 niceness: int = 0) -> None:
         self.name = name
         self.state_dir = state_dir
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", *module, *args], cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        nice = ["nice", "-n", str(niceness)] if niceness else []  # nice execs: the pid is the python process's
+        self.proc = subprocess.Popen([*nice, sys.executable, "-m", *module, *args], cwd=REPO, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def status(self) -> dict:
         try:
@@ -164,8 +166,9 @@ class ScenarioRun:
     """One scenario: start the swarm, attack, sample, collect, stop everything."""
 
     def __init__(self, scenario: Scenario, root: Path, config: Path, data: list[str], honest: int,
-                 seconds: float, progress=None) -> None:
+                 seconds: float, progress=None, nice_others: int = 0) -> None:
         self.scenario = scenario
+        self.nice_others = nice_others
         self.root = root
         self.config = config
         self.data = data
@@ -180,9 +183,9 @@ class ScenarioRun:
         args = ["--config", str(self.config), "--eval-every", "25", "--threads", "1"]
         return args + (["--data", *self.data] if self.data else [])
 
-    def spawn(self, name: str, module: list[str], args: list[str]) -> LocalProc:
+    def spawn(self, name: str, module: list[str], args: list[str], niceness: int = 0) -> LocalProc:
         proc = LocalProc(name, module, [*args, "--state-dir", str(self.root / name)], self.root / name,
-                         self.root / f"{name}.log")
+                         self.root / f"{name}.log", niceness)
         self.procs.append(proc)
         return proc
 
@@ -224,16 +227,18 @@ class ScenarioRun:
             # extra member would make the baseline a larger swarm that learns faster than the one attacked.
             for i in range(n):
                 self.extra.append(self.spawn(f"bystander{i}", ["node.cli", "run"],
-                                             [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"]))
+                                             [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"],
+                                             self.nice_others))
         elif kind in CLIENT_KINDS:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
                         "--report", str(self.root / f"hostile{i}.json")]
-                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind], args))
+                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind], args,
+                                             self.nice_others))
         else:
             for i in range(n):
                 self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind],
-                                             [*self.node_args(), "--bootstrap", boot]))
+                                             [*self.node_args(), "--bootstrap", boot], self.nice_others))
         if kind not in CLIENT_KINDS:
             for proc in self.extra:
                 proc.wait_for(lambda s: s.get("state") == "training", 120, "training")
@@ -316,6 +321,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--counts", default="1", help="hostile peers per attack scenario, comma-separated (default 1; "
                                                  "e.g. 1,2)")
     p.add_argument("--honest", type=int, default=2, help="honest nodes per scenario (default 2)")
+    p.add_argument("--nice-others", type=int, default=0, metavar="N",
+                   help="run the added peers (attackers and bystanders alike) at nice N, so that on a small machine "
+                        "the honest nodes keep the cores as they would with the attackers on machines of their own "
+                        "(default 0: all equal)")
     p.set_defaults(func=run_robustness)
 
 
@@ -348,6 +357,8 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise UserError(f"--seconds {args.seconds} is not allowed; use 1..3600")
     if not 1 <= args.honest <= 8:
         raise UserError(f"--honest {args.honest} is not allowed; use 1..8")
+    if not 0 <= args.nice_others <= 19:
+        raise UserError(f"--nice-others {args.nice_others} is not allowed; use 0..19")
     if args.config and not Path(args.config).is_file():
         raise UserError(f"--config {args.config}: no such file")
     out = Path(args.out)
@@ -355,7 +366,8 @@ def run_robustness(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM still stops every node this benchmark started
     console = Console(stderr=True)
     data = [str(Path(d).resolve()) for d in data_paths(args)]
-    setup = {"honest": args.honest, "seconds": args.seconds, "config": args.config or TINY_SWARM,
+    setup = {"honest": args.honest, "seconds": args.seconds, "nice_others": args.nice_others,
+             "config": args.config or TINY_SWARM,
              "data": data or "the node's default corpus", "scenarios": [s.name for s in scenarios]}
     results: dict[str, dict] = {}
     started = time.perf_counter()
@@ -368,7 +380,8 @@ def run_robustness(args: argparse.Namespace) -> int:
             root = Path(tmp) / f"s{i}"
             root.mkdir()
             config = Path(args.config).resolve() if args.config else write_tiny_config(root / "peers.toml")
-            outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress).run()
+            outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress,
+                                  nice_others=args.nice_others).run()
             results[scenario.name] = outcome.summary()
             _keep_logs(root, out / "logs" / scenario.name)
             progress.console.print(_one_line(scenario.name, results[scenario.name]))
@@ -439,6 +452,8 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         f"bystanders instead (nodes training as hard, each in a swarm of its own: the same share of the machine's "
         f"cores, no contribution); vs clean compares with the clean run of the same N. "
         f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
+        + (f"the added peers (attackers and bystanders alike) ran at nice {setup['nice_others']}; "
+           if setup.get("nice_others") else "") +
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
         "rounds of the honest nodes during it; attacker refused: refusals of the attackers' peer ids counted by the "

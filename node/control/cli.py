@@ -34,7 +34,7 @@ WATCH_INTERVAL_S = 1.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.cli import add_config_args
+    from node.commands import add_config_args
 
     default = os.environ.get(ENV_CONTROL) or f"{DEFAULT_CONTROL_HOST}:{DEFAULT_CONTROL_PORT}"
     p = sub.add_parser("status", help="watch a running node (or, with --swarm, a swarm) in the terminal",
@@ -231,7 +231,7 @@ def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> dict:
 def _run_swarm(args: argparse.Namespace) -> int:
     from hivemind.utils import get_dht_time
 
-    from node.cli import load_config_from_args
+    from node.commands import load_config_from_args
     from node.swarm.dht import start_dht, validate_bootstrap
     from node.swarm.membership import Membership
 

@@ -35,7 +35,7 @@ def parse_speeds(text: str | None, workers: int) -> list[float] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.cli import add_config_args
+    from node.commands import add_config_args
 
     p = sub.add_parser("simulate", help="run M workers in one process on the outer-loop core",
                        description="Simulate a swarm in one process: M workers, the same outer core, "
@@ -67,7 +67,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from node.cli import load_config_from_args
+    from node.commands import load_config_from_args
     from node.data import load_corpus, load_tokenizer
     from node.fsutil import atomic_write_text
     from node.model import resolve_device

@@ -1,9 +1,8 @@
 """``locoswarm export`` and ``locoswarm generate``: a node's checkpointed model as a transformers
 directory (with the swarm's tokenizer), or sampled from on the command line.
 
-Kept apart from ``node.checkpoint`` so that building the command line (every ``locoswarm`` call,
-``locoswarm status`` included) does not import torch: the checkpoint code is imported when the
-command runs.
+Building the command line (every ``locoswarm`` call, ``locoswarm status`` included) does not import
+torch: the checkpoint code is imported when the command runs.
 """
 
 from __future__ import annotations
@@ -12,10 +11,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from node.commands import add_config_args, load_config_from_args
+
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from node.checkpoint import export_model
-    from node.cli import load_config_from_args
     from node.data import load_tokenizer
 
     cfg = load_config_from_args(args)
@@ -27,7 +27,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def register_export(sub: Any) -> None:
     """Add the ``export`` subcommand: write the checkpointed model as a transformers directory."""
-    from node.cli import add_config_args
 
     parser = sub.add_parser(
         "export", help="export a node's checkpointed model as a transformers directory",
@@ -41,39 +40,11 @@ def register_export(sub: Any) -> None:
     parser.set_defaults(func=_cmd_export)
 
 
-def generate_text(model, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
-                  seed: int, max_seq_len: int) -> str:
-    """The model's continuation of ``prompt`` (sampled with ``temperature`` and ``top_k``; greedy at
-    temperature 0), stopping at the end-of-document token or after ``max_new_tokens``. The model sees at
-    most its ``max_seq_len`` last tokens."""
-    import torch
-
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]  # an empty prompt starts a new document
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            window = torch.tensor([(ids + out)[-max_seq_len:]], dtype=torch.long)
-            logits = model(input_ids=window).logits[0, -1].float()
-            if temperature <= 0:
-                token = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if 0 < top_k < logits.numel():
-                    kth = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-            if token == tokenizer.eos_id:
-                break
-            out.append(token)
-    return tokenizer.decode(out)
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from node.checkpoint import load_trained_model
-    from node.cli import load_config_from_args
     from node.data import load_tokenizer
     from node.errors import UserError
+    from node.generate import generate_text
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is not allowed; give at least 1")
@@ -94,7 +65,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def register_generate(sub: Any) -> None:
     """Add the ``generate`` subcommand: sample text from a node's checkpointed model."""
-    from node.cli import add_config_args
 
     parser = sub.add_parser(
         "generate", help="sample text from a node's checkpointed model",

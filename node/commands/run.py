@@ -1,0 +1,109 @@
+"""``locoswarm run``: the node daemon's command line (flags and environment -> ``NodeOptions``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from node import daemon
+from node.commands import add_config_args, load_config_from_args
+from node.errors import UserError
+from node.helptext import describe
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from node.sim import add_data_args
+
+    env = os.environ.get
+    p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
+                       description=describe(daemon.__doc__))
+    add_config_args(p)
+    add_data_args(p)
+    p.add_argument("--state-dir", default=env("LOCOSWARM_STATE_DIR", "locoswarm-state"),
+                   help="identity, checkpoints and status.json (env LOCOSWARM_STATE_DIR; default ./locoswarm-state)")
+    p.add_argument("--host", default=env("LOCOSWARM_HOST", "127.0.0.1"),
+                   help="address to listen on (env LOCOSWARM_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(env("LOCOSWARM_PORT", "0")),
+                   help="TCP port for libp2p (env LOCOSWARM_PORT; default 0 = any free port)")
+    p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                   help="address peers should dial instead of the listen address, e.g. /ip4/203.0.113.5/tcp/31337 "
+                        "behind a port forward or a proxy (repeatable; default: the listen address)")
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                   help="a peer to join through (repeatable; env LOCOSWARM_BOOTSTRAP; default [swarm] bootstrap)")
+    p.add_argument("--bootstrap-attempts", type=int, default=None,
+                   help="give up after this many bootstrap attempts (default: keep trying)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="inner steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=100, help="inner steps between held-out evaluations (0=off)")
+    p.add_argument("--throttle", type=float, default=1.0, help="run this many times slower (tests, demos)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=None, help="data sampling seed (default: from the peer id)")
+    p.add_argument("--control-port", type=int, default=None,
+                   help="port of the local control API read by 'locoswarm status' (env LOCOSWARM_CONTROL_PORT; "
+                        "default 7615, or any free port if another node has it; 0 = off)")
+    p.add_argument("--control-host", default="127.0.0.1",
+                   help="address the control API (and metrics) listen on (default 127.0.0.1; another address "
+                        "needs --allow-remote-control)")
+    p.add_argument("--allow-remote-control", action="store_true",
+                   help="allow a non-loopback --control-host: anyone who reaches it can stop this node")
+    p.add_argument("--metrics-port", type=int, default=int(env("LOCOSWARM_METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on http://CONTROL_HOST:PORT/metrics (env LOCOSWARM_METRICS_PORT; "
+                        "default 0 = off)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    p.set_defaults(func=run_node)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from node.sim import data_paths
+    from node.swarm.dht import bootstrap_from_env_and_args
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)-5s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+    cfg = load_config_from_args(args)
+    for flag, value, low in (("--max-steps", args.max_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+                             ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value} is not allowed; it must be >= {low}")
+    if not 1.0 <= args.throttle <= 100.0:
+        raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
+    from node.control import check_control_options, control_port_from_args
+
+    control_port, control_port_default = control_port_from_args(args.control_port)
+    check_control_options(args.control_host, {"--control-port": control_port, "--metrics-port": args.metrics_port},
+                          args.allow_remote_control, may_be_taken={"--control-port"} if control_port_default else ())
+    opts = daemon.NodeOptions(
+        state_dir=Path(args.state_dir), data=data_paths(args), device=args.device, host=args.host, port=args.port,
+        announce=_announce_addrs(args.announce),
+        bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
+        bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, throttle=args.throttle,
+        threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
+        control_port=control_port, control_port_default=control_port_default,
+        allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
+    return daemon.Node(cfg, opts).run()
+
+
+def _announce_addrs(addrs: list[str] | None) -> list[str] | None:
+    """``--announce`` values checked: each a TCP multiaddr without a peer id (one line naming a bad one)."""
+    if not addrs:
+        return None
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out = []
+    for addr in addrs:
+        try:
+            ma = Multiaddr(addr)
+            ok = "tcp" in ma and "p2p" not in ma
+        except Exception:
+            ok = False
+        if not ok:
+            raise UserError(f"--announce {addr!r} is not allowed; give a TCP multiaddr without a peer id, "
+                            "e.g. /ip4/203.0.113.5/tcp/31337")
+        out.append(addr)
+    return out
