@@ -394,7 +394,7 @@ class Node:
         self.published[fragment] = self.outer.snapshot(fragment)
 
     def _adopt_schedule_state(self) -> None:
-        """When joining, start the adaptive schedule from a peer's state (last sends, the averaged R),
+        """When joining, start the adaptive schedule from a peer's state (last sends, the summed R),
         as its heartbeat tells it: usually right, and a slot's matchmaking corrects it otherwise
         (see ``_realign_schedule``)."""
         if not self.outer.schedule.adaptive:

@@ -135,6 +135,19 @@ def test_a_poisoned_contribution_is_dropped_and_the_round_completes() -> None:
     asyncio.run(run())
 
 
+def test_the_side_vector_is_summed_over_the_accepted_members() -> None:
+    async def run() -> None:
+        s = _session(["me", "h1", "bad"])
+        s.n_extras = 2
+        s.add(_contribution("me", _honest(0), weight=10.0), [0.5, 0.0])
+        s.add(_contribution("h1", _honest(1), weight=90.0), [0.0, 0.25])
+        s.add(_contribution("bad", torch.full((NUMEL,), 1e30)), [100.0, 100.0])  # refused: its R is not summed
+        res = s.done.result()
+        assert set(res.refused) == {"bad"}
+        assert res.extras == [0.5, 0.25]  # CoCoDC sums R over the group (a weighted mean: 0.05, 0.225)
+    asyncio.run(run())
+
+
 def test_a_member_that_never_sends_is_dropped_by_the_partial_reduction() -> None:
     async def run() -> None:
         s = _session(["me", "h1", "silent"])

@@ -825,6 +825,21 @@ def test_adaptive_schedule_group_members_pick_the_same_fragment(base_model) -> N
     assert torch.equal(swarm.loops[0].shared_r, swarm.loops[1].shared_r)
 
 
+def test_the_side_vector_r_is_summed_over_the_group_not_averaged() -> None:
+    """CoCoDC all-reduces R with a sum (its public restatement): with unequal token weights a weighted
+    mean would rank the fragments differently from the sum."""
+    codec = get_codec("fp32")
+    hub = InProcessHub(codec, 4, seed=0)
+    chunks = encode_chunks(codec, torch.ones(8))
+    handles = [hub.transport(i).start_average(AverageRequest(0, 5, chunks, 8, weight, 1, extras=_t(*r)))
+               for i, (weight, r) in enumerate([(1.0, (0.9, 0.0)), (9.0, (0.0, 0.2))])]
+    hub.flush()
+    results = [h.result(5) for h in handles]
+    assert all(r.ok for r in results)
+    for r in results:
+        assert_close(r.extras, _t(0.9, 0.2))  # the token-weighted mean (0.09, 0.18) would pick fragment 1
+
+
 def test_adaptive_schedule_adopting_the_leaders_state_realigns_picks(base_model) -> None:
     """Two members whose schedule states diverged pick different fragments; once one adopts the other's
     state as it was at the slot (what the slot's matchmaking tells it), they pick alike again."""

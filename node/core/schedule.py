@@ -6,7 +6,8 @@
 - ``AdaptiveSchedule`` (CoCoDC, 2025): N sends per H steps, one every H/N steps; each time pick the
   fragment whose staleness is >= H (the most stale first), else one never sent, else the one with the
   largest R_p = |phi_p - theta_p|_1 / (I_p |p|). Members of a group must pick the same fragment, so the
-  R vector used is the group-averaged one that travelled with the previous sync's payload.
+  R vector used is the one summed over the group (CoCoDC all-reduces R with a sum) that travelled with
+  the previous sync's payload.
 
 Steps are the swarm clock: the number of inner steps the swarm has made, equal on every member.
 """
@@ -34,11 +35,11 @@ class ScheduleView:
 
     last_send: Sequence[int | None]            # swarm step of each fragment's last send
     in_flight: set[int] = field(default_factory=set)
-    shared_r: torch.Tensor | None = None       # group-averaged R vector of the last completed sync
+    shared_r: torch.Tensor | None = None       # group-summed R vector of the last completed sync
 
 
 class FixedSchedule:
-    #: Whether members pick from shared state (last sends, averaged R) that travels with their rounds.
+    #: Whether members pick from shared state (last sends, summed R) that travels with their rounds.
     adaptive = False
 
     def __init__(self, h: int, n_fragments: int) -> None:

@@ -291,10 +291,11 @@ class _Reduction:
         reduced = combine_part(self.codec, cons, screening, self.sizes, make_aggregator(self.settings),
                                centers=centers)
         total = screening.total_weight
+        # The side vector (CoCoDC's R) is summed over the accepted members, as CoCoDC all-reduces it.
         extras = [0.0] * self.n_extras
-        for i, w in zip(screening.accepted, screening.weights, strict=True):
+        for i in screening.accepted:
             for k, x in enumerate(self.contributions[senders[i]][1]):
-                extras[k] += w * x / total
+                extras[k] += x
         # In a pair the reference is this node's own contribution: a partner far larger may be honest
         # (this node may have made little progress), so a relative refusal there is not an offence.
         refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2)) for r in screening.refusals}

@@ -23,7 +23,7 @@ class AverageRequest:
     numel: int
     weight: float              # tokens this contribution represents
     version: int               # sender's outer version of this fragment
-    extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # small fp32 vector, averaged too
+    extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # small fp32 vector, summed over the group
     codec: str = ""            # payload codec when not the swarm's (consensus rounds carry fp32 phi)
     digest: bytes = b""        # when every member's digest is equal, nothing needs averaging: the round
                                # succeeds at once with ``average = None`` and no payload is exchanged

@@ -129,7 +129,8 @@ class InProcessHub:
         average = decode_chunks(codec, reduced, numel)
         weights = [w if w > 0 else 0.0 for w in entered]
         total = float(sum(weights)) or 1.0
-        extras = sum(w / total * m.request.extras.float() for w, m in zip(weights, group, strict=True))
+        # The side vector (CoCoDC's R) is summed over the accepted members, as CoCoDC all-reduces it.
+        extras = sum(m.request.extras.float() for w, m in zip(weights, group, strict=True) if w > 0)
         n = len(group)
         header = HEADER_BYTES + 4 * group[0].request.extras.numel()
         for i, m in enumerate(group):
