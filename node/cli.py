@@ -27,12 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     from node import plan
     from node.bench import register as register_bench
-    from node.commands import config, partition, run
+    from node.commands import config, data, partition, run
     from node.commands.export import register_export, register_generate
     from node.control.cli import register as register_status
     from node.sim import register as register_sim
 
-    for register in (run.register, config.register, partition.register, register_sim, register_bench,
+    for register in (run.register, config.register, partition.register, data.register, register_sim, register_bench,
                      plan.register, register_export, register_generate, register_status):
         register(sub)
     return parser

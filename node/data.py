@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import os
 import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    spec = "bytes"  # its model.tokenizer value
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -98,6 +100,7 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, path: str) -> None:
         self._tok = tokenizer
+        self.spec = path  # its model.tokenizer value
         self.vocab_size = len(tokenizer)
         eos = tokenizer.eos_token_id
         if eos is None:
@@ -218,7 +221,8 @@ ODD_SPLIT = 2.0               # an eval share this many times off data.eval_frac
 
 @dataclass
 class Corpus:
-    """Train and eval tokens (1-D int32, documents joined, each ending with eos) and counts.
+    """Train and eval tokens (1-D int32, documents joined, each ending with eos; or, for a prepared
+    directory, ``node.shards.ShardedTokens`` that read them from disk a window at a time) and counts.
     ``n_docs`` counts the split's units: documents, long ones cut into segments. ``warnings`` are
     one-line notes on the data the caller should show (skipped binary files, an odd split)."""
 
@@ -244,25 +248,48 @@ def is_binary(data: bytes) -> bool:
     return bad > max(4.0, MAX_BAD_UTF8 * len(probe))
 
 
-def _segments(key: str, data: bytes, size: int = SEGMENT_BYTES) -> Iterator[tuple[str, bytes]]:
-    """A document of at most ``size`` bytes as is; a longer one in pieces of about ``size`` bytes, each
-    cut after a newline where one is near (else at a UTF-8 character boundary), keyed ``key@i``. The split
-    hashes the pieces: one big file no longer goes wholly to eval or wholly to train."""
-    if len(data) <= size:
-        yield key, data
+def stream_segments(key: str, read: Callable[[int], bytes], size: int) -> Iterator[tuple[str, bytes]]:
+    """The segments of one document read through ``read(n)``: the whole document when it is at most
+    ``size`` bytes (key unchanged), else pieces of about ``size`` bytes keyed ``key@i``, each cut after a
+    newline in its second half where there is one, else at a UTF-8 character boundary. The split hashes
+    the pieces, so one big file no longer goes wholly to eval or wholly to train. At most ``2 * size``
+    bytes are held at once (``node.shards`` streams files larger than memory through it)."""
+    buf = bytearray()
+    eof = False
+
+    def fill() -> None:
+        nonlocal eof
+        while not eof and len(buf) <= size:
+            block = read(size + 1 - len(buf))
+            if not block:
+                eof = True
+            buf.extend(block)
+
+    fill()
+    if eof and len(buf) <= size:
+        if buf:
+            yield key, bytes(buf)
         return
-    start, i = 0, 0
-    while start < len(data):
-        end = min(len(data), start + size)
-        if end < len(data):
-            newline = data.rfind(b"\n", start + size // 2, end)
+    i = 0
+    while buf:
+        fill()
+        end = len(buf)
+        if end > size:
+            end = size
+            newline = buf.rfind(b"\n", size // 2, size)
             if newline >= 0:
                 end = newline + 1
             else:
-                while end > start + 1 and (data[end] & 0xC0) == 0x80:  # not inside a multi-byte character
+                while end > 1 and (buf[end] & 0xC0) == 0x80:  # not inside a multi-byte character
                     end -= 1
-        yield f"{key}@{i}", data[start:end]
-        start, i = end, i + 1
+        yield f"{key}@{i}", bytes(buf[:end])
+        del buf[:end]
+        i += 1
+
+
+def segments_of(key: str, data: bytes, size: int = SEGMENT_BYTES) -> Iterator[tuple[str, bytes]]:
+    """``stream_segments`` of a document already in memory."""
+    return stream_segments(key, io.BytesIO(data).read, size)
 
 
 class _Reader:
@@ -303,7 +330,7 @@ class _Reader:
                     continue
                 data = self._take(data)
                 if data:
-                    yield from _segments(key, data)
+                    yield from segments_of(key, data)
 
     def _jsonl(self, path: Path, key: str) -> Iterator[tuple[str, bytes]]:
         with open(path, "rb") as fh:
@@ -318,7 +345,7 @@ class _Reader:
                     continue
                 data = self._take(text.encode("utf-8"))
                 if data:
-                    yield from _segments(f"{key}#{lineno}", data)
+                    yield from segments_of(f"{key}#{lineno}", data)
 
     def _field(self, line: bytes) -> str | None:
         try:
@@ -329,7 +356,7 @@ class _Reader:
         return value if isinstance(value, str) else None
 
 
-def _split_value(key: str, seed: int) -> float:
+def split_value(key: str, seed: int) -> float:
     """A uniform number in [0, 1) fixed by (document key, seed)."""
     digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
@@ -380,6 +407,8 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     ``min_train_tokens`` lets the caller require one batch worth of training tokens.
     """
     start = time.perf_counter()
+    if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
+        return _load_prepared(Path(paths[0]).expanduser(), data_cfg, tokenizer, min_train_tokens, start)
     files = discover_files(paths, data_cfg.extensions)
     reader = _Reader(files, data_cfg.text_field, data_cfg.max_bytes)
     keys, docs = [], []
@@ -399,7 +428,7 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
         train, eval_ = _split_single(docs[0], data_cfg.eval_fraction, tokenizer.eos_id)
         n_train_docs, n_eval_docs = 1, 0  # one document, split by tokens
     else:
-        mask = _eval_mask([_split_value(k, data_cfg.seed) for k in keys], data_cfg.eval_fraction)
+        mask = _eval_mask([split_value(k, data_cfg.seed) for k in keys], data_cfg.eval_fraction)
         train = _join([d for d, m in zip(docs, mask, strict=True) if not m], tokenizer.eos_id)
         eval_ = _join([d for d, m in zip(docs, mask, strict=True) if m], tokenizer.eos_id)
         n_eval_docs = sum(mask)
@@ -424,6 +453,31 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
                   n_eval_docs=n_eval_docs, n_files=reader.files_read - len(binary),
                   skipped_lines=reader.skipped_lines, description=description, skipped_binary=binary,
                   warnings=warnings)
+
+
+def _load_prepared(directory: Path, data_cfg: DataSection, tokenizer, min_train_tokens: int,
+                   start: float) -> Corpus:
+    """A directory written by ``locoswarm data prepare``: its shards, read a window at a time."""
+    from node.shards import load_prepared
+
+    train, eval_, index = load_prepared(directory, tokenizer, tokenizer.spec)
+    if len(train) < max(min_train_tokens, 2):
+        raise UserError(f"{directory} holds {len(train)} train tokens, need at least {max(min_train_tokens, 2)}")
+    warnings = []
+    if index.get("seed") != data_cfg.seed or index.get("eval_fraction") != data_cfg.eval_fraction:
+        warnings.append(f"{directory} was split with data.seed = {index.get('seed')} and data.eval_fraction = "
+                        f"{index.get('eval_fraction')}, not this config's {data_cfg.seed} and "
+                        f"{data_cfg.eval_fraction}: its split is used as prepared")
+    docs = index.get("documents", {})
+    n_train, n_eval = int(docs.get("train", 0)), int(docs.get("eval", 0))
+    shards = sum(len(v) for v in (index.get("splits") or {}).values())
+    description = (f"{directory} (prepared, {shards} shards, read from disk): {index.get('files', 0)} files, "
+                   f"{n_train + n_eval} docs or segments ({n_train} train / {n_eval} eval), "
+                   f"{index.get('bytes', 0) / 1e6:.1f} MB, {len(train):,} train + {len(eval_):,} eval tokens, "
+                   f"{time.perf_counter() - start:.1f} s")
+    return Corpus(train=train, eval=eval_, n_docs=n_train + n_eval, n_train_docs=n_train, n_eval_docs=n_eval,
+                  n_files=int(index.get("files", 0)), skipped_lines=int(index.get("skipped_lines", 0)),
+                  description=description, warnings=warnings)
 
 
 def _split_single(doc: np.ndarray, eval_fraction: float, eos: int) -> tuple[torch.Tensor, torch.Tensor]:

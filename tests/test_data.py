@@ -14,13 +14,13 @@ from node.data import (
     SEGMENT_BYTES,
     ByteTokenizer,
     TrainBatches,
-    _segments,
     discover_files,
     eval_batches,
     evaluate,
     is_binary,
     load_corpus,
     load_tokenizer,
+    segments_of,
 )
 from node.errors import UserError
 from node.model import build_model
@@ -157,14 +157,14 @@ def test_one_big_file_is_split_in_segments_near_the_eval_fraction(tmp_path: Path
 
 def test_segments_cut_at_newlines_or_character_boundaries() -> None:
     data = ("ü" * 1000).encode()  # no newline at all: cuts must fall between characters
-    pieces = list(_segments("k", data, size=301))
+    pieces = list(segments_of("k", data, size=301))
     assert b"".join(p for _, p in pieces) == data
     assert all(p.decode("utf-8") for _, p in pieces)
     assert [k for k, _ in pieces] == [f"k@{i}" for i in range(len(pieces))]
     lines = b"".join(b"line %03d\n" % i for i in range(200))
-    pieces = list(_segments("k", lines, size=100))
+    pieces = list(segments_of("k", lines, size=100))
     assert b"".join(p for _, p in pieces) == lines and all(p.endswith(b"\n") for _, p in pieces)
-    assert list(_segments("k", b"short", size=100)) == [("k", b"short")]
+    assert list(segments_of("k", b"short", size=100)) == [("k", b"short")]
 
 
 def test_binary_files_are_skipped_with_a_warning(tmp_path: Path) -> None:
