@@ -370,7 +370,8 @@ def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch)
     order: list[str] = []
     node = daemon.Node.__new__(daemon.Node)
     node.stop = SimpleNamespace(is_set=lambda: True, set=lambda: None)
-    for name in ("_start_network", "_build", "_start_control", "_train", "_leave", "_shutdown_network"):
+    for name in ("_prepare", "_start_network", "_build", "_start_control", "_train", "_leave",
+                 "_shutdown_network"):
         monkeypatch.setattr(node, name, lambda name=name: order.append(name), raising=False)
     monkeypatch.setattr(node, "_resume", lambda: order.append("_resume") or None, raising=False)
     monkeypatch.setattr(node, "_start_heartbeats", lambda: order.append("_start_heartbeats"), raising=False)
@@ -378,4 +379,5 @@ def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch)
     for name in ("become_group_leader", "start_watchdog", "install_signal_handlers", "stop_watchdog"):
         monkeypatch.setattr(process, name, lambda *a, **k: None)
     node.run()
+    assert order.index("_prepare") < order.index("_start_network")  # a user's mistake fails before the network
     assert order.index("_resume") < order.index("_start_heartbeats") < order.index("_join_or_resume")

@@ -488,7 +488,8 @@ def test_live_state_client_survives_fuzzed_replies(live):
     against the holder when it broke the rules, and the client downloads from an honest holder after."""
     from test_state_sync import FP, Book, ByteCounters, Runtime, _numel, _same, _snaps
 
-    from node.swarm.state_sync import STATE_HANDLER, StateClient, StateServer
+    from node.swarm import state_sync
+    from node.swarm.state_sync import STATE_HANDLER, HolderBackoff, StateClient, StateServer
 
     loop, server_p2p, client_p2p = live
     server_id = str(server_p2p.peer_id)
@@ -505,12 +506,16 @@ def test_live_state_client_survives_fuzzed_replies(live):
             writer.close()
 
     book = Book()
+    clock = [0.0]  # the client's backoff clock: a holder that refused is asked again once its wait is over
     client = StateClient(Runtime(loop, client_p2p), FP, ByteCounters(), timeout=3, expected_numel=_numel,
-                         on_bad=book.on_bad)
+                         on_bad=book.on_bad, backoff=HolderBackoff(now=lambda: clock[0]))
     loop.run(server_p2p.add_binary_stream_handler(STATE_HANDLER, hostile))
     try:
         t0 = time.monotonic()
-        results = [client.fetch(0, [server_id]) for _ in cases]
+        results = []
+        for _ in cases:  # every case reaches the client: a refusal's wait is over before the next one
+            clock[0] += state_sync.BACKOFF_MAX_S
+            results.append(client.fetch(0, [server_id]))
         print(f"\n[fuzz] {len(cases)} hostile reply streams at the state client in {time.monotonic() - t0:.1f} s: "
               f"all refused; {len(book.bad)} counted against the holder "
               f"{dict(collections.Counter(k for _, k, _ in book.bad))}")
@@ -522,6 +527,7 @@ def test_live_state_client_survives_fuzzed_replies(live):
     snaps = _snaps(seed=8)
     honest = StateServer(Runtime(loop, server_p2p), FP, snaps.get, ByteCounters(), is_live=lambda p: True,
                          is_banned=lambda p: False)
+    clock[0] += state_sync.BACKOFF_MAX_S
     try:
         got = client.fetch(2, [server_id])
         assert got is not None and _same(got, snaps[2])
