@@ -370,7 +370,7 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-        elif ev.kind in ("refused", "diverged", "dropped"):
+        elif ev.kind in ("refused", "diverged", "dropped", "catch_up_loop"):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
@@ -544,7 +544,8 @@ class Node:
                           "time": hb.time} for p, hb in self.peer_table.items()},
             "spread": {str(k): v for k, v in spread.items()},
             "syncs_ok": self.outer.stats.syncs_ok - self.solo_steps, "syncs_failed": self.outer.stats.syncs_failed,
-            "catch_ups": self.outer.stats.catch_ups, "solo_steps": self.solo_steps,
+            "catch_ups": self.outer.stats.catch_ups, "catch_up_loops": self.outer.stats.catch_up_loops,
+            "solo_steps": self.solo_steps,
             "consensus": {"rounds": self.outer.stats.consensus_rounds,
                           "last_shift": self.outer.stats.last_consensus_shift,
                           "failed": self.outer.stats.consensus_failed,

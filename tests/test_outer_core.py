@@ -646,6 +646,20 @@ def test_behind_worker_catches_up_before_sending(base_model) -> None:
     assert swarm.loops[2].stats.catch_ups == 1
 
 
+def test_two_catch_ups_in_a_row_without_a_merged_round_are_a_catch_up_loop(base_model) -> None:
+    # Worker 2's syncs at steps 2 and 4 are dropped: it catches up at 4 (behind after 2), is dropped again,
+    # catches up again at 6 (a loop), merges at 6; later catch-ups would start a new count.
+    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2, 4}})
+    kinds: dict[int, list[str]] = {}
+    for t in range(1, 11):
+        kinds[t] = [e.kind for e in swarm.step(t)[2]]
+    assert "caught_up" in kinds[4] and "catch_up_loop" not in kinds[4]
+    assert "caught_up" in kinds[6] and "catch_up_loop" in kinds[6]
+    assert all("catch_up_loop" not in k for t, k in kinds.items() if t != 6)
+    assert swarm.loops[2].stats.catch_up_loops == 1 and swarm.loops[0].stats.catch_up_loops == 0
+    assert swarm.loops[2].states[0].catch_ups_in_row == 0  # merged since
+
+
 def test_stats_bytes_equal_results_and_reduce_pattern(base_model) -> None:
     swarm = Swarm(base_model, 3, _outer(h=2, fragments=2))
     all_events = [[] for _ in range(3)]

@@ -84,6 +84,8 @@ def render_metrics(st: dict) -> str:
              [({"result": "ok"}, int(st.get("syncs_ok", 0))), ({"result": "failed"}, int(st.get("syncs_failed", 0)))])
     w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.",
           int(st.get("catch_ups", 0)))
+    w.one("locoswarm_catch_up_loops_total", "counter", "Catch-ups of a fragment with no merged round since its "
+          "previous catch-up (a node that keeps arriving after its group).", int(st.get("catch_up_loops", 0)))
     w.one("locoswarm_solo_steps_total", "counter", "Outer steps taken with no live peer (a swarm of one).",
           int(st.get("solo_steps", 0)))
     consensus = st.get("consensus") or {}

@@ -266,7 +266,7 @@ def status_to_proto(st: dict) -> control_pb2.Status:
         tokens_per_s=float(st.get("tokens_per_s") or 0.0),
         compute_utilization=float(st.get("compute_utilization") or 0.0),
         syncs_ok=int(st.get("syncs_ok", 0)), syncs_failed=int(st.get("syncs_failed", 0)),
-        catch_ups=int(st.get("catch_ups", 0)),
+        catch_ups=int(st.get("catch_ups", 0)), catch_up_loops=int(st.get("catch_up_loops", 0)),
         solo_steps=int(st.get("solo_steps", 0)), refusals=[str(r) for r in st.get("refusals", []) or []],
         now=float(st.get("now", time.time())), control_port=int(st.get("control_port", 0)),
         metrics_port=int(st.get("metrics_port", 0)))
@@ -344,7 +344,7 @@ def status_from_proto(msg: control_pb2.Status) -> dict:
         "peers": {p.peer_id: peer_from_proto(p) for p in msg.peers},
         "spread": spread,
         "syncs_ok": msg.syncs_ok, "syncs_failed": msg.syncs_failed, "catch_ups": msg.catch_ups,
-        "solo_steps": msg.solo_steps,
+        "catch_up_loops": msg.catch_up_loops, "solo_steps": msg.solo_steps,
         "consensus": {"rounds": msg.consensus_rounds, "last_shift": _opt(msg, "consensus_last_shift"),
                       "failed": msg.consensus_failed, "last_error": msg.consensus_last_error},
         "bytes": {"sent": msg.bytes.sent, "received": msg.bytes.received, "sent_per_s": msg.bytes.sent_per_s,

@@ -22,7 +22,8 @@ from rich.text import Text
 SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
 EVENT_STYLES = {"failed": "bold red", "timed_out": "bold red", "peer_left": "yellow", "peer_joined": "green",
-                "joined": "green", "resumed": "cyan", "caught_up": "cyan", "merged": "dim"}
+                "joined": "green", "resumed": "cyan", "caught_up": "cyan", "catch_up_loop": "yellow",
+                "dropped": "yellow", "merged": "dim"}
 
 
 # ---- formatting -----------------------------------------------------------------------------------
@@ -136,7 +137,8 @@ def _network_panel(st: dict) -> Panel:
     g.add_row("rounds", Text.assemble(f"{st.get('syncs_ok', 0)} ok   ", (f"{failed} failed", "red" if failed else ""),
                                       f"   {consensus.get('rounds', 0)} consensus",
                                       (f" ({c_failed} failed)" if c_failed else "", "red")))
-    g.add_row("other", f"{st.get('catch_ups', 0)} catch-ups")
+    loops = st.get("catch_up_loops", 0)
+    g.add_row("other", f"{st.get('catch_ups', 0)} catch-ups" + (f" ({loops} in a loop)" if loops else ""))
     refused, banned = _refusal_totals(st)
     g.add_row("peers", Text.assemble((f"{refused} refused", "yellow" if refused else ""), "   ",
                                      (f"{banned} banned", "bold red" if banned else "")))

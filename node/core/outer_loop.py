@@ -47,7 +47,8 @@ MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._star
 
 @dataclass
 class SyncEvent:
-    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "refused" | "diverged" | "dropped"
+    kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "catch_up_loop" | "refused" | "diverged"
+                              # | "dropped"
     fragment: int
     step: int
     version: int
@@ -67,6 +68,7 @@ class OuterStats:
     syncs_ok: int = 0
     syncs_failed: int = 0
     catch_ups: int = 0
+    catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
     refused: int = 0                      # results or snapshots the guards refused
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
@@ -461,6 +463,8 @@ class OuterLoop:
 
     def _event(self, kind: str, st: FragmentState, step: int, res: AverageResult,
                sent_step: int) -> SyncEvent:
+        if kind == "merged":
+            st.catch_ups_in_row = 0
         if res.ok:
             self.stats.syncs_ok += 1
         else:
@@ -495,7 +499,15 @@ class OuterLoop:
         self._resync.discard(st.index)
         st.set_theta(self.rule.carry(theta, st.phi, phi_old, st.bounds))
         self.stats.catch_ups += 1
-        return [SyncEvent("caught_up", st.index, step, st.version)]
+        st.catch_ups_in_row += 1
+        events = [SyncEvent("caught_up", st.index, step, st.version)]
+        if st.catch_ups_in_row >= 2:
+            # Behind again at the next send: this node keeps arriving after its group (a slow link, a long
+            # download), so each catch-up is followed by another instead of by a merged round.
+            self.stats.catch_up_loops += 1
+            events.append(SyncEvent("catch_up_loop", st.index, step, st.version,
+                                    error=f"{st.catch_ups_in_row} catch-ups in a row without a merged round"))
+        return events
 
     def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
         """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
@@ -518,7 +530,7 @@ class OuterLoop:
         return None
 
     # ---- the state contract (checkpoints) ----------------------------------------------------------
-    STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups")
+    STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups", "catch_up_loops")
 
     def state_shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """``(required, optional)`` tensor keys of :meth:`state_dict` with their shapes."""

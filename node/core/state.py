@@ -27,6 +27,7 @@ class FragmentState:
     tokens_since_send: float = 0.0
     last_quant_error: float = 0.0
     failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
+    catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
 
     @classmethod
     def create(cls, index: int, params: Sequence[torch.nn.Parameter], error_feedback: bool) -> FragmentState:
