@@ -319,6 +319,33 @@ def test_a_peer_the_gatekeeper_refuses_gets_one_frame_and_nothing_of_it_is_read(
         net.run(server.stop())
 
 
+def test_a_refused_peers_streams_are_held_before_their_refusal_up_to_a_cap(net, monkeypatch):
+    """Closed at once, a banned flooder opens its next stream at once; held (unread) for TARPIT_S, each of
+    its streams costs it that long. Past TARPIT_MAX held streams the next ones close at once."""
+    monkeypatch.setattr(wire, "TARPIT_S", 0.8)
+    monkeypatch.setattr(wire, "TARPIT_MAX", 2)
+    server = _serve(net, _echo, gatekeeper=lambda remote: "refused: this node bans your peer id for now")
+
+    async def one() -> tuple[float, str]:
+        reader, writer = await net.raw_stream(server.name)
+        t0 = time.monotonic()
+        data = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        return time.monotonic() - t0, data[wire.HEADER_LEN + 1:].decode(errors="replace")
+
+    async def three() -> list[tuple[float, str]]:
+        return await asyncio.gather(one(), one(), one())
+
+    try:
+        times = sorted(net.run(three(), timeout=30))
+        print(f"\n[wire] refusals of a banned peer after {[round(t, 2) for t, _ in times]} s")
+        assert all("bans your peer id" in text for _, text in times)
+        assert times[0][0] < 0.5  # the third stream, past the cap: at once
+        assert all(t >= 0.7 for t, _ in times[1:])  # held
+    finally:
+        net.run(server.stop())
+
+
 def test_trickling_client_is_dropped_after_idle_timeout(net):
     server = _serve(net, _echo, idle_timeout=1.0)
 
