@@ -75,24 +75,32 @@ def iter_documents(files: Sequence[Path], root: str, text_field: str, segment_by
                     yield seg
 
 
+def _records(values: Iterator[tuple[str, object]], segment_bytes: int,
+             stats: SourceStats) -> Iterator[tuple[str, bytes]]:
+    """The segments of text records ``(key, value)``; a value that is not a string is a skipped line."""
+    for key, value in values:
+        if not isinstance(value, str):
+            stats.skipped_lines += 1
+            continue
+        for seg in segments_of(key, value.encode("utf-8"), segment_bytes):
+            stats.bytes += len(seg[1])
+            yield seg
+
+
 def _jsonl(path: Path, key: str, text_field: str, segment_bytes: int,
            stats: SourceStats) -> Iterator[tuple[str, bytes]]:
-    with open(path, "rb") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                stats.skipped_lines += 1
-                continue
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                stats.skipped_lines += 1
-                continue
-            for seg in segments_of(f"{key}#{lineno}", text.encode("utf-8"), segment_bytes):
-                stats.bytes += len(seg[1])
-                yield seg
+    def values() -> Iterator[tuple[str, object]]:
+        with open(path, "rb") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                yield f"{key}#{lineno}", record.get(text_field) if isinstance(record, dict) else None
+
+    return _records(values(), segment_bytes, stats)
 
 
 def _parquet(path: Path, key: str, text_field: str, segment_bytes: int,
@@ -106,16 +114,15 @@ def _parquet(path: Path, key: str, text_field: str, segment_bytes: int,
     if text_field not in table.schema_arrow.names:
         raise UserError(f"{path} has no column data.text_field = {text_field!r} (columns: "
                         f"{', '.join(table.schema_arrow.names[:8])}); set data.text_field")
-    row = 0
-    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(value, str):
-                stats.skipped_lines += 1
-                continue
-            for seg in segments_of(f"{key}#{row}", value.encode("utf-8"), segment_bytes):
-                stats.bytes += len(seg[1])
-                yield seg
+
+    def values() -> Iterator[tuple[str, object]]:
+        row = 0
+        for batch in table.iter_batches(columns=[text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield f"{key}#{row}", value
+
+    return _records(values(), segment_bytes, stats)
 
 
 def _hf_dataset(path: Path, text_field: str, segment_bytes: int, stats: SourceStats) -> Iterator[tuple[str, bytes]]:
@@ -130,13 +137,8 @@ def _hf_dataset(path: Path, text_field: str, segment_bytes: int, stats: SourceSt
         if text_field not in part.column_names:
             raise UserError(f"{path}: split {name or '(default)'} has no column data.text_field = {text_field!r}")
         stats.files += 1
-        for row, value in enumerate(part[text_field]):
-            if not isinstance(value, str):
-                stats.skipped_lines += 1
-                continue
-            for seg in segments_of(f"{path.name}/{name}#{row}", value.encode("utf-8"), segment_bytes):
-                stats.bytes += len(seg[1])
-                yield seg
+        yield from _records(((f"{path.name}/{name}#{row}", value) for row, value in enumerate(part[text_field])),
+                            segment_bytes, stats)
 
 
 def is_hf_dataset_dir(path: Path) -> bool:

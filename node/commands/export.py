@@ -25,6 +25,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_args(parser: argparse.ArgumentParser, verb: str) -> None:
+    """The swarm's config, the node's state dir and which of its params: shared by export and generate."""
+    add_config_args(parser)
+    parser.add_argument("--state-dir", required=True, help="state dir of the node (holds checkpoint.json)")
+    parser.add_argument("--live", action="store_true",
+                        help=f"{verb} this node's live params theta instead of the consensus outer params phi")
+
+
 def register_export(sub: Any) -> None:
     """Add the ``export`` subcommand: write the checkpointed model as a transformers directory."""
 
@@ -32,11 +40,8 @@ def register_export(sub: Any) -> None:
         "export", help="export a node's checkpointed model as a transformers directory",
         description="Load the checkpoint in --state-dir and save its model with save_pretrained "
                     "(safetensors) into --out, plus locoswarm.json naming the swarm fingerprint and versions.")
-    add_config_args(parser)
-    parser.add_argument("--state-dir", required=True, help="state dir of the node (holds checkpoint.json)")
+    _checkpoint_args(parser, "export")
     parser.add_argument("--out", required=True, help="directory to write the model into")
-    parser.add_argument("--live", action="store_true",
-                        help="export this node's live params theta instead of the consensus outer params phi")
     parser.set_defaults(func=_cmd_export)
 
 
@@ -70,8 +75,7 @@ def register_generate(sub: Any) -> None:
         "generate", help="sample text from a node's checkpointed model",
         description="Load the checkpoint in --state-dir (the swarm's consensus phi, or --live) and print the "
                     "prompt followed by the model's continuation.")
-    add_config_args(parser)
-    parser.add_argument("--state-dir", required=True, help="state dir of the node (holds checkpoint.json)")
+    _checkpoint_args(parser, "use")
     parser.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=200,
                         help="stop after this many tokens (bytes with the byte tokenizer; default 200)")
@@ -79,6 +83,4 @@ def register_generate(sub: Any) -> None:
     parser.add_argument("--top-k", type=int, default=50,
                         help="sample among the k likeliest tokens; 0 = all (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--live", action="store_true",
-                        help="use this node's live params theta instead of the consensus outer params phi")
     parser.set_defaults(func=_cmd_generate)
