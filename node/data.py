@@ -537,7 +537,10 @@ def eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, n_batches:
         raise UserError(f"the eval split has {len(tokens)} tokens, fewer than inner.seq_len = {seq_len}; "
                         "raise data.eval_fraction, add data or lower inner.seq_len")
     n_windows = batch_size * n_batches
-    starts = torch.linspace(0, len(tokens) - seq_len, n_windows).round().long()
+    # float64: float32 cannot hold positions past 2**24 exactly, and a rounded-up last start would read
+    # past the end of an eval split of more than 16M tokens
+    starts = torch.linspace(0, len(tokens) - seq_len, n_windows, dtype=torch.float64).round().long()
+    starts = starts.clamp(max=len(tokens) - seq_len)
     windows = tokens[starts[:, None] + torch.arange(seq_len)].long()
     return list(windows.split(batch_size))
 

@@ -134,6 +134,19 @@ def test_refusals_are_clear(tmp_path: Path) -> None:
         load_corpus([str(tmp_path / "out")], _cfg(), ByteTokenizer())
 
 
+def test_eval_windows_stay_inside_an_eval_split_past_float32_precision() -> None:
+    class Long:  # a 43.7M-token split: float32 positions round the last window past its end
+        def __len__(self) -> int:
+            return 43_700_791
+
+        def __getitem__(self, index):
+            assert int(index.max()) < len(self), int(index.max())
+            return torch.zeros(index.shape, dtype=torch.int32)
+
+    batches = eval_batches(Long(), 8, 128, 4)
+    assert len(batches) == 4 and batches[0].shape == (8, 128)
+
+
 def test_cli_default_shard_size_is_the_librarys() -> None:
     from node.commands.data import SHARD_TOKENS as CLI_DEFAULT
 
