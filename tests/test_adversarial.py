@@ -65,6 +65,13 @@ class HonestPair:
         self.nodes.append(NodeProc("b", self.root / "b", [*self.args, "--bootstrap", self.boot], self.root / "b.log"))
         for node in self.nodes:
             node.wait_status(lambda s: s.get("syncs_ok", 0) >= 2, 120, "two merged rounds")
+        # Attacks start on a trained pair: right after b joined a barely trained a (a slow first start, e.g.
+        # a fresh clone compiling its modules), b's first evaluations were still above half the untrained
+        # loss, which the attack tests read as damage.
+        untrained = max(n.status()["eval_curve"][0][1] for n in self.nodes)  # a's start: the untrained model
+        for node in self.nodes:
+            node.wait_status(lambda s: len(s.get("eval_curve") or []) >= 2
+                             and s["eval_curve"][-1][1] < 0.4 * untrained, 180, "a trained model")
 
     def ids(self) -> set[str]:
         return {n.status()["peer_id"] for n in self.nodes}

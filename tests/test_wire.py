@@ -329,9 +329,10 @@ def test_a_refused_peers_streams_are_held_before_their_refusal_up_to_a_cap(net, 
     async def one() -> tuple[float, str]:
         reader, writer = await net.raw_stream(server.name)
         t0 = time.monotonic()
-        data = await asyncio.wait_for(reader.read(4096), 10)
+        head = await asyncio.wait_for(reader.readexactly(1 + wire.HEADER_LEN), 10)  # marker, length: whole
+        text = await asyncio.wait_for(reader.readexactly(int.from_bytes(head[1:], "big")), 10)
         writer.close()
-        return time.monotonic() - t0, data[wire.HEADER_LEN + 1:].decode(errors="replace")
+        return time.monotonic() - t0, text.decode(errors="replace")
 
     async def three() -> list[tuple[float, str]]:
         return await asyncio.gather(one(), one(), one())
