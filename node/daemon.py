@@ -37,6 +37,8 @@ from node.core.schedule import ScheduleState
 log = logging.getLogger("locoswarm.node")
 
 PORT_FILE = "listen_port"  # in the state dir: the libp2p port to listen on again after a restart
+# Failed rounds a peer's token claim may carry, at least (its own max_carry is not ours to know).
+MIN_CARRY_ALLOWANCE = 8
 
 
 @dataclass
@@ -452,13 +454,22 @@ class Node:
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
         trains in the same time at its announced throughput (at most 64x ours), times the screening's
-        slack. A peer without a heartbeat gets the slack alone."""
+        slack. A peer without a heartbeat gets the slack alone.
+
+        "The same time" is at least a whole carry: a claim covers the tokens since the peer's last
+        merged round, which after failed rounds is up to ``max_carry + 1`` send intervals of ``h`` steps.
+        Our own weight alone is no measure of that: right after this node joined, caught up or dropped
+        its carry it claims a step or two, and an honest peer's normal claim was then refused as absurd
+        (an offence: a fresh-clone CI run saw an honest joiner banned that way)."""
         slack = self.cfg.robust.weight_factor
+        carry = max(self.cfg.outer.max_carry, MIN_CARRY_ALLOWANCE) + 1
+        whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.cfg.outer.h * carry)
+        base = max(own_weight, whole_carry)
         hb = self.peer_table.get(peer)
         own_rate = float(self.status.get("tokens_per_s", 0.0) or 0.0)
         if hb is None or own_rate <= 0 or not math.isfinite(hb.tokens_per_s):
-            return slack * own_weight
-        return slack * own_weight * min(64.0, max(1.0, hb.tokens_per_s / own_rate))
+            return slack * base
+        return slack * base * min(64.0, max(1.0, hb.tokens_per_s / own_rate))
 
     # ---- heartbeats and status --------------------------------------------------------------------
     def _heartbeat(self, leaving: bool = False):

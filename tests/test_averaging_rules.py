@@ -17,6 +17,7 @@ from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
 from node.swarm.averaging import (
     FLOOD_REFUSALS,
     NO_SHOW_ROUNDS,
+    RELATIVE_REFUSALS,
     NoShows,
     SwarmTransport,
     _Reduction,
@@ -183,6 +184,21 @@ def test_claimed_weight_is_bounded_by_max_weight() -> None:
         res = s.done.result()
         assert res.total_weight <= 100 + 100 + 150 + 1e-6 and not res.refused
     asyncio.run(run())
+
+
+def test_a_norm_far_above_the_groups_is_refused_and_only_every_few_such_refusals_are_an_offence() -> None:
+    async def run() -> tuple:
+        s = _session(["me", "h1", "big"])
+        s.add(_contribution("me", _honest(0)), [])
+        s.add(_contribution("h1", _honest(1)), [])
+        s.add(_contribution("big", _honest(2) * 20), [])  # 20x: an honest joiner's carry can be that far off
+        return s.done.result().refused
+    refused = asyncio.run(run())
+    kind, _, offence, relative = refused["big"]
+    assert (kind, offence, relative) == ("bad_contribution", True, True)
+    stub = SimpleNamespace(_relative_refused=OrderedDict())
+    counted = [SwarmTransport._relative_offence(stub, "big") for _ in range(3 * RELATIVE_REFUSALS)]
+    assert sum(counted) == 3 and not any(counted[:RELATIVE_REFUSALS - 1])  # a few refusals: no ban yet
 
 
 def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not() -> None:

@@ -43,6 +43,8 @@ BASE_DEBIAN = "locoswarm-test-base:bookworm"  # built from Debian's packages whe
 DEBIAN_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOCAL_CA_DIR = Path("/usr/local/share/ca-certificates")  # what update-ca-certificates adds to the bundle
+# Log lines that explain a stuck node (shown before the tail of routine per-round lines on a failure).
+NOTABLE = re.compile(r"WARN|ERROR|Traceback|banned|refused|joined|resumed|caught_up|catch_up_loop|adopt")
 CONTEXT_FILES = ["pyproject.toml", "README.md", "node", "protocol", "docker"]
 
 
@@ -328,10 +330,17 @@ class DockerSwarm:
         return self.engine.docker("inspect", "-f", fmt, container, timeout=30).stdout.strip()
 
     def logs(self, containers: list[str], n: int = 25) -> str:
+        """Each container's last ``n`` lines, after its notable ones (bans, refusals, joins, warnings:
+        what explains a stuck node, which the routine per-round lines of the tail bury)."""
         out = []
         for c in containers:
-            r = self.engine.docker("logs", "--tail", str(n), c, timeout=30, check=False)
-            out.append(f"--- {c}\n{tail(r.stdout + r.stderr, n)}")
+            r = self.engine.docker("logs", c, timeout=30, check=False)
+            lines = (r.stdout + r.stderr).splitlines()
+            notable = [ln for ln in lines if NOTABLE.search(ln)]
+            if len(notable) > 24:
+                notable = [*notable[:12], f"[... {len(notable) - 24} more ...]", *notable[-12:]]
+            out.append(f"--- {c} (notable lines)\n" + "\n".join(notable) + f"\n--- {c} (last lines)\n"
+                       + "\n".join(lines[-n:]))
         return "\n".join(out)
 
     def wait(self, what: str, containers: list[str], predicate: Callable[[dict], bool], timeout: float) -> list[dict]:

@@ -73,6 +73,17 @@ def test_a_senders_own_cap_clamps_its_weight() -> None:
     assert sc.weights == [100.0, 100.0, 150.0]
 
 
+def test_a_claim_far_above_a_young_reference_is_clamped_not_refused_within_the_senders_bound() -> None:
+    # The reducer just joined and claims 2 tokens; the honest peer claims a whole round of 4000. Its bound
+    # (from its throughput over a whole carry) allows that: clamped to the pair's cap, no offence.
+    sc = screen([stats("me", 2.0, [1.0]), stats("peer", 4000.0, [1.0], max_weight=50_000.0)], S, trusted=0)
+    assert sc.accepted == [0, 1] and not sc.refusals
+    assert sc.weights == [2.0, S.weight_factor * 2.0]
+    # Past WEIGHT_ABSURD times its own bound it is refused, whatever the reference.
+    sc = screen([stats("me", 1e6, [1.0]), stats("peer", 101 * 50_000.0, [1.0], max_weight=50_000.0)], S, trusted=0)
+    assert [(r.sender, r.kind) for r in sc.refusals] == [("peer", "bad_weight")]
+
+
 def test_norm_just_below_the_reject_factor_is_accepted_just_above_refused() -> None:
     ok = screen([stats("a", 1, [1.0]), stats("b", 1, [1.0]), stats("x", 1, [S.reject_factor * 0.99])], S)
     bad = screen([stats("a", 1, [1.0]), stats("b", 1, [1.0]), stats("x", 1, [S.reject_factor * 1.01])], S)
@@ -222,3 +233,32 @@ def test_reduce_group_reports_the_weight_each_member_entered_with() -> None:
     assert entered == [10.0, 10.0, 10.0, 0.0]
     avg = decode_chunks(codec, reduced, 50_000)
     assert_close(avg, sum(xs) / 3, atol=1e-5, rtol=1e-5)
+
+
+def test_the_node_bounds_a_peers_claim_by_a_whole_carry_not_by_its_own_young_claim(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from node.config import config_from_dict
+    from node.daemon import MIN_CARRY_ALLOWANCE, Node, NodeOptions
+
+    cfg = config_from_dict({"inner": {"batch_size": 4, "seq_len": 32}, "outer": {"h": 10, "max_carry": 4}})
+    node = Node(cfg, NodeOptions(state_dir=tmp_path))
+    node.status["tokens_per_s"] = 1000.0
+    whole_carry = 4 * 32 * 10 * (max(4, MIN_CARRY_ALLOWANCE) + 1)
+    slack = cfg.robust.weight_factor
+    # No heartbeat yet: the slack over a whole carry, however little this node claims itself.
+    assert node._max_weight("peer", 2.0) == slack * whole_carry
+    # A peer twice as fast may claim twice as much; one slower is not held below our own bound.
+    node.peer_table["fast"] = SimpleNamespace(tokens_per_s=2000.0)
+    node.peer_table["slow"] = SimpleNamespace(tokens_per_s=10.0)
+    assert node._max_weight("fast", 2.0) == 2 * slack * whole_carry
+    assert node._max_weight("slow", 2.0) == slack * whole_carry
+    # Our own claim above a whole carry (many failed rounds) raises the bound with it.
+    assert node._max_weight("peer", 10 * whole_carry) == slack * 10 * whole_carry
+    # A claim of a normal round against our young one passes screening (clamped), a 1e30 one does not.
+    round_tokens = 4 * 32 * 10
+    ok = screen([stats("me", 2.0, [1.0]), stats("peer", round_tokens, [1.0], max_weight=node._max_weight("peer", 2.0))],
+                S, trusted=0)
+    bad = screen([stats("me", 2.0, [1.0]), stats("peer", 1e30, [1.0], max_weight=node._max_weight("peer", 2.0))],
+                 S, trusted=0)
+    assert not ok.refusals and [r.kind for r in bad.refusals] == ["bad_weight"]

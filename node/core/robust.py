@@ -10,9 +10,9 @@ lower one for an even count) of the members' values, or, in a pair, the reducer'
 cannot outvote a liar, but the reducer trusts itself):
 
 - values: all finite, else refused;
-- token weight: finite and > 0, else refused; above ``WEIGHT_ABSURD`` times its cap, refused; else
-  clamped to the cap = ``weight_factor * ref weight`` (and to the sender's own cap, e.g. what its
-  heartbeat throughput allows in one round);
+- token weight: finite and > 0, else refused; above ``WEIGHT_ABSURD`` times the sender's own bound
+  (what its heartbeat throughput allows over a whole carry; the cap below when it has none), refused;
+  else clamped to the cap = ``weight_factor * ref weight`` and the sender's own bound;
 - norm of the whole part (of its deviation from ``center``, for rounds that average phi itself):
   above ``reject_factor * ref norm``, refused.
 
@@ -133,9 +133,13 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     for i in live:
         s = stats[i]
         cap = min(settings.weight_factor * ref_weight, s.max_weight) if ref_weight > 0 else s.max_weight
-        if i != trusted and math.isfinite(cap) and s.weight > WEIGHT_ABSURD * cap:
+        # Refused (an offence) only past the sender's own bound when there is one: the group's reference
+        # can be an honest member's claim of a step or two (it just joined or caught up), and a normal
+        # claim of a whole round is then far above it. Clamping to ``cap`` protects the average anyway.
+        bound = s.max_weight if math.isfinite(s.max_weight) else cap
+        if i != trusted and math.isfinite(bound) and s.weight > WEIGHT_ABSURD * bound:
             refusals.append(Refusal(s.sender, "bad_weight", f"token weight {s.weight:.3g} is more than "
-                                                            f"{WEIGHT_ABSURD:g}x its cap {cap:.3g}"))
+                                                            f"{WEIGHT_ABSURD:g}x its bound {bound:.3g}"))
             continue
         weights[i] = min(s.weight, cap) if math.isfinite(cap) else s.weight
         if weights[i] < s.weight:

@@ -67,7 +67,8 @@ MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
 MAX_HEADER_BYTES = 64 * 1024
 FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
-MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
+MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams (or norm refusals) are counted at once
+RELATIVE_REFUSALS = 4        # contributions refused for their norm relative to the group's per offence
 # A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
 # several times larger (a member that just caught up made little progress of its own, its partners a
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
@@ -195,7 +196,9 @@ class _Reduced:
     chunks: dict[int, bytes]
     total_weight: float
     extras: list[float]
-    refused: dict[str, tuple[str, str, bool]]   # sender -> (kind, detail, offence): why it was dropped
+    # sender -> (kind, detail, offence, relative): why it was dropped, whether that counts toward a ban,
+    # and whether it was judged against the group (a norm far above the others') rather than absolutely
+    refused: dict[str, tuple[str, str, bool, bool]]
 
 
 class _Reduction:
@@ -298,7 +301,8 @@ class _Reduction:
                 extras[k] += x
         # In a pair the reference is this node's own contribution: a partner far larger may be honest
         # (this node may have made little progress), so a relative refusal there is not an offence.
-        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2)) for r in screening.refusals}
+        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2), r.relative)
+                   for r in screening.refusals}
         return _Reduced(reduced, total, extras, refused)
 
     def fail(self, error: str) -> None:
@@ -408,6 +412,7 @@ class SwarmTransport(Transport):
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
         self._stream_timeout = matchmaking_timeout + round_timeout + 5.0
         self._over_cap: OrderedDict[str, int] = OrderedDict()  # peer -> streams refused over its own cap
+        self._relative_refused: OrderedDict[str, int] = OrderedDict()  # peer -> contributions refused by norm
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
@@ -442,6 +447,19 @@ class SwarmTransport(Transport):
                 self._over_cap.popitem(last=False)
             offence = count % FLOOD_REFUSALS == 0
         self._offence(peer, "streams", why, offence=offence)
+
+    def _relative_offence(self, peer: str) -> bool:
+        """A contribution refused for a norm far above the group's: every ``RELATIVE_REFUSALS``-th of a
+        peer is an offence. An honest member can be that far off for a few rounds (a joiner carrying the
+        progress of its first failed rounds on a fresh inner optimizer, one that just caught up): a CI
+        run saw such a joiner banned by both its peers and kept out of every round. A hostile one is
+        refused every round, so it is still banned within ``RELATIVE_REFUSALS * ban_threshold`` rounds;
+        and it harms nobody meanwhile (refused, i.e. dropped from the average)."""
+        count = self._relative_refused.pop(peer, 0) + 1
+        self._relative_refused[peer] = count
+        while len(self._relative_refused) > MAX_TRACKED_FLOODERS:
+            self._relative_refused.popitem(last=False)
+        return count % RELATIVE_REFUSALS == 0
 
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
@@ -841,7 +859,9 @@ class SwarmTransport(Transport):
         except Exception as exc:
             raise WireError(f"round failed at reducer: {exc or type(exc).__name__}") from None
         if remote in result.refused:
-            kind, detail, offence = result.refused[remote]
+            kind, detail, offence, relative = result.refused[remote]
+            if offence and relative:
+                offence = self._relative_offence(remote)
             self._offence(remote, kind, detail, offence=offence)
             raise WireError(f"contribution refused: {detail}")
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
