@@ -16,6 +16,7 @@ from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
 from node.swarm.averaging import (
     FLOOD_REFUSALS,
+    MatchView,
     NO_SHOW_ROUNDS,
     RELATIVE_REFUSALS,
     NoShows,
@@ -82,6 +83,15 @@ def test_a_live_peer_that_keeps_missing_rounds_is_no_longer_waited_for() -> None
     assert shows.skipped() == {"Qmb"}
     shows.record(set(), {"Qma"}, {"Qma", "Qmb"})  # a round that waited for nobody (all skipped or banned)
     assert shows.skipped() == {"Qmb"}
+
+
+def test_a_match_view_explains_which_members_another_view_may_have_had() -> None:
+    view = MatchView(["QmAAAAAAa", "QmBBBBBBb"], {"QmAAAAAAa", "QmBBBBBBb", "QmCCCCCCc", "QmDDDDDDd"},
+                     first=100.0, window_end=103.0, decided=101.5, cut="grace")
+    line = view.explain({"QmAAAAAAa": 100.0, "QmBBBBBBb": 100.4, "QmCCCCCCc": 101.0, "QmEEEEEEe": 104.0})
+    assert "formed [AAAAAa BBBBBb] (grace, 1.50 s after the first arrival)" in line
+    assert "arrived late [EEEEEe]" in line and "in time but unseen then [CCCCCc]" in line
+    assert "never [DDDDDd]" in line
 
 
 def test_plausible_version_needs_a_second_claimant() -> None:

@@ -77,6 +77,30 @@ REDUCED_RATIO = 1000.0
 
 
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
+MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
+
+
+@dataclass
+class MatchView:
+    """How this node formed a round's member list (kept to explain a group mismatch afterwards)."""
+
+    members: list[str]
+    expected: set[str]
+    first: float           # the first arrival (DHT time): the window opened then
+    window_end: float      # entries that arrived after this are not members
+    decided: float         # DHT time at which this node stopped waiting
+    cut: str               # why it stopped: "all expected", "grace" or "window"
+
+    def explain(self, entries: Mapping[str, float]) -> str:
+        """One line: this view next to ``entries`` (peer -> arrival) the round's key holds now."""
+        def ids(peers: Iterable[str]) -> str:
+            return "[" + " ".join(sorted(p[-6:] for p in peers)) + "]"
+        late = [p for p, a in entries.items() if p not in self.members and a > self.window_end]
+        unseen = [p for p, a in entries.items() if p not in self.members and a <= self.window_end]
+        missing = self.expected - set(entries)
+        return (f"formed {ids(self.members)} ({self.cut}, {self.decided - self.first:.2f} s after the first "
+                f"arrival); since then arrived late {ids(late)}, in time but unseen then {ids(unseen)}, "
+                f"never {ids(missing)}")
 
 
 class NoShows:
@@ -407,6 +431,7 @@ class SwarmTransport(Transport):
         self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.no_shows = NoShows()
+        self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
@@ -531,6 +556,8 @@ class SwarmTransport(Transport):
                                  total_weight=req.weight * len(group), max_version=max_version)
         result = await self._exchange(req, group)
         result.max_version = max_version
+        if not result.ok and "group mismatch" in (result.error or ""):
+            await self._explain_mismatch(req)
         if result.ok:
             known = self.recent.get(req.fragment, (-1, []))[0]
             if max_version + 1 >= known:
@@ -589,6 +616,18 @@ class SwarmTransport(Transport):
                 entries[peer] = entry
         return entries
 
+    async def _explain_mismatch(self, req: AverageRequest) -> None:
+        """Log how this node's member list for a failed round differs from what the round's key holds now
+        (members' views differ: the dominant failure of rounds on slow links, see issue 10)."""
+        view = self._views.get((req.fragment, req.round))
+        if view is None:
+            return
+        with contextlib.suppress(Exception):
+            key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
+            entries = await asyncio.wait_for(self._read_entries(key), 5.0)
+            log.info("group mismatch: fragment %d round %d: %s", req.fragment, req.round,
+                     view.explain({p: e.arrival for p, e in entries.items()}))
+
     async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int], dict[str, list[str]]] | None:
         from hivemind.utils import get_dht_time
 
@@ -612,9 +651,11 @@ class SwarmTransport(Transport):
             window_end = first + self.matchmaking_timeout
             now = get_dht_time()
             if set(entries) >= expected or now >= window_end:
+                cut = "all expected" if set(entries) >= expected else "window"
                 break
             if set(entries) >= core and now >= first + grace:
                 window_end = now  # stragglers are not waited for beyond the grace
+                cut = "grace"
                 break
             await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
         if not set(entries) >= expected:
@@ -625,6 +666,9 @@ class SwarmTransport(Transport):
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
         members = sorted(p for p, e in entries.items() if e.arrival <= window_end)
+        self._views[(req.fragment, req.round)] = MatchView(members, expected, first, window_end, now, cut)
+        while len(self._views) > MAX_VIEWS:
+            self._views.popitem(last=False)
         if self.peer_id not in members:
             return None
         self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
