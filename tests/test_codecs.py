@@ -362,3 +362,84 @@ def test_cuda_round_trip(name: str) -> None:
     acc = torch.zeros(4097, device="cuda")
     codec.decode_accumulate(data, 4097, acc)
     assert torch.equal(acc.cpu(), y)
+
+
+# ---- piecewise coding of large CPU tensors (``CPU_PIECE``) is byte-identical to the whole-tensor spec ----
+
+def _spec_block_encode(x: torch.Tensor, name: str, block_size: int) -> bytes:
+    """The formats of the module docstring, computed whole and naively (the reference)."""
+    n = x.numel()
+    blocks = torch.cat([x, x.new_zeros((-n) % block_size)]).view(-1, block_size)
+    scales = blocks.abs().amax(1)
+    unit = (blocks / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)).view(-1)[:n]
+    if name == "int8":
+        codes = (unit * 127).round().clamp(-127, 127).to(torch.int8).numpy().tobytes()
+    else:
+        k = torch.zeros(n, dtype=torch.uint8)
+        for threshold in (2.0**-7, *(1.5 * 2.0**j for j in range(-6, 0))):
+            k += (unit.abs() >= threshold).to(torch.uint8)
+        k |= ((unit < 0) & (k > 0)).to(torch.uint8) << 3
+        if n % 2:
+            k = torch.cat([k, k.new_zeros(1)])
+        codes = (k[0::2] | (k[1::2] << 4)).numpy().tobytes()
+    return scales.numpy().astype("<f4").tobytes() + codes
+
+
+def _spec_block_decode(data: bytes, n: int, name: str, block_size: int) -> torch.Tensor:
+    nblocks = -(-n // block_size)
+    scales = torch.from_numpy(np.frombuffer(data, "<f4", nblocks).copy()).repeat_interleave(block_size)[:n]
+    raw = np.frombuffer(data, np.uint8, offset=4 * nblocks)
+    if name == "int8":
+        unit = torch.from_numpy(raw.view(np.int8).astype(np.float32)) / 127
+    else:
+        nibbles = np.stack([raw & 0xF, raw >> 4], 1).reshape(-1)[:n]
+        k = torch.from_numpy((nibbles & 7).astype(np.float32))
+        unit = torch.where(k > 0, 2.0 ** (k - 7), 0.0) * torch.from_numpy(np.where(nibbles & 8, -1.0, 1.0)).float()
+    return unit * scales
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+@pytest.mark.parametrize("block_size", [64, 3])
+def test_large_tensors_are_coded_in_pieces_exactly_as_the_format_says(name: str, block_size: int) -> None:
+    from node.core.codecs import CPU_PIECE
+
+    n = 2 * CPU_PIECE + 37  # three pieces, an odd count, a partial last block
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)  # blocks of very different scales
+    x[1000:1064] = 0.0   # an all-zero block
+    th = torch.tensor([2.0**-7, *(1.5 * 2.0**j for j in range(-6, 0))])
+    x[5000:5000 + 2 * th.numel()] = torch.cat([th, -torch.nextafter(th, torch.zeros_like(th))])  # exact thresholds
+    codec = get_codec(name, block_size)
+    data = codec.encode(x)
+    assert data == _spec_block_encode(x, name, block_size)
+    assert torch.equal(codec.decode(data, n), _spec_block_decode(data, n, name, block_size))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_large_tensors_in_pieces_match_plain_casts(name: str) -> None:
+    from node.core.codecs import CPU_PIECE
+
+    n = 2 * CPU_PIECE + 5
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    x[7] = 3.0e38  # finite, rounds to bf16 inf: clamped to bf16's max, in whichever piece it falls
+    codec = get_codec(name)
+    data = codec.encode(x)
+    if name == "fp32":
+        assert data == x.numpy().astype("<f4").tobytes()
+    else:
+        expected = x.clamp(-torch.finfo(torch.bfloat16).max, torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
+        assert data == expected.view(torch.int16).numpy().astype("<i2").tobytes()
+    assert bool(torch.isfinite(codec.decode(data, n)).all())
+
+
+def test_a_non_finite_value_in_a_late_piece_is_refused() -> None:
+    from node.core.codecs import CPU_PIECE
+
+    for name in CODECS:
+        x = torch.randn(3 * CPU_PIECE)
+        x[-3] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            get_codec(name).encode(x)
+        x[-3] = 3.0e38  # finite values whose sum overflows are not refused
+        x[-4] = 3.0e38
+        get_codec(name).encode(x)

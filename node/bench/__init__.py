@@ -6,12 +6,13 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.bench import convergence, robustness
+    from node.bench import codecs, convergence, robustness
     from node.bench import swarm as swarm_bench
 
     p = sub.add_parser("bench", help="benchmarks that write a report (JSON + markdown + PNG)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
                                  parser_class=type(p))
+    codecs.register(bench_sub)
     convergence.register(bench_sub)
     robustness.register(bench_sub)
     swarm_bench.register(bench_sub)
