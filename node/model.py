@@ -13,11 +13,15 @@ preset   llama        gpt2         shape (layers / d_model / heads / d_ff)
 tiny      1,115,520      957,312   4 / 128 / 4 / 512
 small    25,961,984   25,875,968   8 / 512 / 8 / 1408 (llama), 2048 (gpt2)
 125m    127,825,152  128,567,040   18 / 768 / 12 / 2048 (llama), 3072 (gpt2)
+350m    360,246,272  354,008,064   28 / 1024 / 16 / 2816 (llama), 4096 (gpt2)
+1b    1,028,741,120 1,009,793,024  20 / 2048 / 16 / 5632 (llama), 8192 (gpt2)
 =======  ===========  ===========  =======================================
 
 "125m" has 18 blocks rather than GPT-2 small's 12: with a 257-token vocabulary the embeddings are
 almost free (0.2M instead of 38.6M), so the missing ~40M parameters have to come from depth. 18 blocks
-also divide evenly into 1, 2, 3, 6, 9 or 18 fragments.
+also divide evenly into 1, 2, 3, 6, 9 or 18 fragments. "350m" is GPT-2 medium's width with 28 blocks
+(1, 2, 4, 7, 14 or 28 fragments); "1b" is 20 blocks of width 2048 (head size 128; 1, 2, 4, 5, 10 or 20
+fragments). ``locoswarm plan --preset P --gpu G`` estimates each preset's memory and step time.
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ PRESETS: dict[str, Shape] = {
     "tiny": Shape(n_layers=4, d_model=128, n_heads=4, d_ff_llama=512, d_ff_gpt2=512),
     "small": Shape(n_layers=8, d_model=512, n_heads=8, d_ff_llama=1408, d_ff_gpt2=2048),
     "125m": Shape(n_layers=18, d_model=768, n_heads=12, d_ff_llama=2048, d_ff_gpt2=3072),
+    "350m": Shape(n_layers=28, d_model=1024, n_heads=16, d_ff_llama=2816, d_ff_gpt2=4096),
+    "1b": Shape(n_layers=20, d_model=2048, n_heads=16, d_ff_llama=5632, d_ff_gpt2=8192),
 }
 ARCHS = ("llama", "gpt2")
 # Target sizes of the presets, used by tests and docs.
-PRESET_TARGETS: dict[str, int] = {"tiny": 1_000_000, "small": 25_000_000, "125m": 125_000_000}
+PRESET_TARGETS: dict[str, int] = {"tiny": 1_000_000, "small": 25_000_000, "125m": 125_000_000,
+                                  "350m": 350_000_000, "1b": 1_000_000_000}
 
 
 def resolved_shape(cfg: ModelSection) -> tuple[int, int, int, int]:

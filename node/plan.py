@@ -477,10 +477,50 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from node.sizing import DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP
+
+    return {"arch": getattr(args, "arch", "llama") or "llama",
+            "tokens_per_step": int(parse_count(str(getattr(args, "tokens_per_step", None)
+                                                   or DEFAULT_TOKENS_PER_STEP), "--tokens-per-step")),
+            "seq_len": _parse_int(str(getattr(args, "seq_len", None) or 1024), "--seq-len", 8, 131072),
+            "mfu": parse_fraction(str(getattr(args, "mfu", None) or DEFAULT_MFU), "--mfu")}
+
+
+def _model_inputs(args: argparse.Namespace) -> tuple[float, float, dict[str, Any] | None]:
+    """(params, step time, sizing) from --params/--step-time, or from --preset and --gpu (estimated)."""
+    from node.model import PRESETS
+    from node.sizing import estimate
+
+    preset, gpu = getattr(args, "preset", None), getattr(args, "gpu", None)
+    if preset is not None and preset not in PRESETS:
+        raise UserError(f"--preset {preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    if gpu is not None and preset is None and args.params is None:
+        raise UserError("--gpu needs --preset (the model whose step time it estimates); add e.g. --preset 125m")
+    sizing = None
+    if preset is not None and gpu is not None:
+        est = estimate(preset, gpu, **_sizing_kwargs(args))
+        sizing = {**asdict(est), "total_gib": est.total_gib, "fits": est.fits()}
+    if args.params is not None:
+        params = parse_count(args.params, "--params")
+    elif preset is not None:
+        params = float(sizing["params"]) if sizing else float(estimate(preset, "h100", **_sizing_kwargs(args)).params)
+    else:
+        raise UserError("the model size is missing; give --params N (e.g. --params 125M) or --preset P")
+    if args.step_time is not None:
+        step_time = parse_seconds(args.step_time, "--step-time")
+    elif sizing is not None:
+        step_time = sizing["step_time_s"]
+    else:
+        raise UserError("the step time is missing; give --step-time S (e.g. --step-time 0.5) or --preset P --gpu G")
+    return params, step_time, sizing
+
+
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Parse the ``plan`` flags and compute the rows and the recommendation (JSON-ready dict)."""
-    params = parse_count(args.params, "--params")
-    step_time = parse_seconds(args.step_time, "--step-time")
+    params, step_time, sizing = _model_inputs(args)
+    if args.bandwidth is None:
+        raise UserError("--bandwidth is missing; give the per-worker link rate, e.g. --bandwidth 100Mbit/s")
     bandwidth = parse_rate(args.bandwidth, "--bandwidth")
     latency = parse_seconds(args.latency, "--latency", allow_zero=True)
     workers = _parse_int(args.workers, "--workers", 2, 100_000)
@@ -506,6 +546,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "methods": [{**asdict(r), "required_bandwidth": _finite(r.required_bandwidth),
                      "peak_bandwidth": _finite(r.peak_bandwidth)} for r in rows],
         "recommendation": {**asdict(rec), "required_bandwidth": _finite(rec.required_bandwidth)},
+        "sizing": sizing,
     }
 
 
@@ -572,7 +613,51 @@ def _print_plan(plan: dict[str, Any]) -> None:
                       f"found {setting}: {rec['utilization']:.1%} utilization ({at})")
 
 
+def build_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """Every preset on every GPU class (``--sizes``; ``--preset``/``--gpu`` narrow it)."""
+    from node.model import PRESETS
+    from node.sizing import GPUS, gpu_class, sizes_table
+
+    presets = [args.preset] if getattr(args, "preset", None) else list(PRESETS)
+    if presets[0] not in PRESETS:
+        raise UserError(f"--preset {presets[0]!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    gpus = [gpu_class(args.gpu).name] if getattr(args, "gpu", None) else list(GPUS)
+    kw = _sizing_kwargs(args)
+    rows = [{**asdict(r), "total_gib": r.total_gib, "fits": r.fits()} for r in sizes_table(presets, gpus, **kw)]
+    return {"inputs": kw, "rows": rows}
+
+
+def _print_sizes(sizes: dict[str, Any]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from node.sizing import GPUS
+
+    kw = sizes["inputs"]
+    console = Console(highlight=False)
+    console.print(f"estimates ({kw['arch']}, {kw['tokens_per_step']:,} tokens per step in sequences of "
+                  f"{kw['seq_len']}, MFU {kw['mfu']:g}; not measured, see node/sizing.py)")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
+    for name in ("preset", "params", "gpu", "step s", "GiB", "outer", "activ.", "fits"):
+        table.add_column(name, justify="left" if name in ("preset", "gpu") else "right", no_wrap=True)
+    for r in sizes["rows"]:
+        table.add_row(r["preset"], _short_count(r["params"]), f"{r['gpu']} ({GPUS[r['gpu']].memory_gib:g}G)",
+                      f"{r['step_time_s']:.3g}", f"{r['total_gib']:.1f}", f"{r['outer_gib']:.1f}",
+                      f"{r['activations_gib']:.1f}", "yes" if r["fits"] else "no")
+    console.print("GiB: the training device's memory (weights, grads, AdamW, outer state, activations); outer: "
+                  "phi, momentum and residual, on the device today")
+    console.print(table)
+
+
 def _handler(args: argparse.Namespace) -> int:
+    if args.sizes:
+        sizes = build_sizes(args)
+        if args.json:
+            print(json.dumps(sizes, indent=2, allow_nan=False))
+        else:
+            _print_sizes(sizes)
+        return 0
     plan = build_plan(args)
     if args.json:
         print(json.dumps(plan, indent=2, allow_nan=False))
@@ -588,12 +673,24 @@ def register(sub: Any) -> None:
         description="Analytical compute-utilization planner (Streaming DiLoCo Table 4 model): per "
                     "method, bytes per sync, bandwidth needed and utilization on a link, and a "
                     "recommended (H, F, tau, codec). Model and assumptions: see node/plan.py.")
-    parser.add_argument("--params", required=True, metavar="N",
-                        help="parameter count: 125e6, 150M, 25m, 1B, 1.3b")
-    parser.add_argument("--step-time", required=True, metavar="S",
-                        help="seconds per inner step: 0.5, 500ms")
-    parser.add_argument("--bandwidth", required=True, metavar="RATE",
+    parser.add_argument("--params", metavar="N",
+                        help="parameter count: 125e6, 150M, 25m, 1B, 1.3b (or --preset)")
+    parser.add_argument("--step-time", metavar="S",
+                        help="seconds per inner step: 0.5, 500ms (or --preset with --gpu: estimated)")
+    parser.add_argument("--bandwidth", metavar="RATE",
                         help="per-worker link rate: 1Gbit/s, 100Mbps, 10MB/s (bytes), 1e9 (bit/s)")
+    parser.add_argument("--preset", metavar="P", help="a model preset (tiny, small, 125m, 350m, 1b): its "
+                        "parameter count, and with --gpu its estimated step time and memory")
+    parser.add_argument("--gpu", metavar="G", help="a GPU class (t4, l4, rtx4090, a100-40g, a100-80g, h100, h200) "
+                        "whose datasheet throughput estimates the step time")
+    parser.add_argument("--arch", default="llama", choices=("llama", "gpt2"), help="architecture of --preset")
+    parser.add_argument("--tokens-per-step", metavar="T", help="tokens per inner step for the estimates "
+                        "(default 32768)")
+    parser.add_argument("--seq-len", metavar="L", help="sequence length for the estimates (default 1024)")
+    parser.add_argument("--mfu", metavar="U", help="model flops utilization assumed (default 0.35)")
+    parser.add_argument("--sizes", action="store_true",
+                        help="print the expected step time and memory of every preset on every GPU class "
+                             "(--preset/--gpu narrow it) and exit")
     parser.add_argument("--latency", default="0", metavar="L", help="one-way latency: 50ms, 0.05 (default 0)")
     parser.add_argument("--workers", default=str(DEFAULT_WORKERS), metavar="M",
                         help=f"workers averaged per sync, n (default {DEFAULT_WORKERS})")

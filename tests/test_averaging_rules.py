@@ -16,9 +16,9 @@ from node.core.codecs import get_codec
 from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
 from node.swarm.averaging import (
     FLOOD_REFUSALS,
-    MatchView,
     NO_SHOW_ROUNDS,
     RELATIVE_REFUSALS,
+    MatchView,
     NoShows,
     SwarmTransport,
     _Reduction,

@@ -373,3 +373,40 @@ def test_cli_bad_flags(flag: str, value: str) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"locoswarm: error: {flag}"), result.stderr
+
+
+# ---- sizes per preset and GPU class (node/sizing.py) ------------------------------------------------
+
+def test_size_estimates_follow_the_stated_model() -> None:
+    from node.sizing import GIB, GPUS, estimate
+
+    e = estimate("1b", "h100", tokens_per_step=8192, seq_len=1024, mfu=0.5)
+    n = e.params
+    assert 0.9e9 < n < 1.1e9
+    assert e.weights_gib == pytest.approx(4 * n / GIB) and e.optimizer_gib == pytest.approx(8 * n / GIB)
+    assert e.outer_gib == pytest.approx(12 * n / GIB)
+    flops = 8192 * (6 * n + 6 * 20 * 2048 * 1024)
+    assert e.step_time_s == pytest.approx(flops / (GPUS["h100"].peak_tflops * 1e12 * 0.5))
+    # half the utilization, twice the time; twice the tokens, twice the activations
+    assert estimate("1b", "h100", tokens_per_step=8192, mfu=0.25).step_time_s == pytest.approx(2 * e.step_time_s)
+    big = estimate("1b", "h100", tokens_per_step=16384, mfu=0.5)
+    assert big.activations_gib == pytest.approx(2 * e.activations_gib, rel=1e-3)
+    assert not estimate("1b", "t4", tokens_per_step=8192).fits() and estimate("tiny", "t4").fits()
+    assert estimate("1b", "h100", outer_on_device=False).outer_gib == 0.0
+
+
+def test_plan_takes_a_preset_and_gpu_instead_of_params_and_step_time() -> None:
+    r = _run(["plan", "--preset", "350m", "--gpu", "a100-80g", "--bandwidth", "1Gbit/s", "--json"])
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["inputs"]["params"] == plan["sizing"]["params"] and 3e8 < plan["inputs"]["params"] < 4e8
+    assert plan["inputs"]["step_time_s"] == pytest.approx(plan["sizing"]["step_time_s"])
+    r = _run(["plan", "--sizes", "--json"])
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert {row["preset"] for row in rows} == {"tiny", "small", "125m", "350m", "1b"}
+    for args, word in ((["--sizes", "--gpu", "v100"], "v100"), (["--preset", "2b", "--gpu", "h100"], "2b"),
+                       (["--gpu", "h100", "--bandwidth", "1Gbit/s"], "--preset"),
+                       (["--preset", "1b", "--bandwidth", "1Gbit/s"], "--step-time")):
+        r = _run(["plan", *args])
+        assert r.returncode != 0 and word in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
