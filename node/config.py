@@ -114,6 +114,10 @@ class OuterSection:
                                         "peers' outer params cannot drift apart under gossip (0 = never)")
     sends_per_h: int = setting(0, shared=True, min=0,
                                help="adaptive schedule: fragment sends per h steps (0 = fragments)")
+    offload: str = setting("auto", shared=False, choices=("auto", "off", "cpu"),
+                           help="where phi, momentum and the residual live: cpu (pinned host memory; "
+                                "frees 3 fp32 model copies on a GPU), off (the training device), auto (cpu "
+                                "when training on CUDA)")
     max_carry: int = setting(4, shared=False, min=0, max=100000,
                              help="consecutive failed rounds of a fragment after which the local progress it "
                                   "carries is dropped (theta <- phi): stale progress grows until peers refuse "

@@ -33,6 +33,7 @@ import torch
 
 from node.config import SwarmConfig, fingerprint
 from node.core.schedule import ScheduleState
+from node.core.state import outer_state_device
 
 log = logging.getLogger("locoswarm.node")
 
@@ -230,7 +231,8 @@ class Node:
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
-                               wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5)
+                               wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5,
+                               state_device=outer_state_device(cfg.outer.offload, self.device))
         self.state_server = StateServer(
             self.runtime, self.fingerprint, self.published.get, self.counters,
             is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,

@@ -616,14 +616,18 @@ def _print_plan(plan: dict[str, Any]) -> None:
 def build_sizes(args: argparse.Namespace) -> dict[str, Any]:
     """Every preset on every GPU class (``--sizes``; ``--preset``/``--gpu`` narrow it)."""
     from node.model import PRESETS
-    from node.sizing import GPUS, gpu_class, sizes_table
+    from node.sizing import GPUS, estimate, gpu_class, sizes_table
 
     presets = [args.preset] if getattr(args, "preset", None) else list(PRESETS)
     if presets[0] not in PRESETS:
         raise UserError(f"--preset {presets[0]!r} is not a preset; choose one of {', '.join(PRESETS)}")
     gpus = [gpu_class(args.gpu).name] if getattr(args, "gpu", None) else list(GPUS)
     kw = _sizing_kwargs(args)
-    rows = [{**asdict(r), "total_gib": r.total_gib, "fits": r.fits()} for r in sizes_table(presets, gpus, **kw)]
+    rows = []
+    for r in sizes_table(presets, gpus, **kw):
+        on = estimate(r.preset, r.gpu, outer_on_device=True, **kw)
+        rows.append({**asdict(r), "total_gib": r.total_gib, "fits": r.fits(), "outer_on_device_gib": on.outer_gib,
+                     "total_gib_offload_off": on.total_gib, "fits_offload_off": on.fits()})
     return {"inputs": kw, "rows": rows}
 
 
@@ -639,14 +643,15 @@ def _print_sizes(sizes: dict[str, Any]) -> None:
     console.print(f"estimates ({kw['arch']}, {kw['tokens_per_step']:,} tokens per step in sequences of "
                   f"{kw['seq_len']}, MFU {kw['mfu']:g}; not measured, see node/sizing.py)")
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
-    for name in ("preset", "params", "gpu", "step s", "GiB", "outer", "activ.", "fits"):
+    for name in ("preset", "params", "gpu", "step s", "GiB", "fits", "off: GiB", "fits"):
         table.add_column(name, justify="left" if name in ("preset", "gpu") else "right", no_wrap=True)
     for r in sizes["rows"]:
         table.add_row(r["preset"], _short_count(r["params"]), f"{r['gpu']} ({GPUS[r['gpu']].memory_gib:g}G)",
-                      f"{r['step_time_s']:.3g}", f"{r['total_gib']:.1f}", f"{r['outer_gib']:.1f}",
-                      f"{r['activations_gib']:.1f}", "yes" if r["fits"] else "no")
-    console.print("GiB: the training device's memory (weights, grads, AdamW, outer state, activations); outer: "
-                  "phi, momentum and residual, on the device today")
+                      f"{r['step_time_s']:.3g}", f"{r['total_gib']:.1f}", "yes" if r["fits"] else "no",
+                      f"{r['total_gib_offload_off']:.1f}", "yes" if r["fits_offload_off"] else "no")
+    console.print("GiB: the training device's memory (weights, grads, AdamW, activations; the outer state is in "
+                  "host memory by default); off: with [outer] offload = \"off\" (phi, momentum, residual on the GPU)",
+                  markup=False)
     console.print(table)
 
 

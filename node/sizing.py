@@ -11,7 +11,8 @@ GPU's dense bf16 tensor throughput from its datasheet and ``mfu`` (model flops u
 
 *Memory* (bytes on the training device, mixed precision with fp32 master weights):
 weights 4N, gradients 4N, AdamW moments 8N; the outer state (phi, momentum, error-feedback residual:
-12N; today's node keeps it on the training device); activations ``B T L (10 d + k d_ff)`` bytes with 16-bit
+12N) only with ``[outer] offload = "off"`` (by default a CUDA node keeps it in pinned host memory);
+activations ``B T L (10 d + k d_ff)`` bytes with 16-bit
 activations and no recomputation (Korthikanti et al. 2022 count ``34 s b h`` per layer for a 4h MLP,
 i.e. ``10 h + 6 d_ff``; SwiGLU keeps one more d_ff-wide tensor, k = 8), plus the fp32 logits.
 Allocator fragmentation and the CUDA context (~0.5-1 GiB) come on top.
@@ -62,7 +63,7 @@ class Sizing:
     weights_gib: float
     grads_gib: float
     optimizer_gib: float
-    outer_gib: float          # 0 when the outer state is off the device
+    outer_gib: float          # 0 when the outer state is off the device (the default on CUDA)
     activations_gib: float
 
     @property
@@ -82,7 +83,7 @@ def gpu_class(name: str) -> GpuClass:
 
 
 def estimate(preset: str, gpu: str, *, arch: str = "llama", tokens_per_step: int = DEFAULT_TOKENS_PER_STEP,
-             seq_len: int = 1024, mfu: float = DEFAULT_MFU, outer_on_device: bool = True,
+             seq_len: int = 1024, mfu: float = DEFAULT_MFU, outer_on_device: bool = False,
              vocab_size: int = 257) -> Sizing:
     """The expected step time and memory of ``preset`` on ``gpu`` (see the module docstring)."""
     from node.model import build_meta_model, count_params, resolved_shape

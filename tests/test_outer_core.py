@@ -933,3 +933,72 @@ def test_consensus_shift_moves_phi_and_theta_together(base_model) -> None:
     swarm.sync(4)  # a delta round plus a consensus round (uniform mean of phi within the pair)
     assert loop.stats.consensus_rounds >= 2
     assert loop.stats.last_consensus_shift > 0
+
+
+# ==================================================================================================
+# Outer state off the training device (``[outer] offload``)
+# ==================================================================================================
+
+
+def test_offload_setting_picks_where_the_outer_state_lives() -> None:
+    from node.core.state import outer_state_device
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    assert outer_state_device("auto", gpu) == cpu and outer_state_device("auto", cpu) == cpu
+    assert outer_state_device("off", gpu) == gpu and outer_state_device("cpu", gpu) == cpu
+    with pytest.raises(ValueError, match="offload"):
+        outer_state_device("disk", cpu)
+
+
+def test_fragment_state_copies_theta_parameter_by_parameter_across_dtypes() -> None:
+    from node.core.state import FragmentState
+
+    params = [torch.nn.Parameter(torch.randn(3, 4).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(5))]
+    st = FragmentState.create(0, params, error_feedback=True, device=torch.device("cpu"))
+    assert st.phi.dtype == torch.float32 and st.device == torch.device("cpu") and st.numel == 17
+    assert torch.equal(st.phi[:12], params[0].detach().float().reshape(-1))
+    new = torch.arange(17, dtype=torch.float32) / 7
+    st.set_theta(new)
+    assert params[0].dtype == torch.bfloat16 and torch.equal(params[1].detach(), new[12:])
+    assert torch.equal(st.theta(), torch.cat([new[:12].to(torch.bfloat16).float(), new[12:]]))
+
+
+@pytest.mark.parametrize("offload", ["off", "cpu"])
+def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, offload: str) -> None:
+    """Two workers on the training device (CUDA where there is one); the outer state on it or on the CPU
+    (pinned): the same phi after the same rounds, and the model stays on its device."""
+    from node.core.state import outer_state_device
+
+    train = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    phis = {}
+    for where in ("off", offload):
+        hub = InProcessHub(get_codec("fp32"), 2, seed=0)
+        models = [copy.deepcopy(base_model).to(train) for _ in range(2)]
+        outer = _outer(method="alpha", h=2, fragments=2, tau=1)
+        device = outer_state_device(where, train)
+        loops = [OuterLoop(m, partition(base_model, 2), outer, hub.transport(i), expected_group_size=2,
+                           state_device=device) for i, m in enumerate(models)]
+        for i, loop in enumerate(loops):
+            hub.register_state(i, loop.version, loop.snapshot)
+        gens = [torch.Generator().manual_seed(50 + i) for i in range(2)]
+        for t in range(1, 9):
+            for model, loop, gen in zip(models, loops, gens, strict=True):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen).to(train), alpha=1e-3)
+                loop.add_tokens(10.0)
+            for loop in loops:
+                loop.collect(t)
+            for loop in loops:
+                loop.send(t)
+            hub.flush()
+            for loop in loops:
+                loop.collect(t)
+        assert all(loop.stats.syncs_ok >= 6 for loop in loops)
+        assert all(st.device.type == device.type for loop in loops for st in loop.states)
+        assert all(p.device.type == train.type for m in models for p in m.parameters())
+        if device.type == "cpu" and train.type == "cuda":
+            assert all(st.phi.is_pinned() for loop in loops for st in loop.states)
+        phis[where] = [st.phi.cpu() for loop in loops for st in loop.states]
+    for a, b in zip(phis["off"], phis[offload], strict=True):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)

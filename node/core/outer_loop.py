@@ -107,11 +107,13 @@ class OuterLoop:
         expected_group_size: group size assumed for the eager rule's own share before a group result
             has told the real share.
         wait_timeout: seconds to wait for a due result before counting the round as failed.
+        state_device: where phi, momentum and the residual live (default: the model's device); all outer
+            arithmetic happens there, the model only sees theta copied in and out.
     """
 
     def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
                  *, expected_group_size: int = 2, wait_timeout: float | None = None,
-                 limits: GuardLimits | None = None) -> None:
+                 limits: GuardLimits | None = None, state_device: torch.device | None = None) -> None:
         self.cfg = outer
         self.rule = make_merge_rule(outer.method, alpha=outer.alpha, lambda0=outer.lambda0)
         self.transport = transport
@@ -119,8 +121,8 @@ class OuterLoop:
         self.optimizer = NesterovOuterOptimizer(outer.lr, outer.momentum)
         self.schedule = make_schedule(outer.schedule, outer.h, len(fragments), outer.sends_per_h)
         named = dict(model.named_parameters())
-        self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback)
-                       for f in fragments]
+        self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback,
+                                            device=state_device) for f in fragments]
         self.pending: dict[int, _Pending] = {}
         # Fragments whose phi left the group's (this node was a version ahead of its round's members):
         # the next send first takes the group's phi at the same version (``_catch_up``).

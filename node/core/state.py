@@ -30,27 +30,56 @@ class FragmentState:
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
 
     @classmethod
-    def create(cls, index: int, params: Sequence[torch.nn.Parameter], error_feedback: bool) -> FragmentState:
+    def create(cls, index: int, params: Sequence[torch.nn.Parameter], error_feedback: bool,
+               device: torch.device | None = None) -> FragmentState:
+        """The fragment's outer state, initialised from the live parameters. ``device``: where the outer
+        state lives (default: the parameters' device). On a CUDA model a CPU ``device`` holds it in
+        pinned host memory, so the GPU keeps only the model and its optimizer: theta is copied over
+        parameter by parameter, never as one more fragment-sized tensor on the GPU."""
         bounds, start = [], 0
         for p in params:
             bounds.append((start, start + p.numel()))
             start += p.numel()
-        with torch.no_grad():
-            phi = torch.cat([p.detach().reshape(-1).float() for p in params]).clone()
-        return cls(index=index, params=list(params), bounds=bounds, phi=phi,
-                   momentum=torch.zeros_like(phi),
-                   residual=torch.zeros_like(phi) if error_feedback else None)
+        device = torch.device(device) if device is not None else params[0].device
+        pin = device.type == "cpu" and params[0].device.type == "cuda"
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(start, dtype=torch.float32, device=device, pin_memory=pin)
+
+        state = cls(index=index, params=list(params), bounds=bounds, phi=zeros(), momentum=zeros(),
+                    residual=zeros() if error_feedback else None)
+        state.phi.copy_(state.theta())
+        return state
 
     @property
     def numel(self) -> int:
         return self.phi.numel()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the outer state lives (maybe not where the model trains: see ``create``)."""
+        return self.phi.device
+
     @torch.no_grad()
     def theta(self) -> torch.Tensor:
-        """A flat fp32 copy of the live parameters."""
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        """A flat fp32 copy of the live parameters, on the outer state's device."""
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.phi.device)
+        for p, (a, b) in zip(self.params, self.bounds, strict=True):
+            out[a:b].copy_(p.detach().reshape(-1))
+        return out
 
     @torch.no_grad()
     def set_theta(self, flat: torch.Tensor) -> None:
         for p, (a, b) in zip(self.params, self.bounds, strict=True):
-            p.copy_(flat[a:b].view_as(p).to(p.dtype))
+            p.copy_(flat[a:b].view_as(p))
+
+
+def outer_state_device(offload: str, train_device: torch.device) -> torch.device:
+    """Where the outer state lives for ``[outer] offload``: ``cpu``; ``off`` (the training device); ``auto``
+    (cpu when training on CUDA: phi, momentum and the residual are 3 fp32 copies of the model, more than
+    the bf16/fp32 weights themselves, and they are touched once per sync, not once per step)."""
+    if offload == "cpu" or (offload == "auto" and torch.device(train_device).type == "cuda"):
+        return torch.device("cpu")
+    if offload in ("off", "auto"):
+        return torch.device(train_device)
+    raise ValueError(f"outer.offload = {offload!r}; choose auto, off or cpu")

@@ -20,6 +20,7 @@ import torch
 from node.config import SwarmConfig
 from node.core.codecs import get_codec
 from node.core.outer_loop import OuterLoop
+from node.core.state import outer_state_device
 from node.data import Corpus, TrainBatches, eval_batches, evaluate
 from node.inner import InnerOptimizer
 from node.model import build_model
@@ -114,7 +115,8 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     hub = InProcessHub(codec, cfg.network.group_size, seed=spec.seed, drop_prob=spec.drop_prob, robust=cfg.robust)
     for w in workers:
         w.outer = OuterLoop(w.model, fragments, cfg.outer, hub.transport(w.rank),
-                            expected_group_size=min(cfg.network.group_size, spec.workers))
+                            expected_group_size=min(cfg.network.group_size, spec.workers),
+                            state_device=outer_state_device(cfg.outer.offload, device))
         hub.register_state(w.rank, w.outer.version, w.outer.snapshot)
     evals = eval_batches(corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, spec.eval_batches)
     eval_curve = [(0, evaluate(workers[0].model, evals, device))]
