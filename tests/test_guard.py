@@ -136,6 +136,30 @@ def test_a_bad_catch_up_snapshot_is_refused_and_blamed_on_its_source() -> None:
     assert transports[0].rejected and transports[0].rejected[0][0] == "QmLiar"
 
 
+def test_a_fragment_still_at_its_initial_state_catches_up_to_a_far_trained_phi() -> None:
+    # A joiner whose download of a fragment failed keeps it at version 0 (its init): the swarm's phi may be
+    # many times its norm away. That is no lie: the catch-up gets a joiner's checks (finite, bounded momentum).
+    loops, transports, _ = _pair()
+    st = loops[0].states[0]
+    assert loops[0].version(0) == 0
+    far = st.phi.detach().cpu().clone() * 13.0
+    transports[0].snapshot = FragmentSnapshot(0, 115, far, torch.zeros_like(far), source="QmHonest")
+    events = loops[0].send(2)
+    assert [e.kind for e in events if e.kind in ("caught_up", "refused")] == ["caught_up"]
+    assert loops[0].version(0) == 115 and not transports[0].rejected
+    # Once trained (version > 0), the same jump is absurd and refused.
+    loops, transports, step = _pair()
+    step(1)
+    step(2)
+    st = loops[0].states[0]
+    assert loops[0].version(0) > 0
+    transports[0].snapshot = FragmentSnapshot(0, 300, st.phi.detach().cpu() * 13.0, torch.zeros_like(far),
+                                              source="QmLiar")
+    events = loops[0].send(4)
+    assert [e.kind for e in events if e.kind in ("caught_up", "refused")] == ["refused"]
+    assert transports[0].rejected[-1][0] == "QmLiar"
+
+
 def test_adopt_refuses_a_non_finite_join_download() -> None:
     loops, _, _ = _pair()
     st = loops[0].states[0]
