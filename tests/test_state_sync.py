@@ -413,6 +413,30 @@ def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode, cap
         honest.close()
 
 
+def test_a_stream_closed_under_the_client_is_asked_again_not_given_up(swarm):
+    # A refusal written just before the holder closed can reach the client as a closed or broken stream; the
+    # only holder must be asked again (a joiner that gave up kept that fragment at its initial state).
+    book = Book()
+    calls = []
+
+    async def flaky(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        calls.append(req.offset)
+        if len(calls) == 1:
+            raise ConnectionResetError("closed under the client")
+        for chunk in _complete(req):
+            yield chunk
+
+    server = swarm.run(wire.serve(swarm.other, STATE_HANDLER, flaky, swarm_pb2.StateRequest,
+                                  max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    try:
+        got = _client(swarm, book, timeout=10.0).fetch(0, [swarm.id(swarm.other)], min_version=5)
+        assert got is not None and got.source == swarm.id(swarm.other) and len(calls) == 2
+        assert book.bad == []  # a closed stream is nobody's offence
+    finally:
+        swarm.run(server.stop())
+
+
 def test_a_holder_that_moves_to_a_newer_version_mid_download_is_followed(swarm):
     """Resuming at another holder that has a newer version starts over there (not a fault)."""
     book = Book()

@@ -517,6 +517,14 @@ class StateClient:
                 return f"again: {exc}"
             self._backoff.refused(peer, "refused")
             return f"refused: {exc}"
+        except wire.WireError as exc:
+            # A stream closed under us: what a refusal written just before the server closed often looks like
+            # here (seen: a joiner's second download refused while the holder had not seen its heartbeat yet
+            # arrived as a broken pipe, was not asked again, and the fragment stayed at its initial state). The
+            # holder is asked again after a wait, within the download's deadline.
+            why = _one_line(str(exc)) or type(exc).__name__
+            log.info("state download of fragment %d from %s failed: %s", download.fragment, peer[:16], why)
+            return f"again: {why}" if why.startswith(("stream broken", "stream closed")) else why
         except TimeoutError:
             return "no time left"
         except Exception as exc:  # a dropped or silent stream, an honest refusal: try the next holder
