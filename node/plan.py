@@ -656,18 +656,12 @@ def _print_sizes(sizes: dict[str, Any]) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    if args.sizes:
-        sizes = build_sizes(args)
-        if args.json:
-            print(json.dumps(sizes, indent=2, allow_nan=False))
-        else:
-            _print_sizes(sizes)
-        return 0
-    plan = build_plan(args)
+    build, show = (build_sizes, _print_sizes) if args.sizes else (build_plan, _print_plan)
+    result = build(args)
     if args.json:
-        print(json.dumps(plan, indent=2, allow_nan=False))
+        print(json.dumps(result, indent=2, allow_nan=False))
     else:
-        _print_plan(plan)
+        show(result)
     return 0
 
 
