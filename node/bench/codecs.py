@@ -25,6 +25,7 @@ import torch
 
 from node.core.codecs import CODECS, get_codec
 from node.errors import UserError
+from node.helptext import describe
 
 #: The issue's bar: every codec at least this fraction of a memory pass.
 TARGET_RATIO = 0.5
@@ -32,7 +33,7 @@ TARGET_RATIO = 0.5
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("codecs", help="encode/decode MB/s of every codec next to a memory pass (JSON + md + PNG)",
-                       description=__doc__.split("\n\n")[1])
+                       description=describe(__doc__))
     p.add_argument("--out", required=True, help="report directory (results.json, report.md, codecs.png)")
     p.add_argument("--numel", type=int, default=10_000_000, help="elements of the test tensor (default 10M)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the best is kept (default 5)")
