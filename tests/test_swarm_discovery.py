@@ -517,3 +517,21 @@ def test_graceful_exit_leaves_nothing(tmp_path, how):
         assert not [f for f in files if os.path.exists(f)]
     finally:
         _finish(proc, tree)
+
+
+def test_a_dead_processes_socket_still_listed_as_bound_is_removed_after_the_wait(tmp_path, monkeypatch):
+    """/proc/net/unix can list a killed process's socket for a while: with a wait it goes anyway (all owners
+    are dead, and nothing can bind a path whose file exists); without one, a listed socket is kept."""
+    from node.swarm import process
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "hivemind-p2pd-test.sock"
+    monkeypatch.setattr(process, "_unix_sockets", lambda: [("1", str(path))])
+    path.write_text("")
+    assert process.cleanup_ipc_files([dead.pid], [str(path)]) == [] and path.exists()
+    t0 = time.monotonic()
+    assert process.cleanup_ipc_files([dead.pid], [str(path)], retry_s=0.3) == [str(path)]
+    assert not path.exists() and 0.25 < time.monotonic() - t0 < 3.0
+    path.write_text("")  # an owner still alive: nothing is removed, however long the wait
+    assert process.cleanup_ipc_files([os.getpid()], [str(path)], retry_s=0.1) == [] and path.exists()

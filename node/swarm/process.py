@@ -210,8 +210,10 @@ def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = (), retry_s: f
     ``shutdown()`` (or whose p2pd failed to bootstrap) leaves ``/tmp/hivemind-p2pd-*.sock``; a SIGKILL
     of the node also leaves ``/dev/shm/torch_<pid>_*``.
 
-    A socket still listed as bound is kept; with ``retry_s`` the check is repeated for that long (a killed
-    process's sockets can stay listed for a moment after it died: a loaded CI run left a p2pd socket)."""
+    A socket still listed as bound is kept (``retry_s`` = 0), or with ``retry_s`` waited for that long (a
+    killed process's sockets can stay listed for a moment after it died) and then removed anyway: every
+    process given is dead and no other process can bind a path while its file exists, so the listing is
+    stale (loaded CI runs left a p2pd socket past a 2 s wait that did not remove it at the end)."""
     pids = list(pids)
     if any(is_alive(p) for p in pids):
         return []
@@ -221,7 +223,9 @@ def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = (), retry_s: f
     removed: list[str] = []
     deadline = time.monotonic() + retry_s
     while True:
-        in_use = {path for _, path in _unix_sockets()} if candidates else set()
+        expired = time.monotonic() >= deadline
+        force = expired and retry_s > 0  # waited for the listing: every owner is dead, so it is stale
+        in_use = {path for _, path in _unix_sockets()} if candidates and not force else set()
         kept = set()
         for path in sorted(candidates):
             if path in in_use and not path.startswith("/dev/shm/"):
@@ -233,7 +237,7 @@ def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = (), retry_s: f
             except OSError:
                 pass
         candidates = {p for p in kept if os.path.exists(p)}
-        if not candidates or time.monotonic() >= deadline:
+        if not candidates or expired:
             return removed
         time.sleep(0.05)
 
