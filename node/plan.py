@@ -490,7 +490,7 @@ def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _model_inputs(args: argparse.Namespace) -> tuple[float, float, dict[str, Any] | None]:
     """(params, step time, sizing) from --params/--step-time, or from --preset and --gpu (estimated)."""
     from node.model import PRESETS
-    from node.sizing import estimate
+    from node.sizing import estimate, preset_params
 
     preset, gpu = getattr(args, "preset", None), getattr(args, "gpu", None)
     if preset is not None and preset not in PRESETS:
@@ -504,7 +504,7 @@ def _model_inputs(args: argparse.Namespace) -> tuple[float, float, dict[str, Any
     if args.params is not None:
         params = parse_count(args.params, "--params")
     elif preset is not None:
-        params = float(sizing["params"]) if sizing else float(estimate(preset, "h100", **_sizing_kwargs(args)).params)
+        params = float(preset_params(preset, getattr(args, "arch", "llama") or "llama"))
     else:
         raise UserError("the model size is missing; give --params N (e.g. --params 125M) or --preset P")
     if args.step_time is not None:

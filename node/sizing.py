@@ -82,11 +82,18 @@ def gpu_class(name: str) -> GpuClass:
     return GPUS[key]
 
 
+def preset_params(preset: str, arch: str = "llama", vocab_size: int = 257) -> int:
+    """Parameter count of ``preset`` (built on the meta device: no memory, no init)."""
+    from node.model import build_meta_model, count_params
+
+    return count_params(build_meta_model(ModelSection(arch=arch, preset=preset), vocab_size))
+
+
 def estimate(preset: str, gpu: str, *, arch: str = "llama", tokens_per_step: int = DEFAULT_TOKENS_PER_STEP,
              seq_len: int = 1024, mfu: float = DEFAULT_MFU, outer_on_device: bool = False,
              vocab_size: int = 257) -> Sizing:
     """The expected step time and memory of ``preset`` on ``gpu`` (see the module docstring)."""
-    from node.model import build_meta_model, count_params, resolved_shape
+    from node.model import resolved_shape
 
     g = gpu_class(gpu)
     if not 0 < mfu <= 1:
@@ -96,7 +103,7 @@ def estimate(preset: str, gpu: str, *, arch: str = "llama", tokens_per_step: int
                         "use at least seq_len tokens")
     section = ModelSection(arch=arch, preset=preset, max_seq_len=max(seq_len, 16))
     n_layers, d_model, _, d_ff = resolved_shape(section)
-    n = count_params(build_meta_model(section, vocab_size))
+    n = preset_params(preset, arch, vocab_size)
     flops = tokens_per_step * (6.0 * n + 6.0 * n_layers * d_model * seq_len)
     step = flops / (g.peak_tflops * 1e12 * mfu)
     k = 8 if arch == "llama" else 6
@@ -111,4 +118,4 @@ def sizes_table(presets: list[str], gpus: list[str], **kw) -> list[Sizing]:
 
 
 __all__ = ["DEFAULT_MFU", "DEFAULT_TOKENS_PER_STEP", "GPUS", "GpuClass", "Sizing", "estimate", "gpu_class",
-           "sizes_table"]
+           "preset_params", "sizes_table"]
