@@ -110,8 +110,9 @@ class OuterSection:
     schedule: str = setting("fixed", shared=True, choices=("fixed", "adaptive"),
                             help="fixed (evenly spaced offsets) or adaptive (CoCoDC)")
     consensus_every: int = setting(10, shared=True, min=0, max=100000,
-                                   help="every N-th sync of a fragment also averages phi itself (fp32) so "
-                                        "peers' outer params cannot drift apart under gossip (0 = never)")
+                                   help="every N-th sync of a fragment also averages its outer state (phi and "
+                                        "momentum, fp32) so peers' outer params cannot drift apart under gossip "
+                                        "(0 = never)")
     sends_per_h: int = setting(0, shared=True, min=0,
                                help="adaptive schedule: fragment sends per h steps (0 = fragments)")
     offload: str = setting("auto", shared=False, choices=("auto", "off", "cpu"),

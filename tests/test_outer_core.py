@@ -935,6 +935,34 @@ def test_consensus_shift_moves_phi_and_theta_together(base_model) -> None:
     assert loop.stats.last_consensus_shift > 0
 
 
+def test_consensus_makes_diverged_outer_states_bit_identical_and_they_stay_so(base_model) -> None:
+    """Two members at one version whose phi *and* momentum differ (say each stepped alone before they met):
+    a consensus round averages the whole outer state, and its result is exact: both then hold bit-identical
+    phi and momentum, and every later round keeps them so (a phi-only consensus left them apart for good,
+    since their momenta differed and every outer step moved them apart again)."""
+    for method, tau in (("replace", 0), ("alpha", 1)):
+        swarm = Swarm(base_model, 2, _outer(h=2, tau=tau, method=method, consensus_every=2))
+        for t in range(1, 3):
+            swarm.step(t)
+        other = swarm.loops[1].states[0]
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            other.phi.add_(torch.randn(other.phi.shape, generator=gen), alpha=1e-3)
+            other.momentum.add_(torch.randn(other.phi.shape, generator=gen), alpha=1e-3)
+        assert not torch.equal(swarm.phi(0), swarm.phi(1))
+        identical_from = None
+        for t in range(3, 21):
+            swarm.step(t)
+            same = (torch.equal(swarm.phi(0), swarm.phi(1))
+                    and torch.equal(swarm.loops[0].states[0].momentum, swarm.loops[1].states[0].momentum))
+            if identical_from is None and same:
+                identical_from = t
+            assert same or identical_from is None, (method, t, "apart again after a consensus made them equal")
+        assert identical_from is not None and identical_from <= 8, (method, identical_from)
+        assert swarm.loops[0].stats.consensus_rounds >= 4
+        assert swarm.loops[0].version(0) == swarm.loops[1].version(0)
+
+
 # ==================================================================================================
 # Outer state off the training device (``[outer] offload``)
 # ==================================================================================================

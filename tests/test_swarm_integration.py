@@ -62,9 +62,14 @@ def fragments_merged(status: dict) -> set[int]:
     return {e["fragment"] for e in merged(status)}
 
 
+def phi_views(nodes: list[NodeProc]) -> list[dict[int, tuple[int, int]]]:
+    """Per node: {fragment: (version, phi hash)}."""
+    return [{f["fragment"]: (f["version"], f["phi_hash"]) for f in n.status().get("fragments", [])} for n in nodes]
+
+
 def agree(nodes: list[NodeProc]) -> bool:
     """All nodes hold the same phi (hash) at the same version for every fragment."""
-    views = [{f["fragment"]: (f["version"], f["phi_hash"]) for f in n.status().get("fragments", [])} for n in nodes]
+    views = phi_views(nodes)
     return all(v == views[0] for v in views[1:]) and all(ver > 0 for ver, _ in views[0].values())
 
 
@@ -75,7 +80,11 @@ def wait_until(predicate, timeout: float, what: str, nodes: list[NodeProc]) -> N
             return
         time.sleep(0.3)
     tails = "\n".join(f"--- {n.name}\n{n.tail(15)}" for n in nodes)
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
+    try:
+        views = "\n".join(f"{n.name}: {v}" for n, v in zip(nodes, phi_views(nodes), strict=True))
+    except Exception as exc:  # a node that died cannot answer; its tail says why
+        views = f"(status unavailable: {exc})"
+    raise AssertionError(f"timed out waiting for {what}\nfragment (version, phi hash) per node:\n{views}\n{tails}")
 
 
 def test_three_nodes_average_agree_and_learn_then_a_fourth_joins(tmp_path):

@@ -91,6 +91,16 @@ def check_shift(shift: torch.Tensor, phi: torch.Tensor, limits: GuardLimits) -> 
     return None
 
 
+def check_momentum(momentum: torch.Tensor, phi: torch.Tensor, limits: GuardLimits) -> str | None:
+    """A momentum from peers (a consensus mean): finite and not absurdly large next to phi."""
+    reason = non_finite("momentum", momentum)
+    if reason:
+        return reason
+    if _norm(momentum) > limits.max_momentum_ratio * max(_norm(phi), 1e-12):
+        return f"momentum norm {_norm(momentum):.3g} exceeds its phi norm {_norm(phi):.3g}"
+    return None
+
+
 def check_snapshot(phi_new: torch.Tensor, momentum_new: torch.Tensor, phi: torch.Tensor,
                    limits: GuardLimits, *, relative: bool = True) -> str | None:
     """A downloaded outer state (phi, momentum) about to replace ``phi``: right size, finite, momentum
@@ -98,12 +108,9 @@ def check_snapshot(phi_new: torch.Tensor, momentum_new: torch.Tensor, phi: torch
     reference) not absurdly far from the node's own phi."""
     if phi_new.numel() != phi.numel() or momentum_new.numel() != phi.numel():
         return f"snapshot has {phi_new.numel()}/{momentum_new.numel()} values, expected {phi.numel()}"
-    reason = non_finite("snapshot phi", phi_new) or non_finite("snapshot momentum", momentum_new)
+    reason = non_finite("snapshot phi", phi_new) or check_momentum(momentum_new, phi_new, limits)
     if reason:
-        return reason
-    scale = _norm(phi_new)
-    if _norm(momentum_new) > limits.max_momentum_ratio * max(scale, 1e-12):
-        return f"snapshot momentum norm {_norm(momentum_new):.3g} exceeds its phi norm {scale:.3g}"
+        return f"snapshot {reason}" if reason.startswith("momentum") else reason
     if relative:
         own = _norm(phi)
         jump = _norm(phi_new.to(phi.device) - phi)

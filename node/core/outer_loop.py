@@ -33,8 +33,16 @@ import torch
 
 from node.config import OuterSection
 from node.core.codecs import get_codec
-from node.core.consensus import CONSENSUS_CODEC, PhiConsensus, phi_digest
-from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot, non_finite
+from node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
+from node.core.guard import (
+    GuardLimits,
+    check_average,
+    check_momentum,
+    check_outer_step,
+    check_shift,
+    check_snapshot,
+    non_finite,
+)
 from node.core.merge import LateRule, make_merge_rule
 from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
@@ -127,7 +135,7 @@ class OuterLoop:
         # Fragments whose phi left the group's (this node was a version ahead of its round's members):
         # the next send first takes the group's phi at the same version (``_catch_up``).
         self._resync: set[int] = set()
-        self.consensus = PhiConsensus(outer.consensus_every, len(fragments))
+        self.consensus = StateConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
         self.stats = OuterStats()
@@ -248,40 +256,54 @@ class OuterLoop:
         return events
 
     def _start_consensus(self, st: FragmentState, step: int) -> None:
-        """Also average phi itself in this round (see ``node.core.consensus``)."""
-        phi_sent = st.phi.clone()
+        """Also average the outer state (phi and momentum) in this round (see ``node.core.consensus``)."""
+        sent = join_state(st.phi, st.momentum)
         codec = get_codec(CONSENSUS_CODEC)
         handle = self.transport.start_average(AverageRequest(
-            fragment=self.consensus.round_fragment(st.index), round=step, chunks=encode_chunks(codec, phi_sent),
-            numel=st.numel, weight=1.0, version=st.version, codec=CONSENSUS_CODEC,
-            digest=phi_digest(phi_sent)))
-        self.pending_consensus[st.index] = (handle, phi_sent)
+            fragment=self.consensus.round_fragment(st.index), round=step, chunks=encode_chunks(codec, sent),
+            numel=sent.numel(), weight=1.0, version=st.version, codec=CONSENSUS_CODEC,
+            digest=state_digest(sent)))
+        self.pending_consensus[st.index] = (handle, sent)
 
-    def _apply_consensus(self, st: FragmentState) -> None:
+    def _apply_consensus(self, st: FragmentState) -> torch.Tensor | None:
+        """Take the group's mean outer state, if this fragment's consensus round is pending and came
+        through. Called before the outer step of the delta round sent with it, so that on every member
+        that held phi and momentum unchanged since the send, both become the group's mean bit for bit and
+        the identical outer step that follows keeps them equal. Returns the shift of phi (theta moved by
+        it too; None: nothing moved)."""
         item = self.pending_consensus.pop(st.index, None)
         if item is None:
-            return
-        handle, phi_sent = item
+            return None
+        handle, sent = item
         res = handle.result(timeout=self.wait_timeout)
         self.stats.bytes_sent += res.bytes_sent
         self.stats.bytes_received += res.bytes_received
         if not res.ok:
             self.stats.consensus_failed += 1
             self.stats.last_consensus_error = res.error
-            return
+            return None
         self.stats.consensus_rounds += 1
-        if res.average is None:  # every member already held this phi
+        if res.average is None:  # every member already held this outer state
             self.stats.last_consensus_shift = 0.0
-            return
-        shift = self.consensus.correction(res.average, phi_sent)
-        reason = check_shift(shift, st.phi, self.limits)
+            return None
+        if res.average.numel() != sent.numel():
+            self.stats.refused += 1
+            return None
+        phi_mean, momentum_mean = split_state(res.average, st.numel)
+        phi_sent, momentum_sent = split_state(sent, st.numel)
+        phi = self.consensus.settle(phi_mean, phi_sent, st.phi)
+        momentum = self.consensus.settle(momentum_mean, momentum_sent, st.momentum)
+        shift = phi - st.phi
+        reason = check_shift(shift, st.phi, self.limits) or check_momentum(momentum, phi, self.limits)
         if reason is not None:
             self.stats.refused += 1
-            return
-        st.phi.add_(shift)
+            return None
+        st.phi.copy_(phi)
+        st.momentum.copy_(momentum)
         st.set_theta(st.theta() + shift)
         self.stats.last_consensus_shift = float(torch.linalg.vector_norm(shift)) / max(
             1e-12, float(torch.linalg.vector_norm(st.phi)))
+        return shift
 
     def _send_late(self, rule: LateRule, st: FragmentState, step: int) -> list[SyncEvent]:
         events = []
@@ -374,6 +396,11 @@ class OuterLoop:
 
     def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> list[SyncEvent]:
         reason = self._check_result(res, pend) if res.ok else None
+        # The consensus sent with this round first (see _apply_consensus); the send's snapshot of theta
+        # moves with phi and theta, so the merge rule below sees the same local geometry.
+        shift = self._apply_consensus(st)
+        if shift is not None and pend.snapshot is not None:
+            pend.snapshot.add_(shift.to(pend.snapshot.device))
         if res.ok and reason is None:
             reason = self._outer_step(st, res.average)
         if not res.ok or reason is not None:
@@ -382,7 +409,6 @@ class OuterLoop:
             st.tokens_since_send += pend.weight
             if pend.residual_before is not None and st.residual is not None:
                 st.residual.copy_(pend.residual_before)
-            self._apply_consensus(st)
             if reason is not None:
                 event = self._refused(st, step, res, pend.sent_step, reason)
             else:
@@ -393,7 +419,6 @@ class OuterLoop:
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
         st.set_theta(self.rule.merge(st.theta(), st.phi, pend.snapshot, st.bounds))
-        self._apply_consensus(st)
         return [self._event("merged", st, step, res, pend.sent_step)]
 
     def _bound_carry(self, st: FragmentState, step: int) -> list[SyncEvent]:
