@@ -428,13 +428,24 @@ class Node:
                                  f"at slot {hint.round}")
 
     def _pace_peers(self) -> list[str]:
-        """Live peers at least half as fast as this node: the ones a round waits for."""
-        own = self.status.get("tokens_per_s") or 0.0
-        return [p for p, hb in self.peer_table.items() if hb.has_state and hb.tokens_per_s >= 0.5 * own]
+        """Live peers that keep the swarm's pace (``membership.pace_set``: the same set on every member),
+        the ones a round waits for."""
+        from node.swarm.membership import pace_set
+
+        rates = {p: float(hb.tokens_per_s) for p, hb in self.peer_table.items() if hb.has_state}
+        rates[self.peer_id] = float(self.status.get("tokens_per_s") or 0.0)  # as our heartbeat announces it
+        return sorted(pace_set(rates) - {self.peer_id})
 
     def _straggler_grace(self) -> float:
-        """How long a round may wait for slower peers without stalling training: the overlap tau."""
-        step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
+        """How long a round may wait for peers outside the pace set without stalling training: the
+        overlap tau, in steps at the swarm's inner-step rate (the median of the announced rates, about
+        the same on every member, so members cut stragglers at about the same moment); this node's own
+        step time while no rate is known."""
+        rate = self.swarm_clock.rate()
+        if rate and rate > 0 and math.isfinite(rate):
+            step = 1.0 / rate
+        else:
+            step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
         return max(0.05, 0.8 * self.cfg.outer.tau * step)
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:

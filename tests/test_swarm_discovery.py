@@ -535,3 +535,18 @@ def test_a_dead_processes_socket_still_listed_as_bound_is_removed_after_the_wait
     assert not path.exists() and 0.25 < time.monotonic() - t0 < 3.0
     path.write_text("")  # an owner still alive: nothing is removed, however long the wait
     assert process.cleanup_ipc_files([os.getpid()], [str(path)], retry_s=0.1) == [] and path.exists()
+
+
+def test_pace_set_is_the_same_for_every_member_and_ignores_one_fast_liar() -> None:
+    from node.swarm.membership import pace_set
+
+    rates = {"a": 3000.0, "b": 2900.0, "c": 1700.0, "d": 400.0}
+    # Every member computes from the same announced rates: the same set, whatever its own speed.
+    assert pace_set(rates) == {"a", "b", "c"}
+    # The lower median: one peer announcing an absurd rate does not push honest peers out.
+    assert pace_set({**rates, "liar": 1e12}) == {"a", "b", "c", "liar"}
+    # Rates that cannot be (nan, negative) count as 0: peers just starting, so the round waits for all.
+    assert pace_set({"a": 1000.0, "b": float("nan"), "c": -5.0, "d": 900.0}) == {"a", "b", "c", "d"}
+    assert pace_set({"a": 1000.0, "b": float("nan"), "d": 900.0, "e": 950.0}) == {"a", "d", "e"}
+    assert pace_set({"a": 0.0, "b": 0.0}) == {"a", "b"}  # nobody measured yet: wait for all
+    assert pace_set({}) == set()

@@ -246,6 +246,27 @@ class Membership:
 
 # ---- swarm-wide views of the heartbeats ----
 
+#: A peer keeps the swarm's pace when it trains at least this share of the median announced rate.
+PACE_SHARE = 0.5
+
+
+def pace_set(rates: Mapping[str, float], share: float = PACE_SHARE) -> set[str]:
+    """The peers a round waits for (the others get only the straggler grace): those whose announced
+    token rate is at least ``share`` of the median of all announced rates, the asking node's own
+    included.
+
+    A function of the heartbeats alone, so every member computes the same set: a rule relative to each
+    member's own speed made a fast member cut a straggler that slower members waited for, and the two
+    groups then failed the round together (issue 10, ``reports/swarm-20mbit-mismatch-views``). A
+    non-finite or negative rate counts as 0."""
+    clean = {p: (r if r == r and 0.0 <= r < float("inf") else 0.0) for p, r in rates.items()}
+    if not clean:
+        return set()
+    ordered = sorted(clean.values())
+    median = ordered[(len(ordered) - 1) // 2]  # the lower median: one fast liar cannot raise it
+    return {p for p, r in clean.items() if r >= share * median}
+
+
 def _heartbeats(peers: Mapping[str, swarm_pb2.Heartbeat] | Iterable[swarm_pb2.Heartbeat]) -> list:
     return list(peers.values()) if isinstance(peers, Mapping) else list(peers)
 
