@@ -36,7 +36,7 @@ from node.core.robust import make_aggregator
 from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
 from node.model import build_model
 from node.partition import partition
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, Transport
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, Transport
 from node.transport.inprocess import HEADER_BYTES, InProcessHub
 from node.transport.reduce import part_ranges
 from node.transport.reduce import reduce_group as _reduce_group
@@ -446,6 +446,23 @@ class RecordingTransport(Transport):
     def fetch_fragment(self, fragment: int):
         return self.inner.fetch_fragment(fragment)
 
+    held: list[_HeldFetch] | None = None  # a list: downloads are held (they finish on release())
+
+    def start_fetch(self, fragment: int) -> FetchHandle:
+        if self.held is None:
+            return super().start_fetch(fragment)
+        self.held.append(_HeldFetch(self.inner.fetch_fragment(fragment)))  # the state as it is when asked
+        return self.held[-1]
+
+
+class _HeldFetch(FetchHandle):
+    """A download that takes a while: it finishes when the test says so."""
+
+    released = False
+
+    def done(self) -> bool:
+        return self.released
+
 
 def _outer(**kw) -> OuterSection:
     cfg = {"method": "replace", "h": 2, "fragments": 1, "tau": 0, "codec": "fp32", "error_feedback": False,
@@ -643,6 +660,34 @@ def test_behind_worker_catches_up_before_sending(base_model) -> None:
     for t in (5,):
         swarm.step(t)
     assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
+    assert swarm.loops[2].stats.catch_ups == 1
+
+
+def test_a_slow_catch_up_download_blocks_nothing_and_lands_on_the_groups_state(base_model) -> None:
+    """Worker 2 is behind; its download takes a round. It sends its progress meanwhile (no waiting), merges
+    that round onto its stale phi, and when the download (of the state before that round) lands, the round
+    is applied again on top of it: worker 2 then holds the others' phi and momentum bit for bit."""
+    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
+    for t in range(1, 4):
+        swarm.step(t)
+    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    swarm.transports[2].held = []
+    events = swarm.step(4)
+    assert [e.kind for e in events[2]] == ["sent"]  # no catch-up first: the download is under way
+    assert len(swarm.transports[2].held) == 1 and swarm.transports[2].calls[-1][0].version == 0
+    events = swarm.step(5)  # the round merges everywhere, the download has not finished
+    assert _kinds(events[2], "merged") and not _kinds(events[2], "caught_up")
+    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 1]
+    swarm.transports[2].held[0].released = True
+    swarm.train()
+    events = [loop.collect(6) for loop in swarm.loops]
+    assert [e.kind for e in events[2]] == ["caught_up"]
+    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
+    assert torch.equal(swarm.phi(2), swarm.phi(0))
+    assert torch.equal(swarm.loops[2].states[0].momentum, swarm.loops[0].states[0].momentum)
+    for t in range(6, 10):
+        swarm.step(t)
+    assert torch.equal(swarm.phi(2), swarm.phi(0)) and swarm.loops[2].version(0) == swarm.loops[0].version(0)
     assert swarm.loops[2].stats.catch_ups == 1
 
 

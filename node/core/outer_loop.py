@@ -48,9 +48,10 @@ from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
 from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
 
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
+MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
 
 
 @dataclass
@@ -88,6 +89,16 @@ class OuterStats:
     def peak_bytes_per_sync(self) -> int:
         """Most bytes this worker sent for the syncs started at one step."""
         return max(self.bytes_by_round.values(), default=0)
+
+
+@dataclass
+class _Fetch:
+    """A catch-up download under way: the least version it must bring, and the rounds merged meanwhile
+    (the group's version at send time, the average) to apply on top of it when it lands."""
+
+    handle: FetchHandle
+    least: int
+    replay: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +146,7 @@ class OuterLoop:
         # Fragments whose phi left the group's (this node was a version ahead of its round's members):
         # the next send first takes the group's phi at the same version (``_catch_up``).
         self._resync: set[int] = set()
+        self._fetches: dict[int, _Fetch] = {}  # catch-up downloads under way, per fragment
         self.consensus = StateConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
@@ -186,6 +198,8 @@ class OuterLoop:
                 continue  # a late rule consumes the result at the next send of the fragment
             del self.pending[p]
             events.extend(self._merge(self.states[p], pend, self._wait(pend), step))
+        if self._fetches:
+            events.extend(self._land_fetches(step))
         return events
 
     def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
@@ -415,6 +429,9 @@ class OuterLoop:
                 event = self._event("failed", st, step, res, pend.sent_step)
             return [event, *self._bound_carry(st, step)]
         st.failed_rounds = 0
+        fetch = self._fetches.get(st.index)
+        if fetch is not None and len(fetch.replay) < MAX_REPLAY and res.average is not None:
+            fetch.replay.append((res.max_version, res.average.detach().clone()))
         self._follow_group(st, res)
         if res.extras is not None and res.extras.numel():
             self.shared_r = res.extras.clone()
@@ -505,13 +522,37 @@ class OuterLoop:
 
     # ---- catching up ----------------------------------------------------------------------------
     def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:
-        """Fetch a newer phi_p from peers (or, after ``_follow_group``, the group's phi at this version)
-        and carry the local progress onto it (delay-compensated)."""
+        """Before a send: land a download that finished; when behind and none is under way, start one.
+        The send goes on from where this node is: its local progress is a valid contribution whatever
+        phi it started from, and waiting for the download (seconds on a slow link) made the node late
+        to its round again (issue 10)."""
+        events = self._land(st, step)
+        if st.index in self._fetches:
+            return events
         least = st.version if st.index in self._resync else st.version + 1
         if self.transport.latest_version(st.index) < least:
+            return events
+        self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index), least)
+        return events + self._land(st, step)  # a transport that fetches at once (in-process)
+
+    def _land_fetches(self, step: int) -> list[SyncEvent]:
+        events = []
+        for p in sorted(self._fetches):
+            events.extend(self._land(self.states[p], step))
+        return events
+
+    def _land(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        """Take a finished download of ``st``'s outer state: phi and momentum from the peer, this node's
+        local progress carried onto them (delay-compensated), then the outer steps of rounds this node
+        merged while the download was under way, where they continue the downloaded version (so a
+        download that lands one round late still ends at the group's state). Not while a round of the
+        fragment is in flight: its result would be applied twice."""
+        fetch = self._fetches.get(st.index)
+        if fetch is None or not fetch.handle.done() or (st.index in self.pending and not self.rule.late):
             return []
-        snap = self.transport.fetch_fragment(st.index)
-        if snap is None or snap.version < least:
+        del self._fetches[st.index]
+        snap = fetch.handle.result()
+        if snap is None or snap.version < fetch.least:
             return []
         # Far from our own phi is absurd only when ours is a trained reference: a fragment still at its
         # initial state (its join download failed, version 0) is as far from the swarm's as training took
@@ -527,6 +568,9 @@ class OuterLoop:
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
+        for group_version, average in fetch.replay:
+            if group_version == st.version and self._outer_step(st, average) is not None:
+                break
         self._resync.discard(st.index)
         st.set_theta(self.rule.carry(theta, st.phi, phi_old, st.bounds))
         self.stats.catch_ups += 1
@@ -627,7 +671,7 @@ class OuterLoop:
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.pending.clear()
         self.pending_consensus.clear()
-        self._resync.clear()
+        self._fetches.clear()
         if "expected_share" in state:
             self.expected_share = float(state["expected_share"])
         for key, value in (state.get("stats") or {}).items():

@@ -33,6 +33,7 @@ Bytes sent and received are counted here, per peer and per fragment.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -51,7 +52,7 @@ from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
 from node.transport.groups import form_groups
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
@@ -360,6 +361,22 @@ class _Handle(AverageHandle):
         self._future.cancel()
 
 
+class _BackgroundFetch(FetchHandle):
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        super().__init__(None)
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> FragmentSnapshot | None:
+        if self._future.cancelled() or self._future.exception() is not None:
+            if not self._future.cancelled():
+                log.info("state download failed: %r", self._future.exception())
+            return None
+        return self._future.result()
+
+
 class SwarmTransport(Transport):
     """Averaging with peers found in the DHT (see module docstring).
 
@@ -420,6 +437,7 @@ class SwarmTransport(Transport):
         self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
+        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
@@ -525,6 +543,14 @@ class SwarmTransport(Transport):
             return None
         return self._fetch(fragment, holders, version)
 
+    def start_fetch(self, fragment: int) -> FetchHandle:
+        """Download in a background thread (one at a time: they share the link): a catch-up of a few MB
+        over a slow link took seconds, and blocking training for it made the node late to its next round
+        too, so it caught up again, and again (issue 10: catch-up loops at 5 Mbit/s)."""
+        if self._fetcher is None:
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="locoswarm-fetch")
+        return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment))
+
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
         if snapshot.source:
             self._offence(snapshot.source, "bad_state", reason)
@@ -537,6 +563,8 @@ class SwarmTransport(Transport):
 
         with contextlib.suppress(Exception):
             self.runtime.call(stop(), timeout=5)
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     # ---- one round ------------------------------------------------------------------------------
     async def _average(self, req: AverageRequest) -> AverageResult:

@@ -72,6 +72,21 @@ class AverageHandle(ABC):
         """Give up on this round (the node is leaving)."""
 
 
+class FetchHandle:
+    """A download of one fragment's outer state (:meth:`Transport.start_fetch`); this base class holds
+    a download that already finished."""
+
+    def __init__(self, snapshot: FragmentSnapshot | None) -> None:
+        self._snapshot = snapshot
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> FragmentSnapshot | None:
+        """The snapshot, or None when no peer could serve one (call once ``done()``)."""
+        return self._snapshot
+
+
 class Transport(ABC):
     @abstractmethod
     def start_average(self, request: AverageRequest) -> AverageHandle:
@@ -84,6 +99,12 @@ class Transport(ABC):
     @abstractmethod
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         """Outer state of ``fragment`` from a peer holding the newest version, or None."""
+
+    def start_fetch(self, fragment: int) -> FetchHandle:
+        """Start :meth:`fetch_fragment` without waiting for it. By default it runs at once (in-process
+        transports, where it costs nothing); a networked transport downloads in the background so the
+        node keeps training meanwhile."""
+        return FetchHandle(self.fetch_fragment(fragment))
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:  # noqa: B027
         """The core refused a snapshot this transport fetched (the guard found it absurd): a transport
