@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ from node.swarm.averaging import (
     _Reduction,
     plausible_version,
 )
+from node.swarm.reputation import EveryNth
 from node.transport.groups import form_groups
 from node.transport.reduce import PartContribution
 
@@ -206,7 +206,7 @@ def test_a_norm_far_above_the_groups_is_refused_and_only_every_few_such_refusals
     refused = asyncio.run(run())
     kind, _, offence, relative = refused["big"]
     assert (kind, offence, relative) == ("bad_contribution", True, True)
-    stub = SimpleNamespace(_relative_refused=OrderedDict())
+    stub = SimpleNamespace(_relative_refused=EveryNth(RELATIVE_REFUSALS))
     counted = [SwarmTransport._relative_offence(stub, "big") for _ in range(3 * RELATIVE_REFUSALS)]
     assert sum(counted) == 3 and not any(counted[:RELATIVE_REFUSALS - 1])  # a few refusals: no ban yet
 
@@ -216,7 +216,7 @@ def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not()
     open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}
     offences: list[tuple[str, bool]] = []
     stub = SimpleNamespace(_server=SimpleNamespace(open_streams=lambda peer: open_now.get(peer, 0)),
-                           robust=RobustSection(max_streams_per_peer=8), _over_cap=OrderedDict(),
+                           robust=RobustSection(max_streams_per_peer=8), _over_cap=EveryNth(FLOOD_REFUSALS),
                            _offence=lambda peer, kind, detail, offence: offences.append((peer, offence)))
     for _ in range(3 * FLOOD_REFUSALS):
         SwarmTransport._stream_refused(stub, "QmFlood", "too many streams: this peer already has 8 open")
@@ -227,3 +227,11 @@ def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not()
     counted = {p: sum(1 for q, o in offences if q == p and o) for p in open_now}
     assert counted == {"QmFlood": 3, "QmBurst": 0, "QmLate": 0}
     assert len(offences) == 6 * FLOOD_REFUSALS + 3  # every refusal is still counted as a refusal
+
+
+def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> None:
+    counter = EveryNth(3, limit=2)
+    assert [counter.offence("a") for _ in range(6)] == [False, False, True, False, False, True]
+    counter.offence("b")
+    counter.offence("c")  # beyond the limit: "a", the least recently counted, is forgotten
+    assert [counter.offence("a") for _ in range(3)] == [False, False, True]

@@ -50,6 +50,7 @@ from node.core.codecs import CODECS, Codec
 from node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
+from node.swarm.reputation import EveryNth
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
@@ -456,8 +457,8 @@ class SwarmTransport(Transport):
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
         self._stream_timeout = matchmaking_timeout + round_timeout + 5.0
-        self._over_cap: OrderedDict[str, int] = OrderedDict()  # peer -> streams refused over its own cap
-        self._relative_refused: OrderedDict[str, int] = OrderedDict()  # peer -> contributions refused by norm
+        self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap
+        self._relative_refused = EveryNth(RELATIVE_REFUSALS, MAX_TRACKED_FLOODERS)  # contributions refused by norm
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
@@ -486,11 +487,7 @@ class SwarmTransport(Transport):
         per round), a flooder gets banned within seconds."""
         offence = False
         if self._server.open_streams(peer) >= self.robust.max_streams_per_peer:
-            count = self._over_cap.pop(peer, 0) + 1
-            self._over_cap[peer] = count
-            while len(self._over_cap) > MAX_TRACKED_FLOODERS:
-                self._over_cap.popitem(last=False)
-            offence = count % FLOOD_REFUSALS == 0
+            offence = self._over_cap.offence(peer)
         self._offence(peer, "streams", why, offence=offence)
 
     def _relative_offence(self, peer: str) -> bool:
@@ -500,11 +497,7 @@ class SwarmTransport(Transport):
         run saw such a joiner banned by both its peers and kept out of every round. A hostile one is
         refused every round, so it is still banned within ``RELATIVE_REFUSALS * ban_threshold`` rounds;
         and it harms nobody meanwhile (refused, i.e. dropped from the average)."""
-        count = self._relative_refused.pop(peer, 0) + 1
-        self._relative_refused[peer] = count
-        while len(self._relative_refused) > MAX_TRACKED_FLOODERS:
-            self._relative_refused.popitem(last=False)
-        return count % RELATIVE_REFUSALS == 0
+        return self._relative_refused.offence(peer)
 
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)

@@ -42,6 +42,26 @@ def one_line(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
+class EveryNth:
+    """Counts a kind of refusal per peer and says which of them are offences: every ``n``-th. For refusals
+    an honest peer can earn now and then (a burst over its stream cap, a joiner's large first delta) that a
+    hostile peer earns every time: the honest one is never banned, the hostile one still is, ``n`` times
+    later. At most ``limit`` peers are tracked (the least recently counted are forgotten)."""
+
+    def __init__(self, n: int, limit: int = 4096) -> None:
+        self.n = n
+        self.limit = limit
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    def offence(self, peer: str) -> bool:
+        """Count one refusal of ``peer``; True when it is an offence."""
+        count = self._counts.pop(peer, 0) + 1
+        self._counts[peer] = count
+        while len(self._counts) > self.limit:
+            self._counts.popitem(last=False)
+        return count % self.n == 0
+
+
 class _PeerRecord:
     """What one peer has earned: refusal counts, recent offences, its ban."""
 
