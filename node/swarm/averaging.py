@@ -371,9 +371,10 @@ class _BackgroundFetch(FetchHandle):
         return self._future.done()
 
     def result(self) -> FragmentSnapshot | None:
-        if self._future.cancelled() or self._future.exception() is not None:
-            if not self._future.cancelled():
-                log.info("state download failed: %r", self._future.exception())
+        if self._future.cancelled():
+            return None
+        if self._future.exception() is not None:
+            log.info("state download failed: %r", self._future.exception())
             return None
         return self._future.result()
 

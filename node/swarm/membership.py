@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from node.config import SwarmConfig, describe_difference, fingerprint, shared_settings
 from node.errors import UserError
+from node.swarm.clock import lower_median
 from protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -259,11 +261,10 @@ def pace_set(rates: Mapping[str, float], share: float = PACE_SHARE) -> set[str]:
     member's own speed made a fast member cut a straggler that slower members waited for, and the two
     groups then failed the round together (issue 10, ``reports/swarm-20mbit-mismatch-views``). A
     non-finite or negative rate counts as 0."""
-    clean = {p: (r if r == r and 0.0 <= r < float("inf") else 0.0) for p, r in rates.items()}
+    clean = {p: (r if math.isfinite(r) and r >= 0.0 else 0.0) for p, r in rates.items()}
     if not clean:
         return set()
-    ordered = sorted(clean.values())
-    median = ordered[(len(ordered) - 1) // 2]  # the lower median: one fast liar cannot raise it
+    median = lower_median(list(clean.values()))  # one fast liar cannot raise it
     return {p for p, r in clean.items() if r >= share * median}
 
 
