@@ -56,7 +56,14 @@ heartbeats in ways this model does not capture (measured: H=10 fp32 using half o
 reached 0.64 of the unshaped utilization where 0.91 was predicted), and its sync events are at least
 ``MIN_SYNC_INTERVAL_S`` apart (H·S/F, the default matchmaking window of a round): syncs every 2.6 s
 (H=10, F=1 at 0.26 s steps, predicted 0.92) measured 0.36 of unshaped with 20 of 36 rounds failed,
-since a node's rounds then overlap one another's matchmaking. Codecs are preferred widest first
+since a node's rounds then overlap one another's matchmaking. The rounds of one fragment are at
+least ``MIN_ROUND_SPACING_S`` apart (H·S, two default matchmaking windows): the pick H=20 F=1 (one
+round of the whole model every 5.4 s at 0.27 s steps) measured 0.58-0.91 of unshaped at 20 Mbit/s in
+five runs (predicted 0.96-1.00) and 0.27 and 0.47 at 5 Mbit/s (predicted 0.85-0.86), with up to half
+its rounds failed on group mismatch, while the default H=50 F=2 (each fragment every 13.6 s) measured
+0.82-0.96 and 0.65-0.90 on the same links (reports/swarm-*). A fragment's round takes up to one
+matchmaking window to form plus its transfer, and a catch-up of a whole-model fragment; rounds of the
+same fragment closer than that run into each other. Codecs are preferred widest first
 (less quantization), except where the link is the bottleneck (blocking DiLoCo does not reach the
 target on it): there fp4 comes first.
 
@@ -101,6 +108,7 @@ ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formatio
 LINK_LOAD_MAX = 0.5  # a recommended setting's average link load, as a share of the bandwidth
 DILOCO_MARGIN = 0.02  # a recommended setting predicts at least blocking DiLoCo's utilization minus this
 MIN_SYNC_INTERVAL_S = 5.0  # a recommended setting's sync events are at least this far apart (H·S/F seconds)
+MIN_ROUND_SPACING_S = 10.0  # and rounds of one fragment at least this far apart (H·S seconds): two matchmaking windows
 
 GRID_H: tuple[int, ...] = (10, 20, 25, 50, 100, 200, 250, 500, 1000)
 GRID_F: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -399,6 +407,15 @@ def link_load(params: float, step_time: float, bandwidth: float, *, h: int, frag
     return p.avg_bandwidth / bandwidth
 
 
+def is_spaced(h: int, fragments: int, step_time: float, min_sync_interval: float = MIN_SYNC_INTERVAL_S,
+              min_round_spacing: float = MIN_ROUND_SPACING_S) -> bool:
+    """Whether a schedule's sync events (every H·S/F s) and each fragment's rounds (every H·S s) are far
+    enough apart for the swarm's matchmaking (module docstring)."""
+    tol = 1 - 1e-12
+    return (h * step_time / fragments >= min_sync_interval * tol
+            and h * step_time >= min_round_spacing * tol)
+
+
 def diloco_utilization(params: float, step_time: float, bandwidth: float, *, latency: float = 0.0,
                        workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
                        block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
@@ -412,12 +429,14 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
               latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
               block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, h_values: tuple[int, ...] = GRID_H,
               f_values: tuple[int, ...] = GRID_F, tau_values: tuple[int, ...] = GRID_TAU,
-              codecs: tuple[str, ...] = CODECS, min_sync_interval: float = MIN_SYNC_INTERVAL_S) -> Recommendation:
+              codecs: tuple[str, ...] = CODECS, min_sync_interval: float = MIN_SYNC_INTERVAL_S,
+              min_round_spacing: float = MIN_ROUND_SPACING_S) -> Recommendation:
     """Search the (H, F, tau, codec) grid for the first setting that qualifies on the link.
 
     A setting qualifies when it reaches ``target``, predicts at least blocking DiLoCo's utilization
     minus ``DILOCO_MARGIN``, keeps the link's average load within ``LINK_LOAD_MAX`` and spaces its sync
-    events at least ``min_sync_interval`` seconds apart (module docstring). Preference order: the
+    events at least ``min_sync_interval`` seconds apart and the rounds of each fragment at least
+    ``min_round_spacing`` apart (``is_spaced``, module docstring). Preference order: the
     smallest H (more frequent syncs converge better), then the widest codec (less quantization; the
     narrowest instead where the link is the bottleneck, i.e. blocking DiLoCo does not reach the target),
     then the smallest tau (less staleness), then the smallest F. F must divide H and tau is at most H/F.
@@ -437,7 +456,7 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
         load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
                          block_size=block_size)
-        spaced = h * step_time / f >= min_sync_interval * (1 - 1e-12)
+        spaced = is_spaced(h, f, step_time, min_sync_interval, min_round_spacing)
         qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX and spaced
         if qualifies or best is None or (spaced, util) > best[:2]:
             best = (spaced, util, load, (h, f, tau, codec))
@@ -601,7 +620,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
                   f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), quantize/merge "
                   f"cost 0, backward overlap {inp['backward_overlap']:g} step. A recommendation keeps the "
                   f"link's average load within {LINK_LOAD_MAX:.0%}, predicts at least blocking DiLoCo's "
-                  f"utilization and spaces its syncs at least {MIN_SYNC_INTERVAL_S:g} s apart.")
+                  f"utilization, spaces its syncs at least {MIN_SYNC_INTERVAL_S:g} s apart and each "
+                  f"fragment's rounds at least {MIN_ROUND_SPACING_S:g} s apart.")
     rec = plan["recommendation"]
     setting = f"H={rec['h']} F={rec['fragments']} tau={rec['tau']} codec={rec['codec']}"
     need = rec["required_bandwidth"]

@@ -213,8 +213,22 @@ def test_the_pick_spaces_its_syncs_at_least_the_minimum_interval_apart() -> None
     kw = dict(workers=4, round_overhead=plan.ROUND_OVERHEAD_S)
     rec = recommend(params, step, bw, **kw)
     assert rec.h * step / rec.fragments >= plan.MIN_SYNC_INTERVAL_S and rec.reached
-    old = recommend(params, step, bw, **kw, min_sync_interval=0.0)
+    old = recommend(params, step, bw, **kw, min_sync_interval=0.0, min_round_spacing=0.0)
     assert old.h * step / old.fragments < plan.MIN_SYNC_INTERVAL_S
+
+
+def test_the_pick_spaces_each_fragments_rounds_two_matchmaking_windows_apart() -> None:
+    """reports/swarm-background-catchup: at 0.27 s steps the planner picked H=20 F=1 (a round of the whole
+    model every 5.4 s): 0.899 of unshaped at 20 Mbit/s (predicted 1.000) and 0.466 at 5 Mbit/s (0.846),
+    below the default H=50 F=2 (0.959, 0.897). Each fragment's rounds are now MIN_ROUND_SPACING_S apart."""
+    step = 0.274
+    kw = dict(workers=4, round_overhead=plan.ROUND_OVERHEAD_S)
+    for bw in (20e6, 5e6):
+        rec = recommend(1.12e6, step, bw, **kw)
+        assert rec.h * step >= plan.MIN_ROUND_SPACING_S, rec
+        assert rec.h * step / rec.fragments >= plan.MIN_SYNC_INTERVAL_S, rec
+        old = recommend(1.12e6, step, bw, **kw, min_round_spacing=0.0)
+        assert (old.h, old.fragments) == (20, 1), old
 
 
 def test_required_bandwidth_infinite_when_latency_dominates() -> None:
@@ -290,7 +304,7 @@ def test_recommendation_reaches_target_and_is_preferred(params: float, step: flo
             and utilization(params, step, bandwidth, h=h, fragments=f, tau=tau, codec=c, latency=latency)
             >= threshold - 1e-12
             and plan.link_load(params, step, bandwidth, h=h, fragments=f, codec=c) <= plan.LINK_LOAD_MAX
-            and h * step / f >= plan.MIN_SYNC_INTERVAL_S]
+            and plan.is_spaced(h, f, step)]
     link_bound = plan.diloco_utilization(params, step, bandwidth, latency=latency) < 0.95
     assert min(hits, key=lambda s: _preference_key(*s, link_bound)) == (rec.h, rec.fragments, rec.tau, rec.codec)
 
@@ -305,7 +319,7 @@ def test_recommendation_when_nothing_reaches_the_target() -> None:
     assert not rec.reached and rec.utilization < 0.95
     best = max(utilization(1e10, 0.1, 1e6, h=h, fragments=f, tau=tau, codec=c)
                for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
-               if h % f == 0 and tau <= h // f and h * 0.1 / f >= plan.MIN_SYNC_INTERVAL_S)
+               if h % f == 0 and tau <= h // f and plan.is_spaced(h, f, 0.1))
     assert rec.utilization == pytest.approx(best)
     assert rec.required_bandwidth > 1e6
 
