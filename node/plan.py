@@ -95,6 +95,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from node.core.late_window import late_window
 from node.errors import UserError
 
 # --------------------------------------------------------------------------------------------------
@@ -407,6 +408,12 @@ def link_load(params: float, step_time: float, bandwidth: float, *, h: int, frag
     return p.avg_bandwidth / bandwidth
 
 
+def node_overlap(h: int, fragments: int, tau: int) -> int:
+    """Inner steps a round of this node's (H, F, tau) may run before training waits: its late window
+    with the default ``max_delay`` (``node.core.late_window``: h / fragments, at least tau)."""
+    return late_window(h=h, fragments=fragments, tau=tau)
+
+
 def is_spaced(h: int, fragments: int, step_time: float, min_sync_interval: float = MIN_SYNC_INTERVAL_S,
               min_round_spacing: float = MIN_ROUND_SPACING_S) -> bool:
     """Whether a schedule's sync events (every H·S/F s) and each fragment's rounds (every H·S s) are far
@@ -453,7 +460,9 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     # Without a qualifying setting: the best-spaced, then highest-utilization one (reached=False).
     best: tuple[bool, float, float, tuple[int, int, int, str]] | None = None
     for h, f, tau, codec in _grid(h_values, f_values, tau_values, order):
-        util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=tau, codec=codec, **kw)
+        # the node overlaps a slow round up to its late window (it merges with alpha, which allows it)
+        util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=node_overlap(h, f, tau),
+                           codec=codec, **kw)
         load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
                          block_size=block_size)
         spaced = is_spaced(h, f, step_time, min_sync_interval, min_round_spacing)
@@ -465,7 +474,8 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     if best is None:
         raise UserError("plan: the search grid is empty; no (H, F, tau) combination is valid")
     spaced, util, load, (h, f, tau, codec) = best
-    need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=tau, codec=codec, **kw)
+    need = required_bandwidth(params, step_time, target=target, h=h, fragments=f, tau=node_overlap(h, f, tau),
+                              codec=codec, **kw)
     return Recommendation(reached=util >= target * (1 - 1e-12) and load <= LINK_LOAD_MAX and spaced, h=h, fragments=f,
                           tau=tau, codec=codec, utilization=util, required_bandwidth=need, target=target)
 

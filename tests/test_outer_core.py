@@ -435,8 +435,12 @@ class RecordingTransport(Transport):
         self.drop_rounds = drop_rounds or set()
         self.calls: list[tuple[AverageRequest, AverageHandle]] = []
 
+    hold = False  # new rounds' handles are held (unfinished until released, or until waited for)
+
     def start_average(self, request: AverageRequest) -> AverageHandle:
         handle = _FailedHandle() if request.round in self.drop_rounds else self.inner.start_average(request)
+        if self.hold:
+            handle = _HeldHandle(handle)
         self.calls.append((request, handle))
         return handle
 
@@ -453,6 +457,22 @@ class RecordingTransport(Transport):
             return super().start_fetch(fragment)
         self.held.append(_HeldFetch(self.inner.fetch_fragment(fragment)))  # the state as it is when asked
         return self.held[-1]
+
+
+class _HeldHandle(AverageHandle):
+    """A round still running on the network: done once released; ``result()`` is the node waiting for it."""
+
+    def __init__(self, inner: AverageHandle) -> None:
+        self.inner = inner
+        self.released = False
+        self.waited = False
+
+    def done(self) -> bool:
+        return self.released and self.inner.done()
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        self.waited = self.waited or not self.released
+        return self.inner.result(timeout)
 
 
 class _HeldFetch(FetchHandle):
@@ -689,6 +709,53 @@ def test_a_slow_catch_up_download_blocks_nothing_and_lands_on_the_groups_state(b
         swarm.step(t)
     assert torch.equal(swarm.phi(2), swarm.phi(0)) and swarm.loops[2].version(0) == swarm.loops[0].version(0)
     assert swarm.loops[2].stats.catch_ups == 1
+
+
+SLOW_H = 8  # h=8, F=1: the first send is at step 8
+
+
+def _slow_round(swarm: Swarm, release_at: int | None, until: int) -> tuple[list[_HeldHandle], dict[int, list]]:
+    """Step to the first send (step SLOW_H) with that round's handles held, release them at ``release_at``
+    (None: never), step on to ``until``. Returns the held handles and worker 0's events per step."""
+    events: dict[int, list] = {}
+    held: list[_HeldHandle] = []
+    for t in range(1, until + 1):
+        for tr in swarm.transports:
+            tr.hold = t == SLOW_H
+        if t == release_at:
+            for h in held:
+                h.released = True
+        events[t] = swarm.step(t)[0]
+        if t == SLOW_H:
+            assert _kinds(events[t], "sent")
+            held = [h for tr in swarm.transports for _, h in tr.calls if isinstance(h, _HeldHandle)]
+    return held, events
+
+
+def test_a_round_slower_than_tau_is_merged_late_while_training_goes_on(base_model) -> None:
+    """alpha, h=8, tau=1: the round is not finished at tau. Training goes on (nobody waits), the result is
+    merged on every worker when it lands, three steps after the send, and the workers' phi agree."""
+    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1))
+    assert swarm.loops[0].late_window() == SLOW_H  # auto: h / fragments
+    held, ev = _slow_round(swarm, release_at=SLOW_H + 3, until=SLOW_H + 4)
+    assert len(held) == 2 and not any(h.waited for h in held)
+    assert not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
+    merged = _kinds(ev[SLOW_H + 3], "merged")
+    assert len(merged) == 1 and merged[0].step - SLOW_H == 3
+    assert [loop.version(0) for loop in swarm.loops] == [1, 1]
+    assert torch.equal(swarm.phi(0), swarm.phi(1))
+
+
+def test_a_round_is_waited_for_at_the_end_of_the_late_window_and_replace_waits_at_tau(base_model) -> None:
+    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=3))
+    held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 3)
+    assert held and all(h.waited for h in held) and _kinds(ev[SLOW_H + 3], "merged")
+    assert not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
+    for kw in ({"method": "replace"}, {"method": "alpha", "max_delay": 0}):  # blocking DiLoCo; no late window
+        swarm = Swarm(base_model, 2, _outer(h=SLOW_H, tau=1, **kw))
+        assert swarm.loops[0].late_window() == 1
+        held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 1)
+        assert held and all(h.waited for h in held) and _kinds(ev[SLOW_H + 1], "merged")
 
 
 def test_two_catch_ups_in_a_row_without_a_merged_round_are_a_catch_up_loop(base_model) -> None:

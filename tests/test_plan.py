@@ -294,15 +294,17 @@ def test_recommendation_reaches_target_and_is_preferred(params: float, step: flo
                                                          latency: float) -> None:
     rec = recommend(params, step, bandwidth, latency=latency)
     assert rec.reached
-    kw = dict(h=rec.h, fragments=rec.fragments, tau=rec.tau, codec=rec.codec, latency=latency)
+    # the node's overlap is its late window (h / F), not tau alone
+    kw = dict(h=rec.h, fragments=rec.fragments, tau=plan.node_overlap(rec.h, rec.fragments, rec.tau),
+              codec=rec.codec, latency=latency)
     assert utilization(params, step, bandwidth, **kw) >= 0.95 - 1e-12
     assert rec.required_bandwidth <= bandwidth * (1 + 1e-9)
     # brute force: it is the most preferred grid setting that reaches the target
     threshold = max(0.95, plan.diloco_utilization(params, step, bandwidth, latency=latency) - plan.DILOCO_MARGIN)
     hits = [(h, f, tau, c) for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
             if h % f == 0 and tau <= h // f
-            and utilization(params, step, bandwidth, h=h, fragments=f, tau=tau, codec=c, latency=latency)
-            >= threshold - 1e-12
+            and utilization(params, step, bandwidth, h=h, fragments=f, tau=plan.node_overlap(h, f, tau), codec=c,
+                            latency=latency) >= threshold - 1e-12
             and plan.link_load(params, step, bandwidth, h=h, fragments=f, codec=c) <= plan.LINK_LOAD_MAX
             and plan.is_spaced(h, f, step)]
     link_bound = plan.diloco_utilization(params, step, bandwidth, latency=latency) < 0.95
@@ -317,7 +319,7 @@ def test_recommendation_on_a_fast_link_is_plain_and_frequent() -> None:
 def test_recommendation_when_nothing_reaches_the_target() -> None:
     rec = recommend(1e10, 0.1, 1e6)
     assert not rec.reached and rec.utilization < 0.95
-    best = max(utilization(1e10, 0.1, 1e6, h=h, fragments=f, tau=tau, codec=c)
+    best = max(utilization(1e10, 0.1, 1e6, h=h, fragments=f, tau=plan.node_overlap(h, f, tau), codec=c)
                for h in GRID_H for f in GRID_F for tau in GRID_TAU for c in CODECS
                if h % f == 0 and tau <= h // f and plan.is_spaced(h, f, 0.1))
     assert rec.utilization == pytest.approx(best)

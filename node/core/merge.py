@@ -102,6 +102,10 @@ class MergeRule(ABC):
 
     name: ClassVar[str]
     late: ClassVar[bool] = False
+    # Whether a result may be merged later than tau while training goes on: the rule keeps the local
+    # progress made since the send (mixed or carried), so a late result costs staleness, not steps.
+    # ``replace`` drops that progress (theta <- phi), so it waits at tau as blocking DiLoCo does.
+    merges_late: ClassVar[bool] = True
 
     @abstractmethod
     def merge(self, theta: torch.Tensor, phi: torch.Tensor, snapshot: torch.Tensor, bounds: Bounds) -> torch.Tensor:
@@ -117,6 +121,7 @@ class Replace(MergeRule):
     """DiLoCo / Streaming DiLoCo without overlap (Douillard et al. 2023, 2025): theta <- phi."""
 
     name = "replace"
+    merges_late = False
 
     def merge(self, theta, phi, snapshot, bounds):
         return merge_replace(theta, phi)

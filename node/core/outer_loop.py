@@ -43,6 +43,7 @@ from node.core.guard import (
     check_snapshot,
     non_finite,
 )
+from node.core.late_window import late_window
 from node.core.merge import LateRule, make_merge_rule
 from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks, encode_with_feedback
@@ -105,7 +106,8 @@ class _Fetch:
 class _Pending:
     handle: AverageHandle
     sent_step: int
-    due_step: int
+    due_step: int             # merged no earlier than this step (send + tau) ...
+    deadline_step: int        # ... and waited for at this step if it has not finished (see late_window)
     weight: float
     snapshot: torch.Tensor | None
     residual_before: torch.Tensor | None
@@ -196,6 +198,8 @@ class OuterLoop:
             pend = self.pending[p]
             if pend.due_step > step or self.rule.late:
                 continue  # a late rule consumes the result at the next send of the fragment
+            if step < pend.deadline_step and not pend.handle.done():
+                continue  # not finished yet: training goes on, and the result is merged when it lands
             del self.pending[p]
             events.extend(self._merge(self.states[p], pend, self._wait(pend), step))
         if self._fetches:
@@ -216,6 +220,13 @@ class OuterLoop:
             else:
                 events.extend(self._send(st, step))
         return events
+
+    def late_window(self) -> int:
+        """Steps after a send by which its round must have finished; until then a round slower than tau
+        is not waited for (``node.core.late_window``, ``[outer] max_delay``)."""
+        c = self.cfg
+        return late_window(h=c.h, fragments=c.fragments, tau=c.tau, max_delay=c.max_delay,
+                           merges_late=self.rule.merges_late and not self.rule.late)
 
     def _schedule_view(self) -> ScheduleView:
         # a late rule's syncs are always in flight (consumed at the next send), so they block no pick
@@ -258,8 +269,8 @@ class OuterLoop:
         chunks, decoded = encode_with_feedback(self.codec, delta, st.residual)
         st.last_quant_error = _relative_error(decoded, delta)
         handle = self._start(st, step, chunks)
-        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
-                                          snapshot=theta, residual_before=residual_before,
+        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
+                                          st.tokens_since_send, snapshot=theta, residual_before=residual_before,
                                           own_norm=float(torch.linalg.vector_norm(decoded)),
                                           phi_norm=float(torch.linalg.vector_norm(st.phi)))
         st.tokens_since_send = 0.0
@@ -356,8 +367,8 @@ class OuterLoop:
             self.stats.refused += 1
         st.set_theta(st.phi)
         handle = self._start(st, step, chunks)
-        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, st.tokens_since_send,
-                                          snapshot=None, residual_before=None, own=own_now,
+        self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
+                                          st.tokens_since_send, snapshot=None, residual_before=None, own=own_now,
                                           own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)),
                                           phi_norm=float(torch.linalg.vector_norm(st.phi)))
         st.tokens_since_send = 0.0

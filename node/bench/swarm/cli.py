@@ -228,14 +228,21 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     if "optimizer" in (conf.get("settings") or {}):
         conf["predicted"] = None
         return
+    from node.core.late_window import late_window
+    from node.core.merge import make_merge_rule
+
     o = cfg.outer
+    rule = make_merge_rule(o.method)
+    # the overlap the node really has: its late window (a slow round is waited for only at its end)
+    overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
+                          merges_late=rule.merges_late and not rule.late)
     rate = link.rate_bps if link is not None else math.inf
     latency = link.latency_ms / 1e3 if link is not None else 0.0
 
     def predict(step_time: float | None) -> float | None:
         if not step_time:
             return None
-        return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=o.tau, codec=o.codec,
+        return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=overlap, codec=o.codec,
                                    latency=latency, workers=workers, block_size=o.block_size,
                                    round_overhead=ROUND_OVERHEAD_S))
 
