@@ -49,7 +49,10 @@ groups.
 ``T_max = min(W + C·(1/u − 1)/K, C/(u·K) + O)``, so ``bandwidth ≥ r·P / (T_max − 2·L − O)``
 (infinite if the latency and overhead alone exceed T_max).
 
-*Recommendation.* A grid setting qualifies when its predicted utilization reaches the target, is not
+*Recommendation.* Settings are evaluated as the node runs them: with the alpha rule, whose round may
+run on past tau until its late window ends (``node.core.late_window``: h / F steps by default), so the
+free window is ``W = max(tau, H/F)·S`` (``node_overlap``); the table's rows keep the papers' fixed tau.
+A grid setting qualifies when its predicted utilization reaches the target, is not
 below blocking DiLoCo's (H = 50, fp32) by more than ``DILOCO_MARGIN``, and its average link load stays
 within ``LINK_LOAD_MAX`` of the bandwidth: a link kept busy by bulk transfers delays matchmaking and
 heartbeats in ways this model does not capture (measured: H=10 fp32 using half of a 20 Mbit/s link

@@ -63,7 +63,11 @@ def test_configurations_are_valid_and_distinct() -> None:
     assert (diloco.outer.fragments, diloco.outer.tau, diloco.outer.codec, diloco.outer.method) == \
         (1, 0, "fp32", "replace")
     planner = spec.config_for("planner", base, spec.PlannerPick(h=10, fragments=2, tau=0, codec="fp4", predicted=0.9))
-    assert (planner.outer.h, planner.outer.method) == (10, "replace")
+    # tau = 0 keeps a rule with a late window (the planner's prediction assumes one), not replace
+    assert (planner.outer.h, planner.outer.tau, planner.outer.method) == (10, 0, "alpha")
+    rebase = spec.config_for("planner", load_config(None, ["swarm.name=b", "outer.method=rebase"]),
+                             spec.PlannerPick(h=10, fragments=2, tau=0, codec="fp4", predicted=0.9))
+    assert rebase.outer.method == "rebase"
     assert len({c.swarm.name for c in (base, diloco, planner)}) == 3
 
 

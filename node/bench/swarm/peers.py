@@ -42,6 +42,9 @@ from pathlib import Path
 log = logging.getLogger("locoswarm.bench.hivemind")
 
 
+EVAL_MAX_S = 30.0
+
+
 def _eth0_bytes() -> tuple[int, int]:
     """(sent, received) bytes of this network namespace's ``eth0`` (0, 0 when there is none)."""
     try:
@@ -116,7 +119,7 @@ def run_hivemind(argv: list[str]) -> int:
         batch_size_per_step=i.batch_size, target_batch_size=i.batch_size * cfg.outer.h * max(1, args.nodes),
         use_local_updates=True, matchmaking_time=cfg.network.matchmaking_timeout,
         averaging_timeout=cfg.network.round_timeout, allreduce_timeout=cfg.network.round_timeout,
-        next_chunk_timeout=cfg.network.round_timeout, verbose=False)
+        next_chunk_timeout=cfg.network.round_timeout, verbose=True)  # its epochs and state loads in the log
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # hivemind's averager set SIGINT to ignored
         signal.signal(sig, lambda *_: stop.set())
@@ -126,7 +129,7 @@ def run_hivemind(argv: list[str]) -> int:
                     "syncs_failed": 0, "catch_ups": 0}
     compute, step, epochs, loss = 0.0, 0, 0, float("nan")
     local_times: list[float] = []
-    last_write = 0.0
+    last_write, last_eval = 0.0, time.monotonic()
     while not stop.is_set():
         batch = batches.get(step)
         t0 = time.monotonic()
@@ -148,8 +151,11 @@ def run_hivemind(argv: list[str]) -> int:
             compute += (t1 - t0) + (statistics.median(local_times) if local_times else 0.0)
         step += 1
         loss = float(out.detach())
-        if args.eval_every and step % args.eval_every == 0:
+        # every eval_every steps, and at least every EVAL_MAX_S seconds: a peer stalled by its averaging
+        # may make fewer steps in a whole window than eval_every, and its row would show the untrained loss
+        if args.eval_every and (step % args.eval_every == 0 or time.monotonic() - last_eval >= EVAL_MAX_S):
             eval_curve.append([step, evaluate(model, evals, "cpu")])
+            last_eval = time.monotonic()
         now = time.time()
         if now - last_write >= 1.0:
             last_write = now

@@ -148,7 +148,10 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
     elif name == "planner":
         if pick is None:
             raise ValueError("the planner configuration needs the planner's pick")
-        method = "replace" if pick.tau == 0 else ("alpha" if o.method in ("replace", "eager") else o.method)
+        # The planner's predictions assume a rule that may merge a slow round late (its late window):
+        # keep the base's rule if it is one, else alpha. (tau = 0 is no reason for replace: with the
+        # late window, a round is merged as soon as it lands.)
+        method = o.method if o.method in ("alpha", "rebase", "compensate") else "alpha"
         cfg.outer = dataclasses.replace(o, h=pick.h, fragments=pick.fragments, tau=pick.tau, codec=pick.codec,
                                         method=method)
     validate(cfg, f"bench swarm configuration {name!r}")
