@@ -594,3 +594,41 @@ def test_many_concurrent_streams(net):
         assert _wait_until(lambda: server.open_streams() == 0, 5)
     finally:
         net.run(server.stop())
+
+
+class _Writer:
+    """A stream writer that accepts everything (the peer never reads it back)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+
+def test_a_stream_task_cancelled_at_shutdown_ends_normally() -> None:
+    """A node that leaves cancels its stream tasks; hivemind's done-callback reads task.exception(), which
+    raised CancelledError and logged a traceback at every shutdown of the swarm bench. The handler now ends
+    normally when cancelled (here: while it holds a refused peer's stream in the tarpit)."""
+
+    async def main() -> asyncio.Task:
+        async def handler(remote, requests):
+            yield swarm_pb2.StateChunk()
+
+        server = wire.WireServer(None, "t", handler, swarm_pb2.StateRequest, max_request_bytes=64, idle_timeout=1.0,
+                                 max_streams_per_peer=1, max_streams=1, gatekeeper=lambda remote: "banned here")
+        info = type("Info", (), {"peer_id": "QmPeer"})()
+        task = asyncio.create_task(server._on_stream(info, asyncio.StreamReader(), _Writer()))
+        await asyncio.sleep(0.1)  # inside the tarpit's hold
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+        return task
+
+    task = asyncio.run(main())
+    assert task.done() and not task.cancelled() and task.exception() is None

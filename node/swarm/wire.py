@@ -349,6 +349,11 @@ class WireServer:
                 self._gate.release(remote)
         except Exception as exc:  # last line of defence: nothing escapes into hivemind's server task
             log.debug("%s: stream from %s failed: %r", self.name, remote[:16], exc)
+        except asyncio.CancelledError:
+            # The node is leaving and its loop cancels the stream tasks. hivemind's done-callback calls
+            # task.exception(), which raises on a cancelled task and logs "Exception in callback" with a
+            # traceback at every shutdown; nothing awaits this task, so ending it normally loses nothing.
+            log.debug("%s: stream from %s cancelled", self.name, remote[:16])
         finally:
             await _close_writer(writer)
 
