@@ -8,6 +8,8 @@ stopped (and checked gone by PID) by the fixture.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -148,6 +150,49 @@ def test_round_trip_sets_the_source_and_refuses_what_cannot_be_served(swarm):
         assert book.refused == [(swarm.id(swarm.client), "state_fingerprint", False)]
         assert book.bad == []  # honest refusals are nobody's offence
         assert server.served == 5
+    finally:
+        server.close()
+
+
+def test_the_server_sends_at_most_its_credit_ahead_of_the_clients_acknowledgements(swarm):
+    """A download may not fill the buffers the DHT and the rounds share (module docstring of state_sync):
+    without acknowledgements the server sends CREDIT_CHUNKS chunks and waits; each one lets one more go."""
+    numel = 10 * CHUNK_ELEMS
+    g = torch.Generator().manual_seed(5)
+    snap = FragmentSnapshot(0, 5, torch.randn(numel, generator=g), torch.randn(numel, generator=g))
+    book = Book()
+    server = _server(swarm, swarm.good, book, snaps={0: snap})
+
+    async def probe() -> list[int]:
+        acks: asyncio.Queue = asyncio.Queue()
+        request = swarm_pb2.StateRequest(fingerprint=FP, fragment=0, min_version=5)
+
+        async def requests():
+            yield request
+            while (ack := await acks.get()) is not None:
+                yield ack
+
+        seen: list[int] = []
+        async with wire.open_stream(swarm.client, swarm.id(swarm.good), STATE_HANDLER, requests(),
+                                    swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=10) as stream:
+
+            async def read() -> None:
+                async for msg in stream:
+                    seen.append(msg.offset)
+
+            reader = asyncio.create_task(read())
+            await asyncio.sleep(1.5)  # nothing beyond the credit comes without an acknowledgement
+            counts = [len(seen)]
+            acks.put_nowait(request)
+            await asyncio.sleep(1.0)
+            counts.append(len(seen))
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+        return counts
+
+    try:
+        assert swarm.run(probe()) == [state_sync.CREDIT_CHUNKS, state_sync.CREDIT_CHUNKS + 1]
     finally:
         server.close()
 
@@ -311,6 +356,15 @@ def test_a_malformed_request_is_an_offence_and_the_server_keeps_serving(swarm):
 _hostile_names = itertools.count()
 
 
+async def _drain(requests: wire.RequestStream) -> None:
+    """Read the client's acknowledgements to its END, as the real server does before it closes (a stream
+    closed with unread data is reset, and the reset can cut the last chunk short on its way out)."""
+    with contextlib.suppress(TimeoutError, wire.WireError):
+        async with asyncio.timeout(5):
+            async for _ in requests:
+                pass
+
+
 def _chunk(req: swarm_pb2.StateRequest, offset: int, count: int, *, version: int = 9, numel: int = NUMEL,
            value: float = 0.5, mom_count: int | None = None) -> swarm_pb2.StateChunk:
     phi = torch.full((count,), value).numpy().tobytes()
@@ -385,6 +439,7 @@ def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode, cap
         req = await anext(requests)
         for chunk in _hostile_chunks(mode, req):
             yield chunk
+        await _drain(requests)
 
     bad = swarm.run(wire.serve(swarm.other, STATE_HANDLER, hostile, swarm_pb2.StateRequest,
                                max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
@@ -426,6 +481,7 @@ def test_a_stream_closed_under_the_client_is_asked_again_not_given_up(swarm):
             raise ConnectionResetError("closed under the client")
         for chunk in _complete(req):
             yield chunk
+        await _drain(requests)
 
     server = swarm.run(wire.serve(swarm.other, STATE_HANDLER, flaky, swarm_pb2.StateRequest,
                                   max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))

@@ -1,10 +1,23 @@
 """Outer-state download between peers: how a joining node (or one that fell behind) gets phi and b.
 
 The server answers a ``StateRequest`` for one fragment with a stream of ``StateChunk``s (fp32 phi and
-momentum, 64 Ki elements per message) from an immutable snapshot, so a download never sees a
-half-applied outer step. The client is resumable: when a peer fails mid-stream it continues from the
-last element received with another peer holding the same version. A joiner spreads its fragments
-over several peers.
+momentum, 16 Ki elements per message) from an immutable snapshot, so a download never sees a
+half-applied outer step.
+
+Flow control: the server sends at most ``CREDIT_CHUNKS`` chunks ahead of the client. Each further
+``StateRequest`` the client writes on the same stream (one per chunk received) lets it send one more.
+Without that, a download filled every buffer between the two processes (socket buffers, libp2p's
+per-stream window) with megabytes, and the DHT's messages and the rounds' parts, which share the
+peers' one libp2p connection, queued behind them: at 5 Mbit/s a holder serving three joiners could
+not publish its heartbeat for tens of seconds ("no answer from the DHT in 5 s"), was taken for gone
+and the rounds fell apart. Now at most ``CREDIT_CHUNKS`` x 128 KiB of one download wait ahead of
+them (0.8 s at 5 Mbit/s). The price is throughput on links whose bandwidth-delay product exceeds
+that window (about 40 Mbit/s at 100 ms round trip per download). After its last chunk the server reads
+the client's trailing acknowledgements up to its END before closing: a stream closed with unread data
+is reset, which cut the last chunk short.
+
+The client is resumable: when a peer fails mid-stream it continues from the last element received with
+another peer holding the same version. A joiner spreads its fragments over several peers.
 
 Both ends use the bounded framing of ``node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
 chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
@@ -48,10 +61,12 @@ if TYPE_CHECKING:  # pragma: no cover (types only: the averaging protocol is not
 log = logging.getLogger("locoswarm.state")
 
 STATE_HANDLER = "locoswarm.state.v1"
-CHUNK_ELEMS = 1 << 16
+CHUNK_ELEMS = 1 << 14
+CREDIT_CHUNKS = 4  # chunks a server sends ahead of the client's acknowledgements (module docstring)
+DRAIN_S = 5.0  # how long a server reads a client's trailing acknowledgements after its last chunk
 MAX_REQUEST_BYTES = 1024  # a StateRequest is a fingerprint and three integers
 MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
-IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 512 KiB)
+IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 128 KiB)
 MAX_STREAMS_PER_PEER = 8
 MAX_STREAMS = 64
 REQUESTS_PER_MINUTE = 60
@@ -204,7 +219,7 @@ class StateServer:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
             return
         assert snap is not None
-        async for chunk in self._chunks(remote, request, snap):
+        async for chunk in self._chunks(remote, request, snap, requests):
             yield chunk
         self.served += 1
 
@@ -236,12 +251,19 @@ class StateServer:
             return _refusal(BAD_OFFSET, f"offset {request.offset} is past the {snap.phi.numel()} elements")
         return None
 
-    async def _chunks(self, remote: str, request: swarm_pb2.StateRequest,
-                      snap: FragmentSnapshot) -> AsyncIterator[swarm_pb2.StateChunk]:
+    async def _chunks(self, remote: str, request: swarm_pb2.StateRequest, snap: FragmentSnapshot,
+                      acks: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
         numel = snap.phi.numel()
         # A resumed download continues only within the version it started; a newer one starts over.
         start = int(request.offset) if snap.version == request.min_version else 0
+        credit = CREDIT_CHUNKS
         for a in range(start, numel, CHUNK_ELEMS):
+            if credit == 0:  # wait for the client to take one (each later request on the stream is one)
+                ack = await anext(acks, None)
+                if ack is None:
+                    return  # the client is done with this stream
+                credit += 1
+            credit -= 1
             b = min(a + CHUNK_ELEMS, numel)
             msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
                                        phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
@@ -250,6 +272,12 @@ class StateServer:
             await asyncio.sleep(0)
         if numel == 0:
             yield swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0, offset=0)
+        # Read the client's last acknowledgements up to its END before the stream closes: a socket closed
+        # with unread data is reset, and the reset discarded the end of the last chunk on its way out.
+        with contextlib.suppress(TimeoutError, wire.WireError):
+            async with asyncio.timeout(DRAIN_S):
+                async for _ in acks:
+                    pass
 
     def _refuse(self, remote: str, code: str, detail: str, *, kind: str, offence: bool) -> str:
         log.debug("state: refused %s (%s): %s", remote[:16], code, detail)
@@ -489,14 +517,23 @@ class StateClient:
 
     async def _try_peer(self, download: _Download, peer: str, deadline: float) -> FragmentSnapshot | str:
         """The snapshot, or why not (prefixed ``again: `` when the peer is worth asking again)."""
+        acks: asyncio.Queue[swarm_pb2.StateRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[swarm_pb2.StateRequest]:
+            # the request, then one acknowledgement per chunk received (the server's flow control)
+            yield download.request(self.fingerprint)
+            while (ack := await acks.get()) is not None:
+                yield ack
+
         try:
             async with asyncio.timeout_at(_loop_deadline(deadline)):
-                async with wire.open_stream(self.runtime.p2p, peer, STATE_HANDLER,
-                                            download.request(self.fingerprint), swarm_pb2.StateChunk,
+                async with wire.open_stream(self.runtime.p2p, peer, STATE_HANDLER, requests(), swarm_pb2.StateChunk,
                                             max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=IDLE_TIMEOUT) as stream:
                     async for msg in stream:
                         self.counters.received(peer, download.fragment, -1, msg.ByteSize())
                         download.add(msg)
+                        # one more chunk, or END once complete (the server then ends the stream)
+                        acks.put_nowait(None if download.complete() else download.request(self.fingerprint))
             if download.complete():
                 self._backoff.served(peer)
                 return download.snapshot(peer)
