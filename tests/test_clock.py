@@ -30,11 +30,16 @@ def beat(clock: int, inner_step: int, t: float, has_state: bool = True) -> Simpl
 
 
 class Offences:
+    """What the clock reported: every ignored claim (``of``), and those that count toward a ban."""
+
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, str]] = []
+        self.counted: list[str] = []
 
-    def __call__(self, peer: str, kind: str, detail: str) -> None:
+    def __call__(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> None:
         self.seen.append((peer, kind, detail))
+        if offence:
+            self.counted.append(peer)
 
     def of(self, peer: str) -> list[str]:
         return [detail for p, kind, detail in self.seen if p == peer and kind == "clock"]
@@ -287,6 +292,40 @@ def test_a_first_claim_far_above_the_swarm_is_refused():
     assert node.join(3850) in range(3849, 3853)
     assert node.peer_clock("x") is None and len(offences.of("x")) == 1
     assert not offences.of("b") and not offences.of("c")
+    assert offences.counted == []  # 3.7x the others: ignored, no offence (FIRST_CLAIM_ABSURD)
+
+
+def test_a_node_that_trained_alone_is_not_an_offender_to_fresh_joiners():
+    """The 5 Mbit/s bench: three joiners whose state downloads failed started at clock 0 and judged the first
+    node's honest 180 against their own clocks; each banned it (three offences), and no round ever formed.
+    Its claim is ignored while the others are far below, without an offence, and accepted once they come
+    within the slack (its own clock waits for their median meanwhile). A first claim far beyond (the clock
+    attack's +10000) is still an offence."""
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences)
+    node.join(0)
+    step = 0
+
+    def interval(others: dict) -> None:  # this node and the joiners step at 10 per interval
+        nonlocal step
+        now.t += INTERVAL
+        for _ in range(10):
+            step += 1
+            node.tick(step)
+        node.observe_table({"j2": beat(step, step, now.t), "j3": beat(step, step, now.t), **others})
+
+    for _ in range(6):
+        interval({})
+    interval({"first": beat(180, 180, now.t)})
+    assert node.peer_clock("first") is None and offences.of("first") and offences.counted == []
+    for i in range(30):
+        if node.peer_clock("first") is not None:
+            break
+        interval({"first": beat(180, 190 + 10 * i, now.t)})
+    assert node.peer_clock("first") is not None and offences.counted == [], offences.seen
+    node.observe_table({"liar": beat(node.value + 10_000, 100, now.t)})
+    assert node.peer_clock("liar") is None and offences.counted == ["liar"]
 
 
 @pytest.mark.parametrize("clock,inner,t", [(-1, 0, 0.0), (MAX_CLOCK + 1, 0, 0.0), (5, 5, math.nan),
