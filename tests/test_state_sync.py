@@ -521,3 +521,12 @@ def test_constants_bound_a_chunk():
     assert MAX_CHUNK_BYTES >= 2 * 4 * CHUNK_ELEMS + 64  # a full chunk and its small fields fit
     assert MAX_CHUNK_BYTES < 2 * 4 * CHUNK_ELEMS + 8192
     assert state_sync.PARALLEL_DOWNLOADS <= state_sync.MAX_STREAMS_PER_PEER
+
+
+def test_a_download_is_given_time_for_its_size(swarm):
+    """A fixed 30 s failed every join of a 9 MB state pulled by three joiners from one holder at 5 Mbit/s."""
+    client = _client(swarm, Book(), timeout=30.0)
+    assert client.budget(0) == 30.0
+    nine_mb = 9_000_000 // 8  # phi and momentum in fp32: 8 bytes per element
+    assert client.budget(nine_mb) == pytest.approx(30.0 + 9_000_000 / state_sync.MIN_DOWNLOAD_RATE)
+    assert client.budget(nine_mb) > 3 * 9_000_000 * 8 / 5e6  # three such downloads at 5 Mbit/s fit
