@@ -23,7 +23,14 @@ queued behind bulk data. Issue 10 measured roughly 1 s per round with 4 real nod
 paper's datacenter all-reduce has no DHT matchmaking). O delays a sync but does not occupy the link.
 
 The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
-uncontended, so a group is as fast as one link.
+uncontended, so a group is as fast as one link. A round's transfers get only a share ``e``
+(``--link-efficiency``, default ``LINK_EFFICIENCY`` = 0.5) of the nominal rate: four real nodes on
+tc-shaped links (``locoswarm bench swarm``, reports/swarm-late-window) ran blocking DiLoCo (fp32, the
+whole model per round, so its utilization measures the transfer time) at 0.680 of unshaped at 20 Mbit/s
+and 0.369 at 5 Mbit/s, where e = 1 predicts 0.776 and 0.505 and e = 0.5 predicts 0.68 and 0.38 (the
+reduce-scatter's and all-gather's concurrent streams, TCP through a token bucket, libp2p framing). The
+Table 4 calibration below uses e = 1 (a datacenter link). Required and peak bandwidths are reported as
+nominal link rates (divided by e).
 
 *Payload.* ``P = params_in_sync · b_eff`` with ``b_eff`` bits per parameter including codec scale
 overhead (one fp32 scale per block of 64): fp32 32, bf16 16, int8 8 + 32/64 = 8.5, fp4 (E3M0)
@@ -95,7 +102,7 @@ import argparse
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from node.core.late_window import late_window
@@ -109,6 +116,7 @@ CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
 BLOCK_SIZE = 64  # elements per fp32 codec scale (node.core.codecs default)
 PHASES = 2  # reduce-scatter + all-gather, one latency each
 ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
+LINK_EFFICIENCY = 0.5  # e: share of a link's rate a round's transfers get (measured; see the docstring)
 LINK_LOAD_MAX = 0.5  # a recommended setting's average link load, as a share of the bandwidth
 DILOCO_MARGIN = 0.02  # a recommended setting predicts at least blocking DiLoCo's utilization minus this
 MIN_SYNC_INTERVAL_S = 5.0  # a recommended setting's sync events are at least this far apart (H·S/F seconds)
@@ -562,19 +570,26 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     target = parse_fraction(args.target, "--target")
     overlap = parse_fraction(args.backward_overlap, "--backward-overlap", allow_zero=True)
     overhead = parse_seconds(args.round_overhead, "--round-overhead", allow_zero=True)
+    efficiency = parse_fraction(args.link_efficiency, "--link-efficiency")
     common = dict(target=target, latency=latency, workers=workers, backward_overlap=overlap,
                   round_overhead=overhead)
-    rows = method_rows(params, step_time, bandwidth, h=h, fragments=fragments, tau=tau,
-                       baseline_codec=args.baseline_codec, **common)
-    rec = recommend(params, step_time, bandwidth, **common)
+    # modelled on the rate a round's transfers get; capacities reported back as nominal link rates
+    usable = bandwidth * efficiency
+    rows = [replace(r, required_bandwidth=r.required_bandwidth / efficiency,
+                    peak_bandwidth=r.peak_bandwidth / efficiency)
+            for r in method_rows(params, step_time, usable, h=h, fragments=fragments, tau=tau,
+                                 baseline_codec=args.baseline_codec, **common)]
+    rec = recommend(params, step_time, usable, **common)
+    rec = replace(rec, required_bandwidth=rec.required_bandwidth / efficiency)
     return {
         "inputs": {"params": params, "step_time_s": step_time, "bandwidth_bit_s": bandwidth,
                    "latency_s": latency, "workers": workers, "h": h, "fragments": fragments, "tau": tau,
                    "target": target, "backward_overlap": overlap, "baseline_codec": args.baseline_codec,
-                   "round_overhead_s": overhead},
+                   "round_overhead_s": overhead, "link_efficiency": efficiency},
         "model": {"ring_factor": ring_factor(workers), "phases_per_sync": PHASES,
                   "codec_bits": {c: codec_bits(c) for c in CODECS}, "quantize_merge_cost_s": 0.0,
-                  "round_overhead_s": overhead, "link_load_max": LINK_LOAD_MAX, "diloco_margin": DILOCO_MARGIN},
+                  "round_overhead_s": overhead, "link_efficiency": efficiency, "link_load_max": LINK_LOAD_MAX,
+                  "diloco_margin": DILOCO_MARGIN},
         "methods": [{**asdict(r), "required_bandwidth": _finite(r.required_bandwidth),
                      "peak_bandwidth": _finite(r.peak_bandwidth)} for r in rows],
         "recommendation": {**asdict(rec), "required_bandwidth": _finite(rec.required_bandwidth)},
@@ -630,7 +645,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
     console.print(f"B/sync: bytes a worker sends per sync (ring factor {ring:.2f}); rates in bit/s: avg = "
                   "bytes over compute time, peak = one sync within its overlap window and stall budget, "
                   f"need = minimum bandwidth for {target:.0%} utilization. Round overhead "
-                  f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), quantize/merge "
+                  f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), transfers at "
+                  f"{inp['link_efficiency']:.0%} of the link rate, quantize/merge "
                   f"cost 0, backward overlap {inp['backward_overlap']:g} step. A recommendation keeps the "
                   f"link's average load within {LINK_LOAD_MAX:.0%}, predicts at least blocking DiLoCo's "
                   f"utilization, spaces its syncs at least {MIN_SYNC_INTERVAL_S:g} s apart and each "
@@ -741,6 +757,10 @@ def register(sub: Any) -> None:
                         help="fixed seconds every sync pays besides its bytes: matchmaking, group formation, "
                              f"the last member (default {ROUND_OVERHEAD_S:g}, as measured on 20 Mbit/s links; "
                              "0 for the paper's datacenter model)")
+    parser.add_argument("--link-efficiency", default=str(LINK_EFFICIENCY), metavar="E",
+                        help="share of the link rate a round's transfers get (default "
+                             f"{LINK_EFFICIENCY:g}, as measured on tc-shaped links; 1 for the paper's datacenter "
+                             "model)")
     parser.add_argument("--baseline-codec", default="fp32", choices=("fp32", "bf16"),
                         help="codec of dp, diloco, streaming and eager rows (default fp32)")
     parser.add_argument("--json", action="store_true", help="print rows and recommendation as JSON")

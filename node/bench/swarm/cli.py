@@ -26,7 +26,7 @@ from pathlib import Path
 
 from node.errors import UserError
 from node.helptext import describe
-from node.plan import ROUND_OVERHEAD_S
+from node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S
 
 HIVEMIND_MODULE = ["node.bench.swarm.peers", "hivemind"]
 
@@ -181,8 +181,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                     if step_time is None:
                         conf["error"] = "no step time measured before the planner's turn (a configuration ran first?)"
                         continue
-                    rec = recommend(params, step_time, link.rate_bps, latency=link.latency_ms / 1e3, workers=workers,
-                                    round_overhead=ROUND_OVERHEAD_S)
+                    rec = recommend(params, step_time, link.rate_bps * LINK_EFFICIENCY, workers=workers,
+                                    latency=link.latency_ms / 1e3, round_overhead=ROUND_OVERHEAD_S)
                     pick = spec.PlannerPick(rec.h, rec.fragments, rec.tau, rec.codec, rec.utilization)
                     setup["planner_pick"] = vars(pick)
                     setup["planner_step_time_s"] = step_time
@@ -236,7 +236,7 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     # the overlap the node really has: its late window (a slow round is waited for only at its end)
     overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
                           merges_late=rule.merges_late and not rule.late)
-    rate = link.rate_bps if link is not None else math.inf
+    rate = link.rate_bps * LINK_EFFICIENCY if link is not None else math.inf  # what a round's transfers get
     latency = link.latency_ms / 1e3 if link is not None else 0.0
 
     def predict(step_time: float | None) -> float | None:
