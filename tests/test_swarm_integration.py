@@ -138,7 +138,9 @@ def _three_then_four(swarm: Swarm) -> None:
     assert "downloaded 2/2 fragments" in joined["detail"]
     h = cfg.outer.h
     st3 = n3.wait_status(lambda s: merged(s), 90, "its first merged round")
-    assert merged(st3)[0]["clock"] - joined["clock"] <= 2 * h + cfg.outer.tau, (joined, merged(st3)[0])
+    # Its first merged round started within two rounds of joining. The round's own clock (its start), not
+    # the merge's: a round slower than tau is merged up to the late window (h / F steps) after it started.
+    assert merged(st3)[0]["round"] - joined["clock"] <= 2 * h + cfg.outer.tau, (joined, merged(st3)[0])
     for node in [*trio, n3]:  # graceful leave
         assert node.terminate(60) == 0, node.tail()
 
@@ -292,8 +294,10 @@ def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
             time.sleep(0.5)
             seen += spreads()
         # Stays there: a node that just caught up, or a pair that has not met the other pair for a round,
-        # may sit a little above for a sample (CI saw one sample of 24 at 5.7%); drifting apart would not.
-        assert len(seen) >= 12 and max(seen) < 0.10 and sum(v >= 0.05 for v in seen) <= len(seen) // 10, seen
+        # may sit a little above for a few samples (CI saw one of 24 at 5.7%; with the late window, which
+        # merges a slow round, consensus rounds included, when it lands, a fresh-clone run saw 6 of 24
+        # between 5% and 7.4%); drifting apart would pass 10% and stay there.
+        assert len(seen) >= 12 and max(seen) < 0.10 and sum(v >= 0.05 for v in seen) <= len(seen) // 3, seen
         # A consensus round's shift is half the distance between that round's two phis: right after a
         # node caught up or met a peer of another pair it can be a few percent; rounds bring it down.
         wait_until(lambda: all(n.status()["consensus"]["last_shift"] < 0.05 for n in nodes), 60,
