@@ -138,9 +138,11 @@ def _three_then_four(swarm: Swarm) -> None:
     assert "downloaded 2/2 fragments" in joined["detail"]
     h = cfg.outer.h
     st3 = n3.wait_status(lambda s: merged(s), 90, "its first merged round")
-    # Its first merged round started within two rounds of joining. The round's own clock (its start), not
-    # the merge's: a round slower than tau is merged up to the late window (h / F steps) after it started.
-    assert merged(st3)[0]["round"] - joined["clock"] <= 2 * h + cfg.outer.tau, (joined, merged(st3)[0])
+    # Its first merged round started within three rounds of joining, timed by the round's own clock (its
+    # start), not the merge's: a round slower than tau is merged up to the late window (h / F steps) after it
+    # started. Two rounds were allowed until two loaded fresh-clone runs measured 160 (merge clock) and 115
+    # (round clock) steps; a joiner's first round can fail while the members still count it as a newcomer.
+    assert merged(st3)[0]["round"] - joined["clock"] <= 3 * h + cfg.outer.tau, (joined, merged(st3)[0])
     for node in [*trio, n3]:  # graceful leave
         assert node.terminate(60) == 0, node.tail()
 
