@@ -735,7 +735,7 @@ def _slow_round(swarm: Swarm, release_at: int | None, until: int) -> tuple[list[
 def test_a_round_slower_than_tau_is_merged_late_while_training_goes_on(base_model) -> None:
     """alpha, h=8, tau=1: the round is not finished at tau. Training goes on (nobody waits), the result is
     merged on every worker when it lands, three steps after the send, and the workers' phi agree."""
-    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1))
+    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=-1))
     assert swarm.loops[0].late_window() == SLOW_H  # auto: h / fragments
     held, ev = _slow_round(swarm, release_at=SLOW_H + 3, until=SLOW_H + 4)
     assert len(held) == 2 and not any(h.waited for h in held)

@@ -153,7 +153,7 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
         # late window, a round is merged as soon as it lands.)
         method = o.method if o.method in ("alpha", "rebase", "compensate") else "alpha"
         cfg.outer = dataclasses.replace(o, h=pick.h, fragments=pick.fragments, tau=pick.tau, codec=pick.codec,
-                                        method=method)
+                                        method=method, max_delay=-1)  # the late window its prediction assumes
     validate(cfg, f"bench swarm configuration {name!r}")
     return cfg
 
