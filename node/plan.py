@@ -57,7 +57,7 @@ groups.
 (infinite if the latency and overhead alone exceed T_max).
 
 *Recommendation.* Settings are evaluated as the node runs them: with the alpha rule, whose round may
-run on past tau until its late window ends (``node.core.late_window``: h / F steps by default), so the
+run on past tau until its late window ends (``max_delay = -1``, which a pick sets: h / F steps), so the
 free window is ``W = max(tau, H/F)·S`` (``node_overlap``); the table's rows keep the papers' fixed tau.
 A grid setting qualifies when its predicted utilization reaches the target, is not
 below blocking DiLoCo's (H = 50, fp32) by more than ``DILOCO_MARGIN``, and its average link load stays
@@ -105,7 +105,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from node.core.late_window import late_window
+from node.core.late_window import AUTO, late_window
 from node.errors import UserError
 
 # --------------------------------------------------------------------------------------------------
@@ -420,9 +420,9 @@ def link_load(params: float, step_time: float, bandwidth: float, *, h: int, frag
 
 
 def node_overlap(h: int, fragments: int, tau: int) -> int:
-    """Inner steps a round of this node's (H, F, tau) may run before training waits: its late window
-    with the default ``max_delay`` (``node.core.late_window``: h / fragments, at least tau)."""
-    return late_window(h=h, fragments=fragments, tau=tau)
+    """Inner steps a round of a pick (H, F, tau) may run before training waits: its late window with
+    ``max_delay = -1`` (``node.core.late_window``: h / fragments, at least tau), which a pick sets."""
+    return late_window(h=h, fragments=fragments, tau=tau, max_delay=AUTO)
 
 
 def is_spaced(h: int, fragments: int, step_time: float, min_sync_interval: float = MIN_SYNC_INTERVAL_S,

@@ -169,6 +169,7 @@ class LateRule(MergeRule):
     g = late_avg - share_prev * own_prev + share_now * own_now (theta <- phi afterwards)."""
 
     late = True
+    merges_late = False  # its result is consumed at the next send (tau = h): no window beyond that
 
     def merge(self, theta, phi, snapshot, bounds):
         return phi.clone()

@@ -226,7 +226,7 @@ class OuterLoop:
         is not waited for (``node.core.late_window``, ``[outer] max_delay``)."""
         c = self.cfg
         return late_window(h=c.h, fragments=c.fragments, tau=c.tau, max_delay=c.max_delay,
-                           merges_late=self.rule.merges_late and not self.rule.late)
+                           merges_late=self.rule.merges_late)
 
     def _schedule_view(self) -> ScheduleView:
         # a late rule's syncs are always in flight (consumed at the next send), so they block no pick

@@ -232,10 +232,9 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     from node.core.merge import make_merge_rule
 
     o = cfg.outer
-    rule = make_merge_rule(o.method)
     # the overlap the node really has: its late window (a slow round is waited for only at its end)
     overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
-                          merges_late=rule.merges_late and not rule.late)
+                          merges_late=make_merge_rule(o.method).merges_late)
     rate = link.rate_bps * LINK_EFFICIENCY if link is not None else math.inf  # what a round's transfers get
     latency = link.latency_ms / 1e3 if link is not None else 0.0
 

@@ -143,6 +143,8 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
     cfg = copy.deepcopy(base)
     cfg.swarm = dataclasses.replace(cfg.swarm, name=f"{base.swarm.name}-{name}"[:64], bootstrap=[])
     o = cfg.outer
+    from node.core.merge import make_merge_rule
+
     if name == "diloco":
         cfg.outer = dataclasses.replace(o, fragments=1, tau=0, codec="fp32", method="replace")
     elif name == "planner":
@@ -151,7 +153,7 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
         # The planner's predictions assume a rule that may merge a slow round late (its late window):
         # keep the base's rule if it is one, else alpha. (tau = 0 is no reason for replace: with the
         # late window, a round is merged as soon as it lands.)
-        method = o.method if o.method in ("alpha", "rebase", "compensate") else "alpha"
+        method = o.method if make_merge_rule(o.method).merges_late else "alpha"
         cfg.outer = dataclasses.replace(o, h=pick.h, fragments=pick.fragments, tau=pick.tau, codec=pick.codec,
                                         method=method, max_delay=-1)  # the late window its prediction assumes
     validate(cfg, f"bench swarm configuration {name!r}")
