@@ -328,6 +328,31 @@ def test_a_node_that_trained_alone_is_not_an_offender_to_fresh_joiners():
     assert node.peer_clock("liar") is None and offences.counted == ["liar"]
 
 
+def test_fresh_joiners_that_do_not_step_yet_make_no_honest_clock_a_liar():
+    """A loaded CI run: a node that had just joined measured its two fellow joiners (loading state, not
+    stepping yet) at 0 steps/s, took 0 as the swarm's pace and banned the first node, whose clock advanced
+    at its 100 steps/s, and then each joiner that jumped onto the first node's clock; the banned nodes ended
+    up alone in every group and the swarm formed no round again. Peers that do not step are no measure of
+    the pace, a peer's own steps are allowed, and neither is an offence; a +10000 jump still is."""
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences)
+    node.observe_table({"first": beat(1000, 1000, now.t), "j1": beat(1000, 0, now.t), "j2": beat(1000, 0, now.t)})
+    assert node.join(0) == 1000
+    clock = 1000
+    for i in range(8):  # this node evaluates (no tick); the first steps 50 per interval, the joiners stand still
+        now.t += INTERVAL
+        clock += 50
+        j1 = beat(clock, i, now.t) if i >= 6 else beat(1000, 0, now.t)  # j1 starts: it jumps to the swarm clock
+        node.observe_table({"first": beat(clock, clock, now.t), "j1": j1, "j2": beat(1000, 0, now.t)})
+        node.settle()
+    assert offences.seen == [] and node.peer_clock("first") == clock and node.peer_clock("j1") == clock
+    now.t += INTERVAL
+    node.observe_table({"first": beat(clock + 10_000, clock + 50, now.t), "j1": beat(clock, 9, now.t),
+                        "j2": beat(1000, 0, now.t)})
+    assert node.peer_clock("first") == clock and offences.counted == ["first"]
+
+
 @pytest.mark.parametrize("clock,inner,t", [(-1, 0, 0.0), (MAX_CLOCK + 1, 0, 0.0), (5, 5, math.nan),
                                            (5, 5, math.inf), (5, -3, 0.0)])
 def test_absurd_heartbeats_are_reported(clock, inner, t):

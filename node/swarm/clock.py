@@ -23,10 +23,12 @@ accepted value is kept) and reported to ``on_offence(peer, "clock", detail)``:
 
 - between two heartbeats of a known peer, its inner steps may not advance faster than ``max_rate``
   and its clock not faster than ``rate_factor`` times the swarm's inner-step rate (``max_rate``
-  while no rate is known), measured on this node's own time, plus a slack for polling jitter, unless
+  while no rate is known; peers that do not step, e.g. joiners loading state, are no measure of it),
+  measured on this node's own time, plus its own inner steps and a slack for polling jitter, unless
   the new clock lands within that slack of the other clocks' lower median (an honest node far behind
   jumps to the median: that is catching up, and a CI run saw three such jumps get an honest node
-  banned by everyone);
+  banned by everyone). Such a claim is ignored, and counted as an offence only when it is more than
+  ``FIRST_CLAIM_ABSURD`` times beyond both bounds: this node's rates may be the stale ones;
 - a peer's first claim (new, or back after a silence of ``4 * interval``) may not be more than that
   slack above the lower median of the other witnesses (this node's clock once joined, the other
   accepted peers, the other first claims seen together); a lone first claim cannot be contradicted.
@@ -294,7 +296,12 @@ class SwarmClock:
             elapsed = max(0.0, claim.seen - peer.accepted_at)
             steps, clock = claim.inner_step - peer.inner_step, claim.clock - peer.clock
             max_steps = self.max_rate * elapsed + bounds.slack
-            max_clock = bounds.clock_rate * elapsed + bounds.slack
+            # A clock advances one per own inner step (alone, or on a swarm of its pace), so the peer's own
+            # measured pace counts when above the swarm's: a fast node is not a liar to slow ones.
+            pace = max(bounds.rate or 0.0, peer.steps.rate() or 0.0)
+            clock_rate = self.rate_factor * pace if pace > 0 else bounds.clock_rate
+            slack = MIN_SLACK + clock_rate * self.interval
+            max_clock = clock_rate * elapsed + slack
             if steps > max_steps:
                 reports.append((pid, f"inner step jumped {peer.inner_step} -> {claim.inner_step} in {elapsed:.1f} s "
                                      f"(at most {max_steps:.0f} possible)", True))
@@ -304,10 +311,18 @@ class SwarmClock:
                 # and right after joins the rates measured are still the slow start's: a jump that lands
                 # within the slack of the other witnesses' lower median is catching up, not a lie.
                 ref = self._witnesses_median(pid, [], now, bounds)
-                if ref is None or self._line(claim, now, bounds) > ref + bounds.slack:
+                line = self._line(claim, now, bounds)
+                if ref is None or line > ref + bounds.slack:
+                    # Ignored, but an offence only when far beyond both bounds: this node's view of the swarm
+                    # (its rates, its witnesses) may be the stale one. Seen: a node that had just joined,
+                    # with its peers' rates still those of their slow starts, banned all three honest peers
+                    # for their clocks, and the swarm never formed a round again.
+                    absurd = clock > FIRST_CLAIM_ABSURD * max_clock and (
+                        ref is None or line > FIRST_CLAIM_ABSURD * (ref + bounds.slack))
                     reports.append((pid, f"clock jumped {peer.clock} -> {claim.clock} in {elapsed:.1f} s (at most "
-                                         f"{max_clock:.0f} possible at {bounds.clock_rate:.1f} steps/s"
-                                         + ("" if ref is None else f", and above the swarm's {ref:.0f}") + ")", True))
+                                         f"{max_clock:.0f} possible at {clock_rate:.1f} steps/s"
+                                         + ("" if ref is None else f", and above the swarm's {ref:.0f}") + ")",
+                                    absurd))
                     return
         peer.accept(claim, self._anchor(claim))
 
@@ -352,8 +367,10 @@ class SwarmClock:
                 if now - p.accepted_at <= self.gap and not (self.is_banned is not None and self.is_banned(pid))}
 
     def _bounds(self, live: Mapping[str, PeerClock]) -> _Bounds:
-        rates = [r for p in live.values() if (r := p.steps.rate()) is not None]
-        if (own := self._own.rate()) is not None:
+        # Peers that do not step (loading state, evaluating, just joined) say nothing about the swarm's
+        # pace: counted as rate 0 they made the median 0 and every honest clock's advance a "jump".
+        rates = [r for p in live.values() if (r := p.steps.rate()) is not None and r > 0]
+        if (own := self._own.rate()) is not None and own > 0:
             rates.append(own)
         rate = min(statistics.median(rates), self.max_rate) if rates else None
         clock_rate = self.rate_factor * rate if rate is not None else self.max_rate
