@@ -235,3 +235,45 @@ def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> 
     counter.offence("b")
     counter.offence("c")  # beyond the limit: "a", the least recently counted, is forgotten
     assert [counter.offence("a") for _ in range(3)] == [False, False, True]
+
+
+# ---- a reducer's part, as its member judges it ----------------------------------------------------
+
+def _consensus_parts(own: torch.Tensor, partner: torch.Tensor, codec) -> tuple:
+    """A pair's consensus round on the outer state ``own``: the request, and the reduced chunks of the
+    second half (the momenta, which the partner reduces), as an honest reducer makes them."""
+    from node.core.consensus import state_digest
+    from node.swarm.averaging import check_reduced_part
+    from node.transport.base import AverageRequest
+
+    req = AverageRequest(fragment=3, round=40, chunks=encode_chunks(codec, own), numel=own.numel(), weight=1.0,
+                         version=7, codec="fp32", digest=state_digest(own))
+    bounds = chunk_bounds(own.numel(), codec.block_size)
+    second = list(range(len(bounds) // 2, len(bounds)))
+    mean = (own + partner) / 2
+    chunks = {c: codec.encode(mean[bounds[c][0]:bounds[c][1]]) for c in second}
+    own_norm = float(decode_chunks(codec, req.chunks, req.numel).norm())
+    return check_reduced_part, req, chunks, bounds, own_norm
+
+
+def test_an_honest_consensus_part_of_momenta_is_accepted_when_our_momentum_is_near_zero():
+    """A node that just joined holds a momentum near 0; its partner's is a trained one. The mean of the
+    momenta is far from ours next to our momentum, but small next to the state: the loaded 4-node gossip
+    run banned such honest reducers ("reduced part norm 2.74 exceeds 2.2") and its pairs fell apart."""
+    codec = get_codec("fp32")
+    g = torch.Generator().manual_seed(0)
+    n = 2 * 65536
+    phi = torch.randn(n, generator=g) * 0.5
+    own = torch.cat([phi, torch.randn(n, generator=g) * 1e-4])
+    partner = torch.cat([phi + 0.01 * torch.randn(n, generator=g), 0.02 * torch.randn(n, generator=g)])
+    check, req, chunks, bounds, own_norm = _consensus_parts(own, partner, codec)
+    assert check(codec, req, chunks, bounds, own_norm) is None
+    # A reducer moving our momenta by more than half of the state's share is refused.
+    check, req, bad, bounds, own_norm = _consensus_parts(own, torch.cat([phi, 10.0 * phi]), codec)
+    reason = check(codec, req, bad, bounds, own_norm)
+    assert reason is not None and "exceeds" in reason
+    # Non-finite is refused whatever its size.
+    bad = dict(chunks)
+    c = next(iter(bad))
+    bad[c] = torch.full((bounds[c][1] - bounds[c][0],), float("nan")).numpy().tobytes()  # fp32 bytes
+    assert "non-finite" in check(codec, req, bad, bounds, own_norm)

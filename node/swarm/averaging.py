@@ -76,6 +76,7 @@ RELATIVE_REFUSALS = 4        # contributions refused for their norm relative to 
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
+CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
 
 
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
@@ -208,6 +209,39 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None) -> int:
     if sum(1 for p in claims if p != own) < 2:
         return values[0]
     return values[1]
+
+
+def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
+                       bounds: list[tuple[int, int]], own_norm: float) -> str | None:
+    """Why a reducer's part cannot be an honest result (None if it can): not finite, or larger than the
+    group's contributions can make it. Our own chunks of the part are the reference: an honest (clipped)
+    mean of this part is within a few times the median contribution, of which ours is one; the part's
+    share of our whole contribution (``own_norm``) keeps a tiny own part from making honest results look
+    absurd. A consensus round (``req.digest``) averages outer states: the part may move our state by at
+    most half its size, or half the part's share of the whole state (phi and momentum are one vector,
+    so in a pair one member reduces the momenta: ours may be near 0 after a join while the partner's is
+    not; judged by our own momentum alone, honest partners were banned and the gossip swarm fell apart)."""
+    numel = max(1, req.numel)
+    part_numel = sum(bounds[c][1] - bounds[c][0] for c in chunks)
+    diff_sq = own_sq = 0.0
+    for c, data in chunks.items():
+        values = codec.decode(data, bounds[c][1] - bounds[c][0])
+        if not bool(torch.isfinite(values).all()):
+            return f"reduced chunk {c} has non-finite values"
+        own = codec.decode(req.chunks[c], bounds[c][1] - bounds[c][0])
+        ref = own if req.digest else torch.zeros_like(own)  # consensus rounds: deviation from our state
+        diff_sq += _norm(values - ref) ** 2
+        own_sq += _norm(own) ** 2
+    share = own_norm * math.sqrt(part_numel / numel)
+    if own_sq == 0 and share == 0:
+        return None  # no progress of our own to judge by (finite was checked)
+    if req.digest:  # as the outer loop's guard on a consensus shift: at most half of the state
+        limit = CONSENSUS_RATIO * max(math.sqrt(own_sq), share, 1e-6)
+    else:
+        limit = REDUCED_RATIO * max(math.sqrt(own_sq), share, 1e-6)
+    if math.sqrt(diff_sq) > limit:
+        return f"reduced part norm {math.sqrt(diff_sq):.3g} exceeds {limit:.3g}"
+    return None
 
 
 def _finite(values: Iterable[float]) -> bool:
@@ -837,39 +871,11 @@ class SwarmTransport(Transport):
             raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
         if set(chunks) != set(part):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
-        reason = self._check_reduced(codec, req, chunks, bounds, own_norm)
+        reason = check_reduced_part(codec, req, chunks, bounds, own_norm)
         if reason:
             self._offence(peer, "bad_reduction", reason)
             raise RuntimeError(f"peer {peer[:12]} sent a bad reduced part: {reason}")
         return part, chunks, h.total_weight, list(h.extras)
-
-    def _check_reduced(self, codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
-                       bounds: list[tuple[int, int]], own_norm: float) -> str | None:
-        """A reducer's part: finite, and no larger than the group's contributions can make it. Our own
-        chunks of the part are the reference: an honest (clipped) mean of this part is within a few times
-        the median contribution, of which ours is one; shares of the whole keep a tiny own part from
-        making honest results look absurd."""
-        numel = max(1, req.numel)
-        part_numel = sum(bounds[c][1] - bounds[c][0] for c in chunks)
-        diff_sq = own_sq = 0.0
-        for c, data in chunks.items():
-            values = codec.decode(data, bounds[c][1] - bounds[c][0])
-            if not bool(torch.isfinite(values).all()):
-                return f"reduced chunk {c} has non-finite values"
-            own = codec.decode(req.chunks[c], bounds[c][1] - bounds[c][0])
-            ref = own if req.digest else torch.zeros_like(own)  # consensus rounds: deviation from our phi
-            diff_sq += _norm(values - ref) ** 2
-            own_sq += _norm(own) ** 2
-        share = own_norm * math.sqrt(part_numel / numel)
-        if own_sq == 0 and share == 0:
-            return None  # no progress of our own to judge by (finite was checked)
-        if req.digest:  # as the outer loop's guard on a consensus shift: at most half of phi
-            limit = 0.5 * max(math.sqrt(own_sq), 1e-6)
-        else:
-            limit = REDUCED_RATIO * max(math.sqrt(own_sq), share, 1e-6)
-        if math.sqrt(diff_sq) > limit:
-            return f"reduced part norm {math.sqrt(diff_sq):.3g} exceeds {limit:.3g}"
-        return None
 
     def _codec(self, name: str) -> Codec:
         from node.core.codecs import get_codec
