@@ -292,14 +292,17 @@ def test_pairwise_gossip_keeps_outer_params_close(tmp_path):
 
         wait_until(lambda: len(spreads()) == 2 and max(spreads()) < 0.05, 60, "phi spread within 5%", nodes)
         seen = []
-        for _ in range(12):
+        for _ in range(20):
             time.sleep(0.5)
             seen += spreads()
-        # Stays there: a node that just caught up, or a pair that has not met the other pair for a round,
-        # may sit a little above for a few samples (CI saw one of 24 at 5.7%; with the late window, which
-        # merges a slow round, consensus rounds included, when it lands, a fresh-clone run saw 6 of 24
-        # between 5% and 7.4%); drifting apart would pass 10% and stay there.
-        assert len(seen) >= 12 and max(seen) < 0.10 and sum(v >= 0.05 for v in seen) <= len(seen) // 3, seen
+        # Stays there. A pair may sit above for a moment: in the first minute a node that trained alone
+        # while the others were busy with joins (its clock waits for the swarm's pace, its steps do not)
+        # brings hundreds of steps to its pair's round, which moves that pair's phi by up to ~13% until
+        # the next consensus round or catch-up (seen once in ten runs, for about a second); drifting
+        # apart would keep the spread up, so most samples are within 5% and none is far beyond.
+        seen.sort()
+        assert len(seen) >= 20 and seen[len(seen) // 2] < 0.05 and sum(v >= 0.05 for v in seen) <= len(seen) // 4 \
+            and seen[-1] < 0.25, seen
         # A consensus round's shift is half the distance between that round's two phis: right after a
         # node caught up or met a peer of another pair it can be a few percent; rounds bring it down.
         wait_until(lambda: all(n.status()["consensus"]["last_shift"] < 0.05 for n in nodes), 60,
