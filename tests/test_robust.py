@@ -103,6 +103,18 @@ def test_trusted_member_is_never_refused_and_is_the_reference_of_a_pair() -> Non
     assert 0 in sc.accepted
 
 
+def test_a_contribution_of_more_tokens_may_be_larger_in_proportion() -> None:
+    """A reducer that just caught up made 2 steps of its own; its partner brings a whole round (8 steps,
+    within the clamp of weight_factor times the reference). The partner's 20x norm is 5x per token:
+    accepted. The same norm for the same tokens as the reducer's is still refused, and a claim of more
+    tokens buys at most the clamp's factor."""
+    assert screen([stats("me", 2.0, [1.0]), stats("x", 8.0, [20.0])], S, trusted=0).accepted == [0, 1]
+    assert screen([stats("me", 2.0, [1.0]), stats("x", 2.0, [20.0])], S, trusted=0).accepted == [0]
+    liar = screen([stats("me", 2.0, [1.0]), stats("x", 500.0, [S.reject_factor * S.weight_factor * 1.01])], S,
+                  trusted=0)
+    assert liar.accepted == [0] and liar.refusals[0].kind == "bad_contribution"
+
+
 def test_a_large_norm_is_a_relative_refusal_an_absurd_one_is_not() -> None:
     """A pair refuses a partner far larger than the reducer without blaming it (the reducer may have made
     little progress); a norm beyond NORM_ABSURD times the reference is blamed (an offence) even there."""

@@ -14,7 +14,8 @@ cannot outvote a liar, but the reducer trusts itself):
   (what its heartbeat throughput allows over a whole carry; the cap below when it has none), refused;
   else clamped to the cap = ``weight_factor * ref weight`` and the sender's own bound;
 - norm of the whole part (of its deviation from ``center``, for rounds that average phi itself):
-  above ``reject_factor * ref norm``, refused.
+  above ``reject_factor * ref norm`` times its (clamped) weight over the reference weight when that
+  ratio is above 1 (progress grows at most linearly with the steps it represents), refused.
 
 A refused contribution is dropped from the round; the round completes with the others.
 
@@ -147,15 +148,20 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     live = [i for i in live if i in weights]
     t_live = live.index(trusted) if trusted in live else None
 
-    # Norms of the whole part against the group's reference.
+    # Norms of the whole part against the group's reference. A contribution of more tokens than the
+    # reference's (its clamped weight) may be larger in proportion: progress grows at most linearly with
+    # steps. Without that, a member that just caught up (a step or two of its own) refused its partner's
+    # whole round as "23x the reference", and a node faster than its pair never got a round through.
     norms = [stats[i].norm for i in live]
     ref_norm = max(_reference(norms, t_live), part_floor)
+    ref_w = _reference([weights[i] for i in live], t_live)
     accepted = []
     for i, norm in zip(live, norms, strict=True):
-        if i != trusted and ref_norm > 0 and norm > settings.reject_factor * ref_norm:
+        limit = settings.reject_factor * max(1.0, weights[i] / ref_w if ref_w > 0 else 1.0)
+        if i != trusted and ref_norm > 0 and norm > limit * ref_norm:
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
                                     f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
-                                    f"{ref_norm:.3g} (limit {settings.reject_factor:g}x)",
+                                    f"{ref_norm:.3g} (limit {limit:.3g}x for its token weight)",
                                     relative=norm <= NORM_ABSURD * ref_norm))
         elif i != trusted and ref_norm == 0 and norm > 0 and len(live) > 2:
             # Every other member changed nothing here: a lone large change is not believable.
