@@ -98,12 +98,11 @@ class OuterSection:
     h: int = setting(50, shared=True, min=1, max=100000, help="inner steps between two syncs of a fragment")
     fragments: int = setting(2, shared=True, min=1, max=256, help="number of fragments F")
     tau: int = setting(2, shared=True, min=0, help="inner steps a sync overlaps with training (<= h)")
-    max_delay: int = setting(0, shared=False, min=-1, max=100000,
+    max_delay: int = setting(-1, shared=False, min=-1, max=100000,
                              help="inner steps after a send by which its round must have finished: past tau, "
                                   "training goes on and a slow round is merged late, by the method's rule "
-                                  "(alpha, rebase, compensate; replace always waits at tau). -1 = auto (h / "
-                                  "fragments: the next sync event), 0 = always wait at tau (default: under "
-                                  "pairwise gossip, late merges let peers' phi drift apart in one test run)")
+                                  "(alpha, rebase; replace and compensate always wait at tau). -1 = auto (h / "
+                                  "fragments: the next sync event), 0 = always wait at tau")
     alpha: float = setting(0.5, shared=False, min=0.0, max=1.0, help="mix weight of the 'alpha' method")
     lambda0: float = setting(0.2, shared=False, min=0.0, max=10.0,
                              help="delay-compensation strength of the 'compensate' method")

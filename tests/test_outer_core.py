@@ -735,8 +735,8 @@ def _slow_round(swarm: Swarm, release_at: int | None, until: int) -> tuple[list[
 def test_a_round_slower_than_tau_is_merged_late_while_training_goes_on(base_model) -> None:
     """alpha, h=8, tau=1: the round is not finished at tau. Training goes on (nobody waits), the result is
     merged on every worker when it lands, three steps after the send, and the workers' phi agree."""
-    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=-1))
-    assert swarm.loops[0].late_window() == SLOW_H  # auto: h / fragments
+    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1))
+    assert swarm.loops[0].late_window() == SLOW_H  # auto (the default): h / fragments
     held, ev = _slow_round(swarm, release_at=SLOW_H + 3, until=SLOW_H + 4)
     assert len(held) == 2 and not any(h.waited for h in held)
     assert not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
@@ -746,12 +746,14 @@ def test_a_round_slower_than_tau_is_merged_late_while_training_goes_on(base_mode
     assert torch.equal(swarm.phi(0), swarm.phi(1))
 
 
-def test_a_round_is_waited_for_at_the_end_of_the_late_window_and_replace_waits_at_tau(base_model) -> None:
+def test_a_round_is_waited_for_at_the_end_of_the_late_window_and_replace_and_compensate_wait_at_tau(
+        base_model) -> None:
     swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=3))
     held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 3)
     assert held and all(h.waited for h in held) and _kinds(ev[SLOW_H + 3], "merged")
     assert not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
-    for kw in ({"method": "replace"}, {"method": "alpha", "max_delay": 0}):  # blocking DiLoCo; no late window
+    # Blocking DiLoCo; compensate (its correction fed back when merged late); no late window at all.
+    for kw in ({"method": "replace"}, {"method": "compensate"}, {"method": "alpha", "max_delay": 0}):
         swarm = Swarm(base_model, 2, _outer(h=SLOW_H, tau=1, **kw))
         assert swarm.loops[0].late_window() == 1
         held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 1)
