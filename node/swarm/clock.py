@@ -24,7 +24,8 @@ accepted value is kept) and reported to ``on_offence(peer, "clock", detail)``:
 - between two heartbeats of a known peer, its inner steps may not advance faster than ``max_rate``
   and its clock not faster than ``rate_factor`` times the swarm's inner-step rate (``max_rate``
   while no rate is known; peers that do not step, e.g. joiners loading state, are no measure of it),
-  measured on this node's own time, plus its own inner steps and a slack for polling jitter, unless
+  or the peer's own measured inner-step rate when that is higher, measured on this node's own time,
+  plus a slack for polling jitter, unless
   the new clock lands within that slack of the other clocks' lower median (an honest node far behind
   jumps to the median: that is catching up, and a CI run saw three such jumps get an honest node
   banned by everyone). Such a claim is ignored, and counted as an offence only when it is more than
@@ -300,8 +301,7 @@ class SwarmClock:
             # measured pace counts when above the swarm's: a fast node is not a liar to slow ones.
             pace = max(bounds.rate or 0.0, peer.steps.rate() or 0.0)
             clock_rate = self.rate_factor * pace if pace > 0 else bounds.clock_rate
-            slack = MIN_SLACK + clock_rate * self.interval
-            max_clock = clock_rate * elapsed + slack
+            max_clock = clock_rate * elapsed + self._slack(clock_rate)
             if steps > max_steps:
                 reports.append((pid, f"inner step jumped {peer.inner_step} -> {claim.inner_step} in {elapsed:.1f} s "
                                      f"(at most {max_steps:.0f} possible)", True))
@@ -366,6 +366,10 @@ class SwarmClock:
         return {pid: p for pid, p in self._peers.items()
                 if now - p.accepted_at <= self.gap and not (self.is_banned is not None and self.is_banned(pid))}
 
+    def _slack(self, clock_rate: float) -> float:
+        """Steps a claim may exceed its bound by: a heartbeat's age varies by an interval."""
+        return MIN_SLACK + clock_rate * self.interval
+
     def _bounds(self, live: Mapping[str, PeerClock]) -> _Bounds:
         # Peers that do not step (loading state, evaluating, just joined) say nothing about the swarm's
         # pace: counted as rate 0 they made the median 0 and every honest clock's advance a "jump".
@@ -374,8 +378,7 @@ class SwarmClock:
             rates.append(own)
         rate = min(statistics.median(rates), self.max_rate) if rates else None
         clock_rate = self.rate_factor * rate if rate is not None else self.max_rate
-        return _Bounds(rate=rate, clock_rate=clock_rate,
-                       slack=MIN_SLACK + clock_rate * self.interval,  # a heartbeat's age varies by an interval
+        return _Bounds(rate=rate, clock_rate=clock_rate, slack=self._slack(clock_rate),
                        tolerance=MIN_BAND + 0.5 * (rate or 0.0) * self.interval,
                        band=2 * MIN_BAND + 3.0 * (rate or 0.0) * self.interval)
 
