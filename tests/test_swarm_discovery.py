@@ -550,3 +550,51 @@ def test_pace_set_is_the_same_for_every_member_and_ignores_one_fast_liar() -> No
     assert pace_set({"a": 1000.0, "b": float("nan"), "d": 900.0, "e": 950.0}) == {"a", "d", "e"}
     assert pace_set({"a": 0.0, "b": 0.0}) == {"a", "b"}  # nobody measured yet: wait for all
     assert pace_set({}) == set()
+
+
+LATE_CHILD_SCRIPT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from node.swarm.process import become_group_leader, start_watchdog
+    become_group_leader()
+    start_watchdog(poll_s=60.0)  # one poll at start; the child below comes after it
+    time.sleep(0.3)
+    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); "
+            "print('bound', flush=True); time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code, sys.argv[2]], stdout=subprocess.PIPE)
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_bound_after_the_watchdogs_last_poll_is_removed_after_sigkill(tmp_path):
+    """The watchdog records the leftover processes' files once more before it stops them: a p2pd that
+    bound its socket after the last poll must not leave the socket behind (a CI run saw one)."""
+    sock = f"/tmp/hivemind-p2pd-test-{os.getpid()}-{time.monotonic_ns()}.sock"
+    script = tmp_path / "late_child.py"
+    script.write_text(LATE_CHILD_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(REPO), sock], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    child = None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "the script did not start its child"
+        child = int(proc.stdout.readline())
+        child_start = _stat(child)[4]
+        assert os.path.exists(sock)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while (os.path.exists(sock) or _alive(child, child_start)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child, child_start), "the watchdog did not stop the child"
+        assert not os.path.exists(sock), "the child's socket was left behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)

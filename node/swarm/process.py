@@ -375,6 +375,9 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
 
     targets = collect(dict(seen))
     stopped = len(targets)
+    # Their files once more while they still live: a p2pd started (or a socket bound) after the last
+    # poll would otherwise outlive them (a CI run killed a node within poll_s of its DHT's start).
+    files |= ipc_files(list(targets))
     if not targets:
         cleanup_ipc_files([parent], files, retry_s=2.0)
         return
