@@ -151,7 +151,7 @@ class StateRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum")
+    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class StateChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PHI_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     error: str
     fragment: int
     version: int
@@ -166,4 +168,6 @@ class StateChunk(_message.Message):
     offset: int
     phi: bytes
     momentum: bytes
-    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ...) -> None: ...
+    clock: int
+    inner_step: int
+    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ...) -> None: ...

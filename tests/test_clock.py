@@ -194,6 +194,22 @@ def test_join_takes_the_median_of_the_peers():
     assert node.join(3) == 100
 
 
+
+def test_a_joiner_takes_its_holders_clock_from_the_download_when_the_heartbeat_went_stale():
+    """The daemon feeds the clock each state server put on its chunks to ``observe`` before ``join``: a
+    holder whose heartbeat this joiner last read long ago (its DHT reads timed out while the download
+    filled the links) is no live peer, and the joiner would start at its own clock 0."""
+    now = FakeTime()
+    stale = SwarmClock("me", INTERVAL, now=now)
+    fresh = SwarmClock("me", INTERVAL, now=now)
+    for node in (stale, fresh):
+        node.observe_table({"holder": beat(20, 20, now.t)})
+    now.t += 40.0  # the download: no heartbeat of the holder read meanwhile
+    fresh.observe("holder", 214, 530, now.t - 0.5)  # the last chunk's claim, seen half a second ago
+    assert stale.join(0) == 0
+    assert fresh.join(0) == 214
+    assert fresh.peer_clock("holder") == 214
+
 # ---- refusing impossible claims ---------------------------------------------------------------
 
 def _known_peer(now: FakeTime, offences: Offences, beats: int = 6) -> SwarmClock:

@@ -154,6 +154,27 @@ def test_round_trip_sets_the_source_and_refuses_what_cannot_be_served(swarm):
         server.close()
 
 
+def test_a_download_carries_the_servers_clock_as_it_sent_the_state(swarm):
+    """A joiner whose DHT reads of the holder's heartbeat went stale during the download still learns the
+    holder's clock: every chunk carries the server's (clock, inner step); the snapshot keeps the last one's."""
+    book = Book()
+    now = {"clock": 214, "step": 530}
+    server = _server(swarm, swarm.good, book, clock=lambda: (now["clock"], now["step"]))
+    plain = _server(swarm, swarm.other, book)  # a server that tells no clock
+    client = _client(swarm, book)
+    try:
+        t0 = time.time()
+        got = client.fetch(0, [swarm.id(swarm.good)])
+        assert got is not None and (got.clock, got.inner_step) == (214, 530) and t0 <= got.seen <= time.time()
+        now.update(clock=300, step=610)
+        assert client.fetch(1, [swarm.id(swarm.good)]).clock == 300
+        untold = client.fetch(0, [swarm.id(swarm.other)])
+        assert untold is not None and untold.clock is None and untold.seen == 0.0
+    finally:
+        server.close()
+        plain.close()
+
+
 def test_the_server_sends_at_most_its_credit_ahead_of_the_clients_acknowledgements(swarm):
     """A download may not fill the buffers the DHT and the rounds share (module docstring of state_sync):
     without acknowledgements the server sends CREDIT_CHUNKS chunks and waits; each one lets one more go."""

@@ -179,8 +179,10 @@ class StateServer:
                  snapshot: Callable[[int], FragmentSnapshot | None], counters: ByteCounters, *,
                  is_live: Callable[[str], bool], is_banned: Callable[[str], bool],
                  on_refused: RefusalCallback | None = None, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
-                 requests_per_minute: int = REQUESTS_PER_MINUTE, now: Callable[[], float] = time.monotonic) -> None:
+                 requests_per_minute: int = REQUESTS_PER_MINUTE, now: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], tuple[int, int]] | None = None) -> None:
         self.fingerprint = fingerprint
+        self._clock = clock
         self.snapshot = snapshot
         self.counters = counters
         self.served = 0
@@ -268,17 +270,25 @@ class StateServer:
             b = min(a + CHUNK_ELEMS, numel)
             msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
                                        phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
+            self._stamp(msg)
             self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
             yield msg
             await asyncio.sleep(0)
         if numel == 0:
-            yield swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0, offset=0)
+            yield self._stamp(swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0, offset=0))
         # Read the client's last acknowledgements up to its END before the stream closes: a socket closed
         # with unread data is reset, and the reset discarded the end of the last chunk on its way out.
         with contextlib.suppress(TimeoutError, wire.WireError):
             async with asyncio.timeout(DRAIN_S):
                 async for _ in acks:
                     pass
+
+    def _stamp(self, msg: swarm_pb2.StateChunk) -> swarm_pb2.StateChunk:
+        """Put this node's swarm clock and inner steps on a chunk: a joiner whose view of our heartbeats is
+        stale (its DHT reads time out while the download fills the links) still joins at our clock."""
+        if self._clock is not None:
+            msg.clock, msg.inner_step = (max(0, int(v)) for v in self._clock())
+        return msg
 
     def _refuse(self, remote: str, code: str, detail: str, *, kind: str, offence: bool) -> str:
         log.debug("state: refused %s (%s): %s", remote[:16], code, detail)
@@ -357,6 +367,7 @@ class _Download:
         self._mom: torch.Tensor | None = None
         self._offset = 0
         self._version: int | None = None
+        self._claim: tuple[int, int, float] | None = None  # the last chunk's (clock, inner step, wall time seen)
 
     def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
         """The request resuming at the next element (of the version started, if any)."""
@@ -367,7 +378,7 @@ class _Download:
     def reset(self) -> None:
         """Forget what was received (it came from a source found bad)."""
         self._phi = self._mom = None
-        self._offset, self._version = 0, None
+        self._offset, self._version, self._claim = 0, None, None
 
     def add(self, msg: swarm_pb2.StateChunk) -> None:
         """Take a chunk, or raise: ``BadSource``, ``_Passing``, or RuntimeError for an honest refusal."""
@@ -395,6 +406,8 @@ class _Download:
         self._phi[self._offset:self._offset + phi.numel()] = phi
         self._mom[self._offset:self._offset + mom.numel()] = mom
         self._offset += phi.numel()
+        # the claim is the sender's like its heartbeat's: the swarm clock judges it (bounds, liars)
+        self._claim = (int(msg.clock), int(msg.inner_step), time.time()) if msg.clock or msg.inner_step else None
 
     def _chunk(self, msg: swarm_pb2.StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """A well-formed chunk's phi and momentum: equal fp32 lengths, inside the fragment, finite."""
@@ -418,9 +431,11 @@ class _Download:
 
     def snapshot(self, source: str) -> FragmentSnapshot:
         assert self._version is not None
+        clock, inner_step, seen = self._claim if self._claim is not None else (None, 0, 0.0)
         return FragmentSnapshot(self.fragment, self._version,
                                 self._phi if self._phi is not None else torch.zeros(0),
-                                self._mom if self._mom is not None else torch.zeros(0), source=source)
+                                self._mom if self._mom is not None else torch.zeros(0), source=source,
+                                clock=clock, inner_step=inner_step, seen=seen)
 
 
 class StateClient:

@@ -57,6 +57,11 @@ class FragmentSnapshot:
     phi: torch.Tensor
     momentum: torch.Tensor
     source: str = ""          # the peer it came from (a transport's own bookkeeping)
+    # The source's claim of its swarm clock and inner steps when it sent the state, and this node's wall
+    # time then (None: not told): judged by the swarm clock like a heartbeat before a joiner takes a clock.
+    clock: int | None = None
+    inner_step: int = 0
+    seen: float = 0.0
 
 
 class AverageHandle(ABC):
