@@ -154,6 +154,37 @@ def test_clipped_mean_bounds_a_large_row_by_the_clip_factor() -> None:
     assert float(torch.linalg.vector_norm(out - 0.75 * honest_mean)) <= 0.25 * 3.0 * ref + 1e-3
 
 
+def test_clipping_lets_a_faster_partners_honest_progress_through_and_bounds_a_liars_claim() -> None:
+    """A pair: the reducer made 2 steps, its partner 6 (3x the tokens) with progress 4x the reducer's
+    norm, within the sqrt(3) * clip_factor allowance: it enters whole (the plain clip scaled it to 3x).
+    A liar claiming 100x the tokens is clamped to weight_factor x and clipped to sqrt(weight_factor) x
+    clip_factor times the reference, whatever its norm within the refusal limit."""
+    codec = get_codec("fp32", 64)
+    m = 4096
+    gen = torch.Generator().manual_seed(3)
+    own = torch.randn(m, generator=gen)
+    own = own / torch.linalg.vector_norm(own)
+    fast = 4.0 * torch.randn(m, generator=gen) / math.sqrt(m)
+    sizes, cons = _part(codec, [own, fast], [2.0, 6.0])
+    sc = screen_part(codec, cons, sizes, S, trusted=0)
+    assert sc.accepted == [0, 1] and sc.allowances == [1.0, 3.0]
+    reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S))
+    avg = decode_chunks(codec, [reduced[c] for c in sorted(reduced)], m)
+    assert_close(avg, 0.25 * own + 0.75 * fast, rtol=1e-5, atol=1e-6)
+
+    liar = 30.0 * fast / torch.linalg.vector_norm(fast)  # 30x the reference: below the refusal limit of 8x4
+    sizes, cons = _part(codec, [own, liar], [2.0, 200.0])
+    sc = screen_part(codec, cons, sizes, S, trusted=0)
+    assert sc.accepted == [0, 1] and sc.weights == [2.0, 2.0 * S.weight_factor]
+    reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S))
+    avg = decode_chunks(codec, [reduced[c] for c in sorted(reduced)], m)
+    pull = float(torch.linalg.vector_norm(avg - own / (1 + S.weight_factor)))
+    w = S.weight_factor / (1 + S.weight_factor)
+    chunk_refs = sum(float(r) ** 2 for r in sc.chunk_refs) ** 0.5  # the reference norm over the chunks
+    assert pull <= w * math.sqrt(S.weight_factor) * S.clip_factor * chunk_refs * 1.001
+    assert pull < 0.5 * w * 30.0  # clipped well below what it sent
+
+
 def test_trimmed_mean_drops_extremes_per_coordinate() -> None:
     rows = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0], [1000.0, -1000.0]])
     out = TrimmedMean(0.25).combine(rows, torch.ones(5), 1.0)

@@ -25,9 +25,14 @@ Combining (per chunk, so memory is bounded by members x one chunk), chosen once 
 - ``mean``: the token-weighted mean. No protection beyond screening: a member may still move the
   result anywhere within ``reject_factor`` times a normal norm.
 - ``clipped_mean`` (default): each contribution's chunk is scaled down to a norm of at most
-  ``clip_factor * ref`` (the chunk's median norm), then the token-weighted mean. One member's pull is
-  bounded by ``clip_factor`` times a normal contribution; honest contributions are unchanged
-  (their norms are within a small factor of the median), so it costs nothing without attackers.
+  ``clip_factor * ref`` (the chunk's median norm) times a weight allowance, the square root of the
+  contribution's clamped weight over the reference weight when that is above 1, then the token-weighted
+  mean. Progress over n steps grows between sqrt(n) (noise) and n (a steady drift) times one step's,
+  so the root lets a faster node's honest progress through mostly whole (without it, a node three times
+  faster than its pair was scaled down to its partner's norm), while a liar that claims the largest
+  weight the clamp allows buys at most ``sqrt(weight_factor)`` times the clip. One member's pull is
+  bounded by that; honest contributions are unchanged (their norms are within a small factor of the
+  median), so it costs nothing without attackers.
 - ``trimmed_mean``: per coordinate, the ``b`` largest and ``b`` smallest values are dropped
   (``b = round(trim_fraction * n)``, at least 1 for n >= 3, leaving at least one value), then the
   token-weighted mean of the rest. Robust to ``b`` attackers per coordinate, at the price of
@@ -88,6 +93,8 @@ class Screening:
     accepted: list[int]                    # indices into the screened list, in order
     weights: list[float]                   # the weight each accepted contribution enters with
     chunk_refs: torch.Tensor               # float64 per chunk: the reference norm clipping uses
+    allowances: list[float] = field(default_factory=list)  # per accepted: max(1, weight / reference weight)
+    # (screening's norm limit scales with it; clipping with its square root)
     refusals: list[Refusal] = field(default_factory=list)
     clamped: list[str] = field(default_factory=list)   # senders whose weight was clamped
 
@@ -156,8 +163,9 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     ref_norm = max(_reference(norms, t_live), part_floor)
     ref_w = _reference([weights[i] for i in live], t_live)
     accepted = []
+    allowance = {i: max(1.0, weights[i] / ref_w if ref_w > 0 else 1.0) for i in live}
     for i, norm in zip(live, norms, strict=True):
-        limit = settings.reject_factor * max(1.0, weights[i] / ref_w if ref_w > 0 else 1.0)
+        limit = settings.reject_factor * allowance[i]
         if i != trusted and ref_norm > 0 and norm > limit * ref_norm:
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
                                     f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
@@ -178,7 +186,8 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     if chunk_floors is not None and n_chunks:
         refs = torch.maximum(refs, chunk_floors.to(torch.float64))
     return Screening(accepted=accepted, weights=[weights[i] for i in accepted], chunk_refs=refs,
-                     refusals=refusals, clamped=[s for s in clamped if any(stats[i].sender == s for i in accepted)])
+                     allowances=[allowance[i] for i in accepted], refusals=refusals,
+                     clamped=[s for s in clamped if any(stats[i].sender == s for i in accepted)])
 
 
 def chunk_norm(values: torch.Tensor, center: torch.Tensor | None = None) -> float:
@@ -194,10 +203,11 @@ class Aggregator(ABC):
 
     name: str
 
-    def combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+    def combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor,
                 center: torch.Tensor | None = None) -> torch.Tensor:
         """``values``: (k, m) fp32, one row per accepted contribution; ``weights``: (k,) > 0;
-        ``ref_norm``: the chunk's reference norm (of deviations from ``center``). Returns (m,) fp32."""
+        ``ref_norm``: the chunk's reference norm (of deviations from ``center``), or (k,) one per row (the
+        reference times the row's weight allowance, :attr:`Screening.allowances`). Returns (m,) fp32."""
         if values.shape[0] == 0:
             raise ValueError("no contribution to combine")
         if center is None:
@@ -206,7 +216,8 @@ class Aggregator(ABC):
         return c + self._combine((values - c).float(), weights.float(), ref_norm)
 
     @abstractmethod
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float) -> torch.Tensor: ...
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
+                 ) -> torch.Tensor: ...
 
 
 class Mean(Aggregator):
@@ -214,21 +225,24 @@ class Mean(Aggregator):
 
     name = "mean"
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
+                 ) -> torch.Tensor:
         return (weights / weights.sum()) @ values
 
 
 class ClippedMean(Aggregator):
-    """Norm-clipped weighted mean: rows above ``clip_factor * ref_norm`` are scaled down to it."""
+    """Norm-clipped weighted mean: rows above ``clip_factor * ref_norm`` (per row when given so) are
+    scaled down to it."""
 
     name = "clipped_mean"
 
     def __init__(self, clip_factor: float) -> None:
         self.clip_factor = clip_factor
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float) -> torch.Tensor:
-        limit = self.clip_factor * ref_norm
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
+                 ) -> torch.Tensor:
         norms = torch.linalg.vector_norm(values.double(), dim=1)
+        limit = self.clip_factor * torch.as_tensor(ref_norm, dtype=torch.float64)
         scale = torch.where(norms > limit, limit / norms.clamp_min(1e-300), torch.ones_like(norms))
         return (weights / weights.sum()) @ (values * scale.float().unsqueeze(1))
 
@@ -252,7 +266,8 @@ class TrimmedMean(Aggregator):
             return 0
         return min((n - 1) // 2, max(1, round(self.trim_fraction * n)))
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
+                 ) -> torch.Tensor:
         b = self.trim_count(values.shape[0])
         if b == 0:
             return (weights / weights.sum()) @ values
@@ -266,7 +281,8 @@ class Median(Aggregator):
 
     name = "median"
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
+                 ) -> torch.Tensor:
         if values.shape[0] <= 2:
             return (weights / weights.sum()) @ values
         ordered, w = _sorted_with_weights(values, weights)
