@@ -236,7 +236,8 @@ def test_stream_cap_refusals_are_retried_not_counted(swarm):
 # ---- who is served -------------------------------------------------------------------------------------
 
 
-def test_a_peer_without_a_live_heartbeat_is_refused_until_it_has_one(swarm):
+def test_a_peer_without_a_live_heartbeat_is_refused_until_it_has_one(swarm, monkeypatch):
+    monkeypatch.setattr(StateClient, "_peer_id", lambda self: "")  # presents no heartbeat in its requests
     book = Book()
     live: set[str] = set()
     server = _server(swarm, swarm.good, book, live=lambda p: p in live)
@@ -259,6 +260,45 @@ def test_a_peer_without_a_live_heartbeat_is_refused_until_it_has_one(swarm):
             timer.cancel()
         assert got is not None and got.source == swarm.id(swarm.good)
         assert book.refused and set(book.refused) == {(client_id, "state_not_live", False)}
+    finally:
+        server.close()
+
+
+def _first_reply(swarm: Swarm, server: P2P, request: swarm_pb2.StateRequest) -> str:
+    """Send one raw request; the first reply's refusal, or "data" when a chunk came."""
+
+    async def ask() -> str:
+        async with wire.open_stream(swarm.client, swarm.id(server), STATE_HANDLER, request, swarm_pb2.StateChunk,
+                                    max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=10) as replies:
+            async for msg in replies:
+                return msg.error or "data"
+        return "nothing"
+
+    return swarm.run(ask(), timeout=30)
+
+
+def test_a_joiner_not_yet_seen_in_the_dht_is_served_on_the_heartbeat_it_presents(swarm):
+    """At 5 Mbit/s a holder could not read the joiners' DHT heartbeats for 30 s. A request presents the
+    requester's heartbeat: served when it names the stream's peer, this swarm, and is fresh; not when
+    it names another peer, another swarm, is stale or leaving."""
+    book = Book()
+    server = _server(swarm, swarm.good, book, live=lambda p: False)  # this server's DHT shows nobody
+    me = swarm.id(swarm.client)
+    try:
+        got = _client(swarm, book).fetch(0, [swarm.id(swarm.good)])  # the node's own client presents it
+        assert got is not None and book.refused == []
+
+        def asking(**hb) -> swarm_pb2.StateRequest:
+            fields = {"peer_id": me, "fingerprint": FP, "time": time.time(), **hb}
+            return swarm_pb2.StateRequest(fingerprint=FP, fragment=1, heartbeat=swarm_pb2.Heartbeat(**fields))
+
+        assert _first_reply(swarm, swarm.good, asking()) == "data"
+        for bad in ({"peer_id": swarm.id(swarm.other)}, {"fingerprint": "another swarm"},
+                    {"time": time.time() - 2 * state_sync.PRESENTED_MAX_AGE_S}, {"leaving": True}):
+            assert _first_reply(swarm, swarm.good, asking(**bad)).startswith("not-live"), bad
+        assert _first_reply(swarm, swarm.good, swarm_pb2.StateRequest(fingerprint=FP, fragment=1)).startswith(
+            "not-live")
+        assert {(p, kind, offence) for p, kind, offence in book.refused} == {(me, "state_not_live", False)}
     finally:
         server.close()
 
@@ -365,7 +405,7 @@ def test_a_malformed_request_is_an_offence_and_the_server_keeps_serving(swarm):
             writer.close()
 
     try:
-        assert "exceeds the limit of 1024" in swarm.run(garbage())
+        assert f"exceeds the limit of {state_sync.MAX_REQUEST_BYTES}" in swarm.run(garbage())
         assert book.refused == [(swarm.id(swarm.client), "state_request", True)]
         assert _client(swarm, book).fetch(2, [swarm.id(swarm.good)]) is not None
     finally:

@@ -25,8 +25,13 @@ concurrent downloads per peer and in total.
 
 The state is served only to a peer that is not banned, has a live heartbeat in this swarm (checked on
 the authenticated libp2p id of the stream, never on a field of the request) and stays within a per-peer
-rate (``StateRateLimiter``). A refusal is one line, ``"<code>: <why>"`` in ``StateChunk.error``, and is
-reported to ``on_refused``; only the refusals a peer earned (a flood of requests far past the rate, a
+rate (``StateRateLimiter``). The heartbeat is the one in this node's peer table (read from the DHT), or
+the one the request presents: bound to the stream's peer id, of this swarm's fingerprint, not leaving and
+at most ``PRESENTED_MAX_AGE_S`` old. Both are the peer's own claim bound to its identity (a DHT record
+is no stronger), and at 5 Mbit/s a holder serving a download could not read the joiners' DHT heartbeats
+for 30 s: every joiner was refused "not-live" until its time ran out, and started from scratch.
+A refusal is one line, ``"<code>: <why>"`` in ``StateChunk.error``, and is reported to
+``on_refused``; only the refusals a peer earned (a flood of requests far past the rate, a
 malformed request) count as offences.
 
 The client trusts nothing it downloads: each chunk must be the next one (no gap, no overlap), of the
@@ -65,7 +70,8 @@ CHUNK_ELEMS = 1 << 14
 CREDIT_CHUNKS = 4  # chunks a server sends ahead of the client's acknowledgements (module docstring)
 MIN_DOWNLOAD_RATE = 250_000  # bytes/s a download is given time for, on top of the client's timeout
 DRAIN_S = 5.0  # how long a server reads a client's trailing acknowledgements after its last chunk
-MAX_REQUEST_BYTES = 1024  # a StateRequest is a fingerprint and three integers
+MAX_REQUEST_BYTES = 2048  # a StateRequest is a fingerprint, three integers and a small heartbeat
+PRESENTED_MAX_AGE_S = 30.0  # a heartbeat presented in a request older (or newer) than this is no proof
 MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
 IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 128 KiB)
 MAX_STREAMS_PER_PEER = 8
@@ -80,7 +86,7 @@ RETRY_MAX_S = 4.0
 BACKOFF_FIRST_S = {"banned": 30.0, "rate-limited": 5.0}
 BACKOFF_DEFAULT_S = 2.0
 BACKOFF_MAX_S = 120.0
-MAX_RATE_PEERS = 4096  # rate buckets kept (only live peers get one: bounded by the swarm's size)
+MAX_RATE_PEERS = 4096  # rate buckets kept, least recently used dropped (only peers with a live heartbeat get one)
 
 # The first word of a refusal (``StateChunk.error``), which the client reads to decide what to do next.
 BANNED = "banned"
@@ -231,7 +237,8 @@ class StateServer:
         if self._is_banned(remote):
             return self._refuse(remote, BANNED, "state requests from this peer are refused for a while",
                                 kind="state_banned", offence=False)
-        if not self._is_live(remote):  # a stranger, or a joiner whose heartbeat we have not seen yet
+        if not (self._is_live(remote) or self._presents_heartbeat(remote, request)):
+            # a stranger, or a joiner whose heartbeat we have not seen yet and that presents none
             return self._refuse(remote, NOT_LIVE, "no live heartbeat from this peer in this swarm",
                                 kind="state_not_live", offence=False)
         if not self._limiter.take(remote):
@@ -242,6 +249,14 @@ class StateServer:
             return self._refuse(remote, FINGERPRINT, f"{request.fingerprint[:40]!r} is not {self.fingerprint}",
                                 kind="state_fingerprint", offence=False)
         return None
+
+    def _presents_heartbeat(self, remote: str, request: swarm_pb2.StateRequest) -> bool:
+        """Whether the request carries a live heartbeat of ``remote`` in this swarm (module docstring)."""
+        if not request.HasField("heartbeat"):
+            return False
+        hb = request.heartbeat
+        return (hb.peer_id == remote and hb.fingerprint == self.fingerprint and not hb.leaving
+                and abs(time.time() - hb.time) <= PRESENTED_MAX_AGE_S)
 
     @staticmethod
     def _unservable(request: swarm_pb2.StateRequest, snap: FragmentSnapshot | None) -> str | None:
@@ -369,11 +384,15 @@ class _Download:
         self._version: int | None = None
         self._claim: tuple[int, int, float] | None = None  # the last chunk's (clock, inner step, wall time seen)
 
-    def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
-        """The request resuming at the next element (of the version started, if any)."""
+    def request(self, fingerprint: str, peer_id: str = "") -> swarm_pb2.StateRequest:
+        """The request resuming at the next element (of the version started, if any), presenting this
+        node's heartbeat as ``peer_id`` (none when empty: the server must know us from the DHT)."""
         version = self._version if self._version is not None else self._min_version
-        return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
-                                      min_version=version)
+        req = swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
+                                     min_version=version)
+        if peer_id:
+            req.heartbeat.CopyFrom(swarm_pb2.Heartbeat(peer_id=peer_id, fingerprint=fingerprint, time=time.time()))
+        return req
 
     def reset(self) -> None:
         """Forget what was received (it came from a source found bad)."""
@@ -458,6 +477,10 @@ class StateClient:
         self._on_bad = on_bad
         self._is_banned = is_banned
         self._backoff = backoff or HolderBackoff()
+
+    def _peer_id(self) -> str:
+        """This node's peer id, presented with a heartbeat in each request (see ``StateServer``)."""
+        return str(self.runtime.p2p.peer_id)
 
     def budget(self, numel: int | None) -> float:
         """Seconds a download of ``numel`` elements may take: the timeout, plus its bytes at
@@ -545,7 +568,7 @@ class StateClient:
 
         async def requests() -> AsyncIterator[swarm_pb2.StateRequest]:
             # the request, then one acknowledgement per chunk received (the server's flow control)
-            yield download.request(self.fingerprint)
+            yield download.request(self.fingerprint, self._peer_id())
             while (ack := await acks.get()) is not None:
                 yield ack
 
