@@ -363,6 +363,12 @@ class BadSource(Exception):
     """The peer served state that breaks the rules (counted against it; its data is dropped)."""
 
 
+def _describe(exc: BaseException) -> str:
+    """An exception as one line that is never empty (a timeout's text is: the log said "failed: ")."""
+    text = str(exc).strip()
+    return text if text else f"{type(exc).__name__} (no detail; a timeout gives none)"
+
+
 class _AllWaiting(RuntimeError):
     """Every holder asked for refused this node lately (``HolderBackoff``): nobody is asked now."""
 
@@ -497,7 +503,7 @@ class StateClient:
             log.debug("state download of fragment %d: %s", fragment, exc)
             return None
         except Exception as exc:
-            log.warning("state download of fragment %d failed: %s", fragment, exc)
+            log.warning("state download of fragment %d failed: %s", fragment, _describe(exc))
             return None
 
     def fetch_many(self, fragments: list[int], peers: list[str], min_version: int = 0) -> dict[int, FragmentSnapshot]:
@@ -517,7 +523,7 @@ class StateClient:
             got = await asyncio.gather(*jobs, return_exceptions=True)
             for frag, g in zip(fragments, got, strict=True):
                 if not isinstance(g, FragmentSnapshot):
-                    log.warning("state download of fragment %d failed: %s", frag, g)
+                    log.warning("state download of fragment %d failed: %s", frag, _describe(g))
             return {f: g for f, g in zip(fragments, got, strict=True) if isinstance(g, FragmentSnapshot)}
 
         if not peers:
