@@ -132,9 +132,18 @@ class NodeProc:
         return found
 
     def stop(self) -> None:
-        """Make sure nothing of this node is left."""
+        """Make sure nothing of this node is left: its processes (by process group) and their IPC files.
+        The SIGKILL of the group takes the node's watchdog too, so the files its processes own (torch's
+        ``/dev/shm/torch_<pid>_*``, a p2pd socket) are recorded first and removed here once all are dead
+        (a full suite left ~50 such files in /dev/shm)."""
+        from node.swarm.process import cleanup_ipc_files, ipc_files
+
+        pids: list[int] = []
+        files: set[str] = set()
         if self.proc.poll() is None:
-            for pid in self.descendants():
+            pids = [self.proc.pid, *self.descendants()]
+            files = ipc_files(pids)
+            for pid in pids[1:]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(os.getpgid(pid), signal.SIGKILL)
             self.kill(signal.SIGKILL)
@@ -144,6 +153,8 @@ class NodeProc:
         while self.group_alive() and time.monotonic() < deadline:
             self.kill(signal.SIGKILL)
             time.sleep(0.2)
+        if pids:
+            cleanup_ipc_files(pids, files, retry_s=2.0)
         self.log.close()
 
 

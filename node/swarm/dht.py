@@ -204,7 +204,29 @@ _DHT_CLASS: type | None = None
 
 
 def _kill_own_group(signum: int, frame: object) -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    """The DHT child's end when the node died: SIGKILL the rest of its group (p2pd), remove the files they
+    owned (p2pd's socket: a SIGKILLed p2pd leaves it, and a p2pd started after the watchdog's last poll is
+    one the watchdog never saw), then SIGKILL the group, this process included."""
+    me, group = os.getpid(), os.getpgid(0)
+    with contextlib.suppress(Exception):
+        others = [p for p in _proc.group_members(group) if p != me]
+        files = _proc.ipc_files(others)
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        # Our own children (p2pd): reap them, then their files go at once. /proc/net/unix may list a dead
+        # p2pd's socket for a while, and waiting that out here lost the race with the watchdog's SIGKILL.
+        deadline = time.monotonic() + 1.0
+        while any(_proc.is_alive(p) for p in others) and time.monotonic() < deadline:
+            for pid in others:
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.01)
+        if not any(_proc.is_alive(p) for p in others):
+            for path in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    os.killpg(group, signal.SIGKILL)
 
 
 def _dht_class() -> type:

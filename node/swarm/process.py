@@ -76,34 +76,35 @@ def _all_pids() -> list[int]:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (zombies included)."""
-    out: list[int] = []
-    tasks = glob.glob(f"/proc/{pid}/task/*/children")
-    if tasks:
-        for path in tasks:
-            try:
-                with open(path) as fh:
-                    out.extend(int(x) for x in fh.read().split())
-            except (OSError, ValueError):
-                continue
-        return sorted(set(out))
-    if not os.path.exists(f"/proc/{pid}"):
-        return []
-    # kernels without CONFIG_PROC_CHILDREN: scan every process
+    """Direct children of ``pid`` (zombies included), by each process's parent pid in /proc/<pid>/stat.
+
+    Not from ``/proc/<pid>/task/*/children``: the kernel documents that file as reliable only while the
+    children are stopped, and the watchdog read it empty for a whole second while the node had a DHT child
+    and a p2pd (a SIGKILL then left the p2pd's socket behind: the watchdog never saw the p2pd)."""
+    return sorted(p for p, parent in _parents().items() if parent == pid)
+
+
+def _parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process (one pass over /proc)."""
+    out: dict[int, int] = {}
     for other in _all_pids():
         st = proc_stat(other)
-        if st is not None and st[2] == pid:
-            out.append(other)
+        if st is not None:
+            out[other] = st[2]
     return out
 
 
 def descendants(pid: int) -> list[int]:
     """All living descendants of ``pid`` (children first)."""
+    parents = _parents()
+    kids: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        kids.setdefault(parent, []).append(child)
     out: list[int] = []
     seen = {pid}
     queue = [pid]
     while queue:
-        for child in children(queue.pop(0)):
+        for child in sorted(kids.get(queue.pop(0), [])):
             if child not in seen:
                 seen.add(child)
                 if is_alive(child):
@@ -215,13 +216,17 @@ def cleanup_ipc_files(pids: Iterable[int], files: Iterable[str] = (), retry_s: f
     process given is dead and no other process can bind a path while its file exists, so the listing is
     stale (loaded CI runs left a p2pd socket past a 2 s wait that did not remove it at the end)."""
     pids = list(pids)
-    if any(is_alive(p) for p in pids):
-        return []
+    deadline = time.monotonic() + retry_s
+    # Waited for too (within ``retry_s``): a SIGKILLed process can take a moment to die on a loaded machine,
+    # and returning at once left its files for good.
+    while any(is_alive(p) for p in pids):
+        if time.monotonic() >= deadline:
+            return []
+        time.sleep(0.05)
     candidates = set(files)
     for pid in pids:
         candidates.update(glob.glob(f"/dev/shm/torch_{pid}_*"))
     removed: list[str] = []
-    deadline = time.monotonic() + retry_s
     while True:
         expired = time.monotonic() >= deadline
         force = expired and retry_s > 0  # waited for the listing: every owner is dead, so it is stale
@@ -394,9 +399,11 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
     while time.monotonic() < deadline and any(_same_alive(p, t) for p, t in targets.items()):
         time.sleep(0.02)
     cleanup_ipc_files([parent, *seen, *targets], files, retry_s=2.0)
+    kept = sorted(f for f in files if os.path.exists(f))
+    alive = sorted(p for p, t in targets.items() if _same_alive(p, t))
     with contextlib.suppress(OSError):
-        os.write(2, f"locoswarm watchdog: node process {parent} is gone; stopped {stopped} "
-                    f"leftover process(es)\n".encode())
+        os.write(2, f"locoswarm watchdog: node process {parent} is gone; stopped {stopped} leftover process(es)"
+                    f"{f'; still alive: {alive}' if alive else ''}{f'; files kept: {kept}' if kept else ''}\n".encode())
 
 
 def stop_watchdog(pid: int | None) -> None:
