@@ -603,3 +603,53 @@ def test_a_socket_bound_after_the_watchdogs_last_poll_is_removed_after_sigkill(t
         proc.stdout.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sock)
+
+
+OWNER_SCRIPT = textwrap.dedent("""
+    import os, socket, subprocess, sys, time
+    open(f"/dev/shm/torch_{os.getpid()}_test_0", "w").close()  # as torch's shared memory leaves them
+    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); "
+            "print('bound', flush=True); time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], stdout=subprocess.PIPE,
+                             start_new_session=True)  # a helper in a session of its own
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(30)
+def test_kill_groups_leaves_neither_processes_nor_their_files(tmp_path):
+    """What the benchmarks (and the tests' NodeProc) do to nodes: SIGKILL by process group, which takes
+    the node's watchdog too. The files the processes owned go with them, and a descendant in a session of
+    its own is killed as well."""
+    from node.swarm.process import kill_groups
+
+    sock = f"/tmp/hivemind-p2pd-test-{os.getpid()}-{time.monotonic_ns()}.sock"
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), sock], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    shm = f"/dev/shm/torch_{proc.pid}_test_0"
+    child = None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "the script did not start its child"
+        child = int(proc.stdout.readline())
+        child_start = _stat(child)[4]
+        assert os.path.exists(sock) and os.path.exists(shm)
+        removed = kill_groups({proc.pid}, proc, timeout=10)
+        assert proc.poll() is not None and not _alive(child, child_start)
+        assert not os.path.exists(sock) and not os.path.exists(shm), removed
+        assert set(removed) == {sock, shm}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        for path in (sock, shm):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

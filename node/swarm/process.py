@@ -132,18 +132,28 @@ def tree_groups(pid: int) -> set[int]:
     return groups
 
 
-def kill_groups(groups: Iterable[int], proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGKILL every process group in ``groups``, reap ``proc`` and wait (bounded) until the groups are
-    empty: what a harness that started ``proc`` in its own group does to leave nothing behind."""
+def kill_groups(groups: Iterable[int], proc: subprocess.Popen, timeout: float = 10.0) -> list[str]:
+    """SIGKILL every process group in ``groups`` and every descendant of ``proc`` (torch's shared-memory
+    manager runs in a session of its own), reap ``proc``, wait (bounded) until they are gone, and remove
+    the IPC files they owned: what a harness that started ``proc`` in its own group does to leave nothing
+    behind. The files are recorded first, because the SIGKILL takes the node's watchdog too (a test suite
+    that killed its nodes this way left ~50 ``/dev/shm/torch_*`` files). Returns the files removed."""
     groups = set(groups)
+    members = {p for g in groups for p in group_members(g)}
+    tree = [proc.pid, *descendants(proc.pid)] if proc.poll() is None else []
+    started = {p: st[4] for p in {*members, *tree} if (st := proc_stat(p)) is not None}
+    files = ipc_files(list(started))
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+    _signal_all({p: t for p, t in started.items() if _same_alive(p, t)}, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
     deadline = time.monotonic() + timeout
-    while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+    while (any(group_members(g) for g in groups) or any(_same_alive(p, t) for p, t in started.items())) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
+    return cleanup_ipc_files(list(started), files, retry_s=2.0)
 
 
 def p2pd_pids(pids: Iterable[int]) -> list[int]:

@@ -90,12 +90,9 @@ class BenchProc:
     def kill(self) -> None:
         """SIGKILL every process group of this process tree, wait until they are gone, remove the IPC
         files (hivemind sockets, torch shared memory) the killed processes leave behind."""
-        from node.swarm.process import cleanup_ipc_files, descendants, ipc_files, kill_groups
+        from node.swarm.process import kill_groups
 
-        pids = [self.pid, *descendants(self.pid)] if self.alive() else []
-        files = ipc_files(pids)
         kill_groups(self.groups(), self.proc)
-        cleanup_ipc_files(pids, files)
 
     def close(self) -> None:
         self.kill()
