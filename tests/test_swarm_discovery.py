@@ -557,6 +557,10 @@ def test_pace_set_is_the_same_for_every_member_and_ignores_one_fast_liar() -> No
     assert pace_set({}) == set()
 
 
+# A child that binds a unix socket at argv[1], prints "bound", and sleeps (a p2pd's stand-in).
+SOCKET_CHILD = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); "
+                "print('bound', flush=True); time.sleep(120)")
+
 LATE_CHILD_SCRIPT = textwrap.dedent("""
     import os, subprocess, sys, time
     sys.path.insert(0, sys.argv[1])
@@ -564,30 +568,38 @@ LATE_CHILD_SCRIPT = textwrap.dedent("""
     become_group_leader()
     start_watchdog(poll_s=60.0)  # one poll at start; the child below comes after it
     time.sleep(0.3)
-    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); "
-            "print('bound', flush=True); time.sleep(120)")
-    child = subprocess.Popen([sys.executable, "-c", code, sys.argv[2]], stdout=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[2]], stdout=subprocess.PIPE)
     child.stdout.readline()
     print(child.pid, flush=True)
     time.sleep(120)
 """)
 
 
+def _start_socket_owner(tmp_path: Path, script: str, args: list[str], **popen) -> tuple[subprocess.Popen, str]:
+    """Run ``script`` with ``[*args, socket path, SOCKET_CHILD]``; returns the process and the socket path."""
+    sock = f"/tmp/hivemind-p2pd-test-{os.getpid()}-{time.monotonic_ns()}.sock"
+    path = tmp_path / "owner.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path), *args, sock, SOCKET_CHILD], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, **popen)
+    return proc, sock
+
+
+def _child_of(proc: subprocess.Popen) -> tuple[int, int]:
+    """The (pid, start time) of the socket child the script reports once its socket is bound."""
+    ready, _, _ = select.select([proc.stdout], [], [], 20)
+    assert ready, "the script did not start its child"
+    child = int(proc.stdout.readline())
+    return child, _stat(child)[4]
+
+
 @pytest.mark.timeout(30)
 def test_a_socket_bound_after_the_watchdogs_last_poll_is_removed_after_sigkill(tmp_path):
     """The watchdog records the leftover processes' files once more before it stops them: a p2pd that
     bound its socket after the last poll must not leave the socket behind (a CI run saw one)."""
-    sock = f"/tmp/hivemind-p2pd-test-{os.getpid()}-{time.monotonic_ns()}.sock"
-    script = tmp_path / "late_child.py"
-    script.write_text(LATE_CHILD_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(REPO), sock], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
-    child = None
+    proc, sock = _start_socket_owner(tmp_path, LATE_CHILD_SCRIPT, [str(REPO)])
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        assert ready, "the script did not start its child"
-        child = int(proc.stdout.readline())
-        child_start = _stat(child)[4]
+        child, child_start = _child_of(proc)
         assert os.path.exists(sock)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -606,11 +618,9 @@ def test_a_socket_bound_after_the_watchdogs_last_poll_is_removed_after_sigkill(t
 
 
 OWNER_SCRIPT = textwrap.dedent("""
-    import os, socket, subprocess, sys, time
+    import os, subprocess, sys, time
     open(f"/dev/shm/torch_{os.getpid()}_test_0", "w").close()  # as torch's shared memory leaves them
-    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); "
-            "print('bound', flush=True); time.sleep(120)")
-    child = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]], stdout=subprocess.PIPE,
                              start_new_session=True)  # a helper in a session of its own
     child.stdout.readline()
     print(child.pid, flush=True)
@@ -625,18 +635,11 @@ def test_kill_groups_leaves_neither_processes_nor_their_files(tmp_path):
     its own is killed as well."""
     from node.swarm.process import kill_groups
 
-    sock = f"/tmp/hivemind-p2pd-test-{os.getpid()}-{time.monotonic_ns()}.sock"
-    script = tmp_path / "owner.py"
-    script.write_text(OWNER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), sock], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, sock = _start_socket_owner(tmp_path, OWNER_SCRIPT, [], start_new_session=True)
     shm = f"/dev/shm/torch_{proc.pid}_test_0"
     child = None
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        assert ready, "the script did not start its child"
-        child = int(proc.stdout.readline())
-        child_start = _stat(child)[4]
+        child, child_start = _child_of(proc)
         assert os.path.exists(sock) and os.path.exists(shm)
         removed = kill_groups({proc.pid}, proc, timeout=10)
         assert proc.poll() is not None and not _alive(child, child_start)
