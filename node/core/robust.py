@@ -203,21 +203,21 @@ class Aggregator(ABC):
 
     name: str
 
-    def combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor,
-                center: torch.Tensor | None = None) -> torch.Tensor:
+    def combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                center: torch.Tensor | None = None, allowances: torch.Tensor | None = None) -> torch.Tensor:
         """``values``: (k, m) fp32, one row per accepted contribution; ``weights``: (k,) > 0;
-        ``ref_norm``: the chunk's reference norm (of deviations from ``center``), or (k,) one per row (the
-        reference times the row's weight allowance, :attr:`Screening.allowances`). Returns (m,) fp32."""
+        ``ref_norm``: the chunk's reference norm (of deviations from ``center``); ``allowances``: (k,) the
+        rows' weight allowances (:attr:`Screening.allowances`; all 1 when None). Returns (m,) fp32."""
         if values.shape[0] == 0:
             raise ValueError("no contribution to combine")
         if center is None:
-            return self._combine(values.float(), weights.float(), ref_norm)
+            return self._combine(values.float(), weights.float(), ref_norm, allowances)
         c = center.to(values.dtype)
-        return c + self._combine((values - c).float(), weights.float(), ref_norm)
+        return c + self._combine((values - c).float(), weights.float(), ref_norm, allowances)
 
     @abstractmethod
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
-                 ) -> torch.Tensor: ...
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                 allowances: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class Mean(Aggregator):
@@ -225,24 +225,26 @@ class Mean(Aggregator):
 
     name = "mean"
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
-                 ) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                 allowances: torch.Tensor | None) -> torch.Tensor:
         return (weights / weights.sum()) @ values
 
 
 class ClippedMean(Aggregator):
-    """Norm-clipped weighted mean: rows above ``clip_factor * ref_norm`` (per row when given so) are
-    scaled down to it."""
+    """Norm-clipped weighted mean: rows above ``clip_factor * ref_norm`` times the root of their weight
+    allowance are scaled down to it (module docstring)."""
 
     name = "clipped_mean"
 
     def __init__(self, clip_factor: float) -> None:
         self.clip_factor = clip_factor
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
-                 ) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                 allowances: torch.Tensor | None) -> torch.Tensor:
         norms = torch.linalg.vector_norm(values.double(), dim=1)
-        limit = self.clip_factor * torch.as_tensor(ref_norm, dtype=torch.float64)
+        limit = torch.full_like(norms, self.clip_factor * ref_norm)
+        if allowances is not None:
+            limit = limit * allowances.to(torch.float64).sqrt()
         scale = torch.where(norms > limit, limit / norms.clamp_min(1e-300), torch.ones_like(norms))
         return (weights / weights.sum()) @ (values * scale.float().unsqueeze(1))
 
@@ -266,8 +268,8 @@ class TrimmedMean(Aggregator):
             return 0
         return min((n - 1) // 2, max(1, round(self.trim_fraction * n)))
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
-                 ) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                 allowances: torch.Tensor | None) -> torch.Tensor:
         b = self.trim_count(values.shape[0])
         if b == 0:
             return (weights / weights.sum()) @ values
@@ -281,8 +283,8 @@ class Median(Aggregator):
 
     name = "median"
 
-    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float | torch.Tensor
-                 ) -> torch.Tensor:
+    def _combine(self, values: torch.Tensor, weights: torch.Tensor, ref_norm: float,
+                 allowances: torch.Tensor | None) -> torch.Tensor:
         if values.shape[0] <= 2:
             return (weights / weights.sum()) @ values
         ordered, w = _sorted_with_weights(values, weights)

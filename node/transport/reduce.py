@@ -81,14 +81,13 @@ def combine_part(codec: Codec, contributions: Sequence[PartContribution], screen
     if not screening.accepted:
         raise ValueError("no contribution to this part was accepted")
     weights = torch.tensor(screening.weights, dtype=torch.float32)
-    # clipping's allowance: the root of the weight ratio (see node.core.robust on clipped_mean)
-    allowances = torch.tensor(screening.allowances or [1.0] * len(screening.accepted), dtype=torch.float64).sqrt()
+    allowances = torch.tensor(screening.allowances, dtype=torch.float64) if screening.allowances else None
     reduced = {}
     for k, c in enumerate(sorted(sizes)):
         rows = torch.stack([codec.decode(contributions[i].chunks[c], sizes[c]) for i in screening.accepted])
         center = None if centers is None else centers[c]
-        refs = float(screening.chunk_refs[k]) * allowances  # a row of more tokens may be larger
-        reduced[c] = codec.encode(aggregator.combine(rows, weights, refs, center))
+        reduced[c] = codec.encode(aggregator.combine(rows, weights, float(screening.chunk_refs[k]), center,
+                                                     allowances))
     return reduced
 
 
