@@ -175,47 +175,109 @@ def test_a_download_carries_the_servers_clock_as_it_sent_the_state(swarm):
         plain.close()
 
 
-def test_the_server_sends_at_most_its_credit_ahead_of_the_clients_acknowledgements(swarm):
-    """A download may not fill the buffers the DHT and the rounds share (module docstring of state_sync):
-    without acknowledgements the server sends CREDIT_CHUNKS chunks and waits; each one lets one more go."""
-    numel = 10 * CHUNK_ELEMS
-    g = torch.Generator().manual_seed(5)
-    snap = FragmentSnapshot(0, 5, torch.randn(numel, generator=g), torch.randn(numel, generator=g))
-    book = Book()
-    server = _server(swarm, swarm.good, book, snaps={0: snap})
+class _Probe:
+    """A raw download stream that acknowledges only when told (``ack``) and counts the chunks it got."""
 
-    async def probe() -> list[int]:
-        acks: asyncio.Queue = asyncio.Queue()
-        request = swarm_pb2.StateRequest(fingerprint=FP, fragment=0, min_version=5)
+    def __init__(self, swarm: Swarm, server: P2P, fragment: int, version: int) -> None:
+        self.request = swarm_pb2.StateRequest(fingerprint=FP, fragment=fragment, min_version=version)
+        self.acks: asyncio.Queue = asyncio.Queue()
+        self.seen: list[int] = []
+        self._swarm, self._server = swarm, server
 
+    def ack(self) -> None:
+        self.acks.put_nowait(self.request)
+
+    async def run(self, done: asyncio.Event) -> None:
         async def requests():
-            yield request
-            while (ack := await acks.get()) is not None:
+            yield self.request
+            while (ack := await self.acks.get()) is not None:
                 yield ack
 
-        seen: list[int] = []
-        async with wire.open_stream(swarm.client, swarm.id(swarm.good), STATE_HANDLER, requests(),
+        async with wire.open_stream(self._swarm.client, self._swarm.id(self._server), STATE_HANDLER, requests(),
                                     swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=10) as stream:
-
-            async def read() -> None:
-                async for msg in stream:
-                    seen.append(msg.offset)
-
-            reader = asyncio.create_task(read())
-            await asyncio.sleep(1.5)  # nothing beyond the credit comes without an acknowledgement
-            counts = [len(seen)]
-            acks.put_nowait(request)
-            await asyncio.sleep(1.0)
-            counts.append(len(seen))
+            reader = asyncio.create_task(self._read(stream))
+            await done.wait()
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+
+    async def _read(self, stream) -> None:
+        async for msg in stream:
+            self.seen.append(msg.offset)
+
+
+def _big_snaps(fragments: int, chunks: int = 10) -> dict[int, FragmentSnapshot]:
+    numel = chunks * CHUNK_ELEMS
+    g = torch.Generator().manual_seed(5)
+    return {f: FragmentSnapshot(f, 5, torch.randn(numel, generator=g), torch.randn(numel, generator=g))
+            for f in range(fragments)}
+
+
+def test_the_server_sends_at_most_its_credit_ahead_of_the_clients_acknowledgements(swarm):
+    """A download may not fill the buffers the DHT and the rounds share (module docstring of state_sync):
+    without acknowledgements the server sends CREDIT_CHUNKS chunks and waits; each one lets one more go."""
+    server = _server(swarm, swarm.good, Book(), snaps=_big_snaps(1))
+
+    async def probe() -> list[int]:
+        one, done = _Probe(swarm, swarm.good, 0, 5), asyncio.Event()
+        task = asyncio.create_task(one.run(done))
+        await asyncio.sleep(1.5)  # nothing beyond the credit comes without an acknowledgement
+        counts = [len(one.seen)]
+        one.ack()
+        await asyncio.sleep(1.0)
+        counts.append(len(one.seen))
+        done.set()
+        await task
         return counts
 
     try:
         assert swarm.run(probe()) == [state_sync.CREDIT_CHUNKS, state_sync.CREDIT_CHUNKS + 1]
     finally:
         server.close()
+
+
+def test_concurrent_downloads_share_the_servers_credit(swarm):
+    """Three downloads at once (a holder serving joiners) have at most the server's credit in flight in
+    all, not each their own: the DHT's messages share the holder's uplink. A stream that ends gives its
+    share back, and real downloads under a credit smaller than one stream's still complete exactly."""
+    snaps = _big_snaps(3)
+    server = _server(swarm, swarm.good, Book(), snaps=snaps, server_credit=6)
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        probes, done = [_Probe(swarm, swarm.good, f, 5) for f in range(3)], asyncio.Event()
+        first_done = asyncio.Event()
+        tasks = [asyncio.create_task(probes[0].run(first_done))]
+        tasks += [asyncio.create_task(p.run(done)) for p in probes[1:]]
+        await asyncio.sleep(2.0)
+        before = [len(p.seen) for p in probes]
+        first_done.set()  # the first download ends (its client leaves): its share goes to the others
+        await tasks[0]
+        await asyncio.sleep(1.5)
+        after = [len(p.seen) for p in probes]
+        done.set()
+        await asyncio.gather(*tasks[1:])
+        return before, after, server.credit.high_water
+
+    try:
+        before, after, high = swarm.run(scenario())
+        assert sum(before) == 6 and max(before) <= state_sync.CREDIT_CHUNKS, before
+        # the first one's share went to the other two: the whole credit again, each within its own cap
+        assert sum(after[1:]) == 6 > sum(before[1:]) and max(after) <= state_sync.CREDIT_CHUNKS, (before, after)
+        assert high == 6
+        deadline = time.monotonic() + 5
+        while server.credit.taken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.credit.taken == 0  # every ended stream gave its credit back
+    finally:
+        server.close()
+    snaps = _snaps()  # three chunks each, of the sizes the client expects
+    small = _server(swarm, swarm.good, Book(), snaps=snaps, server_credit=2)
+    try:
+        got = _client(swarm, Book()).fetch_many([0, 1, 2], [swarm.id(swarm.good)])
+        assert sorted(got) == [0, 1, 2] and all(_same(got[f], snaps[f]) for f in range(3))
+        assert small.credit.high_water == 2
+    finally:
+        small.close()
 
 
 def test_stream_cap_refusals_are_retried_not_counted(swarm):

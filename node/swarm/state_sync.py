@@ -11,10 +11,12 @@ per-stream window) with megabytes, and the DHT's messages and the rounds' parts,
 peers' one libp2p connection, queued behind them: at 5 Mbit/s a holder serving three joiners could
 not publish its heartbeat for tens of seconds ("no answer from the DHT in 5 s"), was taken for gone
 and the rounds fell apart. Now at most ``CREDIT_CHUNKS`` x 128 KiB of one download wait ahead of
-them (0.8 s at 5 Mbit/s). The price is throughput on links whose bandwidth-delay product exceeds
-that window (about 40 Mbit/s at 100 ms round trip per download). After its last chunk the server reads
-the client's trailing acknowledgements up to its END before closing: a stream closed with unread data
-is reset, which cut the last chunk short.
+them (0.8 s at 5 Mbit/s), and at most ``SERVER_CREDIT_CHUNKS`` of all the downloads a server serves at
+once (``SharedCredit``): per download alone, three joiners pulling two fragments each still queued 3 MB
+(5 s at 5 Mbit/s) and a bench run logged the DHT timeouts again. The price is throughput on links whose
+bandwidth-delay product exceeds that window (about 40 Mbit/s at 100 ms round trip per download). After
+its last chunk the server reads the client's trailing acknowledgements up to its END before closing: a
+stream closed with unread data is reset, which cut the last chunk short.
 
 The client is resumable: when a peer fails mid-stream it continues from the last element received with
 another peer holding the same version. A joiner spreads its fragments over several peers.
@@ -68,6 +70,7 @@ log = logging.getLogger("locoswarm.state")
 STATE_HANDLER = "locoswarm.state.v1"
 CHUNK_ELEMS = 1 << 14
 CREDIT_CHUNKS = 4  # chunks a server sends ahead of the client's acknowledgements (module docstring)
+SERVER_CREDIT_CHUNKS = 6  # chunks a server has in flight over all its downloads (module docstring)
 MIN_DOWNLOAD_RATE = 250_000  # bytes/s a download is given time for, on top of the client's timeout
 DRAIN_S = 5.0  # how long a server reads a client's trailing acknowledgements after its last chunk
 MAX_REQUEST_BYTES = 2048  # a StateRequest is a fingerprint, three integers and a small heartbeat
@@ -173,6 +176,76 @@ class StateRateLimiter:
         return allowed
 
 
+class SharedCredit:
+    """Chunks in flight over all of a server's downloads: a chunk takes one before it is sent and gives
+    it back when its client acknowledges it (or its stream ends). Waiters are served in arrival order,
+    so concurrent downloads share the credit. ``high_water`` is the most ever taken at once."""
+
+    def __init__(self, chunks: int) -> None:
+        if chunks < 1:
+            raise ValueError(f"a server needs a credit of at least one chunk, got {chunks}")
+        self.chunks = chunks
+        self._free = asyncio.Semaphore(chunks)
+        self.taken = 0
+        self.high_water = 0
+
+    async def take(self) -> None:
+        await self._free.acquire()
+        self.taken += 1
+        self.high_water = max(self.high_water, self.taken)
+
+    def give(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.taken -= 1
+            self._free.release()
+
+
+class _StreamWindow:
+    """One download's chunks in flight: each holds one of the stream's own ``CREDIT_CHUNKS`` and one of the
+    server's shared credit until the client acknowledges it (each later request on the stream is one),
+    read as they come by a task of its own: a stream that waited for its acknowledgements only at its own
+    cap kept its shared credit, and three streams holding two each with a credit of six stood still."""
+
+    def __init__(self, credit: SharedCredit, acks: AsyncIterator[swarm_pb2.StateRequest]) -> None:
+        self._credit = credit
+        self._own = asyncio.Semaphore(CREDIT_CHUNKS)
+        self._unacked = 0
+        self._reader = asyncio.ensure_future(self._read(acks))
+
+    async def _read(self, acks: AsyncIterator[swarm_pb2.StateRequest]) -> None:
+        async for _ in acks:
+            if self._unacked > 0:  # an acknowledgement ahead of its chunk buys nothing
+                self._unacked -= 1
+                self._own.release()
+                self._credit.give()
+
+    async def take(self) -> bool:
+        """Wait for room for one more chunk: False when the client ended the stream first; a malformed
+        acknowledgement raises here, as it would have where it was read."""
+        for acquire in (self._own.acquire, self._credit.take):
+            getter = asyncio.ensure_future(acquire())
+            done, _ = await asyncio.wait({getter, self._reader}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                if self._reader.exception() is not None:
+                    raise self._reader.exception()
+                if acquire == self._credit.take:
+                    self._own.release()
+                return False
+        self._unacked += 1
+        return True
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the client's END."""
+        with contextlib.suppress(TimeoutError, wire.WireError):
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self._credit.give(self._unacked)
+        self._unacked = 0
+
+
 class StateServer:
     """Serves snapshots of this node's outer state (``snapshot(fragment)`` must be thread-safe) to the
     live, unbanned peers of this swarm, each within ``requests_per_minute`` (see the module docstring).
@@ -186,8 +259,10 @@ class StateServer:
                  is_live: Callable[[str], bool], is_banned: Callable[[str], bool],
                  on_refused: RefusalCallback | None = None, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
                  requests_per_minute: int = REQUESTS_PER_MINUTE, now: Callable[[], float] = time.monotonic,
-                 clock: Callable[[], tuple[int, int]] | None = None) -> None:
+                 clock: Callable[[], tuple[int, int]] | None = None,
+                 server_credit: int = SERVER_CREDIT_CHUNKS) -> None:
         self.fingerprint = fingerprint
+        self.credit = SharedCredit(server_credit)
         self._clock = clock
         self.snapshot = snapshot
         self.counters = counters
@@ -228,8 +303,10 @@ class StateServer:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
             return
         assert snap is not None
-        async for chunk in self._chunks(remote, request, snap, requests):
-            yield chunk
+        # Closed here, not left to the garbage collector: its end gives back the shared credit it holds.
+        async with contextlib.aclosing(self._chunks(remote, request, snap, requests)) as chunks:
+            async for chunk in chunks:
+                yield chunk
         self.served += 1
 
     def _admit(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
@@ -274,29 +351,26 @@ class StateServer:
         numel = snap.phi.numel()
         # A resumed download continues only within the version it started; a newer one starts over.
         start = int(request.offset) if snap.version == request.min_version else 0
-        credit = CREDIT_CHUNKS
-        for a in range(start, numel, CHUNK_ELEMS):
-            if credit == 0:  # wait for the client to take one (each later request on the stream is one)
-                ack = await anext(acks, None)
-                if ack is None:
+        window = _StreamWindow(self.credit, acks)
+        try:
+            for a in range(start, numel, CHUNK_ELEMS):
+                if not await window.take():
                     return  # the client is done with this stream
-                credit += 1
-            credit -= 1
-            b = min(a + CHUNK_ELEMS, numel)
-            msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
-                                       phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
-            self._stamp(msg)
-            self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
-            yield msg
-            await asyncio.sleep(0)
-        if numel == 0:
-            yield self._stamp(swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0, offset=0))
-        # Read the client's last acknowledgements up to its END before the stream closes: a socket closed
-        # with unread data is reset, and the reset discarded the end of the last chunk on its way out.
-        with contextlib.suppress(TimeoutError, wire.WireError):
-            async with asyncio.timeout(DRAIN_S):
-                async for _ in acks:
-                    pass
+                b = min(a + CHUNK_ELEMS, numel)
+                msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
+                                           phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
+                self._stamp(msg)
+                self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
+                yield msg
+                await asyncio.sleep(0)
+            if numel == 0:
+                yield self._stamp(swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0,
+                                                       offset=0))
+            # Read the client's last acknowledgements up to its END before the stream closes: a socket closed
+            # with unread data is reset, and the reset discarded the end of the last chunk on its way out.
+            await window.drain(DRAIN_S)
+        finally:
+            window.close()  # what the stream still holds of the shared credit is nobody's now
 
     def _stamp(self, msg: swarm_pb2.StateChunk) -> swarm_pb2.StateChunk:
         """Put this node's swarm clock and inner steps on a chunk: a joiner whose view of our heartbeats is
