@@ -425,12 +425,12 @@ def clean_baseline(results: dict[str, dict], r: dict) -> float | None:
 
 
 def markdown_table(results: dict[str, dict]) -> str:
-    rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | max eval during | rounds ok | "
-            "rounds failed | attacker refused | banned by | RSS growth (MB) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | honest steps (mean) | max eval during | "
+            "rounds ok | rounds failed | attacker refused | banned by | RSS growth (MB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["error"]:
-            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | |")
+            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | |")
             continue
         attack = r["kind"] != "clean"
         clean = clean_baseline(results, r)
@@ -438,9 +438,10 @@ def markdown_table(results: dict[str, dict]) -> str:
                and attack else "-")
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r['banned_by']}/{len(r['honest'])}" if attack else "-"
+        steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
-                    f"{_fmt(r['max_eval_during'])} | {r['rounds_ok']} | {r['rounds_failed']} | {refused} | {banned} | "
-                    f"{r['rss_growth_mb']:.0f} |")
+                    f"{sum(steps) / max(1, len(steps)):.0f} | {_fmt(r['max_eval_during'])} | {r['rounds_ok']} | "
+                    f"{r['rounds_failed']} | {refused} | {banned} | {r['rss_growth_mb']:.0f} |")
     return "\n".join(rows)
 
 
@@ -456,8 +457,10 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
            if setup.get("nice_others") else "") +
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
-        "rounds of the honest nodes during it; attacker refused: refusals of the attackers' peer ids counted by the "
-        "honest nodes; banned by: honest nodes that ban an attacker at the end.", "", table, "",
+        "rounds of the honest nodes during it; honest steps: inner steps each honest node made during it (on a shared "
+        "machine, other load shows here first: fewer steps, a higher loss); attacker refused: refusals of the "
+        "attackers' peer ids counted by the honest nodes; banned by: honest nodes that ban an attacker at the end.",
+        "", table, "",
         "![eval loss](robustness.png)", ""]
     return "\n".join(lines)
 
