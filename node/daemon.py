@@ -40,9 +40,9 @@ from node.status import (
     ConsensusStatus,
     EvalPoint,
     FragmentStatus,
+    NodePeerStatus,
     NodeStatus,
     PeerReputation,
-    PeerStatus,
     ReputationStatus,
     Spread,
     StatusEvent,
@@ -632,13 +632,13 @@ class Node:
                 spread=Spread.from_json(spread[p]) if p in spread else None))
         return out
 
-    def _peers_status(self, reputation: ReputationStatus) -> dict[str, PeerStatus]:
+    def _peers_status(self, reputation: ReputationStatus) -> dict[str, NodePeerStatus]:
         """The live peers from their heartbeats, with this node's bytes to and from each and its judgement."""
         out = {}
         for pid, hb in self.peer_table.items():
             judged = reputation.peers.get(pid, PeerReputation())
             out[pid] = dataclasses.replace(
-                PeerStatus.from_heartbeat(hb), bytes_sent=self.counters.sent_by_peer.get(pid, 0),
+                NodePeerStatus.from_heartbeat(hb), bytes_sent=self.counters.sent_by_peer.get(pid, 0),
                 bytes_received=self.counters.received_by_peer.get(pid, 0), refused=judged.refused,
                 banned=judged.banned)
         return out

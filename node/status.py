@@ -42,11 +42,23 @@ from protocol import control_pb2, swarm_pb2
 
 
 class Record:
-    """Base of the status records: JSON by field name, typed back from JSON by the fields' annotations."""
+    """Base of the status records: JSON by field name, typed back from JSON by the fields' annotations; the
+    proto ``PROTO`` by field name (:func:`_copy_plain`), where a record adds what is shaped otherwise."""
+
+    PROTO: ClassVar[Any] = None  # its control.proto message (None: its fields live in the parent's message)
+
+    def to_proto(self) -> Any:
+        msg = self.PROTO()
+        _copy_plain(self, msg)
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> Self:
+        return cls(**_plain_from(cls, msg))
 
     def to_json(self) -> Any:
         """A JSON-able value: ``{field: value}``, records nested, mapping keys as strings."""
-        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_json(cls, data: Any) -> Self:
@@ -54,7 +66,7 @@ class Record:
         by an older node); an unknown key is ignored (one written by a newer node)."""
         hints = _hints(cls)
         return cls(**{f.name: _from_json(hints[f.name], data[f.name])
-                      for f in dataclasses.fields(cls) if f.name in data})  # type: ignore[arg-type]
+                      for f in dataclasses.fields(cls) if f.name in data})
 
 
 def _json_value(value: Any) -> Any:
@@ -86,20 +98,22 @@ def _from_json(tp: Any, value: Any) -> Any:
     return tp(value)  # int, float, str, bool: JSON keys come as strings, 0.0 may come as 0
 
 
-def _plain_fields(record_cls: type, descriptor: Any, prefix: str = "") -> list[tuple[str, Any]]:
+@functools.cache
+def _plain_fields(record_cls: type, descriptor: Any, prefix: str = "") -> tuple[tuple[str, Any], ...]:
     """``(record field, proto field descriptor)`` of the fields copied by name: the record's fields whose
-    ``prefix + name`` is a scalar, repeated-scalar or map-of-scalars field of the message."""
+    ``prefix + name`` is a scalar, repeated-scalar or map-of-scalars field of the message (nested and
+    repeated messages are converted by hand)."""
     out = []
     for f in dataclasses.fields(record_cls):
         fd = descriptor.fields_by_name.get(prefix + f.name)
-        if fd is None:
-            continue
-        entry = fd.message_type
-        if entry is not None and not (entry.GetOptions().map_entry and entry.fields_by_name["value"].message_type
-                                      is None):
-            continue  # a nested message or a repeated one: converted by hand
-        out.append((f.name, fd))
-    return out
+        if fd is not None and (fd.message_type is None or _is_scalar_map(fd)):
+            out.append((f.name, fd))
+    return tuple(out)
+
+
+def _is_scalar_map(fd: Any) -> bool:
+    entry = fd.message_type
+    return bool(entry.GetOptions().map_entry) and entry.fields_by_name["value"].message_type is None
 
 
 def _copy_plain(record: Record, msg: Any, prefix: str = "") -> None:
@@ -143,21 +157,14 @@ class EvalPoint(Record):
     clock: int = 0
     loss: float = 0.0
 
+    PROTO: ClassVar[Any] = control_pb2.EvalPoint
+
     def to_json(self) -> list:
         return [self.clock, self.loss]
 
     @classmethod
     def from_json(cls, data: Any) -> Self:
         return cls(int(data[0]), float(data[1]))
-
-    def to_proto(self) -> control_pb2.EvalPoint:
-        msg = control_pb2.EvalPoint()
-        _copy_plain(self, msg)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.EvalPoint) -> Self:
-        return cls(**_plain_from(cls, msg))
 
 
 @dataclass(frozen=True)
@@ -168,14 +175,7 @@ class LossSample(Record):
     inner_step: int = 0
     loss: float = 0.0
 
-    def to_proto(self) -> control_pb2.LossSample:
-        msg = control_pb2.LossSample()
-        _copy_plain(self, msg)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.LossSample) -> Self:
-        return cls(**_plain_from(cls, msg))
+    PROTO: ClassVar[Any] = control_pb2.LossSample
 
 
 @dataclass(frozen=True)
@@ -192,14 +192,7 @@ class Spread(Record):
     max_version: int = 0
     max_lag: int = 0
 
-    def to_proto(self) -> control_pb2.Spread:
-        msg = control_pb2.Spread()
-        _copy_plain(self, msg)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.Spread) -> Self:
-        return cls(**_plain_from(cls, msg))
+    PROTO: ClassVar[Any] = control_pb2.Spread
 
 
 @dataclass(frozen=True)
@@ -221,9 +214,10 @@ class FragmentStatus(Record):
     last_merge_clock: int | None = None
     spread: Spread | None = None
 
+    PROTO: ClassVar[Any] = control_pb2.Fragment
+
     def to_proto(self) -> control_pb2.Fragment:
-        msg = control_pb2.Fragment()
-        _copy_plain(self, msg)
+        msg = super().to_proto()
         if self.spread is not None:
             msg.spread.CopyFrom(self.spread.to_proto())
         return msg
@@ -236,8 +230,7 @@ class FragmentStatus(Record):
 
 @dataclass(frozen=True)
 class PeerStatus(Record):
-    """A live peer as its last heartbeat shows it, and what this node exchanged with it and refused of it.
-    The swarm view (no local node) knows only the heartbeat part."""
+    """A live peer as its last heartbeat shows it (all the swarm view, without a local node, knows)."""
 
     clock: int = 0
     inner_step: int = 0
@@ -248,22 +241,20 @@ class PeerStatus(Record):
     control_port: int = 0
     has_state: bool = False
     fragments: dict[int, int] = field(default_factory=dict)   # fragment -> version it holds
-    bytes_sent: int = 0                      # by this node to that peer
-    bytes_received: int = 0
-    refused: int = 0                         # refusals of what it sent (its PeerReputation.refused)
-    banned: bool = False
+
+    PROTO: ClassVar[Any] = control_pb2.Peer
 
     @classmethod
     def from_heartbeat(cls, hb: swarm_pb2.Heartbeat) -> Self:
-        """What the heartbeat says; this node's traffic and judgement of the peer are left at zero."""
+        """What the heartbeat says (a :class:`NodePeerStatus`'s own fields are left at zero)."""
         return cls(clock=int(hb.clock), inner_step=int(hb.inner_step), tokens_per_s=float(hb.tokens_per_s),
                    time=float(hb.time), loss=float(hb.loss), tokens=int(hb.tokens),
                    control_port=int(hb.control_port), has_state=bool(hb.has_state),
                    fragments={int(fs.fragment): int(fs.version) for fs in hb.fragments})
 
-    def to_proto(self, peer_id: str) -> control_pb2.Peer:
-        msg = control_pb2.Peer(peer_id=peer_id)
-        _copy_plain(self, msg)
+    def to_proto(self, peer_id: str = "") -> control_pb2.Peer:
+        msg = super().to_proto()
+        msg.peer_id = peer_id
         for fragment, version in sorted(self.fragments.items()):
             msg.fragments.add(fragment=fragment, version=version)
         return msg
@@ -271,6 +262,17 @@ class PeerStatus(Record):
     @classmethod
     def from_proto(cls, msg: control_pb2.Peer) -> Self:
         return cls(**_plain_from(cls, msg), fragments={f.fragment: f.version for f in msg.fragments})
+
+
+@dataclass(frozen=True)
+class NodePeerStatus(PeerStatus):
+    """A live peer in a node's status: its heartbeat, and the bytes this node exchanged with it and what it
+    refused of it (which the swarm view cannot know)."""
+
+    bytes_sent: int = 0                      # by this node to that peer
+    bytes_received: int = 0
+    refused: int = 0                         # refusals of what it sent (its PeerReputation.refused)
+    banned: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,14 +309,7 @@ class ByteStatus(Record):
     sent_by_fragment: dict[int, int] = field(default_factory=dict)
     received_by_fragment: dict[int, int] = field(default_factory=dict)
 
-    def to_proto(self) -> control_pb2.Bytes:
-        msg = control_pb2.Bytes()
-        _copy_plain(self, msg)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.Bytes) -> Self:
-        return cls(**_plain_from(cls, msg))
+    PROTO: ClassVar[Any] = control_pb2.Bytes
 
 
 @dataclass(frozen=True)
@@ -328,14 +323,12 @@ class PeerReputation(Record):
     banned_for_s: float = 0.0                # cool-down left (0: not banned)
     last: str = ""                           # the last refusal, "kind: detail"
 
-    def to_proto(self, peer_id: str) -> control_pb2.PeerReputation:
-        msg = control_pb2.PeerReputation(peer_id=peer_id)
-        _copy_plain(self, msg)
-        return msg
+    PROTO: ClassVar[Any] = control_pb2.PeerReputation
 
-    @classmethod
-    def from_proto(cls, msg: control_pb2.PeerReputation) -> Self:
-        return cls(**_plain_from(cls, msg))
+    def to_proto(self, peer_id: str = "") -> control_pb2.PeerReputation:
+        msg = super().to_proto()
+        msg.peer_id = peer_id
+        return msg
 
 
 @dataclass(frozen=True)
@@ -375,14 +368,7 @@ class StatusEvent(Record):
     total_weight: float | None = None        # tokens of the whole group
     peer_id: str = ""
 
-    def to_proto(self) -> control_pb2.Event:
-        msg = control_pb2.Event()
-        _copy_plain(self, msg)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.Event) -> Self:
-        return cls(**_plain_from(cls, msg))
+    PROTO: ClassVar[Any] = control_pb2.Event
 
 
 @dataclass(frozen=True)
@@ -409,7 +395,7 @@ class NodeStatus(Record):
     eval_curve: list[EvalPoint] = field(default_factory=list)
     loss_history: list[LossSample] = field(default_factory=list)
     fragments: list[FragmentStatus] = field(default_factory=list)
-    peers: dict[str, PeerStatus] = field(default_factory=dict)
+    peers: dict[str, NodePeerStatus] = field(default_factory=dict)
     syncs_ok: int = 0
     syncs_failed: int = 0
     catch_ups: int = 0
@@ -424,17 +410,18 @@ class NodeStatus(Record):
     control_port: int = 0
     metrics_port: int = 0
 
-    def spread(self) -> dict[int, Spread]:
+    def spread_by_fragment(self) -> dict[int, Spread]:
         """The fragments' spreads by fragment (those known)."""
         return {f.fragment: f.spread for f in self.fragments if f.spread is not None}
 
     def to_json(self) -> dict[str, Any]:
         """Also ``"spread"``: the fragments' spreads by fragment, as ``status.json`` has always had it."""
-        return {**super().to_json(), "spread": _json_value(self.spread())}
+        return {**super().to_json(), "spread": _json_value(self.spread_by_fragment())}
+
+    PROTO: ClassVar[Any] = control_pb2.Status
 
     def to_proto(self) -> control_pb2.Status:
-        msg = control_pb2.Status()
-        _copy_plain(self, msg)
+        msg = super().to_proto()
         msg.eval_curve.extend(p.to_proto() for p in self.eval_curve)
         msg.loss_history.extend(s.to_proto() for s in self.loss_history)
         msg.fragments.extend(f.to_proto() for f in self.fragments)
@@ -451,7 +438,7 @@ class NodeStatus(Record):
                    eval_curve=[EvalPoint.from_proto(p) for p in msg.eval_curve],
                    loss_history=[LossSample.from_proto(s) for s in msg.loss_history],
                    fragments=[FragmentStatus.from_proto(f) for f in msg.fragments],
-                   peers={p.peer_id: PeerStatus.from_proto(p) for p in msg.peers},
+                   peers={p.peer_id: NodePeerStatus.from_proto(p) for p in msg.peers},
                    consensus=ConsensusStatus.from_proto(msg),
                    bytes=ByteStatus.from_proto(msg.bytes),
                    reputation=ReputationStatus.from_proto(msg),
@@ -481,6 +468,7 @@ __all__ = [
     "EvalPoint",
     "FragmentStatus",
     "LossSample",
+    "NodePeerStatus",
     "NodeStatus",
     "PeerReputation",
     "PeerStatus",

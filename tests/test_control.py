@@ -37,8 +37,8 @@ from node.status import (
     ConsensusStatus,
     EvalPoint,
     FragmentStatus,
+    NodePeerStatus,
     NodeStatus,
-    PeerStatus,
     ReputationStatus,
     Spread,
     StatusEvent,
@@ -115,7 +115,7 @@ class FakeNode:
         peers = {}
         for pid, hb in self.peer_table.items():
             judged = reputation.peers[pid]
-            peers[pid] = dataclasses.replace(PeerStatus.from_heartbeat(hb), bytes_sent=c.sent_by_peer[pid],
+            peers[pid] = dataclasses.replace(NodePeerStatus.from_heartbeat(hb), bytes_sent=c.sent_by_peer[pid],
                                              bytes_received=c.received_by_peer[pid], refused=judged.refused,
                                              banned=judged.banned)
         return NodeStatus(
@@ -181,7 +181,7 @@ def test_proto_round_trip_keeps_the_status(fake):
     back = NodeStatus.from_proto(st.to_proto())
     assert back == st
     assert back.fragments[1].last_send is None and back.fragments[1].quant_error is None
-    assert back.spread()[0].distinct_hashes == 1 and back.spread()[1].version is None
+    assert back.spread_by_fragment()[0].distinct_hashes == 1 and back.spread_by_fragment()[1].version is None
     assert back.bytes.sent_by_fragment == {0: 60_000, 1: 60_000}
     assert back.peers[PEER].fragments == {0: 7, 1: 6} and back.peers[PEER].control_port == 7616
     assert back.consensus == ConsensusStatus(rounds=4, last_shift=None, failed=3, last_error="no peer in group")

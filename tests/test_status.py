@@ -132,3 +132,79 @@ def test_peer_from_heartbeat_and_an_old_status():
                                 "spread": {"0": {"version": None, "holders": 0}}})
     assert old.peer_id == "QmOld" and old.eval_curve[0].loss == 5.0 and old.fragments == [] and old.loss is None
     assert Spread.from_json({"version": None, "holders": 0}) == Spread()
+
+
+class FakeOuter:
+    """What ``Node.status_snapshot`` reads of the outer loop: two fragments, fragment 0 sent at step 112."""
+
+    def __init__(self) -> None:
+        from node.core.outer_loop import OuterStats
+
+        self.stats = OuterStats(syncs_ok=9, syncs_failed=2, catch_ups=1, consensus_rounds=3,
+                                last_consensus_shift=0.01)
+
+    def fragment_status(self) -> list[dict]:
+        return [{"fragment": 0, "version": 7, "numel": 6, "last_send": 112, "quant_error": 0.03},
+                {"fragment": 1, "version": 6, "numel": 5, "last_send": None, "quant_error": None}]
+
+    def schedule_state(self):
+        from node.core.schedule import ScheduleState
+
+        return ScheduleState((112, None), None)
+
+
+def test_node_status_snapshot(tmp_path):
+    """The node's own builder: per-fragment hashes, bytes, last merged round and spread; per-peer heartbeat
+    figures, bytes and judgement; what status.json gets is its JSON."""
+    import logging
+    import zlib
+    from collections import deque
+    from types import SimpleNamespace
+
+    import torch
+
+    from node.config import load_config
+    from node.daemon import Node, NodeOptions
+    from node.swarm.averaging import ByteCounters
+    from node.swarm.reputation import Reputation
+    from node.transport.base import FragmentSnapshot
+
+    node = Node(load_config(None, []), NodeOptions(state_dir=tmp_path, control_port=7615, metrics_port=9615))
+    node.peer_id, node.maddrs, node.state, node.loss, node.clock, node.local_step = "QmSelf", ["/ip4/1"], "training", \
+        2.5, 120, 118
+    node.outer, node.solo_steps = FakeOuter(), 4
+    phi = torch.arange(6, dtype=torch.float32)
+    node.published = {0: FragmentSnapshot(0, 7, phi, torch.zeros(6))}  # fragment 1 not published yet
+    node.counters = ByteCounters()
+    node.counters.sent("QmPeer", 0, 112, 1000)
+    node.counters.received("QmPeer", 0, 112, 900)
+    node.transport = SimpleNamespace(refusals=deque(["QmPeer: bad_weight: too heavy"]))
+    node.reputation = Reputation(now=lambda: 100.0, log=logging.getLogger("test.reputation"))
+    node.reputation.refuse("QmPeer", "bad_weight", "too heavy")
+    node.peer_table = {"QmPeer": swarm_pb2.Heartbeat(
+        peer_id="QmPeer", clock=119, inner_step=117, tokens_per_s=50.0, loss=2.4, time=99.0, has_state=True,
+        fragments=[swarm_pb2.FragmentStatus(fragment=0, version=7, phi_hash=zlib.crc32(phi.numpy().tobytes()),
+                                            phi_norm=float(phi.norm()))])}
+    node.eval_curve = [(0, 5.5), (100, 3.0)]
+    node._event("merged", "fragment 0 round v7", fragment=0, round=112, group_size=2, version=7, own_weight=8.0,
+                total_weight=16.0)
+    node.clock = 124
+
+    st = node.status_snapshot()
+    f0, f1 = st.fragments
+    assert (f0.phi_hash, f0.phi_norm) == (zlib.crc32(phi.numpy().tobytes()), pytest.approx(float(phi.norm())))
+    assert f1.phi_hash is None and f1.phi_norm is None and f1.last_merge_clock is None and f1.group_size == 0
+    assert (f0.bytes_sent, f0.bytes_received, f0.group_size, f0.last_merge_clock) == (1000, 900, 2, 120)
+    assert f0.spread == Spread(version=7, holders=2, distinct_hashes=1, norm_spread=0.0, max_version=7, max_lag=0)
+    assert f1.spread is None  # nobody announces fragment 1: no spread to show
+    peer = st.peers["QmPeer"]
+    assert (peer.clock, peer.fragments, peer.has_state, peer.bytes_sent, peer.refused) == (119, {0: 7}, True, 1000, 1)
+    assert st.syncs_ok == 9 - 4 and st.solo_steps == 4 and st.consensus.rounds == 3
+    assert (st.control_port, st.metrics_port, st.state, st.loss) == (7615, 9615, "training", 2.5)
+    assert [(p.clock, p.loss) for p in st.eval_curve] == [(0, 5.5), (100, 3.0)]
+    assert st.events[-1].own_weight == 8.0 and st.refusals == ["QmPeer: bad_weight: too heavy"]
+    node._write_status()
+    on_disk = json.loads((tmp_path / "status.json").read_text())
+    assert on_disk["spread"]["0"]["holders"] == 2 and on_disk["fragments"][1]["phi_norm"] is None
+    assert NodeStatus.from_json(on_disk) == dataclasses.replace(st, uptime_s=on_disk["uptime_s"], now=on_disk["now"],
+                                                                compute_utilization=on_disk["compute_utilization"])

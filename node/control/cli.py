@@ -28,7 +28,7 @@ from node.control import DEFAULT_CONTROL_HOST, DEFAULT_CONTROL_PORT, ENV_CONTROL
 from node.control import format_hostport as _fmt
 from node.errors import UserError
 from node.helptext import describe
-from node.status import NodeStatus, PeerStatus, Spread, SwarmView
+from node.status import NodePeerStatus, NodeStatus, PeerStatus, Spread, SwarmView
 
 RPC_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
@@ -122,7 +122,7 @@ class ControlClient:
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def peers(self) -> dict[str, PeerStatus]:
+    def peers(self) -> dict[str, NodePeerStatus]:
         import grpc
 
         from protocol import control_pb2
@@ -131,7 +131,7 @@ class ControlClient:
             reply = self.stub.ListPeers(control_pb2.ListPeersRequest(), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
-        return {p.peer_id: PeerStatus.from_proto(p) for p in reply.peers}
+        return {p.peer_id: NodePeerStatus.from_proto(p) for p in reply.peers}
 
     def leave(self, reason: str = "") -> tuple[bool, str]:
         import grpc

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from node.status import NodeStatus, PeerReputation, PeerStatus, Spread, StatusEvent, SwarmView
+from node.status import NodePeerStatus, NodeStatus, PeerReputation, PeerStatus, Spread, StatusEvent, SwarmView
 
 SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
@@ -184,13 +184,13 @@ def _fragments_table(st: NodeStatus, width: int) -> Table:
     return t
 
 
-def _peer_row(pid: str, peer: PeerStatus, now: float, id_width: int, *, this_node: bool = False,
-              judged: bool = True) -> list[Any]:
-    """One row of the swarm table. ``judged``: the status is a node's, which counts what it refused of each
-    peer (the swarm view, from heartbeats only, does not know)."""
+def _peer_row(pid: str, peer: PeerStatus, now: float, id_width: int, this_node: bool = False) -> list[Any]:
+    """One row of the swarm table. What this node refused of the peer is known in a node's status only
+    (:class:`NodePeerStatus`; the swarm view has the heartbeats alone: "—")."""
     versions = " ".join(f"v{peer.fragments[k]}" for k in sorted(peer.fragments)) or "—"
     name = Text(short_id(pid, id_width) + (" (this node)" if this_node else ""), style="bold" if this_node else "")
-    if peer.banned:
+    judged = isinstance(peer, NodePeerStatus)
+    if judged and peer.banned:
         name.append(" banned", style="bold red")
     refused = "" if this_node else str(peer.refused) if judged else "—"
     refused_text = Text(refused, style="yellow" if judged and peer.refused else "dim")
@@ -198,10 +198,9 @@ def _peer_row(pid: str, peer: PeerStatus, now: float, id_width: int, *, this_nod
             versions, refused_text, "now" if this_node else ago(peer.time, now)]
 
 
-def _swarm_table(peers: dict[str, PeerStatus], now: float, width: int, title: str,
-                 this_node: tuple[str, PeerStatus] | None = None, judged: bool = False) -> Table:
-    """The peers, this node's own row first when there is one (``this_node``: its id and figures);
-    ``judged``: a node's view, with its refusals per peer (see :func:`_peer_row`)."""
+def _swarm_table(peers: Mapping[str, PeerStatus], now: float, width: int, title: str,
+                 this_node: tuple[str, PeerStatus] | None = None) -> Table:
+    """The peers, this node's own row first when there is one (``this_node``: its id and figures)."""
     t = Table(title=f"{title} ({len(peers)} peer{'s' if len(peers) != 1 else ''} in the DHT)", title_justify="left",
               box=box.SIMPLE_HEAD, expand=True, padding=(0, 1),
               show_edge=False)
@@ -217,7 +216,7 @@ def _swarm_table(peers: dict[str, PeerStatus], now: float, width: int, title: st
     if this_node is not None:
         t.add_row(*_peer_row(*this_node, now, id_width, this_node=True))
     for pid, peer in sorted(peers.items(), key=lambda kv: (-kv[1].clock, kv[0])):
-        t.add_row(*_peer_row(pid, peer, now, id_width, judged=judged))
+        t.add_row(*_peer_row(pid, peer, now, id_width))
     if not peers:
         t.add_row(Text("no other peer has a live heartbeat" if this_node else "no peer has a live heartbeat",
                        style="dim"), "", "", "", "", "", "", "")
@@ -353,8 +352,7 @@ def render(status: NodeStatus | SwarmView, width: int = 120) -> RenderableType:
     top.add_column(ratio=2)
     top.add_row(_node_panel(status, width), _network_panel(status))
     reputation = _reputation_table(status, width)
-    swarm = _swarm_table(status.peers, status.now or time.time(), width, "swarm", this_node=_own_row(status),
-                         judged=True)
+    swarm = _swarm_table(status.peers, status.now or time.time(), width, "swarm", this_node=_own_row(status))
     return Group(_header(status.swarm, status.fingerprint, status.now), top, _fragments_table(status, width), swarm,
                  *([reputation] if reputation is not None else []), _events_table(status, width), footer)
 
