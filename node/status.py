@@ -410,6 +410,8 @@ class NodeStatus(Record):
     control_port: int = 0
     metrics_port: int = 0
 
+    PROTO: ClassVar[Any] = control_pb2.Status
+
     def spread_by_fragment(self) -> dict[int, Spread]:
         """The fragments' spreads by fragment (those known)."""
         return {f.fragment: f.spread for f in self.fragments if f.spread is not None}
@@ -417,8 +419,6 @@ class NodeStatus(Record):
     def to_json(self) -> dict[str, Any]:
         """Also ``"spread"``: the fragments' spreads by fragment, as ``status.json`` has always had it."""
         return {**super().to_json(), "spread": _json_value(self.spread_by_fragment())}
-
-    PROTO: ClassVar[Any] = control_pb2.Status
 
     def to_proto(self) -> control_pb2.Status:
         msg = super().to_proto()
