@@ -62,10 +62,9 @@ def main() -> int:
     except (UserError, ValueError) as exc:
         print(exc)
         return 1
-    state = st.get("state")
-    print(f"{state}: step {st.get('inner_step')}, clock {st.get('clock')}, {len(st.get('peers') or {})} peer(s), "
-          f"{st.get('syncs_ok')} round(s) ok; control API {where}")
-    return 0 if state in ("starting", "training") else 1
+    print(f"{st.state}: step {st.inner_step}, clock {st.clock}, {len(st.peers)} peer(s), {st.syncs_ok} round(s) ok; "
+          f"control API {where}")
+    return 0 if st.state in ("starting", "training") else 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -34,6 +35,19 @@ import torch
 from node.config import SwarmConfig, fingerprint
 from node.core.schedule import ScheduleState
 from node.core.state import outer_state_device
+from node.status import (
+    ByteStatus,
+    ConsensusStatus,
+    EvalPoint,
+    FragmentStatus,
+    NodePeerStatus,
+    NodeStatus,
+    PeerReputation,
+    ReputationStatus,
+    Spread,
+    StatusEvent,
+)
+from protocol import swarm_pb2
 
 log = logging.getLogger("locoswarm.node")
 
@@ -82,8 +96,12 @@ class Node:
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
         self.published: dict = {}
-        self.status: dict = {"state": "starting"}
-        self.events: list[dict] = []
+        self.state = "starting"              # starting, training, leaving, stopped
+        self.loss: float | None = None       # of the last inner step
+        self.tokens_per_s = 0.0              # over the last few seconds, as heartbeats announce it
+        self.events: list[StatusEvent] = []
+        self._last_merge: dict[int, StatusEvent] = {}  # per fragment: its last merged round with peers
+        self.eval_curve: list[tuple[int, float]] = []
         self.clock = 0
         self.local_step = 0
         self.tokens = 0
@@ -322,7 +340,7 @@ class Node:
         from node.checkpoint import save_checkpoint
 
         o = self.opts
-        self.status["state"] = "training"
+        self.state = "training"
         self._beat_soon()  # peers count us as a member of rounds from our next heartbeat: make it now
         last_log = time.monotonic()
         window_tokens, window_start = 0, time.monotonic()
@@ -345,7 +363,7 @@ class Node:
             else:  # ahead of the swarm's median: our clock waits for it, and nothing new is due
                 self.outer.add_tokens(batch.numel())
             self._realign_schedule()
-            self.status.update(loss=loss, inner_step=self.local_step, clock=self.clock, tokens=self.tokens)
+            self.loss = loss
             if o.eval_every and self.local_step % o.eval_every == 0:
                 self.eval_curve.append((self.clock, self._evaluate()))
             if o.checkpoint_every and self.local_step % o.checkpoint_every == 0:
@@ -353,12 +371,12 @@ class Node:
                                 meta=self._checkpoint_meta())
             now = time.monotonic()
             if now - window_start >= 5.0:
-                self.status["tokens_per_s"] = window_tokens / (now - window_start)
+                self.tokens_per_s = window_tokens / (now - window_start)
                 window_tokens, window_start = 0, now
             if now - last_log >= 10.0:
                 last_log = now
                 log.info("step=%d clock=%d loss=%.3f tok/s=%.0f peers=%d sent=%s", self.local_step, self.clock,
-                         loss, self.status.get("tokens_per_s", 0.0), len(self.peer_table),
+                         loss, self.tokens_per_s, len(self.peer_table),
                          self.counters.total_sent)
 
     def _on_sync(self, ev) -> None:
@@ -440,7 +458,7 @@ class Node:
         from node.swarm.membership import pace_set
 
         rates = {p: float(hb.tokens_per_s) for p, hb in self.peer_table.items() if hb.has_state}
-        rates[self.peer_id] = float(self.status.get("tokens_per_s") or 0.0)  # as our heartbeat announces it
+        rates[self.peer_id] = self.tokens_per_s  # as our heartbeat announces it
         return sorted(pace_set(rates) - {self.peer_id})
 
     def _straggler_grace(self) -> float:
@@ -486,30 +504,31 @@ class Node:
         whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.cfg.outer.h * carry)
         base = max(own_weight, whole_carry)
         hb = self.peer_table.get(peer)
-        own_rate = float(self.status.get("tokens_per_s", 0.0) or 0.0)
+        own_rate = self.tokens_per_s
         if hb is None or own_rate <= 0 or not math.isfinite(hb.tokens_per_s):
             return slack * base
         return slack * base * min(64.0, max(1.0, hb.tokens_per_s / own_rate))
 
     # ---- heartbeats and status --------------------------------------------------------------------
-    def _heartbeat(self, leaving: bool = False):
+    def _heartbeat(self, leaving: bool = False) -> swarm_pb2.Heartbeat:
         from hivemind.utils import get_dht_time
 
-        from protocol import swarm_pb2
-
-        frags = []
         schedule = self.outer.schedule_state()
-        for p, snap in sorted(self.published.items()):
-            last = schedule.last_send[p]
-            frags.append(swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
-                                                  phi_norm=float(snap.phi.norm()),
-                                                  last_send=-1 if last is None else last))
         return swarm_pb2.Heartbeat(
             peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
-            inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.status.get("tokens_per_s", 0.0),
-            loss=float(self.status.get("loss", 0.0)), fragments=frags, time=get_dht_time(), leaving=leaving,
-            has_state=self.status.get("state") == "training", control_port=self.opts.control_port,
+            inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
+            loss=float(self.loss or 0.0), fragments=self._fragment_statuses(), time=get_dht_time(), leaving=leaving,
+            has_state=self.state == "training", control_port=self.opts.control_port,
             shared_r=list(schedule.shared_r or ()))
+
+    def _fragment_statuses(self) -> list[swarm_pb2.FragmentStatus]:
+        """Per published fragment: version, phi's hash and norm, last send (the heartbeat's part; hashing
+        every phi is not free for a large model, so a status builds it once)."""
+        last_send = self.outer.schedule_state().last_send
+        return [swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
+                                         phi_norm=float(snap.phi.norm()),
+                                         last_send=-1 if last_send[p] is None else last_send[p])
+                for p, snap in sorted(self.published.items())]
 
     def _heartbeats(self) -> None:
         interval = self.cfg.network.heartbeat_interval
@@ -549,57 +568,85 @@ class Node:
         self._beat.set()
 
     def _event(self, kind: str, detail: str, **fields) -> None:
-        entry = {"time": time.time(), "kind": kind, "detail": detail, "clock": self.clock, **fields}
+        """Record an event (``fields``: those of :class:`StatusEvent`) and log it."""
+        entry = StatusEvent(time=time.time(), kind=kind, detail=detail, clock=self.clock, **fields)
         self.events.append(entry)
         del self.events[:-200]
+        if kind == "merged" and entry.fragment is not None:
+            self._last_merge[entry.fragment] = entry
         log.info("%s: %s", kind, detail)
 
-    def _status(self) -> dict:
+    def status_snapshot(self) -> NodeStatus:
+        """The node's status now: what ``status.json`` holds and the control API serves (``node.status``)."""
+        now = time.time()
+        if not hasattr(self, "outer"):  # not built yet
+            return NodeStatus(peer_id=getattr(self, "peer_id", ""), addrs=list(getattr(self, "maddrs", [])),
+                              state=self.state, now=now)
         from node.swarm.membership import fragment_spread
 
-        if not hasattr(self, "outer"):
-            return {"peer_id": self.peer_id, "addrs": self.maddrs, "state": self.status.get("state")}
-        spread = {}
+        own = self._fragment_statuses()
+        spread: dict[int, dict] = {}
         with contextlib.suppress(Exception):
-            spread = fragment_spread(self.peer_table, list(self._heartbeat().fragments))
-        uptime = time.time() - self.started
-        return {
-            "peer_id": self.peer_id, "fingerprint": self.fingerprint, "swarm": self.cfg.swarm.name,
-            "addrs": self.maddrs, "pid": os.getpid(), "uptime_s": uptime, "clock": self.clock,
-            "inner_step": self.local_step, "tokens": self.tokens, "state": self.status.get("state"),
-            "loss": self.status.get("loss"), "tokens_per_s": self.status.get("tokens_per_s", 0.0),
-            "compute_utilization": self.compute_seconds / uptime if uptime else 0.0,
-            "eval_curve": getattr(self, "eval_curve", []),
-            "fragments": [{**f, **self._published_status(f["fragment"])} for f in self.outer.fragment_status()],
-            "peers": {p: {"clock": hb.clock, "inner_step": hb.inner_step, "tokens_per_s": hb.tokens_per_s,
-                          "time": hb.time} for p, hb in self.peer_table.items()},
-            "spread": {str(k): v for k, v in spread.items()},
-            "syncs_ok": self.outer.stats.syncs_ok - self.solo_steps, "syncs_failed": self.outer.stats.syncs_failed,
-            "catch_ups": self.outer.stats.catch_ups, "catch_up_loops": self.outer.stats.catch_up_loops,
-            "solo_steps": self.solo_steps,
-            "consensus": {"rounds": self.outer.stats.consensus_rounds,
-                          "last_shift": self.outer.stats.last_consensus_shift,
-                          "failed": self.outer.stats.consensus_failed,
-                          "last_error": self.outer.stats.last_consensus_error},
-            "bytes": {"sent": self.counters.total_sent, "received": self.counters.total_received,
-                      "sent_by_peer": dict(self.counters.sent_by_peer),
-                      "received_by_peer": dict(self.counters.received_by_peer),
-                      "sent_by_fragment": {str(k): v for k, v in self.counters.sent_by_fragment.items()}},
-            "refusals": list(self.transport.refusals)[-20:],
-            "reputation": self.reputation.snapshot(),
-            "events": self.events[-50:],
-        }
+            spread = fragment_spread(self.peer_table, own)
+        uptime = now - self.started
+        stats, counters = self.outer.stats, self.counters
+        reputation = ReputationStatus.from_json(self.reputation.snapshot())
+        return NodeStatus(
+            peer_id=self.peer_id, fingerprint=self.fingerprint, swarm=self.cfg.swarm.name, addrs=list(self.maddrs),
+            pid=os.getpid(), uptime_s=uptime, clock=self.clock, inner_step=self.local_step, tokens=self.tokens,
+            state=self.state, loss=self.loss, tokens_per_s=self.tokens_per_s,
+            compute_utilization=self.compute_seconds / uptime if uptime else 0.0,
+            eval_curve=[EvalPoint(clock, loss) for clock, loss in self.eval_curve],
+            fragments=self._fragments_status({fs.fragment: fs for fs in own}, spread),
+            peers=self._peers_status(reputation),
+            syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
+            catch_up_loops=stats.catch_up_loops, solo_steps=self.solo_steps,
+            consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
+                                      failed=stats.consensus_failed, last_error=stats.last_consensus_error),
+            bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,
+                             sent_by_peer=dict(counters.sent_by_peer),
+                             received_by_peer=dict(counters.received_by_peer),
+                             sent_by_fragment=dict(counters.sent_by_fragment),
+                             received_by_fragment=dict(counters.received_by_fragment)),
+            refusals=list(self.transport.refusals)[-20:],
+            reputation=reputation,
+            events=self.events[-50:], now=now, control_port=self.opts.control_port,
+            metrics_port=self.opts.metrics_port)
 
-    def _published_status(self, fragment: int) -> dict:
-        snap = self.published.get(fragment)
-        if snap is None:
-            return {"phi_hash": None, "phi_norm": None}
-        return {"phi_hash": _crc(snap.phi), "phi_norm": float(snap.phi.norm())}
+    def _fragments_status(self, own: dict[int, swarm_pb2.FragmentStatus],
+                          spread: dict[int, dict]) -> list[FragmentStatus]:
+        """Per fragment: the outer loop's figures, phi's hash and norm as published (``own``: the heartbeat's
+        ``FragmentStatus`` by fragment), bytes, the last merged round, the spread across peers."""
+        out = []
+        for f in self.outer.fragment_status():
+            p, fs, merge = f["fragment"], own.get(f["fragment"]), self._last_merge.get(f["fragment"])
+            out.append(FragmentStatus(
+                fragment=p, version=f["version"], numel=f["numel"], last_send=f["last_send"],
+                quant_error=f["quant_error"], phi_hash=None if fs is None else int(fs.phi_hash),
+                phi_norm=None if fs is None else float(fs.phi_norm),
+                bytes_sent=self.counters.sent_by_fragment.get(p, 0),
+                bytes_received=self.counters.received_by_fragment.get(p, 0),
+                group_size=0 if merge is None else merge.group_size,
+                last_merge_time=None if merge is None else merge.time,
+                last_merge_clock=None if merge is None else merge.clock,
+                spread=Spread.from_json(spread[p]) if p in spread else None))
+        return out
+
+    def _peers_status(self, reputation: ReputationStatus) -> dict[str, NodePeerStatus]:
+        """The live peers from their heartbeats, with this node's bytes to and from each and its judgement."""
+        out = {}
+        for pid, hb in self.peer_table.items():
+            judged = reputation.peers.get(pid, PeerReputation())
+            out[pid] = dataclasses.replace(
+                NodePeerStatus.from_heartbeat(hb), bytes_sent=self.counters.sent_by_peer.get(pid, 0),
+                bytes_received=self.counters.received_by_peer.get(pid, 0), refused=judged.refused,
+                banned=judged.banned)
+        return out
 
     def _write_status(self) -> None:
         from node.fsutil import atomic_write_text
 
-        atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self._status(), indent=1))
+        atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self.status_snapshot().to_json(), indent=1))
 
     def _checkpoint_meta(self) -> dict:
         return {"fingerprint": self.fingerprint, "local_step": self.local_step, "clock": self.clock,
@@ -609,7 +656,7 @@ class Node:
     def _leave(self) -> None:
         from node.checkpoint import save_checkpoint
 
-        self.status["state"] = "leaving"
+        self.state = "leaving"
         log.info("leaving: finishing %d in-flight round(s)", self.outer.in_flight())
         for ev in self.outer.drain(self.clock):
             self._on_sync(ev)
@@ -621,7 +668,7 @@ class Node:
             self.membership.publish(self._heartbeat(leaving=True))
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
-        self.status["state"] = "stopped"
+        self.state = "stopped"
         self._write_status()
         log.info("left the swarm cleanly at step %d (checkpoint saved)", self.local_step)
 

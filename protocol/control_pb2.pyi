@@ -69,7 +69,7 @@ class Spread(_message.Message):
     def __init__(self, version: _Optional[int] = ..., holders: _Optional[int] = ..., distinct_hashes: _Optional[int] = ..., norm_spread: _Optional[float] = ..., max_version: _Optional[int] = ..., max_lag: _Optional[int] = ...) -> None: ...
 
 class Fragment(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "last_send", "quant_error", "phi_hash", "bytes_sent", "bytes_received", "group_size", "last_merge_time", "last_merge_clock", "spread")
+    __slots__ = ("fragment", "version", "numel", "last_send", "quant_error", "phi_hash", "bytes_sent", "bytes_received", "group_size", "last_merge_time", "last_merge_clock", "spread", "phi_norm")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Fragment(_message.Message):
     LAST_MERGE_TIME_FIELD_NUMBER: _ClassVar[int]
     LAST_MERGE_CLOCK_FIELD_NUMBER: _ClassVar[int]
     SPREAD_FIELD_NUMBER: _ClassVar[int]
+    PHI_NORM_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
@@ -94,7 +95,8 @@ class Fragment(_message.Message):
     last_merge_time: float
     last_merge_clock: int
     spread: Spread
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., last_send: _Optional[int] = ..., quant_error: _Optional[float] = ..., phi_hash: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., last_merge_time: _Optional[float] = ..., last_merge_clock: _Optional[int] = ..., spread: _Optional[_Union[Spread, _Mapping]] = ...) -> None: ...
+    phi_norm: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., last_send: _Optional[int] = ..., quant_error: _Optional[float] = ..., phi_hash: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., last_merge_time: _Optional[float] = ..., last_merge_clock: _Optional[int] = ..., spread: _Optional[_Union[Spread, _Mapping]] = ..., phi_norm: _Optional[float] = ...) -> None: ...
 
 class PeerFragment(_message.Message):
     __slots__ = ("fragment", "version")
@@ -193,7 +195,7 @@ class Bytes(_message.Message):
     def __init__(self, sent: _Optional[int] = ..., received: _Optional[int] = ..., sent_per_s: _Optional[float] = ..., received_per_s: _Optional[float] = ..., sent_by_peer: _Optional[_Mapping[str, int]] = ..., received_by_peer: _Optional[_Mapping[str, int]] = ..., sent_by_fragment: _Optional[_Mapping[int, int]] = ..., received_by_fragment: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "kind", "detail", "clock", "fragment", "round", "bytes_sent", "bytes_received", "group_size", "version", "peer_id")
+    __slots__ = ("time", "kind", "detail", "clock", "fragment", "round", "bytes_sent", "bytes_received", "group_size", "version", "peer_id", "own_weight", "total_weight")
     TIME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,8 @@ class Event(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    OWN_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     time: float
     kind: str
     detail: str
@@ -216,7 +220,9 @@ class Event(_message.Message):
     group_size: int
     version: int
     peer_id: str
-    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ...) -> None: ...
+    own_weight: float
+    total_weight: float
+    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ..., own_weight: _Optional[float] = ..., total_weight: _Optional[float] = ...) -> None: ...
 
 class PeerReputation(_message.Message):
     __slots__ = ("peer_id", "refused", "offences", "banned", "banned_for_s", "last", "by_kind")

@@ -8,6 +8,7 @@ publishes a second peer's heartbeat. The daemon is asked to leave through the AP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -28,9 +29,21 @@ from swarm_util import REPO, NodeProc, bootstrap_addr, write_config, write_corpu
 
 from node.control import NodeUnreachable, check_control_options, control_port_from_args, parse_hostport
 from node.control.metrics import render_metrics
-from node.control.server import StatusSource, start_control_server, status_from_proto, status_to_proto
+from node.control.server import StatusSource, start_control_server
 from node.control.tui import render, short_id, sparkline
 from node.errors import UserError
+from node.status import (
+    ByteStatus,
+    ConsensusStatus,
+    EvalPoint,
+    FragmentStatus,
+    NodePeerStatus,
+    NodeStatus,
+    ReputationStatus,
+    Spread,
+    StatusEvent,
+    SwarmView,
+)
 from node.swarm.averaging import ByteCounters
 from node.swarm.reputation import Reputation
 from protocol import swarm_pb2
@@ -71,7 +84,7 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.stop = threading.Event()
-        self.status = {"loss": 3.2, "state": "training"}
+        self.loss = 3.2
         self.local_step, self.clock = 120, 124
         self.counters = fake_counters()
         now = time.time()
@@ -87,38 +100,43 @@ class FakeNode:
         self.reputation.refuse(OUTSIDER, "banned", "part refused: banned", offence=False)
         for _ in range(2):
             self.reputation.refuse(PEER, "rate_limited", "state download again within 5 s", offence=False)
+        self.merged = StatusEvent(time=now - 5, kind="merged", detail="fragment 0 round v7", clock=120, fragment=0,
+                                  round=112, bytes_sent=30_000, bytes_received=29_000, group_size=2, version=7,
+                                  own_weight=1.0, total_weight=2.0)
         self.events = [
-            {"time": now - 30, "kind": "joined", "detail": "downloaded 2/2 fragments from 1 peer(s)", "clock": 10},
-            {"time": now - 5, "kind": "merged", "detail": "fragment 0 round v7", "clock": 120, "fragment": 0,
-             "round": 112, "bytes_sent": 30_000, "bytes_received": 29_000, "group_size": 2, "version": 7,
-             "own_weight": 1.0, "total_weight": 2.0},
-            {"time": now - 3, "kind": "failed", "detail": "fragment 1 round v6: round timed out after 10 s",
-             "clock": 122, "fragment": 1, "round": 116, "bytes_sent": 0, "bytes_received": 0, "group_size": 0,
-             "version": 6}]
+            StatusEvent(time=now - 30, kind="joined", detail="downloaded 2/2 fragments from 1 peer(s)", clock=10),
+            self.merged,
+            StatusEvent(time=now - 3, kind="failed", detail="fragment 1 round v6: round timed out after 10 s",
+                        clock=122, fragment=1, round=116, version=6)]
 
-    def _status(self) -> dict:  # the shape of Node._status()
-        c = self.counters
-        return {
-            "peer_id": SELF, "fingerprint": "1a2b3c4d5e6f7a8b", "swarm": "test-swarm", "addrs": ["/ip4/127.0.0.1"],
-            "pid": 123, "uptime_s": 75.3, "clock": self.clock, "inner_step": self.local_step, "tokens": 15360,
-            "state": "training", "loss": self.status["loss"], "tokens_per_s": 1024.5, "compute_utilization": 0.83,
-            "eval_curve": [[0, 5.5], [100, 3.4]],
-            "fragments": [{"fragment": 0, "version": 7, "numel": 54000, "last_send": 112, "quant_error": 0.034,
-                           "phi_hash": 12345},
-                          {"fragment": 1, "version": 6, "numel": 53000, "last_send": None, "quant_error": None,
-                           "phi_hash": None}],
-            "peers": {p: {"clock": hb.clock, "inner_step": hb.inner_step, "tokens_per_s": hb.tokens_per_s,
-                          "time": hb.time} for p, hb in self.peer_table.items()},
-            "spread": {"0": {"version": 7, "holders": 2, "distinct_hashes": 1, "norm_spread": 0.0, "max_version": 7,
-                             "max_lag": 0},
-                       "1": {"version": None, "holders": 0, "distinct_hashes": 0, "norm_spread": 0.0,
-                             "max_version": 6, "max_lag": 1}},
-            "syncs_ok": 5, "syncs_failed": 1, "catch_ups": 0, "solo_steps": 3,
-            "consensus": {"rounds": 4, "last_shift": None, "failed": 3, "last_error": "no peer in group"},
-            "bytes": {"sent": c.total_sent, "received": c.total_received, "sent_by_peer": dict(c.sent_by_peer),
-                      "received_by_peer": dict(c.received_by_peer),
-                      "sent_by_fragment": {str(k): v for k, v in c.sent_by_fragment.items()}},
-            "refusals": [], "reputation": self.reputation.snapshot(), "events": list(self.events)}
+    def status_snapshot(self) -> NodeStatus:  # what Node.status_snapshot() builds, from the same figures
+        c, merged = self.counters, self.merged
+        reputation = ReputationStatus.from_json(self.reputation.snapshot())
+        peers = {}
+        for pid, hb in self.peer_table.items():
+            judged = reputation.peers[pid]
+            peers[pid] = dataclasses.replace(NodePeerStatus.from_heartbeat(hb), bytes_sent=c.sent_by_peer[pid],
+                                             bytes_received=c.received_by_peer[pid], refused=judged.refused,
+                                             banned=judged.banned)
+        return NodeStatus(
+            peer_id=SELF, fingerprint="1a2b3c4d5e6f7a8b", swarm="test-swarm", addrs=["/ip4/127.0.0.1"], pid=123,
+            uptime_s=75.3, clock=self.clock, inner_step=self.local_step, tokens=15360, state="training",
+            loss=self.loss, tokens_per_s=1024.5, compute_utilization=0.83,
+            eval_curve=[EvalPoint(0, 5.5), EvalPoint(100, 3.4)],
+            fragments=[FragmentStatus(fragment=0, version=7, numel=54000, last_send=112, quant_error=0.034,
+                                      phi_hash=12345, phi_norm=10.0, bytes_sent=c.sent_by_fragment[0],
+                                      bytes_received=c.received_by_fragment[0], group_size=merged.group_size,
+                                      last_merge_time=merged.time, last_merge_clock=merged.clock,
+                                      spread=Spread(version=7, holders=2, distinct_hashes=1, max_version=7)),
+                       FragmentStatus(fragment=1, version=6, numel=53000, bytes_sent=c.sent_by_fragment[1],
+                                      bytes_received=c.received_by_fragment[1],
+                                      spread=Spread(max_version=6, max_lag=1))],
+            peers=peers, syncs_ok=5, syncs_failed=1, solo_steps=3,
+            consensus=ConsensusStatus(rounds=4, failed=3, last_error="no peer in group"),
+            bytes=ByteStatus(sent=c.total_sent, received=c.total_received, sent_by_peer=dict(c.sent_by_peer),
+                             received_by_peer=dict(c.received_by_peer), sent_by_fragment=dict(c.sent_by_fragment),
+                             received_by_fragment=dict(c.received_by_fragment)),
+            reputation=reputation, events=list(self.events), now=time.time())
 
 
 @pytest.fixture
@@ -126,14 +144,14 @@ def fake():
     node = FakeNode()
     source = StatusSource(node)
     for i in range(6):
-        node.status["loss"] = 3.2 - 0.1 * i
+        node.loss = 3.2 - 0.1 * i
         node.local_step += 1
         node.counters.sent_by_peer[PEER] += 1000
         source.sample(now=1000.0 + i)
     return node, source
 
 
-def text_of(status: dict, width: int) -> str:
+def text_of(status: NodeStatus | SwarmView, width: int) -> str:
     console = Console(record=True, width=width, color_system=None)
     console.print(render(status, width))
     return console.export_text()
@@ -144,49 +162,42 @@ def text_of(status: dict, width: int) -> str:
 def test_status_source_samples_history_rates_and_peer_churn(fake):
     node, source = fake
     st = source.snapshot()
-    assert [s["inner_step"] for s in st["loss_history"]] == list(range(121, 127))
-    assert st["bytes"]["sent_per_s"] == pytest.approx(1000.0)  # 1000 B per 1 s sample
-    frag0 = st["fragments"][0]
-    assert frag0["group_size"] == 2 and frag0["bytes_sent"] == 60_000 and frag0["last_merge_clock"] == 120
-    assert st["peers"][PEER]["fragments"] == {"0": 7, "1": 6} and st["peers"][PEER]["control_port"] == 7616
+    assert [s.inner_step for s in st.loss_history] == list(range(121, 127))
+    assert [s.loss for s in st.loss_history] == pytest.approx([3.2 - 0.1 * i for i in range(6)])
+    assert st.bytes.sent_per_s == pytest.approx(1000.0)  # 1000 B per 1 s sample
     hb = node.peer_table.pop(PEER)
     source.sample(now=time.time() + 100)
     node.peer_table[PEER] = hb
     source.sample(now=time.time() + 101)
     source._cache = None
-    kinds = [e["kind"] for e in source.snapshot()["events"]]
-    assert kinds[-2:] == ["peer_left", "peer_joined"]
+    events = source.snapshot().events
+    assert [(e.kind, e.peer_id) for e in events[-2:]] == [("peer_left", PEER), ("peer_joined", PEER)]
+    assert [e.kind for e in events[:3]] == ["joined", "merged", "failed"]  # the node's own, in time order
 
 
 def test_proto_round_trip_keeps_the_status(fake):
     _, source = fake
     st = source.snapshot()
-    back = status_from_proto(status_to_proto(st))
-    for key in ("peer_id", "fingerprint", "clock", "inner_step", "tokens", "state", "syncs_ok", "syncs_failed",
-                "solo_steps"):
-        assert back[key] == st[key], key
-    assert back["loss"] == pytest.approx(st["loss"])
-    assert back["fragments"][1]["last_send"] is None and back["fragments"][1]["quant_error"] is None
-    assert back["fragments"][0]["quant_error"] == pytest.approx(0.034)
-    assert back["spread"]["0"]["distinct_hashes"] == 1 and back["spread"]["1"]["version"] is None
-    assert back["bytes"]["sent_by_fragment"] == {"0": 60_000, "1": 60_000}
-    assert back["peers"][PEER]["fragments"] == {"0": 7, "1": 6}
-    assert [e["kind"] for e in back["events"]] == [e["kind"] for e in st["events"]]
-    assert back["eval_curve"] == [[0, 5.5], [100, 3.4]]
-    assert back["consensus"] == {"rounds": 4, "last_shift": None, "failed": 3, "last_error": "no peer in group"}
-    assert back["reputation"] == st["reputation"]
-    assert back["reputation"]["refused"] == 6 and back["reputation"]["banned"] == 1
-    outsider = back["reputation"]["peers"][OUTSIDER]
-    assert outsider["banned"] and outsider["banned_for_s"] == 600.0 and outsider["offences"] == 3
-    assert outsider["by_kind"] == {"banned": 1, "forged_sender": 2, "non_member": 1}
-    assert back["peers"][PEER]["refused"] == 2 and back["peers"][PEER]["banned"] is False
-    assert OUTSIDER not in back["peers"]  # no heartbeat: only in the reputation
+    back = NodeStatus.from_proto(st.to_proto())
+    assert back == st
+    assert back.fragments[1].last_send is None and back.fragments[1].quant_error is None
+    assert back.spread_by_fragment()[0].distinct_hashes == 1 and back.spread_by_fragment()[1].version is None
+    assert back.bytes.sent_by_fragment == {0: 60_000, 1: 60_000}
+    assert back.peers[PEER].fragments == {0: 7, 1: 6} and back.peers[PEER].control_port == 7616
+    assert back.consensus == ConsensusStatus(rounds=4, last_shift=None, failed=3, last_error="no peer in group")
+    assert back.reputation.refused == 6 and back.reputation.banned == 1
+    outsider = back.reputation.peers[OUTSIDER]
+    assert outsider.banned and outsider.banned_for_s == 600.0 and outsider.offences == 3
+    assert outsider.by_kind == {"banned": 1, "forged_sender": 2, "non_member": 1}
+    assert back.peers[PEER].refused == 2 and back.peers[PEER].banned is False
+    assert OUTSIDER not in back.peers  # no heartbeat: only in the reputation
+    assert back.events[1].own_weight == 1.0 and back.events[0].fragment is None
 
 
 @pytest.mark.parametrize("width", [100, 120, 140])
 def test_tui_frame_at_fixed_widths(fake, width):
     _, source = fake
-    st = status_from_proto(status_to_proto(source.snapshot()))
+    st = NodeStatus.from_proto(source.snapshot().to_proto())
     text = text_of(st, width)
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= width
@@ -207,7 +218,7 @@ def test_tui_shows_refused_and_banned_peers(fake, width):
     for kind in ("bad_weight", "bad_weight", "impossible_clock"):  # PEER, a member with a heartbeat, banned too
         node.reputation.refuse(PEER, kind, "token weight 1e30 > bound 4.1e5")
     source._cache = None
-    text = text_of(status_from_proto(status_to_proto(source.snapshot())), width)
+    text = text_of(NodeStatus.from_proto(source.snapshot().to_proto()), width)
     assert max(len(line) for line in text.splitlines()) <= width
     assert "peers  9 refused   2 banned" in text  # the network panel's totals
     id_width = 16 if width < 110 else 52
@@ -221,13 +232,12 @@ def test_tui_shows_refused_and_banned_peers(fake, width):
 
 def test_tui_without_refusals_or_reputation(fake):
     _, source = fake
-    st = status_from_proto(status_to_proto(source.snapshot()))
-    st["reputation"] = {"peers": {}, "refused": 0, "banned": 0}
-    text = text_of(st, 120)
+    st = NodeStatus.from_proto(source.snapshot().to_proto())
+    peers = {pid: dataclasses.replace(p, refused=0, banned=False) for pid, p in st.peers.items()}
+    text = text_of(dataclasses.replace(st, reputation=ReputationStatus(), peers=peers), 120)
     assert "peers  0 refused   0 banned" in text and "refused / banned peers" not in text
-    del st["reputation"]  # an older node's status: its recent refusal lines are the count
-    st["refusals"] = ["QmPeerAAAAAA: fingerprint mismatch"]
-    assert "peers  1 refused   0 banned" in text_of(st, 120)
+    row = next(line for line in text.splitlines() if line.startswith(" " + short_id(PEER, 24)))
+    assert re.search(r"v7 v6 +0 +\d+s ago *$", row), row
 
 
 def test_tui_swarm_mode_and_helpers():
@@ -275,7 +285,7 @@ def test_metrics_text_format(fake):
     assert f'locoswarm_peer_banned{{peer="{PEER}"}} 0' in text
     assert "locoswarm_banned_peers 1" in text
     assert names.get("locoswarm_refused_total") == "counter" and names.get("locoswarm_peer_banned") == "gauge"
-    tricky = render_metrics({"peer_id": 'a"b\\c\nd', "peers": {}})
+    tricky = render_metrics(NodeStatus(peer_id='a"b\\c\nd'))
     assert 'peer_id="a\\"b\\\\c\\nd"' in tricky
 
 
@@ -366,7 +376,7 @@ class Daemon:
                                                        "--control-port", str(self.control),
                                                        "--metrics-port", str(self.metrics)], root / "node.log")
         st = self.proc.wait_status(lambda s: s.get("state") == "training" and s.get("inner_step", 0) > 0, 90,
-                                   "training")
+                                   "training")  # status.json, read as plain JSON like the benchmarks read it
         self.peer_id, self.addr = st["peer_id"], bootstrap_addr(st)
 
     def client(self):
@@ -392,21 +402,24 @@ def test_real_daemon_status_over_grpc(daemon):
     client = daemon.client()
     try:
         st = client.status()
-        assert st["peer_id"] == daemon.peer_id and st["swarm"] == "test-swarm" and st["state"] == "training"
-        assert st["control_port"] == daemon.control and st["metrics_port"] == daemon.metrics
-        assert st["inner_step"] > 0 and st["tokens"] > 0 and math.isfinite(st["loss"])
-        assert [f["fragment"] for f in st["fragments"]] == [0, 1] and all(f["numel"] > 0 for f in st["fragments"])
-        assert 0 < st["compute_utilization"] < 1 and st["uptime_s"] > 0
-        assert st["eval_curve"] and st["peers"] == {}
-        assert st["reputation"] == {"peers": {}, "refused": 0, "banned": 0}
+        assert st.peer_id == daemon.peer_id and st.swarm == "test-swarm" and st.state == "training"
+        assert st.control_port == daemon.control and st.metrics_port == daemon.metrics
+        assert st.inner_step > 0 and st.tokens > 0 and st.loss is not None and math.isfinite(st.loss)
+        assert [f.fragment for f in st.fragments] == [0, 1] and all(f.numel > 0 for f in st.fragments)
+        assert all(f.phi_norm is not None and f.phi_norm > 0 for f in st.fragments)
+        assert 0 < st.compute_utilization < 1 and st.uptime_s > 0
+        assert st.eval_curve and st.peers == {}
+        assert st.reputation == ReputationStatus()
+        on_disk = json.loads((daemon.proc.state_dir / "status.json").read_text())
+        assert on_disk["peer_id"] == st.peer_id and NodeStatus.from_json(on_disk).fingerprint == st.fingerprint
         frames = []
         for frame in client.watch(interval=0.3):  # at least 4 frames, and >1 s so the sampler has run
             frames.append(frame)
-            if (len(frames) >= 4 and frame["loss_history"]) or len(frames) == 12:
+            if (len(frames) >= 4 and frame.loss_history) or len(frames) == 12:
                 break
-        assert [f["now"] for f in frames] == sorted(f["now"] for f in frames)
-        assert frames[-1]["inner_step"] > frames[0]["inner_step"]
-        assert frames[-1]["loss_history"], "the sampler records the loss once a second"
+        assert [f.now for f in frames] == sorted(f.now for f in frames)
+        assert frames[-1].inner_step > frames[0].inner_step
+        assert frames[-1].loss_history, "the sampler records the loss once a second"
     finally:
         client.close()
 
@@ -492,11 +505,11 @@ def test_real_daemon_peers_tui_and_swarm_view(daemon, fake_peer, tmp_path):
         while fake_peer not in client.peers() and time.monotonic() < deadline:
             time.sleep(0.3)
         peers = client.peers()
-        assert fake_peer in peers and peers[fake_peer]["inner_step"] == 77
-        assert peers[fake_peer]["tokens_per_s"] == pytest.approx(4321.0)
+        assert fake_peer in peers and peers[fake_peer].inner_step == 77
+        assert peers[fake_peer].tokens_per_s == pytest.approx(4321.0)
         time.sleep(1.2)  # one sampler tick: the join becomes an event
         st = client.status()
-        assert any(e["kind"] == "peer_joined" and e["peer_id"] == fake_peer for e in st["events"])
+        assert any(e.kind == "peer_joined" and e.peer_id == fake_peer for e in st.events)
     finally:
         client.close()
 

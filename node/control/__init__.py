@@ -3,7 +3,8 @@
 - :mod:`node.control.server`   the gRPC ``Control`` service (``protocol/control.proto``) run inside
   ``locoswarm run``; it samples the node (loss history, byte rates, peer joins and leaves) once a second
 - :mod:`node.control.metrics`  the same figures in the Prometheus text format (``--metrics-port``)
-- :mod:`node.control.tui`      a status dict rendered with rich (a pure function, testable at a fixed width)
+- :mod:`node.control.tui`      a status (``node.status.NodeStatus``) rendered with rich (a pure function,
+  testable at a fixed width)
 - :mod:`node.control.cli`      ``locoswarm status``
 
 This module stays import-light (no grpc, no rich): ``locoswarm run`` validates its control flags with it

@@ -28,6 +28,7 @@ from node.control import DEFAULT_CONTROL_HOST, DEFAULT_CONTROL_PORT, ENV_CONTROL
 from node.control import format_hostport as _fmt
 from node.errors import UserError
 from node.helptext import describe
+from node.status import NodePeerStatus, NodeStatus, PeerStatus, Spread, SwarmView
 
 RPC_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
@@ -70,7 +71,7 @@ def _run_status(args: argparse.Namespace) -> int:
     client = ControlClient(host, port)
     try:
         if args.json:
-            print(json.dumps(client.status(), indent=1, sort_keys=True))
+            print(json.dumps(client.status().to_json(), indent=1, sort_keys=True))
             return 0
         if args.once:
             _print_once(client.status())
@@ -111,28 +112,26 @@ class ControlClient:
         details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
         return NodeUnreachable(f"the node on {self.where} answered with an error: {code.name}: {details}")
 
-    def status(self) -> dict:
+    def status(self) -> NodeStatus:
         import grpc
 
-        from node.control.server import status_from_proto
         from protocol import control_pb2
 
         try:
-            return status_from_proto(self.stub.GetStatus(control_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S))
+            return NodeStatus.from_proto(self.stub.GetStatus(control_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
-    def peers(self) -> dict:
+    def peers(self) -> dict[str, NodePeerStatus]:
         import grpc
 
-        from node.control.server import peer_from_proto
         from protocol import control_pb2
 
         try:
             reply = self.stub.ListPeers(control_pb2.ListPeersRequest(), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
-        return {p.peer_id: peer_from_proto(p) for p in reply.peers}
+        return {p.peer_id: NodePeerStatus.from_proto(p) for p in reply.peers}
 
     def leave(self, reason: str = "") -> tuple[bool, str]:
         import grpc
@@ -145,19 +144,18 @@ class ControlClient:
             raise self._error(exc) from None
         return reply.accepted, reply.message
 
-    def watch(self, interval: float = WATCH_INTERVAL_S) -> Iterator[dict]:
-        """Status dicts as the node streams them; the first one is fetched with a deadline, so a node
+    def watch(self, interval: float = WATCH_INTERVAL_S) -> Iterator[NodeStatus]:
+        """Statuses as the node streams them; the first one is fetched with a deadline, so a node
         that is not running fails at once. Ends with :class:`NodeUnreachable` if the node goes away."""
         import grpc
 
-        from node.control.server import status_from_proto
         from protocol import control_pb2
 
         yield self.status()
         stream = self.stub.WatchStatus(control_pb2.WatchRequest(interval_s=interval))
         try:
             for msg in stream:
-                yield status_from_proto(msg)
+                yield NodeStatus.from_proto(msg)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 return
@@ -184,14 +182,14 @@ def _console() -> Any:
     return console
 
 
-def _print_once(status: dict) -> None:
+def _print_once(status: NodeStatus | SwarmView) -> None:
     from node.control.tui import render
 
     console = _console()
     console.print(render(status, console.width))
 
 
-def _live(frames: Iterator[dict]) -> int:
+def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:
     """Redraw on every status until Ctrl+C (exit 0) or the node goes away (one line, exit 1)."""
     from rich.live import Live
 
@@ -214,18 +212,17 @@ def _live(frames: Iterator[dict]) -> int:
 
 # ---- the swarm from its DHT, without a local node ---------------------------------------------------------
 
-def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> dict:
-    """The dict :func:`node.control.tui.render` draws in swarm mode, from ``Membership.peers()``."""
+def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> SwarmView:
+    """What :func:`node.control.tui.render` draws without a local node, from ``Membership.peers()``."""
     from node.config import fingerprint
-    from node.control.server import peers_from_heartbeats
     from node.swarm.membership import fragment_spread
 
     fp = fingerprint(cfg)
-    return {"mode": "swarm", "swarm": cfg.swarm.name, "fingerprint": fp, "via": via, "now": now,
-            "peers": peers_from_heartbeats(heartbeats),
-            "spread": {str(k): v for k, v in fragment_spread(heartbeats, []).items()},
-            "note": "" if heartbeats else (f"no live heartbeat of swarm '{cfg.swarm.name}' (fingerprint {fp}): "
-                                           f"is --config the swarm's peers.toml?")}
+    return SwarmView(swarm=cfg.swarm.name, fingerprint=fp, via=via, now=now,
+                     peers={pid: PeerStatus.from_heartbeat(hb) for pid, hb in heartbeats.items()},
+                     spread={k: Spread.from_json(v) for k, v in fragment_spread(heartbeats, []).items()},
+                     note="" if heartbeats else (f"no live heartbeat of swarm '{cfg.swarm.name}' (fingerprint {fp}): "
+                                                 f"is --config the swarm's peers.toml?"))
 
 
 def _run_swarm(args: argparse.Namespace) -> int:
@@ -254,11 +251,11 @@ def _run_swarm(args: argparse.Namespace) -> int:
             membership = Membership(dht, cfg, str(dht.peer_id), timeout=10.0)
             membership.check_fingerprint()  # a wrong peers.toml shows an empty swarm: name the difference
 
-            def view() -> dict:
+            def view() -> SwarmView:
                 return swarm_view(membership.peers(include_self=True), cfg, args.swarm, get_dht_time())
 
             if args.json:
-                print(json.dumps(view(), indent=1, sort_keys=True))
+                print(json.dumps(view().to_json(), indent=1, sort_keys=True))
                 return 0
             if args.once:
                 _print_once(view())
@@ -268,7 +265,7 @@ def _run_swarm(args: argparse.Namespace) -> int:
             dht.shutdown()
 
 
-def _poll(view: Callable[[], dict], interval: float) -> Iterator[dict]:
+def _poll(view: Callable[[], SwarmView], interval: float) -> Iterator[SwarmView]:
     while True:
         yield view()
         time.sleep(interval)

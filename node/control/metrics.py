@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from node.control import format_hostport
 from node.errors import UserError
+from node.status import NodeStatus
 
 log = logging.getLogger("locoswarm.metrics")
 
@@ -60,83 +61,71 @@ class _Writer:
         self.metric(name, kind, help_text, [({}, value)])
 
 
-def render_metrics(st: dict) -> str:
-    """The status dict (:meth:`StatusSource.snapshot`) in the Prometheus text format."""
+def render_metrics(st: NodeStatus) -> str:
+    """The node's status (:meth:`StatusSource.snapshot`) in the Prometheus text format."""
     w = _Writer()
     w.metric("locoswarm_info", "gauge", "Constant 1, labelled with this node's identity and state.",
-             [({"peer_id": st.get("peer_id", ""), "swarm": st.get("swarm", ""),
-                "fingerprint": st.get("fingerprint", ""), "state": st.get("state") or ""}, 1)])
-    w.one("locoswarm_uptime_seconds", "gauge", "Seconds since the node started.", st.get("uptime_s"))
-    w.one("locoswarm_inner_steps_total", "counter", "Inner optimizer steps taken by this node.",
-          int(st.get("inner_step", 0)))
-    w.one("locoswarm_swarm_clock_steps", "gauge", "Swarm clock: steps of swarm-wide progress.", int(st.get("clock", 0)))
-    w.one("locoswarm_tokens_total", "counter", "Tokens this node has trained on.", int(st.get("tokens", 0)))
+             [({"peer_id": st.peer_id, "swarm": st.swarm, "fingerprint": st.fingerprint, "state": st.state}, 1)])
+    w.one("locoswarm_uptime_seconds", "gauge", "Seconds since the node started.", st.uptime_s)
+    w.one("locoswarm_inner_steps_total", "counter", "Inner optimizer steps taken by this node.", st.inner_step)
+    w.one("locoswarm_swarm_clock_steps", "gauge", "Swarm clock: steps of swarm-wide progress.", st.clock)
+    w.one("locoswarm_tokens_total", "counter", "Tokens this node has trained on.", st.tokens)
     w.one("locoswarm_tokens_per_second", "gauge", "Training throughput of this node (tokens per second).",
-          float(st.get("tokens_per_s") or 0.0))
-    w.one("locoswarm_loss", "gauge", "Training loss of the last inner step.", st.get("loss"))
-    curve = st.get("eval_curve") or []
-    w.one("locoswarm_eval_loss", "gauge", "Held-out loss of the last evaluation.", curve[-1][1] if curve else None)
+          st.tokens_per_s)
+    w.one("locoswarm_loss", "gauge", "Training loss of the last inner step.", st.loss)
+    w.one("locoswarm_eval_loss", "gauge", "Held-out loss of the last evaluation.",
+          st.eval_curve[-1].loss if st.eval_curve else None)
     w.one("locoswarm_compute_utilization_ratio", "gauge", "Share of wall time spent in inner steps (0..1).",
-          float(st.get("compute_utilization") or 0.0))
-    peers = st.get("peers") or {}
+          st.compute_utilization)
+    peers = sorted(st.peers.items())
     w.one("locoswarm_peers", "gauge", "Live peers of the swarm seen in the DHT (this node excluded).", len(peers))
     w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",
-             [({"result": "ok"}, int(st.get("syncs_ok", 0))), ({"result": "failed"}, int(st.get("syncs_failed", 0)))])
-    w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.",
-          int(st.get("catch_ups", 0)))
+             [({"result": "ok"}, st.syncs_ok), ({"result": "failed"}, st.syncs_failed)])
+    w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.", st.catch_ups)
     w.one("locoswarm_catch_up_loops_total", "counter", "Catch-ups of a fragment with no merged round since its "
-          "previous catch-up (a node that keeps arriving after its group).", int(st.get("catch_up_loops", 0)))
+          "previous catch-up (a node that keeps arriving after its group).", st.catch_up_loops)
     w.one("locoswarm_solo_steps_total", "counter", "Outer steps taken with no live peer (a swarm of one).",
-          int(st.get("solo_steps", 0)))
-    consensus = st.get("consensus") or {}
+          st.solo_steps)
     w.metric("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging) by result.",
-             [({"result": "ok"}, int(consensus.get("rounds") or 0)),
-              ({"result": "failed"}, int(consensus.get("failed") or 0))])
-    b = st.get("bytes") or {}
-    for direction in ("sent", "received"):
+             [({"result": "ok"}, st.consensus.rounds), ({"result": "failed"}, st.consensus.failed)])
+    b = st.bytes
+    for direction, by_peer in (("sent", b.sent_by_peer), ("received", b.received_by_peer)):
         w.metric(f"locoswarm_bytes_{direction}_total", "counter",
                  f"Bytes {direction} in averaging and state transfers, by peer.",
-                 [({"peer": p}, int(n)) for p, n in sorted((b.get(f"{direction}_by_peer") or {}).items())])
-    for direction in ("sent", "received"):
+                 [({"peer": p}, n) for p, n in sorted(by_peer.items())])
+    for direction, by_fragment in (("sent", b.sent_by_fragment), ("received", b.received_by_fragment)):
         w.metric(f"locoswarm_fragment_bytes_{direction}_total", "counter", f"Bytes {direction}, by fragment.",
-                 [({"fragment": f}, int(n)) for f, n in
-                  sorted((b.get(f"{direction}_by_fragment") or {}).items(), key=lambda kv: int(kv[0]))])
-    frags = st.get("fragments") or []
-    clock = int(st.get("clock", 0))
+                 [({"fragment": f}, n) for f, n in sorted(by_fragment.items())])
+    frags = st.fragments
     w.metric("locoswarm_fragment_version", "gauge", "Outer steps applied to the fragment's phi.",
-             [({"fragment": f["fragment"]}, int(f.get("version", 0))) for f in frags])
+             [({"fragment": f.fragment}, f.version) for f in frags])
     w.metric("locoswarm_fragment_staleness_steps", "gauge", "Swarm steps since the fragment's last merged round.",
-             [({"fragment": f["fragment"]},
-               None if f.get("last_merge_clock") is None else max(0, clock - int(f["last_merge_clock"])))
+             [({"fragment": f.fragment}, None if f.last_merge_clock is None else max(0, st.clock - f.last_merge_clock))
               for f in frags])
     w.metric("locoswarm_fragment_group_size", "gauge", "Members of the fragment's last merged round.",
-             [({"fragment": f["fragment"]}, int(f["group_size"]) if f.get("group_size") else None) for f in frags])
+             [({"fragment": f.fragment}, f.group_size or None) for f in frags])
     w.metric("locoswarm_fragment_quantization_error_ratio", "gauge",
              "Relative error of the fragment's last quantized pseudo-gradient.",
-             [({"fragment": f["fragment"]}, f.get("quant_error")) for f in frags])
-    spreads = [(f["fragment"], f.get("spread") or (st.get("spread") or {}).get(str(f["fragment"]))) for f in frags]
+             [({"fragment": f.fragment}, f.quant_error) for f in frags])
     w.metric("locoswarm_fragment_distinct_hashes", "gauge",
              "Distinct phi hashes among the peers at the fragment's shared version (1 = consensus).",
-             [({"fragment": i}, int(sp["distinct_hashes"]) if sp and sp.get("version") is not None else None)
-              for i, sp in spreads])
+             [({"fragment": f.fragment}, f.spread.distinct_hashes if f.spread and f.spread.version is not None
+               else None) for f in frags])
     w.metric("locoswarm_fragment_version_lag", "gauge", "Highest minus lowest fragment version across peers.",
-             [({"fragment": i}, int(sp["max_lag"]) if sp else None) for i, sp in spreads])
-    rep = st.get("reputation") or {}
-    rep_peers = sorted((rep.get("peers") or {}).items())
+             [({"fragment": f.fragment}, f.spread.max_lag if f.spread else None) for f in frags])
+    rep = st.reputation
+    rep_peers = sorted(rep.peers.items())
     w.metric("locoswarm_refused_total", "counter", "Things this node refused of a peer (member or not), by kind.",
-             [({"peer": p, "kind": k}, int(n)) for p, r in rep_peers
-              for k, n in sorted((r.get("by_kind") or {}).items())])
+             [({"peer": p, "kind": k}, n) for p, r in rep_peers for k, n in sorted(r.by_kind.items())])
     w.metric("locoswarm_peer_banned", "gauge", "1 while this node bans the peer (a cool-down after repeated offences).",
-             [({"peer": p}, 1 if r.get("banned") else 0) for p, r in rep_peers])
-    w.one("locoswarm_banned_peers", "gauge", "Peers this node bans now.", int(rep.get("banned", 0)))
-    now = st.get("now")
+             [({"peer": p}, 1 if r.banned else 0) for p, r in rep_peers])
+    w.one("locoswarm_banned_peers", "gauge", "Peers this node bans now.", rep.banned)
     w.metric("locoswarm_peer_inner_steps", "gauge", "A peer's inner steps, from its last heartbeat.",
-             [({"peer": p}, int(info.get("inner_step", 0))) for p, info in sorted(peers.items())])
+             [({"peer": p}, info.inner_step) for p, info in peers])
     w.metric("locoswarm_peer_tokens_per_second", "gauge", "A peer's throughput, from its last heartbeat.",
-             [({"peer": p}, float(info.get("tokens_per_s", 0.0))) for p, info in sorted(peers.items())])
+             [({"peer": p}, info.tokens_per_s) for p, info in peers])
     w.metric("locoswarm_peer_last_seen_seconds", "gauge", "Seconds since a peer's last heartbeat.",
-             [({"peer": p}, None if now is None else max(0.0, float(now) - float(info.get("time", now))))
-              for p, info in sorted(peers.items())])
+             [({"peer": p}, max(0.0, st.now - info.time)) for p, info in peers])
     return "\n".join(w.lines) + "\n"
 
 
@@ -156,7 +145,7 @@ class MetricsServer:
         self.thread.join(2.0)
 
 
-def start_metrics_server(snapshot: Callable[[], dict], host: str, port: int) -> MetricsServer:
+def start_metrics_server(snapshot: Callable[[], NodeStatus], host: str, port: int) -> MetricsServer:
     """Serve ``render_metrics(snapshot())`` on ``http://host:port/metrics``; :class:`UserError` naming the
     port if it is taken."""
 
