@@ -997,16 +997,21 @@ def _quadratic_swarm(method: str, centers: list[torch.Tensor], *, h: int, gamma:
                 model.w.sub_(gamma * (model.w - c))
         for loop in loops:
             loop.add_tokens(1.0)
-        for loop in loops:
-            loop.collect(t)
-        for loop in loops:
-            loop.send(t)
-        hub.flush()
-        for loop in loops:
-            loop.collect(t)
+        _lockstep(loops, hub, t)
     for loop in loops:
         loop.drain(rounds * h)
     return loops
+
+
+def _lockstep(loops: list[OuterLoop], hub: InProcessHub, t: int) -> None:
+    """One clock step of workers in one thread, as the simulator drives them: collect, send, flush, collect."""
+    for loop in loops:
+        loop.collect(t)
+    for loop in loops:
+        loop.send(t)
+    hub.flush()
+    for loop in loops:
+        loop.collect(t)
 
 
 QUAD_CENTERS = [_t(1.0, -2.0, 0.5), _t(3.0, 0.0, -1.5), _t(-1.0, 4.0, 2.5), _t(1.0, 2.0, 0.5)]
@@ -1288,13 +1293,7 @@ def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, off
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen).to(train), alpha=1e-3)
                 loop.add_tokens(10.0)
-            for loop in loops:
-                loop.collect(t)
-            for loop in loops:
-                loop.send(t)
-            hub.flush()
-            for loop in loops:
-                loop.collect(t)
+            _lockstep(loops, hub, t)
         assert all(loop.stats.syncs_ok >= 6 for loop in loops)
         assert all(st.device.type == device.type for loop in loops for st in loop.states)
         assert all(p.device.type == train.type for m in models for p in m.parameters())

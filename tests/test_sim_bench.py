@@ -224,6 +224,10 @@ def test_tuned_bench_sweeps_on_the_tuning_split_and_reports_seeds(corpus_dir, tm
     assert doc["target"]["eval_loss"] == pytest.approx(diloco["final_eval_loss"])
     report = (out / "report.md").read_text()
     assert "## Tuning" in report and "**chosen**" in report and "seeds min..max" in report
+    (out / "report.md").unlink()
+    res = cli("bench", "convergence", "--out", str(out), "--render-only", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (out / "report.md").read_text() == report
 
 
 def test_render_only_reads_a_report_of_the_first_format(tmp_path):

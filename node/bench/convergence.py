@@ -263,7 +263,7 @@ class BenchContext:
         record = {
             "seed": job.seed, "final_eval_loss": res.final_eval_loss, "eval_curve": [[s, v] for s, v in res.eval_curve],
             "syncs_ok": res.syncs_ok, "syncs_failed": res.syncs_failed, "phi_spread": res.extra.get("spread", 0.0),
-            "wall_seconds": res.wall_seconds,
+            "final_before_drain": res.extra.get("final_before_drain"), "wall_seconds": res.wall_seconds,
         }
         static = {"bytes_per_worker_per_step": res.bytes_per_worker_per_step,
                   "peak_bytes_per_sync": res.peak_bytes_per_sync,
