@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.bench.convergence_report import (  # re-exported: the tests and callers use them from here
     check_claims,
@@ -42,6 +43,10 @@ from node.bench.tuning import Settings, Sweep, parse_fixed, parse_grids, run_swe
 from node.errors import UserError
 from node.helptext import describe
 from node.sim.methods import METHODS
+
+if TYPE_CHECKING:
+    from node.config import SwarmConfig
+    from node.data import Corpus
 
 __all__ = ["ALL_METHODS", "PROFILES", "check_claims", "steps_to_target", "write_report"]
 
@@ -218,8 +223,8 @@ class BenchContext:
     """What every run shares: the config, the corpus with its tuning split, the profile and the device.
     Built once per process (a pool's worker rebuilds it from the same inputs: the split is deterministic)."""
 
-    cfg: object
-    corpus: object
+    cfg: SwarmConfig
+    corpus: Corpus
     vocab_size: int
     profile: Profile
     device: str
@@ -227,7 +232,8 @@ class BenchContext:
     data: list[str] = field(default_factory=list)
 
     @classmethod
-    def load(cls, cfg, data: list[str], prof: Profile, device: str, tune_fraction: float) -> BenchContext:
+    def load(cls, cfg: SwarmConfig, data: list[str], prof: Profile, device: str,
+             tune_fraction: float) -> BenchContext:
         from node.data import load_corpus, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -237,8 +243,8 @@ class BenchContext:
                             f"inner.seq_len = {cfg.inner.seq_len}; raise --tune-fraction or add data")
         return cls(cfg, corpus, tokenizer.vocab_size, prof, device, tune_fraction, list(data))
 
-    def method_config(self, method: str, settings: Settings):
-        """The method's config at ``settings`` (outer lr, alpha, lambda0)."""
+    def method_config(self, method: str, settings: Settings) -> SwarmConfig:
+        """The method's config at ``settings`` (outer lr, momentum, alpha, lambda0), validated."""
         from node.config import validate
         from node.sim.methods import method_config
 
@@ -292,7 +298,8 @@ class _RelayProgress:
 _CONTEXT: BenchContext | None = None  # a pool process's context (built once by _init_worker)
 
 
-def _init_worker(cfg, data: list[str], prof: Profile, device: str, tune_fraction: float, threads: int) -> None:
+def _init_worker(cfg: SwarmConfig, data: list[str], prof: Profile, device: str, tune_fraction: float,
+                 threads: int) -> None:
     import torch
 
     global _CONTEXT
@@ -450,9 +457,10 @@ def run_convergence(args: argparse.Namespace) -> int:
             doc["wall_seconds"] = time.perf_counter() - started
             write_report(out, doc)
 
-        chosen = {m: dict(fixed[m]) for m in methods}
+        sweeps = {m: _sweep(ctx, m, fixed[m], grids) for m in methods}
         if not args.no_tune:
-            chosen = _tune(ctx, runner, methods, fixed, grids, seeds[0], doc, save)
+            _tune(ctx, runner, sweeps, seeds[0], doc, save)
+        chosen = {m: {**fixed[m], **s.best()} for m, s in sweeps.items()}  # untuned: the presets and fixes
         _evaluate(runner, methods, chosen, seeds, prof.steps, doc, save)
     doc["wall_seconds"] = time.perf_counter() - started
     report = write_report(out, doc)
@@ -468,15 +476,16 @@ def _knobs(ctx: BenchContext, method: str) -> tuple[str, ...]:
     return tuned_settings(method, ctx.method_config(method, {}))
 
 
-def _tune(ctx: BenchContext, runner: Runner, methods: list[str], fixed: dict[str, Settings],
-          grids: dict[str, tuple[float, ...]], seed: int, doc: dict, save) -> dict[str, Settings]:
-    """Sweep every method's free settings on the tuning split; returns the chosen settings per method."""
-    sweeps = {}
-    for m in methods:
-        knobs = _knobs(ctx, m)
-        cfg = ctx.method_config(m, fixed[m])
-        start = {k: float(getattr(cfg.outer, k)) for k in knobs}
-        sweeps[m] = Sweep(m, tuple(k for k in knobs if k not in fixed[m]), grids, start)
+def _sweep(ctx: BenchContext, method: str, fixed: Settings, grids: dict[str, tuple[float, ...]]) -> Sweep:
+    """The method's sweep: its tuned settings not fixed, starting from its preset values and the fixes."""
+    knobs = _knobs(ctx, method)
+    cfg = ctx.method_config(method, fixed)
+    start = {k: float(getattr(cfg.outer, k)) for k in knobs}
+    return Sweep(method, tuple(k for k in knobs if k not in fixed), grids, start)
+
+
+def _tune(ctx: BenchContext, runner: Runner, sweeps: dict[str, Sweep], seed: int, doc: dict, save) -> None:
+    """Run every method's sweep on the tuning split (``sweeps[m].best()`` is then its choice)."""
     started = time.perf_counter()
 
     def evaluate(batch: list[tuple[Sweep, Settings]]) -> list[float]:
@@ -491,7 +500,6 @@ def _tune(ctx: BenchContext, runner: Runner, methods: list[str], fixed: dict[str
         save()
 
     run_sweeps(list(sweeps.values()), evaluate, after_stage)
-    return {m: {**fixed[m], **s.best()} for m, s in sweeps.items()}
 
 
 def _evaluate(runner: Runner, methods: list[str], chosen: dict[str, Settings], seeds: list[int], steps: int,
