@@ -236,6 +236,10 @@ class Corpus:
     description: str
     skipped_binary: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The tuning split (``load_corpus(tune_fraction=...)``): training documents held out to pick settings,
+    # so that the eval split is never looked at before the final runs. None when not asked for.
+    tune: torch.Tensor | None = None
+    n_tune_docs: int = 0
 
 
 def is_binary(data: bytes) -> bool:
@@ -356,10 +360,15 @@ class _Reader:
         return value if isinstance(value, str) else None
 
 
-def split_value(key: str, seed: int) -> float:
-    """A uniform number in [0, 1) fixed by (document key, seed)."""
-    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+def split_value(key: str, seed: int, salt: str = "") -> float:
+    """A uniform number in [0, 1) fixed by (document key, seed); another ``salt`` draws an independent
+    number for the same document (the tuning split's rule, :data:`TUNE_SALT`)."""
+    text = f"{seed}\0{key}" if not salt else f"{salt}\0{seed}\0{key}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
+
+
+TUNE_SALT = "tune"  # the tuning split: the eval split's hash rule with this salt, on the training documents
 
 
 def _tokenize(tokenizer, data: bytes) -> np.ndarray:
@@ -396,7 +405,7 @@ def _name_paths(paths: Sequence[str]) -> str:
 
 
 def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
-                min_train_tokens: int = 2) -> Corpus:
+                min_train_tokens: int = 2, tune_fraction: float = 0.0) -> Corpus:
     """Read, tokenize and split the corpus.
 
     Files are read in sorted order until ``data_cfg.max_bytes`` bytes of text (the last document is
@@ -405,10 +414,17 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     (shorter than one segment) is split by tokens instead: its last ``eval_fraction`` goes to eval. A
     document longer than ``SEGMENT_BYTES`` is split as several (``_segments``); binary files are skipped.
     ``min_train_tokens`` lets the caller require one batch worth of training tokens.
+
+    ``tune_fraction > 0`` also carves a tuning split out of the *training* documents (a benchmark picks
+    its settings on it, never on eval): a training document goes to tune iff blake2b(salt, seed, key) <
+    tune_fraction with salt :data:`TUNE_SALT` (at least one when there are two training documents); it is
+    then no longer trained on. A single training document, or a prepared directory (read by tokens, its
+    documents are not listed), gives the last ``tune_fraction`` of the training tokens instead.
     """
     start = time.perf_counter()
     if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
-        return _load_prepared(Path(paths[0]).expanduser(), data_cfg, tokenizer, min_train_tokens, start)
+        corpus = _load_prepared(Path(paths[0]).expanduser(), data_cfg, tokenizer, min_train_tokens, start)
+        return _carve_tune_tail(corpus, tune_fraction) if tune_fraction > 0 else corpus
     files = discover_files(paths, data_cfg.extensions)
     reader = _Reader(files, data_cfg.text_field, data_cfg.max_bytes)
     keys, docs = [], []
@@ -424,35 +440,63 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
                           "(.txt, .md, source code, .jsonl)")
     warnings = [f"skipped {len(binary)} binary file(s) (not UTF-8 text): {', '.join(binary[:3])}"
                 + (" ..." if len(binary) > 3 else "")] if binary else []
+    tune, n_tune_docs = None, 0
     if len(docs) == 1:
         train, eval_ = _split_single(docs[0], data_cfg.eval_fraction, tokenizer.eos_id)
         n_train_docs, n_eval_docs = 1, 0  # one document, split by tokens
     else:
         mask = _eval_mask([split_value(k, data_cfg.seed) for k in keys], data_cfg.eval_fraction)
-        train = _join([d for d, m in zip(docs, mask, strict=True) if not m], tokenizer.eos_id)
+        train_docs = [(k, d) for k, d, m in zip(keys, docs, mask, strict=True) if not m]
         eval_ = _join([d for d, m in zip(docs, mask, strict=True) if m], tokenizer.eos_id)
+        if tune_fraction > 0 and len(train_docs) >= 2:
+            tuned = _eval_mask([split_value(k, data_cfg.seed, TUNE_SALT) for k, _ in train_docs], tune_fraction)
+            tune = _join([d for (_, d), m in zip(train_docs, tuned, strict=True) if m], tokenizer.eos_id)
+            n_tune_docs = sum(tuned)
+            train_docs = [kd for kd, m in zip(train_docs, tuned, strict=True) if not m]
+        train = _join([d for _, d in train_docs], tokenizer.eos_id)
         n_eval_docs = sum(mask)
-        n_train_docs = len(docs) - n_eval_docs
+        n_train_docs = len(train_docs)
+    if tune_fraction > 0 and tune is None:  # one training document: split by tokens
+        cut = _tail_cut(len(train), tune_fraction)
+        train, tune = train[:cut], train[cut:]
     if len(train) < max(min_train_tokens, 2) or len(eval_) < 2:
         raise UserError(f"corpus too small: {where} gives {len(train)} train and {len(eval_)} eval tokens, "
                         f"need at least {max(min_train_tokens, 2)} train tokens; add data or raise "
                         "data.max_bytes")
-    share = len(eval_) / (len(train) + len(eval_))
+    share = len(eval_) / (len(train) + (len(tune) if tune is not None else 0) + len(eval_))
     if data_cfg.eval_fraction > 0 and not 1 / ODD_SPLIT <= share / data_cfg.eval_fraction <= ODD_SPLIT:
         warnings.append(f"the eval split holds {share:.1%} of the tokens, not the data.eval_fraction = "
                         f"{data_cfg.eval_fraction:g} asked for ({len(docs)} documents or segments are too few to "
                         "split finely): add data or set data.eval_fraction")
     seconds = time.perf_counter() - start
     n_bytes = data_cfg.max_bytes - reader.remaining
+    tuned = f" / {n_tune_docs} tune" if n_tune_docs else ""
     split = ("1 doc split by tokens" if len(docs) == 1
-             else f"{len(docs)} docs or segments ({n_train_docs} train / {n_eval_docs} eval)")
+             else f"{len(docs)} docs or segments ({n_train_docs} train{tuned} / {n_eval_docs} eval)")
+    tune_tokens = f" + {len(tune):,} tune" if tune is not None else ""
     description = (f"{where}: {reader.files_read - len(binary)} files, {split}, {n_bytes / 1e6:.1f} MB, "
-                   f"{len(train):,} train + {len(eval_):,} eval tokens, {reader.skipped_lines} skipped lines"
-                   + (f", {len(binary)} binary files skipped" if binary else "") + f", {seconds:.1f} s")
+                   f"{len(train):,} train{tune_tokens} + {len(eval_):,} eval tokens, {reader.skipped_lines} "
+                   "skipped lines" + (f", {len(binary)} binary files skipped" if binary else "") + f", {seconds:.1f} s")
     return Corpus(train=train, eval=eval_, n_docs=len(docs), n_train_docs=n_train_docs,
                   n_eval_docs=n_eval_docs, n_files=reader.files_read - len(binary),
                   skipped_lines=reader.skipped_lines, description=description, skipped_binary=binary,
-                  warnings=warnings)
+                  warnings=warnings, tune=tune, n_tune_docs=n_tune_docs)
+
+
+def _tail_cut(n_tokens: int, fraction: float) -> int:
+    """Where the last ``fraction`` of ``n_tokens`` training tokens starts (at least one token each side)."""
+    return min(max(1, n_tokens - max(1, round(n_tokens * fraction))), n_tokens - 1)
+
+
+def _carve_tune_tail(corpus: Corpus, fraction: float) -> Corpus:
+    """A prepared directory's tuning split: the last ``fraction`` of its training tokens (its documents
+    are not listed, so they cannot be hashed one by one)."""
+    import dataclasses
+
+    cut = _tail_cut(len(corpus.train), fraction)
+    return dataclasses.replace(corpus, train=corpus.train[:cut], tune=corpus.train[cut:],
+                               description=f"{corpus.description}; tune = the last {len(corpus.train) - cut:,} "
+                                           "train tokens")
 
 
 def _load_prepared(directory: Path, data_cfg: DataSection, tokenizer, min_train_tokens: int,

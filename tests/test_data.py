@@ -130,6 +130,36 @@ def test_split_disjoint_and_deterministic(tmp_path: Path) -> None:
     assert docs(other.eval) != docs(a.eval)
 
 
+def test_tuning_split_is_carved_from_training_documents_and_never_overlaps_eval(tmp_path: Path) -> None:
+    _write_docs(tmp_path / "d", 60)
+    cfg = DataSection(eval_fraction=0.2, seed=3)
+    plain = load_corpus([str(tmp_path / "d")], cfg, ByteTokenizer())
+    tuned = load_corpus([str(tmp_path / "d")], cfg, ByteTokenizer(), tune_fraction=0.2)
+    again = load_corpus([str(tmp_path / "d")], cfg, ByteTokenizer(), tune_fraction=0.2)
+    assert plain.tune is None and tuned.tune is not None and torch.equal(tuned.tune, again.tune)
+
+    def docs(t: torch.Tensor) -> set[str]:
+        return set(ByteTokenizer().decode(t.tolist()).split("document ")[1:])
+
+    train, tune, eval_ = docs(tuned.train), docs(tuned.tune), docs(tuned.eval)
+    assert tune and not tune & eval_ and not tune & train  # held out from training too
+    assert eval_ == docs(plain.eval)                        # the eval split is the same with or without it
+    assert train | tune == docs(plain.train)                # carved from the training documents only
+    assert tuned.n_tune_docs == len(tune) and tuned.n_train_docs == len(train)
+    assert tune != docs(load_corpus([str(tmp_path / "d")], DataSection(eval_fraction=0.2, seed=4), ByteTokenizer(),
+                                    tune_fraction=0.2).tune)
+    # an independent hash (another salt): about a fifth of the 48 or so training documents, not only the one
+    # the at-least-one guarantee forces (the eval rule's own hash puts no training document under 0.2)
+    assert 4 <= len(tune) <= 20
+
+
+def test_a_single_training_document_gives_the_tuning_split_by_tokens(tmp_path: Path) -> None:
+    (tmp_path / "one.txt").write_text("x" * 1000)
+    single = load_corpus([str(tmp_path / "one.txt")], DataSection(eval_fraction=0.1), ByteTokenizer(),
+                         tune_fraction=0.1)
+    assert (len(single.train), len(single.tune), len(single.eval)) == (811, 90, 101)
+
+
 def test_split_guarantees_and_small_corpora(tmp_path: Path) -> None:
     _write_docs(tmp_path / "two", 2)
     c = load_corpus([str(tmp_path / "two")], DataSection(eval_fraction=1e-9), ByteTokenizer())

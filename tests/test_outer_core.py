@@ -163,13 +163,13 @@ def test_merge_compensate_without_local_progress_is_replace() -> None:
 
 
 def test_eager_outer_gradient_first_round_is_own_share() -> None:
-    g = eager_outer_gradient(None, None, 0.0, _t(2, 4), 0.5)
+    g = eager_outer_gradient(None, None, 0.0, 0.0, _t(2, 4), 0.5)
     assert_close(g, _t(1, 2))
 
 
 def test_eager_outer_gradient_later_round() -> None:
     # [3, 1] - 0.25*[2, -2] + 0.5*[2, 4] = [3 - 0.5 + 1, 1 + 0.5 + 2] = [3.5, 3.5]
-    g = eager_outer_gradient(_t(3, 1), _t(2, -2), 0.25, _t(2, 4), 0.5)
+    g = eager_outer_gradient(_t(3, 1), _t(2, -2), 0.25, 0.25, _t(2, 4), 0.5)
     assert_close(g, _t(3.5, 3.5))
 
 
@@ -908,6 +908,170 @@ def test_eager_applies_exactly_the_group_averages_unequal_weights(base_model) ->
     assert_close(swarm.phi(0), swarm.phi(1), atol=1e-6, rtol=0)
 
 
+def test_eager_outer_gradient_subtracts_the_share_in_the_group_and_brings_its_own_part_to_it() -> None:
+    """Round t-1 averaged 3/4 a + 1/4 b (this node: a, weight 3 of 4) while it had applied a at the share
+    it expected then (1/2): the others' part is avg - 3/4 a = 1/4 b, its own part of t-1 gets the missing
+    1/4 a, and its fresh c enters at 3/4. Left out of the group (share 0), the average is all others' and
+    the 1/2 a it applied is taken back."""
+    a, b, c = _t(4, 0), _t(0, 8), _t(1, 1)
+    g = eager_outer_gradient(0.75 * a + 0.25 * b, a, 0.75, 0.5, c, 0.75)
+    assert_close(g, 0.25 * b + 0.25 * a + 0.75 * c)
+    g = eager_outer_gradient(b, a, 0.0, 0.5, c, 0.25)
+    assert_close(g, b - 0.5 * a + 0.25 * c)
+
+
+class _LeftOutHandle(AverageHandle):
+    """This node's contribution was not in the group that averaged the round (screened out, say): the
+    group's result, as ``peer`` got it, with no weight of this node in it."""
+
+    def __init__(self, peer: AverageHandle) -> None:
+        self.peer = peer
+
+    def done(self) -> bool:
+        return self.peer.done()
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        r = self.peer.result(timeout)
+        return AverageResult(ok=True, average=r.average, group_size=r.group_size, total_weight=r.total_weight,
+                             own_weight=0.0, max_version=r.max_version)
+
+
+def test_eager_worker_left_out_of_a_round_rejoins_the_groups_phi_and_keeps_its_share(base_model) -> None:
+    """Three workers (lr 1, no momentum); worker 2's contribution is not in round 2's group {0, 1}. At round
+    3 its share in that group is 0: the group's average enters whole, the third of its own round-2 progress
+    it applied is taken back, and it keeps expecting a third for its fresh part (not the 1/2 of a group it
+    was not in). Workers 0 and 1 had a share of 1/2 in it and expect 1/2. So every phi is the sum of the
+    group averages minus the worker's own fresh part at its expected share."""
+    swarm = Swarm(base_model, 3, _outer(method="eager", h=2, tau=2, lr=1.0, momentum=0.0))
+    swarm.transports[2].start_average = _left_out_at(swarm.transports[2], 4, swarm.transports[0])
+    phi0 = swarm.phi(0)
+    for t in range(1, 6):
+        swarm.step(t)
+    swarm.train()
+    own = [swarm.phi(i) - swarm.theta(i) for i in range(3)]
+    swarm.sync(6)
+    averages = [swarm.transports[0].calls[k][1].result().average for k in range(2)]
+    for i, share in enumerate((0.5, 0.5, 1 / 3)):
+        assert_close(swarm.phi(i), phi0 - averages[0] - averages[1] - share * own[i], atol=1e-6, rtol=0)
+
+
+def _left_out_at(transport: RecordingTransport, round_: int, peer: RecordingTransport):
+    """``transport.start_average`` that leaves its node out of round ``round_`` (``peer`` sends first)."""
+    start = transport.start_average
+
+    def start_average(request: AverageRequest) -> AverageHandle:
+        if request.round != round_:
+            return start(request)
+        handle = _LeftOutHandle(peer.calls[-1][1])
+        transport.calls.append((request, handle))
+        return handle
+    return start_average
+
+
+class _Quadratic(torch.nn.Module):
+    """One parameter vector w; a worker's loss is |w - c_m|^2 / 2, trained by plain gradient descent."""
+
+    def __init__(self, w0: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w0.clone())
+
+
+def _quadratic_swarm(method: str, centers: list[torch.Tensor], *, h: int, gamma: float, lr: float, momentum: float,
+                     rounds: int) -> list[OuterLoop]:
+    """Workers m = 0..M-1 minimize |w - c_m|^2 / 2 with ``h`` gradient steps of size ``gamma`` per round
+    (w <- c_m + (1 - gamma)^h (w - c_m)), synced by ``method``; drained at the end."""
+    from node.partition import Fragment
+
+    n, dim = len(centers), centers[0].numel()
+    outer = _outer(method=method, h=h, tau=h if method in ("eager", "delay", "rebase") else 0, lr=lr,
+                   momentum=momentum)
+    hub = InProcessHub(get_codec("fp32"), n)
+    models = [_Quadratic(torch.zeros(dim)) for _ in range(n)]
+    loops = [OuterLoop(m, [Fragment(0, ("w",), (), dim)], outer, hub.transport(i), expected_group_size=n)
+             for i, m in enumerate(models)]
+    for i, loop in enumerate(loops):
+        hub.register_state(i, loop.version, loop.snapshot)
+    for t in range(1, rounds * h + 1):
+        with torch.no_grad():
+            for model, c in zip(models, centers, strict=True):
+                model.w.sub_(gamma * (model.w - c))
+        for loop in loops:
+            loop.add_tokens(1.0)
+        _lockstep(loops, hub, t)
+    for loop in loops:
+        loop.drain(rounds * h)
+    return loops
+
+
+def _lockstep(loops: list[OuterLoop], hub: InProcessHub, t: int) -> None:
+    """One clock step of workers in one thread, as the simulator drives them: collect, send, flush, collect."""
+    for loop in loops:
+        loop.collect(t)
+    for loop in loops:
+        loop.send(t)
+    hub.flush()
+    for loop in loops:
+        loop.collect(t)
+
+
+QUAD_CENTERS = [_t(1.0, -2.0, 0.5), _t(3.0, 0.0, -1.5), _t(-1.0, 4.0, 2.5), _t(1.0, 2.0, 0.5)]
+
+
+def test_eager_over_two_rounds_applies_each_contribution_once_on_a_quadratic() -> None:
+    """By hand (lr 1, no momentum; kappa = 1 - (1 - gamma)^h is the share of the way to c_m a round goes):
+    round 1: d_m1 = kappa (phi0 - c_m), phi1_m = phi0 - d_m1 / M (own part at once);
+    round 2 from phi1_m: d_m2 = kappa (phi1_m - c_m), phi2_m = phi1_m - (avg(d_1) - d_m1 / M + d_m2 / M)
+    = phi0 - avg(d_1) - d_m2 / M: round 1's contributions applied exactly once (neither doubled nor dropped),
+    round 2's own part at 1/M; the drain adds the others' part of round 2, so all end at phi0 - avg(d_1) -
+    avg(d_2)."""
+    m, h, gamma = len(QUAD_CENTERS), 3, 0.2
+    kappa = 1 - (1 - gamma) ** h
+    loops = _quadratic_swarm("eager", QUAD_CENTERS, h=h, gamma=gamma, lr=1.0, momentum=0.0, rounds=2)
+    phi0 = torch.zeros(3)
+    d1 = [kappa * (phi0 - c) for c in QUAD_CENTERS]
+    d2 = [kappa * (phi0 - d / m - c) for d, c in zip(d1, QUAD_CENTERS, strict=True)]
+    expected = phi0 - sum(d1) / m - sum(d2) / m
+    for loop in loops:
+        assert_close(loop.states[0].phi, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("method", "momentum"), [("replace", 0.9), ("delay", 0.9), ("rebase", 0.9), ("eager", 0.0)])
+def test_every_overlap_rule_converges_to_the_mean_objectives_minimum_on_a_quadratic(method: str,
+                                                                                   momentum: float) -> None:
+    """The minimum of the mean of |w - c_m|^2 / 2 is the mean of the c_m: DiLoCo, the naive delay, rebase and
+    eager all bring every worker there (a counting defect, an own part applied twice or never, would move
+    it). Eager without momentum: with it, see the next test."""
+    loops = _quadratic_swarm(method, QUAD_CENTERS, h=3, gamma=0.05, lr=0.7, momentum=momentum, rounds=400)
+    for loop in loops:
+        assert_close(loop.states[0].phi, sum(QUAD_CENTERS) / len(QUAD_CENTERS), atol=1e-3, rtol=0)
+
+
+def test_eager_under_momentum_reaches_the_minimum_on_average_over_its_workers() -> None:
+    """Under Nesterov momentum eager's fixed points are every set of phis whose mean progress is zero: its
+    own-share dipoles (+s d at round k, -s d at k+1) leave each worker's phi s * sum_j step_j d_(k-j) from the
+    group's, weights summing to lr / (1 - mu) (0.7 without momentum, 7 with 0.9), and nothing pulls the
+    workers together. The mean of the workers' phis is the minimum all the same."""
+    loops = _quadratic_swarm("eager", QUAD_CENTERS, h=3, gamma=0.05, lr=0.7, momentum=0.9, rounds=400)
+    mean_phi = sum(loop.states[0].phi for loop in loops) / len(loops)
+    assert_close(mean_phi, sum(QUAD_CENTERS) / len(QUAD_CENTERS), atol=1e-3, rtol=0)
+
+
+def test_a_stale_update_under_nesterov_momentum_diverges_on_a_stiff_quadratic() -> None:
+    """Why eager trailed DiLoCo: with 4 workers 3/4 of eager's update is one round stale, and a round that
+    takes a stiff direction most of the way (gamma 0.5, h 3: kappa 0.875) makes the stale update, amplified
+    by Nesterov momentum 0.9 at lr 0.7, overshoot more each round (spectral radius 1.09 for eager, 1.23 for
+    the naive delay, 0.59 for DiLoCo); without momentum eager settles too (0.68)."""
+    def distance(method: str, momentum: float) -> float:
+        loops = _quadratic_swarm(method, QUAD_CENTERS, h=3, gamma=0.5, lr=0.7, momentum=momentum, rounds=40)
+        return float(torch.linalg.vector_norm(loops[0].states[0].phi - sum(QUAD_CENTERS) / len(QUAD_CENTERS)))
+
+    start = float(torch.linalg.vector_norm(sum(QUAD_CENTERS) / len(QUAD_CENTERS)))
+    assert distance("replace", 0.9) < 1e-4 * start
+    assert distance("eager", 0.9) > start
+    assert distance("delay", 0.9) > distance("eager", 0.9)
+    assert distance("eager", 0.0) < 1e-4 * start
+
+
 @pytest.mark.parametrize("method", ["alpha", "compensate", "rebase"])
 def test_overlapped_merge_happens_at_send_plus_tau(base_model, method: str) -> None:
     outer = _outer(method=method, h=4, tau=2, alpha=0.5, lambda0=0.2)
@@ -1129,13 +1293,7 @@ def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, off
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen).to(train), alpha=1e-3)
                 loop.add_tokens(10.0)
-            for loop in loops:
-                loop.collect(t)
-            for loop in loops:
-                loop.send(t)
-            hub.flush()
-            for loop in loops:
-                loop.collect(t)
+            _lockstep(loops, hub, t)
         assert all(loop.stats.syncs_ok >= 6 for loop in loops)
         assert all(st.device.type == device.type for loop in loops for st in loop.states)
         assert all(p.device.type == train.type for m in models for p in m.parameters())

@@ -58,6 +58,17 @@ def test_prepared_shards_hold_exactly_the_in_memory_split(tmp_path: Path) -> Non
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
+def test_a_prepared_directorys_tuning_split_is_the_tail_of_its_training_tokens(tmp_path: Path) -> None:
+    src = _corpus(tmp_path / "src", 10, 5000)
+    prepare([str(src)], tmp_path / "out", _cfg(), ByteTokenizer(), "bytes", shard_tokens=1024)
+    plain = load_corpus([str(tmp_path / "out")], _cfg(), ByteTokenizer())
+    tuned = load_corpus([str(tmp_path / "out")], _cfg(), ByteTokenizer(), tune_fraction=0.1)
+    n = len(plain.train)
+    assert len(tuned.tune) == round(0.1 * n) and len(tuned.train) + len(tuned.tune) == n
+    assert np.array_equal(tuned.tune.read(0, len(tuned.tune)), plain.train.read(len(tuned.train), len(tuned.tune)))
+    assert len(tuned.eval) == len(plain.eval) and "tune = the last" in tuned.description
+
+
 def test_windows_across_shard_boundaries_and_batches_match_the_tensor(tmp_path: Path) -> None:
     src = _corpus(tmp_path / "src", 10, 5000)
     prepare([str(src)], tmp_path / "out", _cfg(eval_fraction=0.2), ByteTokenizer(), "bytes", shard_tokens=1024)

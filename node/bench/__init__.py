@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,3 +17,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     convergence.register(bench_sub)
     robustness.register(bench_sub)
     swarm_bench.register(bench_sub)
+
+
+def write_png(fig, path: Path) -> None:
+    """Lay out ``fig`` (a matplotlib figure), write it to ``path`` as a PNG atomically and close it: the
+    last step of every benchmark's plot."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from node.fsutil import atomic_write_bytes
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -14,7 +14,6 @@ Writes ``results.json``, ``report.md`` and ``codecs.png`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import platform
 import time
@@ -130,7 +129,7 @@ def plot(path: Path, report: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from node.fsutil import atomic_write_bytes
+    from node.bench import write_png
 
     devs = list(report["results"])
     fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.2), squeeze=False)
@@ -147,11 +146,7 @@ def plot(path: Path, report: dict) -> None:
         ax.set_title(f"{dev}: codec speed")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    write_png(fig, path)
 
 
 def main(args: argparse.Namespace) -> int:

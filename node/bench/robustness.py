@@ -477,14 +477,12 @@ def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) 
 
 
 def plot(path: Path, results: dict[str, dict]) -> None:
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from node.fsutil import atomic_write_bytes
+    from node.bench import write_png
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     for name, r in results.items():
@@ -510,8 +508,4 @@ def plot(path: Path, results: dict[str, dict]) -> None:
     bx.set_title("what the honest nodes did about the attackers")
     bx.legend(fontsize=8)
     bx.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    write_png(fig, path)

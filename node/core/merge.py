@@ -15,7 +15,8 @@ at send time, so ``snapshot - theta`` is the local progress made while the sync 
                   compensation (DC-ASGD with diag(g * g) as the Hessian), correction norm lambda0*|g|.
 - ``eager``       the outer step takes g = late_avg - share_prev * own_prev + share_now * own_now,
                   then theta <- phi. Eager updates (Kale et al., 2025): the node's own contribution
-                  is applied at once, everyone else's one round late.
+                  is applied at once, everyone else's one round late (share_prev: its share in the
+                  group that averaged round t-1; see ``eager_outer_gradient``).
 - ``delay``       the outer step takes g = late_avg (the group average of the previous round), then
                   theta <- phi: the *naive* one-outer-step delay, the baseline of the Eager paper (its
                   own progress reaches phi only through the group's average, one round late). Unlike
@@ -70,19 +71,30 @@ def merge_compensate(theta: torch.Tensor, phi: torch.Tensor, snapshot: torch.Ten
 
 
 def eager_outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tensor | None,
-                         share_prev: float, own_now: torch.Tensor, share_now: float) -> torch.Tensor:
-    """The eager outer gradient g = avg(t-1) - share_prev * own(t-1) + share_now * own(t).
+                         share_in_group: float, share_applied: float, own_now: torch.Tensor,
+                         share_now: float) -> torch.Tensor:
+    """The eager outer gradient of round t, three parts:
 
-    ``late_average`` is None in the first round (nothing has arrived yet); ``share_*`` is the
-    node's token share of the group (1/n for equal weights).
+    - everyone else's progress of round t-1: ``avg(t-1) - share_in_group * own(t-1)``, where
+      ``share_in_group`` is this node's token share in the group that actually averaged round t-1
+      (0 if its contribution was not in it, 1 for a group of one);
+    - this node's own part of round t-1 brought to that share: ``(share_in_group - share_applied) *
+      own(t-1)``, since round t-1 applied it at the share expected then (``share_applied``); so over the
+      rounds every member applies exactly the group averages (a node left out takes its part back);
+    - its fresh progress at once: ``share_now * own(t)``.
+
+    ``late_average`` is None in the first round (nothing has arrived yet). Shares are token shares (1/n
+    for equal weights).
     """
     g = own_now * share_now
     if late_average is not None:
-        # The late part first: others' progress of round k-1, which is exactly 0 for a worker alone (its
+        # The late part first: others' progress of round t-1, which is exactly 0 for a worker alone (its
         # average is its own contribution), so that eager with one worker is blocking DiLoCo bit for bit.
         late = late_average.to(g.device)
         if own_prev is not None:
-            late = late - own_prev * share_prev
+            late = late - own_prev * share_in_group
+            if share_in_group != share_applied:
+                late = late + own_prev * (share_in_group - share_applied)
         g = g + late
     return g
 
@@ -102,6 +114,8 @@ class MergeRule(ABC):
 
     name: ClassVar[str]
     late: ClassVar[bool] = False
+    # The rule's own ``[outer]`` settings a fair benchmark tunes besides the outer lr (node.bench.convergence).
+    tunable: ClassVar[tuple[str, ...]] = ()
     # Whether a result may be merged later than tau while training goes on: the rule keeps the local
     # progress made since the send (mixed or carried), so a late result costs staleness, not steps.
     # ``replace`` drops that progress (theta <- phi), so it waits at tau as blocking DiLoCo does.
@@ -131,6 +145,7 @@ class Alpha(MergeRule):
     """Streaming DiLoCo's overlap mix (Douillard et al. 2025): theta <- alpha * theta + (1 - alpha) * phi."""
 
     name = "alpha"
+    tunable = ("alpha",)
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
@@ -153,6 +168,7 @@ class Compensate(MergeRule):
     also when a catch-up moves phi under the local progress."""
 
     name = "compensate"
+    tunable = ("lambda0",)
     # Its correction (norm lambda0 * |g|, along g * g * D) grows with the progress made since the send and
     # enters the next pseudo-gradient. Merged later than tau, that fed back round after round: in the
     # 4-node pairwise-gossip swarm one pair's phi grew from 131 to 240 in norm over 20 merges while the
@@ -184,9 +200,9 @@ class LateRule(MergeRule):
         """The share of its fresh progress a worker applies at once (its expected token share, or 0)."""
 
     @staticmethod
-    def outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tensor | None, share_prev: float,
-                       own_now: torch.Tensor, share_now: float) -> torch.Tensor:
-        return eager_outer_gradient(late_average, own_prev, share_prev, own_now, share_now)
+    def outer_gradient(late_average: torch.Tensor | None, own_prev: torch.Tensor | None, share_in_group: float,
+                       share_applied: float, own_now: torch.Tensor, share_now: float) -> torch.Tensor:
+        return eager_outer_gradient(late_average, own_prev, share_in_group, share_applied, own_now, share_now)
 
 
 class Eager(LateRule):

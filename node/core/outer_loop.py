@@ -242,17 +242,16 @@ class OuterLoop:
             res = self._wait(pend)
             if isinstance(self.rule, LateRule):
                 st = self.states[p]
-                reason = self._check_result(res, pend)
-                if res.ok and reason is None:
-                    g = self.rule.outer_gradient(res.average, pend.own, pend.own_share, torch.zeros_like(st.phi), 0.0)
-                    reason = self._outer_step(st, g)
-                    if reason is None:
-                        self._follow_group(st, res)
-                        st.set_theta(st.phi)
-                if res.ok and reason is not None:
-                    events.append(self._refused(st, step, res, pend.sent_step, reason))
-                else:
-                    events.append(self._event("merged" if res.ok else "failed", st, step, res, pend.sent_step))
+                average, share, late_events = self._late_result(st, pend, res, step)
+                g = self.rule.outer_gradient(average, pend.own, share, pend.own_share, torch.zeros_like(st.phi), 0.0)
+                events.extend(late_events)
+                refused = self._late_step(st, g, step)
+                events.extend(refused)
+                if refused:
+                    continue
+                if late_events[-1].kind == "merged":
+                    self._follow_group(st, res)
+                st.set_theta(st.phi)
             else:
                 events.extend(self._merge(self.states[p], pend, res, step))
         return events
@@ -340,31 +339,14 @@ class OuterLoop:
         chunks, own_now = encode_with_feedback(self.codec, own_now_raw, st.residual)
         st.last_quant_error = _relative_error(own_now, own_now_raw)
         late = self.pending.pop(st.index, None)
-        late_avg, own_prev, share_prev = None, None, 0.0
+        late_avg, own_prev, share_in_group, share_applied = None, None, 0.0, 0.0
         if late is not None:
-            res = self._wait(late)
-            reason = self._check_result(res, late)
-            if res.ok and reason is not None:
-                # Refused: like a failed round, only our own previous contribution is applied.
-                late_avg, own_prev, share_prev = late.own, late.own, late.own_share
-                events.append(self._refused(st, step, res, late.sent_step, reason))
-            elif res.ok:
-                # Our own part was applied last round at the share we assumed then; take out exactly
-                # that, so that over the rounds every member applies exactly the group averages.
-                late_avg, own_prev, share_prev = res.average, late.own, late.own_share
-                if res.total_weight:
-                    self.expected_share = late.weight / res.total_weight
-            else:
-                # Nobody else's progress arrived: apply the rest of our own previous contribution.
-                late_avg, own_prev, share_prev = late.own, late.own, late.own_share
-            if reason is None or not res.ok:
-                events.append(self._event("merged" if res.ok else "failed", st, step, res, late.sent_step))
+            late_avg, share_in_group, late_events = self._late_result(st, late, self._wait(late), step)
+            own_prev, share_applied = late.own, late.own_share
+            events.extend(late_events)
         share_now = rule.own_share(self.expected_share)
-        g = rule.outer_gradient(late_avg, own_prev, share_prev, own_now, share_now)
-        reason = self._outer_step(st, g)
-        if reason is not None:  # cannot come from peers (their part was checked): keep phi, report
-            events.append(SyncEvent("refused", st.index, step, st.version, error=reason))
-            self.stats.refused += 1
+        g = rule.outer_gradient(late_avg, own_prev, share_in_group, share_applied, own_now, share_now)
+        events.extend(self._late_step(st, g, step))
         st.set_theta(st.phi)
         handle = self._start(st, step, chunks)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
@@ -375,6 +357,32 @@ class OuterLoop:
         st.last_send = step
         events.append(SyncEvent("sent", st.index, step, st.version))
         return events
+
+    def _late_step(self, st: FragmentState, g: torch.Tensor, step: int) -> list[SyncEvent]:
+        """A late rule's outer step on ``g``; a refusal cannot come from peers (their part was checked):
+        phi stays as it was and it is reported."""
+        reason = self._outer_step(st, g)
+        if reason is None:
+            return []
+        self.stats.refused += 1
+        return [SyncEvent("refused", st.index, step, st.version, error=reason)]
+
+    def _late_result(self, st: FragmentState, late: _Pending, res: AverageResult,
+                     step: int) -> tuple[torch.Tensor | None, float, list[SyncEvent]]:
+        """A late rule's previous round as its outer gradient needs it: the group's average and this node's
+        token share in the group that averaged it (0 when its contribution was not in it), and the event.
+        A failed or refused round is a group of one: nobody else's progress arrived, and this node's own
+        contribution is its average (share 1), so the rest of it is applied."""
+        reason = self._check_result(res, late)
+        if not res.ok:
+            return late.own, 1.0, [self._event("failed", st, step, res, late.sent_step)]
+        if reason is not None:
+            return late.own, 1.0, [self._refused(st, step, res, late.sent_step, reason)]
+        share = res.own_weight / res.total_weight if res.own_weight > 0 and res.total_weight > 0 else 0.0
+        if share > 0:
+            self.expected_share = share  # the next round's groups are most likely alike
+        average = res.average if res.average is not None else late.own  # all contributions equal: ours
+        return average, share, [self._event("merged", st, step, res, late.sent_step)]
 
     def _start(self, st: FragmentState, step: int, chunks: list[bytes]) -> AverageHandle:
         # A contribution weighs at least one token: reducers refuse a weight <= 0 as a lie, and a fragment

@@ -64,6 +64,18 @@ METHODS: dict[str, Method] = {m.name: m for m in [
 ]}
 
 
+def tuned_settings(name: str, cfg: SwarmConfig) -> tuple[str, ...]:
+    """The ``[outer]`` settings a fair comparison tunes for method ``name`` configured as ``cfg`` (its
+    ``method_config``): the outer lr and momentum of every outer-loop method (Nesterov momentum amplifies a
+    stale update: eager and the naive delay want less of it than blocking DiLoCo), plus its merge rule's own
+    knobs (alpha, lambda0); none for dp, whose only optimizer is the inner one."""
+    from node.core.merge import make_merge_rule
+
+    if METHODS[name].apply is None:
+        return ()
+    return ("lr", "momentum", *make_merge_rule(cfg.outer.method).tunable)
+
+
 def method_config(base: SwarmConfig, name: str, tau: int) -> SwarmConfig:
     """A copy of ``base`` configured for method ``name`` (the overlap methods use ``tau``)."""
     cfg = copy.deepcopy(base)

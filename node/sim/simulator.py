@@ -38,6 +38,13 @@ class SimSpec:
     drop_prob: float = 0.0
     seed: int = 0
     device: str = "cpu"
+    # Seed of the model's init and of every worker's batch sampling; None: data.seed (as the swarm does).
+    # The convergence benchmark's repeated runs differ by it (``seed`` alone leaves a run without drops
+    # unchanged).
+    sample_seed: int | None = None
+
+    def data_seed(self, cfg: SwarmConfig) -> int:
+        return cfg.data.seed if self.sample_seed is None else self.sample_seed
 
 
 @dataclass
@@ -62,10 +69,10 @@ class _Worker:
     def __init__(self, rank: int, cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec,
                  device: torch.device, total_steps: int) -> None:
         self.rank = rank
-        self.model = build_model(cfg.model, vocab_size, seed=cfg.data.seed).to(device)
+        self.model = build_model(cfg.model, vocab_size, seed=spec.data_seed(cfg)).to(device)
         self.inner = InnerOptimizer(self.model, cfg.inner, total_steps=total_steps)
         self.batches = TrainBatches(corpus.train, rank, spec.workers, cfg.inner.batch_size,
-                                    cfg.inner.seq_len, cfg.data.seed)
+                                    cfg.inner.seq_len, spec.data_seed(cfg))
         self.speed = 1.0 if spec.speeds is None else spec.speeds[rank]
         self.credit = 0.0
         self.local_step = 0
@@ -138,6 +145,7 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
             eval_curve.append((t, evaluate(workers[0].model, evals, device)))
         if task is not None:
             progress.update(task, advance=1, description=f"{label:<18} eval {eval_curve[-1][1]:.3f}")
+    before_drain = _land_in_flight(workers, spec.steps, evals, device, eval_curve)
     stats = [w.outer.stats for w in workers]
     sent = sum(s.bytes_sent for s in stats) / len(stats)
     return SimResult(
@@ -147,7 +155,23 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
         syncs_ok=sum(s.syncs_ok for s in stats), syncs_failed=sum(s.syncs_failed for s in stats),
         catch_ups=sum(s.catch_ups for s in stats), inner_steps=[w.local_step for w in workers],
         wall_seconds=time.perf_counter() - start, n_params=_outer_phi(workers[0]).numel(),
-        extra={"spread": phi_spread(workers)})
+        extra={"spread": phi_spread(workers), "final_before_drain": before_drain})
+
+
+def _land_in_flight(workers: list[_Worker], step: int, evals: list[torch.Tensor], device: torch.device,
+                    eval_curve: list[tuple[int, float]]) -> float | None:
+    """End of the run: merge every sync still in flight (``OuterLoop.drain``, as the daemon does when it stops)
+    and evaluate again, so the final model holds every round it trained. Without it a method whose rounds
+    overlap training ends with its last round unapplied: the naive delay (and 3/4 of eager's update with
+    4 workers) would be judged on a model one round behind blocking DiLoCo's. Returns the final eval loss
+    before the drain (None: nothing was in flight)."""
+    if not any(w.outer.in_flight() for w in workers):
+        return None
+    for w in workers:
+        w.outer.drain(step)
+    before = eval_curve[-1][1]
+    eval_curve[-1] = (step, evaluate(workers[0].model, evals, device))
+    return before
 
 
 def phi_spread(workers: list[_Worker]) -> float:
@@ -172,10 +196,10 @@ def simulate_dp(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec
     check_spec(spec)
     device = torch.device(spec.device)
     start = time.perf_counter()
-    model = build_model(cfg.model, vocab_size, seed=cfg.data.seed).to(device)
+    model = build_model(cfg.model, vocab_size, seed=spec.data_seed(cfg)).to(device)
     inner = InnerOptimizer(model, cfg.inner, total_steps=spec.steps)
     shards = [TrainBatches(corpus.train, m, spec.workers, cfg.inner.batch_size, cfg.inner.seq_len,
-                           cfg.data.seed) for m in range(spec.workers)]
+                           spec.data_seed(cfg)) for m in range(spec.workers)]
     n_params = sum(p.numel() for p in model.parameters())
     per_step = 2 * (spec.workers - 1) / spec.workers * 4 * n_params
     evals = eval_batches(corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, spec.eval_batches)

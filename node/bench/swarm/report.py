@@ -9,13 +9,13 @@ planner's predicted utilization next to each measurement.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from collections import Counter
 from pathlib import Path
 
-from node.fsutil import atomic_write_bytes, atomic_write_text
+from node.bench import write_png
+from node.fsutil import atomic_write_text
 from node.plan import ROUND_OVERHEAD_S
 
 FILES = ("results.json", "report.md", "swarm.png")
@@ -189,11 +189,7 @@ def plot(path: Path, configs: dict[str, dict]) -> None:
     if handles:
         ax.legend(fontsize=8, loc="lower left")
     ax.set_title("compute utilization on shaped links")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    write_png(fig, path)
 
 
 def write_report(out: Path, setup: dict, configs: dict[str, dict]) -> str:
