@@ -286,7 +286,7 @@ def test_the_node_bounds_a_peers_claim_by_a_whole_carry_not_by_its_own_young_cla
 
     cfg = config_from_dict({"inner": {"batch_size": 4, "seq_len": 32}, "outer": {"h": 10, "max_carry": 4}})
     node = Node(cfg, NodeOptions(state_dir=tmp_path))
-    node.status["tokens_per_s"] = 1000.0
+    node.tokens_per_s = 1000.0
     whole_carry = 4 * 32 * 10 * (max(4, MIN_CARRY_ALLOWANCE) + 1)
     slack = cfg.robust.weight_factor
     # No heartbeat yet: the slack over a whole carry, however little this node claims itself.
