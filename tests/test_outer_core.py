@@ -36,7 +36,14 @@ from node.core.robust import make_aggregator
 from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
 from node.model import build_model
 from node.partition import partition
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, Transport
+from node.transport.base import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    FetchHandle,
+    FragmentSnapshot,
+    Transport,
+)
 from node.transport.inprocess import HEADER_BYTES, InProcessHub
 from node.transport.reduce import part_ranges
 from node.transport.reduce import reduce_group as _reduce_group
@@ -517,11 +524,11 @@ class Swarm:
             loop.add_tokens(10.0 if tokens is None else tokens[i])
 
     def sync(self, t: int) -> list[list]:
+        """The core's calls at swarm step ``t`` as the simulator makes them (the daemon's ``advance``, split
+        around the hub's flush)."""
         events: list[list] = [[] for _ in self.loops]
         for i, loop in enumerate(self.loops):
-            events[i] += loop.collect(t)
-        for i, loop in enumerate(self.loops):
-            events[i] += loop.send(t)
+            events[i] += loop.advance_sends(t - 1, t, 0.0)
         self.hub.flush()
         for i, loop in enumerate(self.loops):
             events[i] += loop.collect(t)
@@ -1302,3 +1309,54 @@ def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, off
         phis[where] = [st.phi.cpu() for loop in loops for st in loop.states]
     for a, b in zip(phis["off"], phis[offload], strict=True):
         assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class _DoneHandle(AverageHandle):
+    def __init__(self, result: AverageResult) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        return self._result
+
+
+class _BackgroundTransport(Transport):
+    """A transport whose rounds finish by the time the driver asks (as the swarm's, running on its own
+    thread, does for a fast round): each is a group of two whose other member sent the same progress."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, int, float]] = []  # (fragment, round, weight)
+
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        self.rounds.append((request.fragment, request.round, request.weight))
+        codec = get_codec(request.codec or "fp32")
+        avg = decode_chunks(codec, request.chunks, request.numel)
+        return _DoneHandle(AverageResult(ok=True, average=avg, group_size=2, total_weight=2 * request.weight,
+                                         own_weight=request.weight, max_version=request.version))
+
+    def latest_version(self, fragment: int) -> int:
+        return -1
+
+    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+        return None
+
+
+def test_advance_takes_each_crossed_slot_once_at_its_latest_and_merges_what_is_due(base_model) -> None:
+    """The daemon's one call per inner step. h = 8, F = 2: fragment 1 is due at multiples of 8, fragment 0
+    at 4 + multiples of 8. One step to 4 sends fragment 0 and (tau = 0) merges it in the same call; a jump of
+    the swarm clock from 5 to 22 (a slow node taking the swarm's clock) crosses 14..22: each fragment is sent
+    once, at its latest crossed slot (16 for fragment 1, 20 for fragment 0), with every token since its last
+    send, and both merge in that call."""
+    transport = _BackgroundTransport()
+    loop = OuterLoop(copy.deepcopy(base_model), partition(base_model, 2), _outer(h=8, fragments=2), transport)
+    kinds = [(e.kind, e.fragment) for e in loop.advance(3, 4, 10.0)]
+    assert transport.rounds == [(0, 4, 10.0)]
+    assert kinds == [("sent", 0), ("merged", 0)]
+    assert loop.advance(4, 5, 10.0) == []
+    events = loop.advance(5, 22, 30.0)
+    assert transport.rounds[1:] == [(1, 16, 50.0), (0, 20, 40.0)]
+    assert sorted((e.kind, e.fragment, e.round) for e in events if e.kind == "merged") == [
+        ("merged", 0, 20), ("merged", 1, 16)]
+    assert [loop.version(p) for p in range(2)] == [2, 1]

@@ -1,7 +1,8 @@
 """``OuterLoop``: one worker's outer loop over F fragments, shared by the simulator and the daemon.
 
-Per inner step ``t`` of the swarm clock the driver calls ``step(t, tokens)`` (or, when several
-workers share one thread, ``collect(t)``, ``send(t)``, a transport flush, ``collect(t)``):
+After each inner step, as the swarm clock moves from ``prev`` to ``t``, the driver calls
+``advance(prev, t, tokens)`` (the daemon), or, when several workers share one thread (the simulator),
+``advance_sends(prev, t, tokens)`` on each, a transport flush, then ``collect(t)`` on each:
 
 1. ``collect``: every sync due at ``t`` (sent at ``t_s`` with ``t_s + tau = t``) is waited for; a
    complete result gets the Nesterov outer step on (phi_p, b_p), then the method's merge rule sets
@@ -162,19 +163,22 @@ class OuterLoop:
         for st in self.states:
             st.tokens_since_send += tokens
 
-    def step(self, step: int, tokens: float) -> list[SyncEvent]:
-        """After inner step ``step`` processed ``tokens`` tokens: merge due results and start due syncs."""
-        self.add_tokens(tokens)
-        return self.collect(step) + self.send(step) + self.collect(step)
-
     def advance(self, prev: int, step: int, tokens: float) -> list[SyncEvent]:
-        """Like ``step`` when the swarm clock jumped from ``prev`` to ``step`` (a slower node adopting
-        the swarm's progress): every send slot crossed is taken, each fragment at most once (its
-        latest slot), and every result due by ``step`` is merged."""
+        """The driver's one call after each inner step: the swarm clock moved from ``prev`` to ``step``
+        (usually by one; by more when a slower node adopts the swarm's progress) and the step processed
+        ``tokens`` tokens. Every result due is merged, every send slot crossed is taken (each fragment at
+        most once, at its latest slot), and a result that a send made due at once (tau = 0) is merged."""
+        return self.advance_sends(prev, step, tokens) + self.collect(step)
+
+    def advance_sends(self, prev: int, step: int, tokens: float) -> list[SyncEvent]:
+        """:meth:`advance` up to its sends, without the last ``collect(step)``. For a driver that runs several
+        workers in one thread (the simulator): it calls this on every worker, lets the transport average
+        what they sent (``InProcessHub.flush``), then ``collect(step)`` on every worker. The daemon's
+        transport works in the background, so it calls :meth:`advance`."""
         self.add_tokens(tokens)
         first = max(prev + 1, step - self.cfg.h + 1)
         if step - first < 1:
-            return self.collect(step) + self.send(step) + self.collect(step)
+            return self.collect(step) + self.send(step)
         events = []
         for t in range(first, step + 1):
             events += self.collect(t)
@@ -190,7 +194,7 @@ class OuterLoop:
                 break  # one pick per slot: the newest slot's
         for t in sorted(set(latest.values())):
             events += self.send(t, only={p for p, tp in latest.items() if tp == t})
-        return events + self.collect(step)
+        return events
 
     def collect(self, step: int) -> list[SyncEvent]:
         events = []

@@ -130,12 +130,9 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     train_curve: list[tuple[int, float]] = []
     task = progress.add_task(label or "simulate", total=spec.steps) if progress else None
     for t in range(1, spec.steps + 1):
-        for w in workers:
-            w.outer.add_tokens(w.tick())
-        for w in workers:
-            w.outer.collect(t)
-        for w in workers:
-            w.outer.send(t)
+        tokens = [w.tick() for w in workers]  # every worker's inner step (if its speed gives it one) first
+        for w, n in zip(workers, tokens, strict=True):  # then the daemon's advance(), split around the flush
+            w.outer.advance_sends(t - 1, t, n)
         hub.flush()
         for w in workers:
             w.outer.collect(t)
