@@ -97,8 +97,8 @@ def test_a_run_ends_with_every_sync_in_flight_landed(corpus_dir):
 
 
 def test_the_sweep_picks_the_lowest_tuning_loss_by_coordinates():
-    """lr first (the others at their start values), then alpha at the best lr; a diverged run never wins;
-    settings already tried are not run again."""
+    """lr first (the others at their start values), then alpha at the best lr, then the lr again at the best
+    alpha; a diverged run never wins; settings already tried are not run again."""
     def loss(settings: dict) -> float:
         if settings["lr"] == 1.0:
             return math.nan  # diverged
@@ -116,7 +116,8 @@ def test_the_sweep_picks_the_lowest_tuning_loss_by_coordinates():
     run_sweeps([sweep, fixed], evaluate)
     assert sweep.best() == {"lr": 0.5, "alpha": 0.75}
     assert fixed.best() == {"lr": 0.7, "alpha": 0.5} and not fixed.trials
-    assert [len(c) for c in calls] == [3, 2]  # alpha 0.5 at lr 0.5 was tried in the lr stage
+    # alpha 0.5 at lr 0.5 was tried in the lr stage, lr 0.5 at alpha 0.75 in the alpha stage
+    assert [len(c) for c in calls] == [3, 2, 2]
     assert math.isinf(sweep.trials[2].loss)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.bench.convergence_report import (  # re-exported: the tests and callers use them from here
+    SEARCH,
     check_claims,
     normalize,
     steps_to_target,
@@ -442,6 +443,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     setup = {"profile": asdict(prof), "model": asdict(cfg.model), "inner": asdict(cfg.inner),
              "data": corpus.description, "device": device, "seeds": seeds, "methods": methods,
              "tuned": not args.no_tune, "tune_steps": prof.tune_steps, "grids": {k: list(v) for k, v in grids.items()},
+             "search": SEARCH,
              "tune_split": f"{corpus.n_tune_docs} training documents, {len(corpus.tune):,} tokens, "
                            f"--tune-fraction {args.tune_fraction}",
              "fixed": fixed, "fixed_target": args.target, "jobs": args.jobs, "threads": args.threads,
