@@ -158,6 +158,8 @@ def test_simulate_command_writes_json(corpus_dir, tmp_path):
     (["bench", "convergence", "--out", "x", "--fix", "eager.beta=1"], "--fix 'eager.beta=1' is not allowed"),
     (["bench", "convergence", "--out", "x", "--grid", "lr=fast"], "'fast' is not a number"),
     (["bench", "convergence", "--out", "x", "--tune-steps", "0"], "--tune-steps 0 is not allowed"),
+    (["bench", "convergence", "--out", "x", "--settings-from", "/nonexistent"],
+     "--settings-from: /nonexistent/results.json does not exist"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     res = cli(*args, timeout=120)
@@ -229,6 +231,18 @@ def test_tuned_bench_sweeps_on_the_tuning_split_and_reports_seeds(corpus_dir, tm
     res = cli("bench", "convergence", "--out", str(out), "--render-only", timeout=120)
     assert res.returncode == 0, res.stderr
     assert (out / "report.md").read_text() == report
+    # Another run takes those settings (a longer profile tuned by a shorter one's sweep); a method the source
+    # did not run gets its presets.
+    again = tmp_path / "again"
+    res = cli("bench", "convergence", "--quick", "--out", str(again), "--data", str(corpus_dir), "--seeds", "1",
+              "--tune-fraction", "0.2", "--workers", "2", "--steps", "8", "--h", "4", "--tau", "1", "--no-tune",
+              "--methods", "eager,naive-delay", "--settings-from", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr
+    taken = json.loads((again / "results.json").read_text())
+    assert taken["methods"]["eager"]["settings"] == doc["methods"]["eager"]["settings"]
+    assert taken["methods"]["naive-delay"]["settings"] == {"lr": 0.7, "momentum": 0.9}
+    assert taken["tuning"] == {"eager": doc["tuning"]["eager"]}
+    assert f"Tuned by the sweep of `{out}`" in (again / "report.md").read_text()
 
 
 def test_render_only_reads_a_report_of_the_first_format(tmp_path):

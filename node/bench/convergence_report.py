@@ -335,6 +335,14 @@ def _target_text(target: dict) -> str:
 
 
 def _tuning_sentence(setup: dict) -> str:
+    source = setup.get("settings_from")
+    if source:
+        rest = (f"swept here with runs of {setup.get('tune_steps')} steps" if setup.get("swept_here")
+                else "ran their presets")
+        return (f"Tuned by the sweep of `{source['dir']}` (commit {source.get('commit') or '-'}): runs of "
+                f"{source.get('tune_steps')} steps on its tuning split ({source.get('tune_split')}), coordinate "
+                f"search: {source.get('search')}; its trials are in the tuning table. Methods it did not run {rest}. "
+                "The eval split is used only by the final runs.")
     if not setup.get("tuned"):
         fixed = setup.get("fixed") or {}
         note = f"; fixed: {json.dumps(fixed)}" if any(fixed.values()) else ""
