@@ -97,8 +97,8 @@ def test_a_run_ends_with_every_sync_in_flight_landed(corpus_dir):
 
 
 def test_the_sweep_picks_the_lowest_tuning_loss_by_coordinates():
-    """lr first (the others at their start values), then alpha at the best lr; a diverged run never wins;
-    settings already tried are not run again."""
+    """lr first (the others at their start values), then alpha at the best lr, then the lr again at the best
+    alpha; a diverged run never wins; settings already tried are not run again."""
     def loss(settings: dict) -> float:
         if settings["lr"] == 1.0:
             return math.nan  # diverged
@@ -116,7 +116,8 @@ def test_the_sweep_picks_the_lowest_tuning_loss_by_coordinates():
     run_sweeps([sweep, fixed], evaluate)
     assert sweep.best() == {"lr": 0.5, "alpha": 0.75}
     assert fixed.best() == {"lr": 0.7, "alpha": 0.5} and not fixed.trials
-    assert [len(c) for c in calls] == [3, 2]  # alpha 0.5 at lr 0.5 was tried in the lr stage
+    # alpha 0.5 at lr 0.5 was tried in the lr stage, lr 0.5 at alpha 0.75 in the alpha stage
+    assert [len(c) for c in calls] == [3, 2, 2]
     assert math.isinf(sweep.trials[2].loss)
 
 
@@ -157,6 +158,8 @@ def test_simulate_command_writes_json(corpus_dir, tmp_path):
     (["bench", "convergence", "--out", "x", "--fix", "eager.beta=1"], "--fix 'eager.beta=1' is not allowed"),
     (["bench", "convergence", "--out", "x", "--grid", "lr=fast"], "'fast' is not a number"),
     (["bench", "convergence", "--out", "x", "--tune-steps", "0"], "--tune-steps 0 is not allowed"),
+    (["bench", "convergence", "--out", "x", "--settings-from", "/nonexistent"],
+     "--settings-from: /nonexistent/results.json does not exist"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     res = cli(*args, timeout=120)
@@ -228,6 +231,18 @@ def test_tuned_bench_sweeps_on_the_tuning_split_and_reports_seeds(corpus_dir, tm
     res = cli("bench", "convergence", "--out", str(out), "--render-only", timeout=120)
     assert res.returncode == 0, res.stderr
     assert (out / "report.md").read_text() == report
+    # Another run takes those settings (a longer profile tuned by a shorter one's sweep); a method the source
+    # did not run gets its presets.
+    again = tmp_path / "again"
+    res = cli("bench", "convergence", "--quick", "--out", str(again), "--data", str(corpus_dir), "--seeds", "1",
+              "--tune-fraction", "0.2", "--workers", "2", "--steps", "8", "--h", "4", "--tau", "1", "--no-tune",
+              "--methods", "eager,naive-delay", "--settings-from", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr
+    taken = json.loads((again / "results.json").read_text())
+    assert taken["methods"]["eager"]["settings"] == doc["methods"]["eager"]["settings"]
+    assert taken["methods"]["naive-delay"]["settings"] == {"lr": 0.7, "momentum": 0.9}
+    assert taken["tuning"] == {"eager": doc["tuning"]["eager"]}
+    assert f"Tuned by the sweep of `{out}`" in (again / "report.md").read_text()
 
 
 def test_render_only_reads_a_report_of_the_first_format(tmp_path):

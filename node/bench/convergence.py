@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.bench.convergence_report import (  # re-exported: the tests and callers use them from here
+    SEARCH,
     check_claims,
     normalize,
     steps_to_target,
     write_report,
 )
-from node.bench.tuning import Settings, Sweep, parse_fixed, parse_grids, run_sweeps
+from node.bench.tuning import DEFAULT_GRIDS, Settings, Sweep, parse_fixed, parse_grids, run_sweeps
 from node.errors import UserError
 from node.helptext import describe
 from node.sim.methods import METHODS
@@ -120,6 +121,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="the values swept for lr, momentum, alpha or lambda0 (default lr 0.3,0.5,0.7,1; momentum "
                         "0,0.5,0.9; alpha 0.25,0.5,0.75; lambda0 0.1,0.2,0.5)")
+    p.add_argument("--settings-from", default=None, metavar="DIR",
+                   help="each method's settings from the sweep of an earlier tuned report (DIR/results.json), e.g. "
+                        "the quick profile's for the long one (same model, batch and tuning split; its tuning runs "
+                        "were shorter); methods it lacks are swept here (unless --no-tune); --fix still wins")
     p.add_argument("--tune-steps", type=int, default=None,
                    help="inner steps of each tuning run (default: the profile's; at most --steps)")
     p.add_argument("--tune-fraction", type=float, default=DEFAULT_TUNE_FRACTION,
@@ -417,6 +422,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     methods = _methods(args.methods)
     _check_counts(args)
     fixed = parse_fixed(args.fix, methods)
+    source = _settings_from(args.settings_from, methods)
     grids = parse_grids(args.grid)
     cfg = base_config(args, prof)
     device = str(resolve_device(args.device))
@@ -425,11 +431,12 @@ def run_convergence(args: argparse.Namespace) -> int:
 
     with console.status("loading data"):
         ctx = BenchContext.load(cfg, data_paths(args), prof, device, args.tune_fraction)
+    given = {m: {**source["settings"].get(m, {}), **fixed[m]} for m in methods}  # --fix wins over the source
     for method in methods:  # every fixed and swept value must make a valid config (one line, before any run)
-        ctx.method_config(method, fixed[method])
+        ctx.method_config(method, given[method])
         for knob in _knobs(ctx, method):
             for value in grids[knob]:
-                ctx.method_config(method, {**fixed[method], knob: value})
+                ctx.method_config(method, {**given[method], knob: value})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.seed, args.seed + args.seeds))
@@ -441,12 +448,14 @@ def run_convergence(args: argparse.Namespace) -> int:
         console.print(f"[yellow]data: {warning}[/]")
     setup = {"profile": asdict(prof), "model": asdict(cfg.model), "inner": asdict(cfg.inner),
              "data": corpus.description, "device": device, "seeds": seeds, "methods": methods,
-             "tuned": not args.no_tune, "tune_steps": prof.tune_steps, "grids": {k: list(v) for k, v in grids.items()},
+             "tuned": not args.no_tune or bool(source["settings"]), "tune_steps": prof.tune_steps,
+             "grids": {k: list(v) for k, v in grids.items()}, "search": SEARCH,
+             "settings_from": source["report"], "swept_here": not args.no_tune,
              "tune_split": f"{corpus.n_tune_docs} training documents, {len(corpus.tune):,} tokens, "
                            f"--tune-fraction {args.tune_fraction}",
              "fixed": fixed, "fixed_target": args.target, "jobs": args.jobs, "threads": args.threads,
              "commit": _commit()}
-    doc = {"setup": setup, "methods": {}, "tuning": {}, "phases": {}, "wall_seconds": 0.0}
+    doc = {"setup": setup, "methods": {}, "tuning": dict(source["tuning"]), "phases": {}, "wall_seconds": 0.0}
     started = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn(), TimeRemainingColumn()]
@@ -457,10 +466,10 @@ def run_convergence(args: argparse.Namespace) -> int:
             doc["wall_seconds"] = time.perf_counter() - started
             write_report(out, doc)
 
-        sweeps = {m: _sweep(ctx, m, fixed[m], grids) for m in methods}
+        sweeps = {m: _sweep(ctx, m, given[m], grids) for m in methods}
         if not args.no_tune:
             _tune(ctx, runner, sweeps, seeds[0], doc, save)
-        chosen = {m: {**fixed[m], **s.best()} for m, s in sweeps.items()}  # untuned: the presets and fixes
+        chosen = {m: {**given[m], **s.best()} for m, s in sweeps.items()}  # untuned: the presets and fixes
         _evaluate(runner, methods, chosen, seeds, prof.steps, doc, save)
     doc["wall_seconds"] = time.perf_counter() - started
     report = write_report(out, doc)
@@ -494,7 +503,7 @@ def _tune(ctx: BenchContext, runner: Runner, sweeps: dict[str, Sweep], seed: int
         return [o["run"]["final_eval_loss"] for o in outs]
 
     def after_stage() -> None:
-        doc["tuning"] = {m: s.to_dict() for m, s in sweeps.items()}
+        doc["tuning"].update({m: s.to_dict() for m, s in sweeps.items() if s.trials})
         doc["phases"]["tuning"] = {"runs": sum(len(s.trials) for s in sweeps.values()),
                                    "seconds": time.perf_counter() - started}
         save()
@@ -522,18 +531,40 @@ def _evaluate(runner: Runner, methods: list[str], chosen: dict[str, Settings], s
 
 
 def render_existing(out: Path) -> int:
+    write_report(out, _read_results(out, "--render-only", f"run the benchmark with --out {out} first"))
+    print(f"rendered {out / 'report.md'} and {out / 'loss.png'} from {out / 'results.json'}")
+    return 0
+
+
+def _read_results(directory: Path, flag: str, hint: str) -> dict:
+    """An earlier report's results.json, in this format's shape (one line and exit 2 if it cannot be read)."""
     import json
 
-    path = out / "results.json"
+    path = directory / "results.json"
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"--render-only: {path} does not exist; run the benchmark with --out {out} first") from None
+        raise UserError(f"{flag}: {path} does not exist; {hint}") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"--render-only: {path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    write_report(out, normalize(doc))
-    print(f"rendered {out / 'report.md'} and {out / 'loss.png'} from {path}")
-    return 0
+        raise UserError(f"{flag}: {path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    return normalize(doc)
+
+
+def _settings_from(directory: str | None, methods: list[str]) -> dict:
+    """``--settings-from DIR``: the settings each method of ``methods`` was run at there, that report's tuning
+    trials, and where they came from (its tune steps, search and tuning split)."""
+    if directory is None:
+        return {"settings": {}, "tuning": {}, "report": None}
+    doc = _read_results(Path(directory), "--settings-from", "give the directory of a tuned report")
+    setup = doc["setup"]
+    if not setup.get("tuned"):
+        raise UserError(f"--settings-from {directory}: that run was not tuned (--no-tune); give a tuned report")
+    settings = {m: {k: float(v) for k, v in doc["methods"][m].get("settings", {}).items() if k in DEFAULT_GRIDS}
+                for m in methods if m in doc["methods"]}
+    return {"settings": settings, "tuning": {m: doc["tuning"][m] for m in settings if m in doc["tuning"]},
+            "report": {"dir": str(directory), "tune_steps": setup.get("tune_steps"), "search": setup.get("search"),
+                       "tune_split": setup.get("tune_split"), "commit": setup.get("commit", ""),
+                       "settings": settings}}
 
 
 def _commit() -> str:

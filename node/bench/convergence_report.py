@@ -17,6 +17,7 @@ FORMAT = 2
 TARGET_METHOD = "diloco"               # the default target of steps-to-target: DiLoCo's mean final eval loss
 OVERLAP_METHOD = "streaming-overlap"   # CoCoDC's claim is against it, at its own final loss
 NO_LOSS = 0.01                         # "no loss" in the papers' sense: within 1% of the final eval loss
+SEARCH = "outer lr, then momentum, then alpha or lambda0, then the lr once more"  # node.bench.tuning.Sweep
 EAGER_TOLERANCE = 0.03                 # the issue's acceptance: eager within 3% of DiLoCo
 DILOCO_X_TOLERANCE = 0.02              # ... and diloco-x within 2%
 
@@ -57,8 +58,11 @@ def summarize(entry: dict, target: float | None) -> None:
 
 
 def normalize(doc: dict) -> dict:
-    """A results.json of the first format (one run per method, no tuning) in this format's shape."""
+    """A results.json of the first format (one run per method, no tuning) in this format's shape; one of
+    this format from before a setting was recorded gets what it ran with."""
     if doc.get("format") == FORMAT:
+        # a run from before the sweep's second lr pass says so (setup["search"] is recorded since)
+        doc["setup"].setdefault("search", "outer lr, then momentum, then alpha or lambda0")
         return doc
     setup = doc["setup"]
     seed = setup.get("seed", 0)
@@ -331,13 +335,21 @@ def _target_text(target: dict) -> str:
 
 
 def _tuning_sentence(setup: dict) -> str:
+    source = setup.get("settings_from")
+    if source:
+        rest = (f"swept here with runs of {setup.get('tune_steps')} steps" if setup.get("swept_here")
+                else "ran their presets")
+        return (f"Tuned by the sweep of `{source['dir']}` (commit {source.get('commit') or '-'}): runs of "
+                f"{source.get('tune_steps')} steps on its tuning split ({source.get('tune_split')}), coordinate "
+                f"search: {source.get('search')}; its trials are in the tuning table. Methods it did not run {rest}. "
+                "The eval split is used only by the final runs.")
     if not setup.get("tuned"):
         fixed = setup.get("fixed") or {}
         note = f"; fixed: {json.dumps(fixed)}" if any(fixed.values()) else ""
         return f"Not tuned: every method runs its preset settings{note}."
     return (f"Tuned: each method's outer settings were swept on a tuning split ({setup.get('tune_split', '')}) "
             f"with runs of {setup.get('tune_steps')} steps, seed {setup['seeds'][0]}, and the lowest final tuning "
-            "loss chosen (coordinate search: outer lr first, then momentum, then alpha or lambda0; grids "
+            f"loss chosen (coordinate search: {setup.get('search', SEARCH)}; grids "
             f"{json.dumps(setup.get('grids', {}))}). The eval split is used only by the final runs.")
 
 

@@ -35,8 +35,10 @@ class Trial:
 
 @dataclass
 class Sweep:
-    """Coordinate search over one method's settings (lr first, then each knob of its merge rule at the
-    best values so far), picking by the final loss on the tuning split; ties go to the earlier trial.
+    """Coordinate search over one method's settings, picking by the final loss on the tuning split (ties go
+    to the earlier trial): each knob in turn over its grid with the others at the best values so far, then
+    the first knob (the lr) once more, since the best lr moves with the momentum chosen after it (the step
+    is about lr / (1 - momentum) long).
 
     ``start`` holds the method's own defaults and any fixed values (those are not swept); ``knobs`` are the
     settings to sweep, in order; ``grids`` their values."""
@@ -48,13 +50,18 @@ class Sweep:
     trials: list[Trial] = field(default_factory=list)
 
     @property
+    def order(self) -> tuple[str, ...]:
+        """The knob each stage sweeps: every knob, then the first again (with two or more)."""
+        return (*self.knobs, self.knobs[0]) if len(self.knobs) > 1 else self.knobs
+
+    @property
     def stages(self) -> int:
-        return len(self.knobs)
+        return len(self.order)
 
     def candidates(self, stage: int) -> list[Settings]:
         """The settings stage ``stage`` tries: its knob over the grid, the others at the best so far
         (settings already tried in an earlier stage are not run again)."""
-        knob = self.knobs[stage]
+        knob = self.order[stage]
         base = self.best()
         tried = [t.settings for t in self.trials]
         out = []
