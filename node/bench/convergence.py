@@ -20,7 +20,7 @@ from node.errors import UserError
 from node.helptext import describe
 
 ALL_METHODS = ("dp", "diloco", "streaming", "streaming-fp4", "delayed", "naive-delay", "eager",
-               "streaming-overlap", "cocodc", "locoswarm")
+               "streaming-overlap", "cocodc", "locoswarm", "diloco-x")
 TARGET_METHOD = "streaming-overlap"
 
 
@@ -192,7 +192,7 @@ def render_existing(out: Path) -> int:
 
 
 def _method_entry(res, cfg, name: str) -> dict:
-    from node.core.codecs import get_codec
+    from node.core.compress import wire_codec
 
     entry = {
         "final_eval_loss": res.final_eval_loss,
@@ -205,7 +205,7 @@ def _method_entry(res, cfg, name: str) -> dict:
         "wall_seconds": res.wall_seconds, "n_params": res.n_params,
     }
     if name != "dp":
-        codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
+        codec = wire_codec(cfg.outer)  # lowrank: its factors' block codec (its bytes are measured)
         entry["outer"] = asdict(cfg.outer)
         entry["codec_bits_per_element"] = codec.bits_per_element(res.n_params)
     return entry
