@@ -110,7 +110,7 @@ class OuterSection:
     momentum: float = setting(0.9, shared=True, min=0.0, max=1.0, help="outer Nesterov momentum mu")
     codec: str = setting("fp4", shared=True, choices=("fp32", "bf16", "int8", "fp4", "lowrank"),
                          help="payload codec of pseudo-gradients: a block codec, or lowrank (DiLoCoX's adaptive "
-                              "low-rank compression of matrices, coded with lowrank_codec; simulator only for now)")
+                              "low-rank compression of matrices, coded with lowrank_codec)")
     block_size: int = setting(64, shared=True, min=8, max=65536, help="elements per codec scale block")
     error_feedback: bool = setting(True, shared=False, help="carry quantization error to the next sync")
     lowrank_rank: int = setting(8, shared=True, min=1, max=4096,

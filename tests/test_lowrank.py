@@ -3,16 +3,27 @@ feedback, the rank rule, exact bytes, the outer loop in the simulator, config an
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from node.checkpoint import load_checkpoint, save_checkpoint
-from node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, config_from_dict, fingerprint
+from node.config import (
+    InnerSection,
+    ModelSection,
+    OuterSection,
+    RobustSection,
+    SwarmConfig,
+    config_from_dict,
+    fingerprint,
+)
 from node.core.codecs import get_codec
 from node.core.compress import BlockCompressor, make_compressor, wire_codec
 from node.core.lowrank import (
@@ -32,7 +43,11 @@ from node.model import build_model
 from node.partition import partition
 from node.sim.methods import method_config
 from node.sim.simulator import SimSpec, simulate
+from node.swarm.averaging import SwarmTransport, _Reduction, match_entry
+from node.swarm.wire import WireError
+from node.transport.base import AverageRequest
 from node.transport.inprocess import InProcessHub
+from protocol import swarm_pb2
 
 VOCAB = 257
 BLOCK = 64
@@ -354,3 +369,41 @@ def test_a_checkpoint_keeps_the_bases_and_ranks(tiny_model, tmp_path: Path) -> N
         assert outer2.compressor.ranks(p) == comp.ranks(p)
         assert all(torch.equal(a, b) for a, b in zip(outer2.compressor.bases(p), comp.bases(p), strict=True))
     assert outer2.fragment_status()[0]["ranks"] == list(comp.ranks(0))
+
+
+# ---- the swarm transport ---------------------------------------------------------------------------------
+
+def test_the_swarm_re_encodes_only_when_the_groups_tags_differ_and_at_the_leaders() -> None:
+    asked: list[bytes] = []
+
+    def reencode(tag: bytes) -> AverageRequest:
+        asked.append(tag)
+        return dataclasses.replace(req, basis=b"seeded:" + tag, reencode=None)
+
+    req = AverageRequest(fragment=0, round=6, chunks=[], numel=0, weight=1.0, version=0, basis=b"mine",
+                         reencode=reencode)
+    assert asyncio.run(SwarmTransport._agree_on_basis(req, [b"mine", b"mine"])) is req and not asked
+    agreed = asyncio.run(SwarmTransport._agree_on_basis(req, [b"leader", b"mine", b"other"]))
+    assert agreed is not None and agreed.basis == b"seeded:leader" and asked == [b"leader"]
+    block = dataclasses.replace(req, reencode=None)
+    assert asyncio.run(SwarmTransport._agree_on_basis(block, [b"leader", b"mine"])) is None
+    assert match_entry("QmA", req, 1.0).basis == b"mine"
+
+
+def test_a_reducer_refuses_a_part_on_another_basis() -> None:
+    async def run() -> list[tuple[str, str]]:
+        offences: list[tuple[str, str]] = []
+        codec = get_codec("int8", BLOCK)
+        session = _Reduction((0, 6, b"g"), "QmA", codec, ["QmA", "QmB"], range(1), {0: 100}, RobustSection(),
+                             consensus=False, basis=b"agreed")
+        stub = SimpleNamespace(codec=codec, _offence=lambda peer, kind, detail, offence=True: offences.append(
+            (peer, kind)))
+
+        def header(basis: bytes) -> swarm_pb2.AverageHeader:
+            return swarm_pb2.AverageHeader(group_hash=b"g", sender="QmB", weight=1.0, n_chunks=1, basis=basis)
+
+        assert SwarmTransport._check_membership(stub, session, "QmB", header(b"agreed")) is session
+        with pytest.raises(WireError, match="basis"):
+            SwarmTransport._check_membership(stub, session, "QmB", header(b"other"))
+        return offences
+    assert asyncio.run(run()) == [("QmB", "bad_header")]

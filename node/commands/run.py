@@ -64,9 +64,6 @@ def run_node(args: argparse.Namespace) -> int:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
     cfg = load_config_from_args(args)
-    if cfg.outer.codec == "lowrank":
-        raise UserError('outer.codec = "lowrank" is simulator-only for now (locoswarm simulate, bench convergence); '
-                        'a swarm node needs a block codec: set codec to "fp4", "int8", "bf16" or "fp32"')
     for flag, value, low in (("--max-steps", args.max_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
                              ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1)):
         if value is not None and value < low:

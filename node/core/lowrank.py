@@ -21,7 +21,10 @@ Everything a member needs to take the next basis and rank comes from the round's
 wire vector and the summed extras), and is computed in float64 on the CPU, so the whole group moves on
 together; the ranks and a hash of the basis travel with every request (``AverageRequest.basis``), and a group
 whose members' tags differ falls back to the seeded basis of that round at the leader's ranks
-(:meth:`LowRankCompressor.reencode`).
+(:meth:`LowRankCompressor.reencode`), after which its members share the next basis. That costs one round's
+warm start where membership changes (a joiner, a node that missed a round); under pairwise gossip, where
+groups change every round, most rounds take the seeded basis: a random projection, still unbiased over time
+through error feedback, but without the power iteration's warm start.
 """
 
 from __future__ import annotations

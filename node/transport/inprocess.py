@@ -21,7 +21,7 @@ from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.core.robust import make_aggregator
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
-from node.transport.groups import form_groups
+from node.transport.groups import form_groups, group_basis
 from node.transport.reduce import reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
@@ -146,9 +146,10 @@ class InProcessHub:
     def _agree_on_basis(group: list[_Pending]) -> list[_Pending]:
         """Low-rank payloads are coefficients on a basis, so a group's members must share it. Where their
         tags differ (a member missed a round, or last met other peers), every member re-encodes on the seeded
-        basis of this round at the leader's (smallest id) ranks; one that cannot leaves the round."""
-        leader = group[0].request.basis
-        if all(m.request.basis == leader for m in group):
+        basis of this round at the leader's (smallest id) ranks (``group_basis``); one that cannot leaves the
+        round."""
+        leader = group_basis([m.request.basis for m in group])
+        if leader is None:
             return group
         kept = []
         for m in group:
