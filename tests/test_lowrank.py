@@ -85,8 +85,8 @@ def _round(comps: list[LowRankCompressor], deltas: list[torch.Tensor], round_: i
 
 @pytest.mark.parametrize("codec", ["fp32", "int8", "fp4"])
 def test_a_matrix_of_rank_at_most_r_round_trips_within_the_inner_codecs_error(codec: str) -> None:
-    shapes = [(96, 64), (64,), (80, 72)]
-    matrices = [_low_rank(96, 64, 3, 1), 0.1 * torch.randn(64), _low_rank(80, 72, 2, 2)]
+    shapes = [(96, 64), (64,), (72, 80)]  # the last is taken transposed (its basis on its 72 rows)
+    matrices = [_low_rank(96, 64, 3, 1), 0.1 * torch.randn(64), _low_rank(72, 80, 2, 2)]
     delta = torch.cat([m.reshape(-1) for m in matrices])
     comp = _compressor(shapes, codec)
     errors = []
@@ -99,13 +99,14 @@ def test_a_matrix_of_rank_at_most_r_round_trips_within_the_inner_codecs_error(co
 
 
 def test_the_groups_mean_of_coefficients_decodes_to_the_projection_of_the_mean() -> None:
-    shapes = [(48, 40), (40,)]
+    shapes = [(48, 40), (40,), (40, 56)]
     a, b = _compressor(shapes), _compressor(shapes)
     gen = torch.Generator().manual_seed(3)
-    deltas = [torch.randn(48 * 40 + 40, generator=gen) for _ in range(2)]
-    q = a.bases(0)[0].double()
+    deltas = [torch.randn(48 * 40 + 40 + 40 * 56, generator=gen) for _ in range(2)]
+    q, q_rows = (x.double() for x in a.bases(0))
     mean = (deltas[0] + deltas[1]).double() / 2
-    expected = torch.cat([(mean[:1920].view(48, 40) @ q @ q.T).reshape(-1), mean[1920:]])
+    expected = torch.cat([(mean[:1920].view(48, 40) @ q @ q.T).reshape(-1), mean[1920:1960],
+                          (q_rows @ q_rows.T @ mean[1960:].view(40, 56)).reshape(-1)])  # basis on the rows
     dense = _round([a, b], deltas, 0)
     assert torch.equal(dense[0], dense[1])
     assert torch.allclose(dense[0].double(), expected, atol=1e-5)
@@ -224,10 +225,13 @@ def test_payload_size_is_exact_and_below_fp4_for_the_tiny_models_fragments(tiny_
 
 
 def test_only_matrices_whose_factors_are_smaller_go_low_rank() -> None:
-    layout = LowRankLayout([(128, 128), (40, 40), (300,), (2, 3, 4), (128, 8)], max_rank=16, block_size=BLOCK)
-    assert [(s.rows, s.cols) for s in layout.matrices] == [(128, 128), (40, 40)]
+    layout = LowRankLayout([(128, 128), (40, 40), (300,), (2, 3, 4), (128, 8), (40, 200)], max_rank=16,
+                           block_size=BLOCK)
+    assert [(s.rows, s.cols, s.transposed) for s in layout.matrices] == [(128, 128, False), (40, 40, False),
+                                                                        (40, 200, True)]
     assert layout.raw_numel == 300 + 24 + 128 * 8
-    seg = layout.segments([16, 4])
+    seg = layout.segments([16, 4, 8])
+    assert (seg.y[2] - seg.y[1], seg.raw - seg.y[2]) == (192, 320)  # Y: short side x rank, on whole blocks
     assert all(x % BLOCK == 0 for x in (*seg.p, *seg.y, seg.raw))      # no scale block mixes segments
     assert seg.numel == seg.raw + layout.raw_numel
 

@@ -1,8 +1,9 @@
 """DiLoCoX's adaptive low-rank compression of pseudo-gradients (Qi et al. 2025), on PowerSGD's warm-started
 power iteration (Vogels et al. 2019) with one exchange per round.
 
-For every matrix ``M`` (m x n, Delta plus the error-feedback residual) of a fragment the group shares a
-basis ``Q`` (n x r, orthonormal columns). A member sends, coded by a block codec (int8 by default):
+For every matrix ``M`` (m x n with m >= n: a matrix with fewer rows is taken transposed, see
+:class:`MatrixSlot`; Delta plus the error-feedback residual) of a fragment the group shares a basis ``Q``
+(n x r, orthonormal columns). A member sends, coded by a block codec (int8 by default):
 
 - ``P = M Q`` (m x r): the coefficients of ``M`` on the basis; the group's mean ``P̄`` decodes to the dense
   update ``P̄ Q^T``, which is exactly the projection of the group's mean of ``M`` (the compression is linear
@@ -18,9 +19,11 @@ keeps ``(M + e) - P̂ Q^T`` (``P̂``: the member's own coefficients as the codec
 and the quantization drop is sent later.
 
 Everything a member needs to take the next basis and rank comes from the round's shared result (the mean
-wire vector and the summed extras), and is computed in float64 on the CPU, so the whole group moves on
-together; the ranks and a hash of the basis travel with every request (``AverageRequest.basis``), and a group
-whose members' tags differ falls back to the seeded basis of that round at the leader's ranks
+wire vector and the summed extras), and is computed from it in float64 on the CPU with numpy, so the whole
+group moves on together (numpy's LAPACK runs these small matrices on one thread: the result cannot depend
+on a node's thread count, and torch's threaded QR ran 250x slower on a loaded 2-core machine). The ranks
+and a hash of the basis travel with every request (``AverageRequest.basis``), and a group whose members'
+tags differ falls back to the seeded basis of that round at the leader's ranks
 (:meth:`LowRankCompressor.reencode`), after which its members share the next basis. That costs one round's
 warm start where membership changes (a joiner, a node that missed a round); under pairwise gossip, where
 groups change every round, most rounds take the seeded basis: a random projection, still unbiased over time
@@ -35,6 +38,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from node.core.codecs import Codec
@@ -65,10 +69,9 @@ def _seed(*key: object) -> int:
 
 def orthonormal(a: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``a``'s (float64 QR), signs fixed so that ``R``'s diagonal is >= 0: QR of a
-    full-rank matrix is unique up to those signs, so equal inputs give equal bases on every machine."""
-    q, r = torch.linalg.qr(a.to(torch.float64))
-    signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(torch.float64)
-    return q * signs
+    full-rank matrix is unique up to those signs, so equal inputs give equal bases on every member."""
+    q, r = np.linalg.qr(a.detach().to("cpu", torch.float64).numpy())
+    return torch.from_numpy(q * np.where(np.diagonal(r) < 0, -1.0, 1.0))
 
 
 def seeded_basis(n: int, rank: int, *key: object) -> torch.Tensor:
@@ -105,7 +108,12 @@ def resized(basis: torch.Tensor, rank: int, *key: object) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MatrixSlot:
-    """A matrix of the fragment: flat ``[start, start + rows * cols)``."""
+    """A matrix of the fragment: flat ``[start, start + rows * cols)``, compressed as its ``long x short``
+    view ``M`` (transposed when it has fewer rows than columns): the basis lies on the short side, the model's
+    width in a transformer's MLP and embedding matrices, where pseudo-gradients' subspaces moved far less
+    from one round to the next than on the long side (measured on the tiny model, 30-step rounds: the previous
+    round's top 32 directions held 0.83 of a down projection's energy on its short side, 0.50 on its long one;
+    0.9 and 0.25 for the up and gate projections). Square matrices keep their columns (the input side)."""
 
     start: int
     rows: int
@@ -114,6 +122,27 @@ class MatrixSlot:
     @property
     def end(self) -> int:
         return self.start + self.rows * self.cols
+
+    @property
+    def transposed(self) -> bool:
+        return self.rows < self.cols
+
+    @property
+    def long(self) -> int:
+        return max(self.rows, self.cols)
+
+    @property
+    def short(self) -> int:
+        return min(self.rows, self.cols)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This matrix of a flat fragment as its ``long x short`` view (no copy)."""
+        m = flat[self.start:self.end].view(self.rows, self.cols)
+        return m.T if self.transposed else m
+
+    def put(self, out: torch.Tensor | np.ndarray, dense: torch.Tensor | np.ndarray) -> None:
+        """Write a ``long x short`` matrix into its place in the flat fragment ``out``."""
+        out[self.start:self.end] = (dense.T if self.transposed else dense).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -130,8 +159,9 @@ class LowRankLayout:
     """Which tensors of a fragment go low-rank, and where each factor sits in the wire vector.
 
     A 2-D tensor (m x n) goes low-rank when its factors at ``max_rank`` have fewer elements than it:
-    ``max_rank * (m + n) < m * n``; every other tensor goes raw. The wire vector is all ``P`` (m x r each),
-    then all ``Y`` (n x r each), then the raw tensors, each factor starting on a codec block.
+    ``max_rank * (m + n) < m * n``; every other tensor goes raw. The wire vector is all ``P`` (long x r
+    each, see :class:`MatrixSlot`), then all ``Y`` (short x r each), then the raw tensors, each factor
+    starting on a codec block.
     """
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], max_rank: int, block_size: int) -> None:
@@ -158,10 +188,10 @@ class LowRankLayout:
         offset, p, y = 0, [], []
         for slot, r in zip(self.matrices, ranks, strict=True):
             p.append(offset)
-            offset += self._aligned(slot.rows * r)
+            offset += self._aligned(slot.long * r)
         for slot, r in zip(self.matrices, ranks, strict=True):
             y.append(offset)
-            offset += self._aligned(slot.cols * r)
+            offset += self._aligned(slot.short * r)
         return Segments(tuple(p), tuple(y), offset, offset + self.raw_numel)
 
     def wire_numel(self, ranks: Sequence[int]) -> int:
@@ -176,6 +206,14 @@ def lowrank_bits_per_element(shapes: Sequence[tuple[int, ...]], rank: int, max_r
     """Wire bits per parameter of tensors of ``shapes`` sent as one fragment at ``rank`` (for the planner)."""
     layout = LowRankLayout(shapes, max_rank, codec.block_size)
     return 8.0 * layout.wire_bytes([min(rank, max_rank)] * len(layout.matrices), codec) / max(1, layout.numel)
+
+
+def _place_raw(layout: LowRankLayout, seg: Segments, wire: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy the raw tensors' values from the wire vector to their places in the dense fragment."""
+    offset = seg.raw
+    for a, b in layout.raw:
+        out[a:b] = wire[offset:offset + b - a]
+        offset += b - a
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,7 +254,7 @@ class AdaptiveRank:
         r = p_mean.shape[1]
         if r < 2:
             return 0.0
-        energy = torch.linalg.svdvals(p_mean.to(torch.float64)) ** 2
+        energy = np.linalg.svd(p_mean.detach().to("cpu", torch.float64).numpy(), compute_uv=False) ** 2
         total = float(energy.sum())
         return float(energy[: r // 2].sum()) / total if total > 0 else 0.0
 
@@ -343,7 +381,7 @@ class LowRankCompressor(Compressor):
             raise ValueError("low-rank result is not finite")
         if used is ticket.fallback and residual is not None and ticket.fallback_own is not None:
             residual.copy_((ticket.target - ticket.fallback_own).view(residual.shape))
-        dense = self._expand(layout, seg, used, wire).to(torch.float32)
+        dense = self._expand_exact(layout, seg, used, wire)
         self._state[ticket.fragment] = self._advance(ticket.fragment, layout, seg, used, wire, extras)
         return dense
 
@@ -359,7 +397,7 @@ class LowRankCompressor(Compressor):
         extras = torch.zeros(2 * len(layout.matrices), dtype=torch.float32)
         k = len(layout.matrices)
         for j, (slot, q) in enumerate(zip(layout.matrices, basis.bases, strict=True)):
-            m = target[slot.start:slot.end].view(slot.rows, slot.cols)
+            m = slot.view(target)
             q = q.to(target.device)
             p = m @ q
             energy = float(torch.linalg.matrix_norm(m)) ** 2
@@ -375,18 +413,27 @@ class LowRankCompressor(Compressor):
 
     @staticmethod
     def _expand(layout: LowRankLayout, seg: Segments, basis: _Basis, wire: torch.Tensor) -> torch.Tensor:
-        """The dense fragment a wire vector stands for: ``P Q^T`` per matrix, the raw tensors as they are. In
-        ``wire``'s dtype on its device: float64 for the group's result (the same bits on every member)."""
+        """The dense fragment a member's own wire vector stands for (fp32, on its device): ``P Q^T`` per
+        matrix, the raw tensors as they are."""
         out = torch.zeros(layout.numel, dtype=wire.dtype, device=wire.device)
         for j, (slot, q) in enumerate(zip(layout.matrices, basis.bases, strict=True)):
-            r = basis.ranks[j]
-            p = wire[seg.p[j]:seg.p[j] + slot.rows * r].view(slot.rows, r)
-            out[slot.start:slot.end] = (p @ q.to(wire.device, wire.dtype).T).reshape(-1)
-        offset = seg.raw
-        for a, b in layout.raw:
-            out[a:b] = wire[offset:offset + b - a]
-            offset += b - a
+            p = wire[seg.p[j]:seg.p[j] + slot.long * basis.ranks[j]].view(slot.long, basis.ranks[j])
+            slot.put(out, p @ q.to(wire.device).T)
+        _place_raw(layout, seg, wire, out)
         return out
+
+    @staticmethod
+    def _expand_exact(layout: LowRankLayout, seg: Segments, basis: _Basis, wire: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`_expand` for the group's result (a float64 CPU wire vector): the products in float64
+        with numpy, then rounded to fp32, so every member holds the same bits."""
+        values = wire.numpy()
+        out = np.zeros(layout.numel, dtype=np.float64)
+        for j, (slot, q) in enumerate(zip(layout.matrices, basis.bases, strict=True)):
+            p = values[seg.p[j]:seg.p[j] + slot.long * basis.ranks[j]].reshape(slot.long, basis.ranks[j])
+            slot.put(out, p @ q.numpy().astype(np.float64).T)
+        dense = torch.from_numpy(out.astype(np.float32))
+        _place_raw(layout, seg, wire.to(torch.float32), dense)
+        return dense
 
     def _advance(self, fragment: int, layout: LowRankLayout, seg: Segments, used: _Basis, wire: torch.Tensor,
                  extras: torch.Tensor) -> _Basis:
@@ -396,8 +443,8 @@ class LowRankCompressor(Compressor):
         ranks, bases = [], []
         for j, slot in enumerate(layout.matrices):
             r = used.ranks[j]
-            p_mean = wire[seg.p[j]:seg.p[j] + slot.rows * r].view(slot.rows, r)
-            y_mean = wire[seg.y[j]:seg.y[j] + slot.cols * r].view(slot.cols, r)
+            p_mean = wire[seg.p[j]:seg.p[j] + slot.long * r].view(slot.long, r)
+            y_mean = wire[seg.y[j]:seg.y[j] + slot.short * r].view(slot.short, r)
             rank = self.rule.next_rank(r, self.rule.captured_share(float(sums[k + j]), float(sums[j])),
                                        self.rule.top_half_share(p_mean))
             ranks.append(rank)
@@ -407,7 +454,7 @@ class LowRankCompressor(Compressor):
     # ---- bases from seeds and tags --------------------------------------------------------------
     def _seeded(self, fragment: int, ranks: Sequence[int], round_: object) -> _Basis:
         layout = self.layouts[fragment]
-        return _Basis.of(ranks, [seeded_basis(slot.cols, r, fragment, j, round_)
+        return _Basis.of(ranks, [seeded_basis(slot.short, r, fragment, j, round_)
                                  for j, (slot, r) in enumerate(zip(layout.matrices, ranks, strict=True))])
 
     def _parse_ranks(self, fragment: int, tag: bytes) -> list[int] | None:
@@ -427,7 +474,7 @@ class LowRankCompressor(Compressor):
             if layout.matrices:
                 out[f"{index}/lowrank_ranks"] = (len(layout.matrices),)
             for j, slot in enumerate(layout.matrices):
-                out[f"{index}/lowrank_basis/{j}"] = (slot.cols, self.rule.max_rank)
+                out[f"{index}/lowrank_basis/{j}"] = (slot.short, self.rule.max_rank)
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -455,7 +502,7 @@ class LowRankCompressor(Compressor):
             ranks_list = [int(r) for r in ranks.reshape(-1).tolist()]
             padded = [tensors.get(f"{index}/lowrank_basis/{j}") for j in range(k)]
             if not all(self.rule.min_rank <= r <= self.rule.max_rank for r in ranks_list) or any(
-                    p is None or tuple(p.shape) != (slot.cols, self.rule.max_rank)
+                    p is None or tuple(p.shape) != (slot.short, self.rule.max_rank)
                     for p, slot in zip(padded, layout.matrices, strict=True)):
                 continue
             self._state[index] = _Basis.of(ranks_list, [p[:, :r].to(torch.float32).clone()

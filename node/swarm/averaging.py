@@ -618,6 +618,9 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("low-rank basis mismatch: cannot re-encode on the group's basis",
                                         own_weight=req.weight)
+        if agreed is not req:
+            log.info("fragment %d round %d: the group's low-rank bases differ; re-encoded on the round's seeded "
+                     "basis", req.fragment, req.round)
         req = agreed
         max_version = plausible_version({p: versions.get(p, req.version) for p in group}, own=self.peer_id)
         digests = self._digests.pop((req.fragment, req.round), {})
