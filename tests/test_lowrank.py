@@ -142,8 +142,10 @@ def test_the_rule_grows_below_the_captured_threshold_and_shrinks_on_a_concentrat
     rule = AdaptiveRank(2, 32)
     assert rule.next_rank(8, GROW_BELOW - 0.01, 1.0) == 16          # growing wins over shrinking
     assert rule.next_rank(32, 0.1, 0.0) == 32                        # capped at max
-    assert rule.next_rank(8, 0.9, SHRINK_ABOVE) == 4
-    assert rule.next_rank(2, 0.9, 1.0) == 2                          # floored at min
+    assert rule.next_rank(8, 1.0, SHRINK_ABOVE) == 4
+    assert rule.next_rank(8, 0.95, 0.95) == 4                        # the top half held 0.9025 of the energy
+    assert rule.next_rank(8, 0.6, 1.0) == 8                          # a concentrated spectrum on a poor basis
+    assert rule.next_rank(2, 1.0, 1.0) == 2                          # floored at min
     assert rule.next_rank(8, GROW_BELOW, SHRINK_ABOVE - 0.01) == 8
     p = torch.zeros(10, 4)
     p[0, 0], p[1, 1], p[2, 2] = 3.0, 1.0, 1.0
