@@ -108,10 +108,20 @@ class OuterSection:
                              help="delay-compensation strength of the 'compensate' method")
     lr: float = setting(0.7, shared=True, min=0.0, max=10.0, min_exclusive=True, help="outer lr eta")
     momentum: float = setting(0.9, shared=True, min=0.0, max=1.0, help="outer Nesterov momentum mu")
-    codec: str = setting("fp4", shared=True, choices=("fp32", "bf16", "int8", "fp4"),
-                         help="payload codec of pseudo-gradients")
+    codec: str = setting("fp4", shared=True, choices=("fp32", "bf16", "int8", "fp4", "lowrank"),
+                         help="payload codec of pseudo-gradients: a block codec, or lowrank (DiLoCoX's adaptive "
+                              "low-rank compression of matrices, coded with lowrank_codec)")
     block_size: int = setting(64, shared=True, min=8, max=65536, help="elements per codec scale block")
     error_feedback: bool = setting(True, shared=False, help="carry quantization error to the next sync")
+    lowrank_rank: int = setting(8, shared=True, min=1, max=4096,
+                                help="codec lowrank: the rank every matrix starts at (then adapted within "
+                                     "[lowrank_min_rank, lowrank_max_rank] from the pseudo-gradients' spectrum)")
+    lowrank_min_rank: int = setting(1, shared=True, min=1, max=4096, help="codec lowrank: the smallest rank")
+    lowrank_max_rank: int = setting(32, shared=True, min=1, max=4096,
+                                    help="codec lowrank: the largest rank; a matrix is sent low-rank only when its "
+                                         "factors at this rank have fewer elements than the matrix")
+    lowrank_codec: str = setting("int8", shared=True, choices=("fp32", "bf16", "int8", "fp4"),
+                                 help="codec lowrank: the block codec of the low-rank factors and the other tensors")
     schedule: str = setting("fixed", shared=True, choices=("fixed", "adaptive"),
                             help="fixed (evenly spaced offsets) or adaptive (CoCoDC)")
     consensus_every: int = setting(10, shared=True, min=0, max=100000,
@@ -220,6 +230,7 @@ _NOTES = {
     "outer.tau": "at most h; 0 for method = replace; equal to h for method = eager or delay",
     "outer.fragments": "at most h when schedule = fixed (offsets must be distinct)",
     "outer.sends_per_h": "at most h",
+    "outer.lowrank_rank": "between lowrank_min_rank and lowrank_max_rank",
     "robust.reject_factor": "at least clip_factor",
 }
 
@@ -536,6 +547,13 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
     if o.sends_per_h > o.h:
         raise _fail(f"{w.source}: {w.assign('outer', 'sends_per_h', o.sends_per_h)} is larger than "
                     f"{w.assign('outer', 'h', o.h)}; set sends_per_h <= {o.h} (0 = one send per fragment)")
+
+    w = where("outer.lowrank_rank", "outer.lowrank_min_rank", "outer.lowrank_max_rank")
+    if not o.lowrank_min_rank <= o.lowrank_rank <= o.lowrank_max_rank:
+        raise _fail(f"{w.source}: {w.assign('outer', 'lowrank_rank', o.lowrank_rank)} is not between "
+                    f"{w.assign('outer', 'lowrank_min_rank', o.lowrank_min_rank)} and "
+                    f"{w.assign('outer', 'lowrank_max_rank', o.lowrank_max_rank)}; set lowrank_min_rank <= "
+                    f"lowrank_rank <= lowrank_max_rank")
 
 
 def validate(cfg: SwarmConfig, source: str = "peers.toml") -> None:

@@ -215,7 +215,7 @@ class Node:
     def _build(self) -> None:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
-        from node.core.codecs import get_codec
+        from node.core.compress import wire_codec
         from node.core.outer_loop import OuterLoop
         from node.data import TrainBatches
         from node.swarm.averaging import ByteCounters, SwarmTransport
@@ -226,7 +226,7 @@ class Node:
         o, cfg = self.opts, self.cfg
         seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
         self.batches = TrainBatches(self.corpus.train, 0, 1, cfg.inner.batch_size, cfg.inner.seq_len, seed)
-        codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
+        codec = wire_codec(cfg.outer)  # what the reducers average (codec lowrank: its factors' block codec)
         self.counters = ByteCounters()
         rb = cfg.robust  # refusals and bans per peer
         self.reputation = Reputation(rb.ban_threshold, rb.ban_seconds, rb.ban_window,

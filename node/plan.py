@@ -86,6 +86,10 @@ target on it): there fp4 comes first.
 - eager: eager updates / one-round delay: F = 1, tau = H, the whole sync overlaps a whole round.
 - locoswarm: CoCoDC as run by this node (fragments, fp4, overlap tau). Delay compensation changes
   what is done with a late result, not the bytes, so its row equals streaming-overlap fp4.
+- diloco-x: DiLoCoX, F = 1, tau = H (one-step delay), ``codec = "lowrank"`` at the default initial rank
+  and at the largest rank (codec ``lr<rank>``): its bits per parameter follow from the matrices' shapes
+  (``node.core.lowrank``: each m x n matrix sends r·(m + n) factor values, the other tensors go raw), so the
+  rows use the shapes of ``--preset`` or of the preset nearest in size to ``--params``.
 
 Calibration against Streaming DiLoCo's Table 4 (1B model, 95% utilization: 222 Gbit/s data-parallel,
 23.3 DiLoCo, 2.0 Streaming DiLoCo with overlap and FP4). The paper's exact simulator settings were
@@ -102,6 +106,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -278,8 +283,9 @@ class _Period:
 
 
 def _period(params: float, step_time: float, *, h: int, fragments: int, tau: float, codec: str,
-            workers: int, backward_overlap: float, block_size: int, round_overhead: float) -> _Period:
-    payload = params / fragments * codec_bits(codec, block_size)
+            workers: int, backward_overlap: float, block_size: int, round_overhead: float,
+            bits: float | None = None) -> _Period:
+    payload = params / fragments * (codec_bits(codec, block_size) if bits is None else bits)
     return _Period(compute=h * step_time, syncs=fragments, wire_bits=ring_factor(workers) * payload,
                    window=(tau + backward_overlap) * step_time, overhead=round_overhead)
 
@@ -291,15 +297,17 @@ def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0, round_ov
 
 def utilization(params: float, step_time: float, bandwidth: float, *, h: int = 1, fragments: int = 1,
                 tau: float = 0, codec: str = "fp32", latency: float = 0.0, workers: int = DEFAULT_WORKERS,
-                backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
+                backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
+                bits: float | None = None) -> float:
     """Compute utilization in [0, 1] of a schedule (see the module docstring for the model).
 
     ``h`` inner steps per period, ``fragments`` syncs of ``params / fragments`` parameters per period,
     each overlapping ``tau`` inner steps; ``bandwidth`` in bit/s, ``latency``, ``step_time`` and
     ``round_overhead`` (O, fixed per sync) in seconds. ``h=1, fragments=1, tau=0`` is data-parallel.
+    ``bits``: wire bits per parameter where they depend on the model's shapes (``lowrank_bits``).
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
     if p.wire_bits == 0:  # a single worker: nothing to send
         return 1.0
     t_sync = sync_time(p.wire_bits, bandwidth, latency, p.overhead)
@@ -316,14 +324,14 @@ def _max_sync_time(p: _Period, target: float) -> float:
 def required_bandwidth(params: float, step_time: float, *, target: float = DEFAULT_TARGET, h: int = 1,
                        fragments: int = 1, tau: float = 0, codec: str = "fp32", latency: float = 0.0,
                        workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
+                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, bits: float | None = None) -> float:
     """Smallest bandwidth (bit/s) at which the schedule reaches ``target`` utilization.
 
     Closed form of the model: ``r·P / (T_max − 2·L − O)``; ``math.inf`` when latency and overhead alone
     prevent it.
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
     if p.wire_bits == 0:
         return 0.0
     room = _max_sync_time(p, target) - PHASES * latency - p.overhead
@@ -352,11 +360,11 @@ class Row:
 
 def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: int, fragments: int,
          tau: int, codec: str, target: float, latency: float, workers: int, backward_overlap: float,
-         block_size: int, round_overhead: float) -> Row:
+         block_size: int, round_overhead: float, bits: float | None = None) -> Row:
     kw = dict(h=h, fragments=fragments, tau=tau, codec=codec, latency=latency, workers=workers,
-              backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
+              backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
     budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency - p.overhead
     return Row(method=method, h=h, fragments=fragments, tau=tau, codec=codec,
                bytes_per_sync=p.wire_bits / 8.0,
@@ -369,21 +377,42 @@ def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: i
 def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = DEFAULT_H,
                 fragments: int = DEFAULT_FRAGMENTS, tau: int = DEFAULT_TAU, target: float = DEFAULT_TARGET,
                 latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> list[Row]:
-    """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm)."""
-    specs = [
-        ("dp", 1, 1, 0, baseline_codec),
-        ("diloco", h, 1, 0, baseline_codec),
-        ("streaming", h, fragments, 0, baseline_codec),
-        ("streaming-overlap", h, fragments, tau, baseline_codec),
-        ("streaming-overlap", h, fragments, tau, "fp4"),
-        ("eager", h, 1, h, baseline_codec),
-        ("locoswarm", h, fragments, tau, "fp4"),
-    ]
+                baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
+                lowrank: Sequence[tuple[str, float]] = ()) -> list[Row]:
+    """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm), and
+    a diloco-x row (F = 1, tau = H) per ``lowrank`` entry: (codec label, wire bits per parameter)."""
+    specs: list[tuple[str, int, int, int, str, float | None]] = [
+        ("dp", 1, 1, 0, baseline_codec, None),
+        ("diloco", h, 1, 0, baseline_codec, None),
+        ("streaming", h, fragments, 0, baseline_codec, None),
+        ("streaming-overlap", h, fragments, tau, baseline_codec, None),
+        ("streaming-overlap", h, fragments, tau, "fp4", None),
+        ("eager", h, 1, h, baseline_codec, None),
+        ("locoswarm", h, fragments, tau, "fp4", None),
+    ] + [("diloco-x", h, 1, h, label, bits) for label, bits in lowrank]
     return [_row(name, params, step_time, bandwidth, h=rh, fragments=rf, tau=rt, codec=rc, target=target,
                  latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
-                 round_overhead=round_overhead)
-            for name, rh, rf, rt, rc in specs]
+                 round_overhead=round_overhead, bits=bits)
+            for name, rh, rf, rt, rc, bits in specs]
+
+
+def lowrank_bits(params: float, preset: str | None = None, arch: str = "llama") -> list[tuple[str, float]]:
+    """Wire bits per parameter of ``codec = "lowrank"`` (the default ``[outer]`` ranks and factor codec) at
+    its initial and at its largest rank, labelled ``lr<rank>``. They depend on the matrices' shapes: those of
+    ``preset``, or of the preset nearest in size to ``params`` (the ratio follows the widths, not the count)."""
+    from node.config import ModelSection, OuterSection
+    from node.core.codecs import get_codec
+    from node.core.lowrank import lowrank_bits_per_element
+    from node.model import PRESETS, build_meta_model
+    from node.sizing import preset_params
+
+    if preset is None:
+        preset = min(PRESETS, key=lambda p: abs(math.log(preset_params(p, arch) / max(params, 1.0))))
+    shapes = [tuple(p.shape) for p in build_meta_model(ModelSection(arch=arch, preset=preset), 257).parameters()]
+    outer = OuterSection()
+    codec = get_codec(outer.lowrank_codec, BLOCK_SIZE)
+    return [(f"lr{rank}", lowrank_bits_per_element(shapes, rank, outer.lowrank_max_rank, codec))
+            for rank in sorted({outer.lowrank_rank, outer.lowrank_max_rank})]
 
 
 @dataclass(frozen=True)
@@ -578,7 +607,9 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     rows = [replace(r, required_bandwidth=r.required_bandwidth / efficiency,
                     peak_bandwidth=r.peak_bandwidth / efficiency)
             for r in method_rows(params, step_time, usable, h=h, fragments=fragments, tau=tau,
-                                 baseline_codec=args.baseline_codec, **common)]
+                                 baseline_codec=args.baseline_codec,
+                                 lowrank=lowrank_bits(params, getattr(args, "preset", None),
+                                                      getattr(args, "arch", "llama") or "llama"), **common)]
     rec = recommend(params, step_time, usable, **common)
     rec = replace(rec, required_bandwidth=rec.required_bandwidth / efficiency)
     return {

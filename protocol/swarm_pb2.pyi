@@ -53,7 +53,7 @@ class Heartbeat(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class MatchEntry(_message.Message):
-    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded")
+    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class MatchEntry(_message.Message):
     LAST_SEND_FIELD_NUMBER: _ClassVar[int]
     SHARED_R_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     arrival: float
     weight: float
@@ -74,10 +75,11 @@ class MatchEntry(_message.Message):
     last_send: _containers.RepeatedScalarFieldContainer[int]
     shared_r: _containers.RepeatedScalarFieldContainer[float]
     excluded: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ...) -> None: ...
+    basis: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec")
+    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class AverageHeader(_message.Message):
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     round: int
@@ -98,7 +101,8 @@ class AverageHeader(_message.Message):
     extras: _containers.RepeatedScalarFieldContainer[float]
     n_chunks: int
     codec: str
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+    basis: bytes
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., codec: _Optional[str] = ..., basis: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data")

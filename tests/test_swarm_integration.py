@@ -261,7 +261,8 @@ def test_group_sigkill_leaves_no_process(swarm):
     {"method": "eager", "tau": 8, "fragments": 1},
     {"method": "delay", "tau": 8, "fragments": 1},
     {"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
-], ids=lambda o: o["method"])
+    {"method": "rebase", "tau": 8, "fragments": 1, "codec": "lowrank", "lowrank_max_rank": 16},
+], ids=lambda o: "diloco-x" if o.get("codec") == "lowrank" else o["method"])
 def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
     swarm = Swarm(tmp_path, outer=outer)
     try:
@@ -269,6 +270,30 @@ def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
         for node in nodes:
             st = node.wait_status(lambda s: len(merged(s)) >= 4, 150, f"{outer['method']} rounds")
             assert math.isfinite(st["loss"])
+        assert all(node.terminate(60) == 0 for node in nodes)
+    finally:
+        swarm.stop()
+
+
+@pytest.mark.timeout(420)  # its waits add up to 390 s at most (150 + 2 * 120)
+def test_a_lowrank_node_that_joins_late_rounds_with_the_others_on_the_seeded_basis(tmp_path):
+    """codec lowrank: the two first nodes' bases have moved on when a third joins with the initial one; their
+    groups re-encode on the round's seeded basis, after which all three share one basis and phi."""
+    swarm = Swarm(tmp_path, outer={"method": "rebase", "tau": 4, "codec": "lowrank", "lowrank_max_rank": 16,
+                                   "consensus_every": 0})
+    try:
+        nodes = [swarm.start("n0"), swarm.start("n1")]
+        for node in nodes:
+            node.wait_status(lambda s: len(merged(s)) >= 4, 150, "lowrank rounds of the first two nodes")
+        nodes.append(swarm.start("n2"))
+        nodes[2].wait_status(lambda s: len(merged(s)) >= 4, 120, "the joiner's lowrank rounds")
+
+        def same_state() -> bool:  # one status read per node: equal versions, phi hashes and ranks
+            views = [{f["fragment"]: (f["version"], f["phi_hash"], f["ranks"]) for f in n.status()["fragments"]}
+                     for n in nodes]
+            return all(v == views[0] for v in views[1:]) and all(v[0] > 0 for v in views[0].values())
+        wait_until(same_state, 120, "one phi and one set of ranks on all three nodes", nodes)
+        assert "low-rank bases differ; re-encoded" in nodes[2].log_path.read_text(errors="replace")
         assert all(node.terminate(60) == 0 for node in nodes)
     finally:
         swarm.stop()

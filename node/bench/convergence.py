@@ -261,7 +261,7 @@ class BenchContext:
 
     def run(self, job: Job, progress=None) -> dict:
         """Simulate ``job``; its record for the report (final loss and curve on the job's split, bytes)."""
-        from node.core.codecs import get_codec
+        from node.core.compress import wire_codec
         from node.sim.simulator import SimSpec, simulate, simulate_dp
 
         p = self.profile
@@ -281,8 +281,8 @@ class BenchContext:
                   "bytes_sent_per_worker": res.bytes_sent_per_worker, "n_params": res.n_params}
         if METHODS[job.method].apply is not None:
             static["outer"] = asdict(cfg.outer)
-            static["codec_bits_per_element"] = get_codec(cfg.outer.codec, cfg.outer.block_size).bits_per_element(
-                res.n_params)
+            # lowrank: its factors' block codec (its bytes are measured, not derived from this)
+            static["codec_bits_per_element"] = wire_codec(cfg.outer).bits_per_element(res.n_params)
         return {"run": record, "static": static}
 
 

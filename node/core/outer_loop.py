@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from node.config import OuterSection
 from node.core.codecs import get_codec
+from node.core.compress import Encoded, make_compressor
 from node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
 from node.core.guard import (
     GuardLimits,
@@ -47,7 +48,7 @@ from node.core.guard import (
 from node.core.late_window import late_window
 from node.core.merge import LateRule, make_merge_rule
 from node.core.outer_optimizer import NesterovOuterOptimizer
-from node.core.payload import encode_chunks, encode_with_feedback
+from node.core.payload import encode_chunks
 from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
@@ -116,6 +117,7 @@ class _Pending:
     own_share: float = 0.0
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
+    ticket: object | None = None  # what the compressor needs to read the result (node.core.compress)
 
 
 class OuterLoop:
@@ -139,12 +141,14 @@ class OuterLoop:
         self.cfg = outer
         self.rule = make_merge_rule(outer.method, alpha=outer.alpha, lambda0=outer.lambda0)
         self.transport = transport
-        self.codec = get_codec(outer.codec, outer.block_size)
         self.optimizer = NesterovOuterOptimizer(outer.lr, outer.momentum)
         self.schedule = make_schedule(outer.schedule, outer.h, len(fragments), outer.sends_per_h)
         named = dict(model.named_parameters())
         self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback,
                                             device=state_device) for f in fragments]
+        # How a Delta becomes the vector the group averages, and back (chosen once from [outer] codec).
+        self.compressor = make_compressor(outer, [(f.index, [tuple(named[n].shape) for n in f.names])
+                                                  for f in fragments])
         self.pending: dict[int, _Pending] = {}
         # Fragments whose phi left the group's (this node was a version ahead of its round's members):
         # the next send first takes the group's phi at the same version (``_catch_up``).
@@ -205,7 +209,7 @@ class OuterLoop:
             if step < pend.deadline_step and not pend.handle.done():
                 continue  # not finished yet: training goes on, and the result is merged when it lands
             del self.pending[p]
-            events.extend(self._merge(self.states[p], pend, self._wait(pend), step))
+            events.extend(self._merge(self.states[p], pend, self._wait(pend, self.states[p]), step))
         if self._fetches:
             events.extend(self._land_fetches(step))
         return events
@@ -243,9 +247,9 @@ class OuterLoop:
         events = []
         for p in sorted(self.pending):
             pend = self.pending.pop(p)
-            res = self._wait(pend)
+            st = self.states[p]
+            res = self._wait(pend, st)
             if isinstance(self.rule, LateRule):
-                st = self.states[p]
                 average, share, late_events = self._late_result(st, pend, res, step)
                 g = self.rule.outer_gradient(average, pend.own, share, pend.own_share, torch.zeros_like(st.phi), 0.0)
                 events.extend(late_events)
@@ -257,7 +261,7 @@ class OuterLoop:
                     self._follow_group(st, res)
                 st.set_theta(st.phi)
             else:
-                events.extend(self._merge(self.states[p], pend, res, step))
+                events.extend(self._merge(st, pend, res, step))
         return events
 
     # ---- sends ----------------------------------------------------------------------------------
@@ -269,13 +273,13 @@ class OuterLoop:
         if diverged is not None:
             return [*events, diverged]
         residual_before = st.residual.clone() if st.residual is not None else None
-        chunks, decoded = encode_with_feedback(self.codec, delta, st.residual)
-        st.last_quant_error = _relative_error(decoded, delta)
-        handle = self._start(st, step, chunks)
+        enc = self.compressor.encode(st.index, delta, st.residual, step)
+        st.last_quant_error = _relative_error(enc.own, delta)
+        handle = self._start(st, step, enc)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
                                           st.tokens_since_send, snapshot=theta, residual_before=residual_before,
-                                          own_norm=float(torch.linalg.vector_norm(decoded)),
-                                          phi_norm=float(torch.linalg.vector_norm(st.phi)))
+                                          own_norm=float(torch.linalg.vector_norm(enc.own)),
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket)
         st.tokens_since_send = 0.0
         st.last_send = step
         if self.consensus.due(step, self.cfg.h):
@@ -340,23 +344,26 @@ class OuterLoop:
         diverged = self._diverged(st, step, own_now_raw)
         if diverged is not None:
             return [diverged]
-        chunks, own_now = encode_with_feedback(self.codec, own_now_raw, st.residual)
-        st.last_quant_error = _relative_error(own_now, own_now_raw)
+        # The previous round's result first: reading it may move the compressor's shared basis, which the
+        # fresh contribution is then encoded on.
         late = self.pending.pop(st.index, None)
         late_avg, own_prev, share_in_group, share_applied = None, None, 0.0, 0.0
         if late is not None:
-            late_avg, share_in_group, late_events = self._late_result(st, late, self._wait(late), step)
+            late_avg, share_in_group, late_events = self._late_result(st, late, self._wait(late, st), step)
             own_prev, share_applied = late.own, late.own_share
             events.extend(late_events)
+        enc = self.compressor.encode(st.index, own_now_raw, st.residual, step)
+        own_now = enc.own
+        st.last_quant_error = _relative_error(own_now, own_now_raw)
         share_now = rule.own_share(self.expected_share)
         g = rule.outer_gradient(late_avg, own_prev, share_in_group, share_applied, own_now, share_now)
         events.extend(self._late_step(st, g, step))
         st.set_theta(st.phi)
-        handle = self._start(st, step, chunks)
+        handle = self._start(st, step, enc)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
                                           st.tokens_since_send, snapshot=None, residual_before=None, own=own_now,
                                           own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)),
-                                          phi_norm=float(torch.linalg.vector_norm(st.phi)))
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket)
         st.tokens_since_send = 0.0
         st.last_send = step
         events.append(SyncEvent("sent", st.index, step, st.version))
@@ -388,13 +395,23 @@ class OuterLoop:
         average = res.average if res.average is not None else late.own  # all contributions equal: ours
         return average, share, [self._event("merged", st, step, res, late.sent_step)]
 
-    def _start(self, st: FragmentState, step: int, chunks: list[bytes]) -> AverageHandle:
+    def _start(self, st: FragmentState, step: int, enc: Encoded) -> AverageHandle:
         # A contribution weighs at least one token: reducers refuse a weight <= 0 as a lie, and a fragment
         # that just dropped its progress (or made no step since) has an honest zero to send.
-        return self.transport.start_average(AverageRequest(
-            fragment=st.index, round=step, chunks=chunks, numel=st.numel,
-            weight=max(st.tokens_since_send, MIN_WEIGHT), version=st.version, extras=self._r_vector(step),
-            schedule=self.schedule_state() if self.schedule.adaptive else None))
+        r = self._r_vector(step)
+        request = AverageRequest(
+            fragment=st.index, round=step, chunks=enc.chunks, numel=enc.numel,
+            weight=max(st.tokens_since_send, MIN_WEIGHT), version=st.version, extras=torch.cat([r, enc.extras]),
+            schedule=self.schedule_state() if self.schedule.adaptive else None, basis=enc.basis)
+        if enc.basis:
+            def reencode(tag: bytes) -> AverageRequest | None:
+                again = self.compressor.reencode(enc.ticket, tag)
+                if again is None:
+                    return None
+                return replace(request, chunks=again.chunks, numel=again.numel, basis=again.basis,
+                               extras=torch.cat([r, again.extras]), reencode=None)
+            request.reencode = reencode
+        return self.transport.start_average(request)
 
     # ---- the adaptive schedule's shared state ---------------------------------------------------
     def schedule_state(self) -> ScheduleState:
@@ -428,8 +445,19 @@ class OuterLoop:
         return r
 
     # ---- results --------------------------------------------------------------------------------
-    def _wait(self, pend: _Pending) -> AverageResult:
-        return pend.handle.result(timeout=self.wait_timeout)
+    def _wait(self, pend: _Pending, st: FragmentState) -> AverageResult:
+        """The round's result, its average read back by the compressor into a dense average of Delta and its
+        extras cut to the schedule's R (a result the compressor cannot read is a failed round)."""
+        res = pend.handle.result(timeout=self.wait_timeout)
+        if not res.ok or res.average is None:
+            return res
+        n_r = len(self.states) if self.schedule.adaptive else 0
+        extras = res.extras if res.extras is not None else torch.zeros(0)
+        try:
+            dense = self.compressor.finish(pend.ticket, res.average, extras[n_r:], res.basis, st.residual)
+        except ValueError as exc:
+            return replace(res, ok=False, average=None, error=f"unreadable result: {exc}")
+        return replace(res, average=dense.to(st.device), extras=extras[:n_r])
 
     def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> list[SyncEvent]:
         reason = self._check_result(res, pend) if res.ok else None
@@ -632,7 +660,7 @@ class OuterLoop:
 
     def state_shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """``(required, optional)`` tensor keys of :meth:`state_dict` with their shapes."""
-        required, optional = {}, {"shared_r": (len(self.states),)}
+        required, optional = {}, {"shared_r": (len(self.states),), **self.compressor.state_shapes()}
         for st in self.states:
             required[f"{st.index}/phi"] = required[f"{st.index}/momentum"] = tuple(st.phi.shape)
             optional[f"{st.index}/residual"] = tuple(st.phi.shape)
@@ -640,9 +668,9 @@ class OuterLoop:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the outer loop: ``tensors`` (``<p>/phi``, ``<p>/momentum``,
-        ``<p>/residual`` with error feedback, ``shared_r`` once known; live tensors, copy them to keep
-        them), per-fragment ``fragments`` records (index, version, last_send, tokens_since_send), the
-        ``expected_share`` and a few ``stats``.
+        ``<p>/residual`` with error feedback, ``shared_r`` once known, the compressor's shared state such as
+        the low-rank bases and ranks; live tensors, copy them to keep them), per-fragment ``fragments``
+        records (index, version, last_send, tokens_since_send), the ``expected_share`` and a few ``stats``.
 
         In-flight syncs are not kept: a fragment whose sync is in flight is saved as if that sync had failed
         (its tokens added back, its residual as before the send), which is what :meth:`_merge` does with a
@@ -667,6 +695,7 @@ class OuterLoop:
                               "tokens_since_send": float(tokens)})
         if self.shared_r is not None:
             tensors["shared_r"] = self.shared_r
+        tensors.update(self.compressor.state_dict())
         return {"tensors": tensors, "fragments": fragments, "expected_share": float(self.expected_share),
                 "stats": {k: getattr(self.stats, k) for k in self.STAT_FIELDS}}
 
@@ -692,6 +721,7 @@ class OuterLoop:
             st.failed_rounds = 0
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
+        self.compressor.load_state_dict(tensors)
         self.pending.clear()
         self.pending_consensus.clear()
         self._fetches.clear()
@@ -720,7 +750,7 @@ class OuterLoop:
     def fragment_status(self) -> list[dict]:
         """Per fragment, for status displays: index, version, size, last send and last quantization error."""
         return [{"fragment": st.index, "version": st.version, "numel": st.numel, "last_send": st.last_send,
-                 "quant_error": st.last_quant_error} for st in self.states]
+                 "quant_error": st.last_quant_error, **self.compressor.status(st.index)} for st in self.states]
 
 
 def _relative_error(decoded: torch.Tensor, target: torch.Tensor) -> float:

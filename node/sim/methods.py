@@ -61,6 +61,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("locoswarm", "this project's default stack",
            "F fragments, tau>0, alpha=0.5 mix, FP4 + error feedback, fixed schedule",
            _outer(tau="TAU", method="alpha", alpha=0.5, codec="fp4", error_feedback=True, schedule="fixed")),
+    Method("diloco-x", "DiLoCoX (Qi et al. 2025)",
+           "F=1, one-step-delay overlap (tau=H, rebase) + adaptive low-rank compression with error feedback",
+           _outer(fragments=1, tau="H", method="rebase", codec="lowrank", error_feedback=True, schedule="fixed")),
 ]}
 
 

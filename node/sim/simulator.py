@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.config import SwarmConfig
-from node.core.codecs import get_codec
+from node.core.compress import wire_codec
 from node.core.outer_loop import OuterLoop
 from node.core.state import outer_state_device
 from node.data import Corpus, TrainBatches, eval_batches, evaluate
@@ -118,7 +118,7 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     torch.manual_seed(spec.seed)
     workers = [_Worker(m, cfg, corpus, vocab_size, spec, device, spec.steps) for m in range(spec.workers)]
     fragments = partition(workers[0].model, cfg.outer.fragments)
-    codec = get_codec(cfg.outer.codec, cfg.outer.block_size)
+    codec = wire_codec(cfg.outer)
     hub = InProcessHub(codec, cfg.network.group_size, seed=spec.seed, drop_prob=spec.drop_prob, robust=cfg.robust)
     for w in workers:
         w.outer = OuterLoop(w.model, fragments, cfg.outer, hub.transport(w.rank),

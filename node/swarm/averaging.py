@@ -54,7 +54,7 @@ from node.swarm.reputation import EveryNth
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
-from node.transport.groups import form_groups
+from node.transport.groups import form_groups, group_basis
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2
 
@@ -67,6 +67,7 @@ PARTIAL_AFTER = 0.6
 MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
 MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group formed are remembered
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
+MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a fragment + a hash)
 MAX_HEADER_BYTES = 64 * 1024
 FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
 MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams (or norm refusals) are counted at once
@@ -186,7 +187,7 @@ def match_entry(peer_id: str, req: AverageRequest, arrival: float,
                 excluded: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
-                                 digest=req.digest, fragment=req.fragment)
+                                 digest=req.digest, fragment=req.fragment, basis=req.basis)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     if req.schedule is not None:
         entry.scheduled = True
@@ -271,8 +272,9 @@ class _Reduction:
     swarm's robust aggregator (``node.transport.reduce``)."""
 
     def __init__(self, key: tuple[int, int, bytes], own: str, codec: Codec, members: list[str], part: range,
-                 sizes: dict[int, int], settings: RobustSection, consensus: bool) -> None:
+                 sizes: dict[int, int], settings: RobustSection, consensus: bool, basis: bytes = b"") -> None:
         self.key = key
+        self.basis = basis  # the low-rank basis tag every contribution must carry (b"": a block codec)
         self.own = own
         self.codec = codec
         self.members = list(members)
@@ -603,7 +605,7 @@ class SwarmTransport(Transport):
         if matched is None:
             self._not_in_round(req.fragment, req.round)
             return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
-        members, versions, excluded = matched
+        members, versions, excluded, bases = matched
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, excluded)
                      if self.peer_id in g)
         if len(group) < 2:
@@ -611,6 +613,15 @@ class SwarmTransport(Transport):
             if len(members) == 1 and not req.digest and not self.live_peers():
                 return self._solo(req)
             return AverageResult.failed("no peer in group", own_weight=req.weight)
+        agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
+        if agreed is None:
+            self._not_in_round(req.fragment, req.round)
+            return AverageResult.failed("low-rank basis mismatch: cannot re-encode on the group's basis",
+                                        own_weight=req.weight)
+        if agreed is not req:
+            log.info("fragment %d round %d: the group's low-rank bases differ; re-encoded on the round's seeded "
+                     "basis", req.fragment, req.round)
+        req = agreed
         max_version = plausible_version({p: versions.get(p, req.version) for p in group}, own=self.peer_id)
         digests = self._digests.pop((req.fragment, req.round), {})
         if req.digest and all(digests.get(p) == req.digest for p in group):
@@ -633,7 +644,20 @@ class SwarmTransport(Transport):
         ever larger delta into the first round with peers, whose outer step would then be huge."""
         average = decode_chunks(self._codec(req.codec), req.chunks, req.numel)
         return AverageResult(ok=True, average=average, extras=req.extras.clone(), group_size=1,
-                             total_weight=req.weight, own_weight=req.weight, max_version=req.version)
+                             total_weight=req.weight, own_weight=req.weight, max_version=req.version,
+                             basis=req.basis)
+
+    @staticmethod
+    async def _agree_on_basis(req: AverageRequest, tags: list[bytes]) -> AverageRequest | None:
+        """The request as the group sends it: as it is when the members' low-rank basis tags (from their match
+        entries, in member order) agree, else re-encoded on the seeded basis of the round at the leader's
+        ranks (``group_basis``; off the network loop: it projects the whole fragment). None: it cannot."""
+        leader = group_basis(tags)
+        if leader is None:
+            return req
+        if req.reencode is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(None, req.reencode, leader)
 
     def _match_key(self, fragment: int, round_: int, slot_wide: bool = False) -> str:
         if slot_wide:  # adaptive schedule: every member of the slot meets here, whichever fragment it picked
@@ -711,7 +735,8 @@ class SwarmTransport(Transport):
             log.info("group mismatch: fragment %d round %d: %s", req.fragment, req.round,
                      view.explain({p: e.arrival for p, e in entries.items()}))
 
-    async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int], dict[str, list[str]]] | None:
+    async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int], dict[str, list[str]],
+                                                             dict[str, bytes]] | None:
         from hivemind.utils import get_dht_time
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
@@ -756,7 +781,8 @@ class SwarmTransport(Transport):
             return None
         self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
         excluded = {p: list(entries[p].excluded)[:MAX_EXCLUDED] for p in members}
-        return members, {p: int(entries[p].version) for p in members}, excluded
+        bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
+        return members, {p: int(entries[p].version) for p in members}, excluded, bases
 
     async def _exchange(self, req: AverageRequest, group: list[str]) -> AverageResult:
         ghash = group_hash(group)
@@ -768,7 +794,7 @@ class SwarmTransport(Transport):
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         key = (req.fragment, req.round, ghash)
         session = _Reduction(key, self.peer_id, codec, group, parts[me], sizes, self.robust,
-                             consensus=bool(req.digest))
+                             consensus=bool(req.digest), basis=req.basis)
         extras = [float(x) for x in req.extras.tolist()]
         session.n_extras = len(extras)
         self._sessions[key] = session
@@ -814,7 +840,8 @@ class SwarmTransport(Transport):
         sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
-            total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received)
+            total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
+            basis=req.basis)
 
     def _end_session(self, key: tuple[int, int, bytes]) -> None:
         session = self._sessions.pop(key, None)
@@ -827,7 +854,7 @@ class SwarmTransport(Transport):
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=req.fragment, round=req.round, group_hash=ghash,
             sender=self.peer_id, weight=req.weight, version=req.version, extras=extras,
-            n_chunks=len(part), codec=req.codec))
+            n_chunks=len(part), codec=req.codec, basis=req.basis))
 
         async def requests() -> AsyncIterator[swarm_pb2.AverageRequest]:
             self.counters.sent(peer, req.fragment, req.round, header.ByteSize())
@@ -939,8 +966,8 @@ class SwarmTransport(Transport):
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: the header's sender is not the stream's authenticated peer id")
         if not (math.isfinite(h.weight) and h.weight > 0) or len(h.extras) > MAX_EXTRAS or not _finite(h.extras) \
-                or (h.codec and h.codec not in CODECS):
-            self._offence(remote, "bad_header", "weight, extras or codec out of bounds")
+                or (h.codec and h.codec not in CODECS) or len(h.basis) > MAX_BASIS_TAG:
+            self._offence(remote, "bad_header", "weight, extras, codec or basis tag out of bounds")
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: header fields out of bounds")
         session = await self._await_view(h.fragment, h.round, self.matchmaking_timeout + 2.0)
@@ -1010,11 +1037,13 @@ class SwarmTransport(Transport):
             self._offence(remote, "duplicate", "a second contribution to one part")
             raise WireError("refused: duplicate contribution")
         expected_codec = session.codec.name
+        # A low-rank payload on another basis (or at other ranks) is coefficients of other vectors: every
+        # member derives the group's basis from the same entries, so a mismatch is not an honest one.
         if (h.codec or self.codec.name) != expected_codec or h.n_chunks != len(session.part) \
-                or len(h.extras) != session.n_extras:
-            self._offence(remote, "bad_header", "codec, chunk count or extras do not match the round")
+                or len(h.extras) != session.n_extras or bytes(h.basis) != session.basis:
+            self._offence(remote, "bad_header", "codec, chunk count, extras or basis do not match the round")
             session.drop(remote, "its header did not match the round")
-            raise WireError("refused: header does not match the round (codec, chunk count or extras)")
+            raise WireError("refused: header does not match the round (codec, chunk count, extras or basis)")
         return session
 
     async def _read_part(self, session: _Reduction, remote: str, h: swarm_pb2.AverageHeader,

@@ -8,6 +8,7 @@ member of the group, or a failure, in which case the core keeps its local progre
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,12 @@ class AverageRequest:
     digest: bytes = b""        # when every member's digest is equal, nothing needs averaging: the round
                                # succeeds at once with ``average = None`` and no payload is exchanged
     schedule: ScheduleState | None = None  # adaptive schedule: what the sender picked this fragment from
+    # Low-rank payloads (node.core.lowrank) are coefficients on a basis: ``basis`` tags it (its ranks and a
+    # hash), and every member of a group must send the same tag. Where they differ, the group takes the
+    # leader's (smallest id) tag and each member calls ``reencode(leader_tag)``: the same pseudo-gradient
+    # on the seeded basis of this round at the leader's ranks (None: it cannot, and it leaves the round).
+    basis: bytes = b""
+    reencode: Callable[[bytes], AverageRequest | None] | None = None
 
 
 @dataclass
@@ -42,6 +49,7 @@ class AverageResult:
     bytes_received: int = 0
     error: str = ""
     max_version: int = -1                 # newest outer version the group's members hold (corroborated) at send time
+    basis: bytes = b""                    # the basis tag the group's payloads used (see AverageRequest.basis)
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:

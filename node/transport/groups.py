@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
@@ -53,4 +53,12 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     return [sorted(g) for g in groups if g]
 
 
-__all__ = ["form_groups"]
+def group_basis(tags: Sequence[bytes]) -> bytes | None:
+    """The basis a group's low-rank payloads must be projected on (``AverageRequest.basis``), given its members'
+    tags in member order (sorted peer ids): None when they all agree (each member sends what it encoded), else
+    the leader's (the first member's) tag, whose ranks every member re-encodes at, on the seeded basis of the
+    round (``AverageRequest.reencode``). Every member computes the same answer from the same entries."""
+    return None if all(t == tags[0] for t in tags) else tags[0]
+
+
+__all__ = ["form_groups", "group_basis"]

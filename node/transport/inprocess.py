@@ -21,10 +21,11 @@ from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.core.robust import make_aggregator
 from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
-from node.transport.groups import form_groups
+from node.transport.groups import form_groups, group_basis
 from node.transport.reduce import reduce_group
 
-# Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector.
+# Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
+# basis tag of low-rank payloads.
 HEADER_BYTES = 16
 
 
@@ -111,6 +112,7 @@ class InProcessHub:
             self._reduce([by_id[p] for p in group])
 
     def _reduce(self, group: list[_Pending]) -> None:
+        group = self._agree_on_basis(group)
         if len(group) < 2 and self.n_workers > 1:
             for m in group:
                 m.handle._result = AverageResult.failed("no peer in group", own_weight=m.request.weight)
@@ -132,13 +134,33 @@ class InProcessHub:
         # The side vector (CoCoDC's R) is summed over the accepted members, as CoCoDC all-reduces it.
         extras = sum(m.request.extras.float() for w, m in zip(weights, group, strict=True) if w > 0)
         n = len(group)
-        header = HEADER_BYTES + 4 * group[0].request.extras.numel()
+        header = HEADER_BYTES + 4 * group[0].request.extras.numel() + len(group[0].request.basis)
         for i, m in enumerate(group):
             m.handle._result = AverageResult(
                 ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
                 group_size=n, total_weight=total, own_weight=weights[i],
                 bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header,
-                max_version=max(m.request.version for m in group))
+                max_version=max(m.request.version for m in group), basis=m.request.basis)
+
+    @staticmethod
+    def _agree_on_basis(group: list[_Pending]) -> list[_Pending]:
+        """Low-rank payloads are coefficients on a basis, so a group's members must share it. Where their
+        tags differ (a member missed a round, or last met other peers), every member re-encodes on the seeded
+        basis of this round at the leader's (smallest id) ranks (``group_basis``); one that cannot leaves the
+        round."""
+        leader = group_basis([m.request.basis for m in group])
+        if leader is None:
+            return group
+        kept = []
+        for m in group:
+            again = m.request.reencode(leader) if m.request.reencode is not None else None
+            if again is None:
+                m.handle._result = AverageResult.failed("low-rank basis mismatch: cannot re-encode on the "
+                                                        "group's basis", own_weight=m.request.weight)
+            else:
+                m.request = again
+                kept.append(m)
+        return kept
 
     def latest_version(self, fragment: int, exclude: int) -> int:
         versions = [v(fragment) for w, v in self._versions.items() if w != exclude]

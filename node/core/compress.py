@@ -1,0 +1,112 @@
+"""The compressor seam of the outer loop: how a fragment's pseudo-gradient becomes the vector peers average.
+
+The transports average flat vectors coded by a block codec (``node.core.codecs``), chunk by chunk, with a
+robust weighted mean. A :class:`Compressor` turns a fragment's Delta (plus its error-feedback residual) into
+such a vector and turns the group's mean of those vectors back into a dense average of Delta:
+
+- :class:`BlockCompressor`: the vector is Delta itself, coded by ``[outer] codec`` (fp32, bf16, int8, fp4).
+- :class:`node.core.lowrank.LowRankCompressor` (``codec = "lowrank"``): the vector holds low-rank
+  coefficients of the fragment's matrices on a basis the group shares, so that the group's mean of the
+  coefficients is the compression of the mean (DiLoCoX's adaptive low-rank compression).
+
+The outer loop chooses one once from the config (:func:`make_compressor`) and asks it; it never tests the
+codec's name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from node.config import OuterSection
+from node.core.codecs import Codec, get_codec
+from node.core.payload import encode_with_feedback
+
+
+@dataclass
+class Encoded:
+    """One member's contribution of one fragment, ready for the transport."""
+
+    chunks: list[bytes]          # the wire vector coded by the compressor's block codec (node.core.payload)
+    numel: int                   # elements of the wire vector
+    own: torch.Tensor            # this member's contribution as the group counts it, dense (the fragment's numel)
+    extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # side values summed over the group
+    basis: bytes = b""           # the tag of the basis the vector was projected on (b"": none)
+    ticket: object | None = None  # what :meth:`Compressor.finish` needs to read the group's result
+
+
+class Compressor(ABC):
+    """Encodes a fragment's pseudo-gradient into the vector the group averages, and reads the average back.
+
+    Args:
+        codec: the block codec of the wire vector (what the transport's reducers decode and re-encode).
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def n_extras(self, fragment: int) -> int:
+        """Length of :attr:`Encoded.extras` for ``fragment``."""
+        return 0
+
+    @abstractmethod
+    def encode(self, fragment: int, delta: torch.Tensor, residual: torch.Tensor | None, round_: int) -> Encoded:
+        """Encode ``delta`` (+ ``residual``, updated in place to what this send drops)."""
+
+    def reencode(self, ticket: object, tag: bytes) -> Encoded | None:
+        """The same contribution on the basis ``tag`` names (a group whose members' bases differ); None when
+        this compressor has no basis or cannot use that one."""
+        return None
+
+    @abstractmethod
+    def finish(self, ticket: object, average: torch.Tensor, extras: torch.Tensor, basis: bytes,
+               residual: torch.Tensor | None) -> torch.Tensor:
+        """The dense group average of Delta from the group's mean wire vector ``average`` (and the summed
+        ``extras``, the ``basis`` tag the group used); moves the compressor's shared state on. Raises
+        ``ValueError`` when the result cannot be read (a basis or size this member did not send)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint keeps (keys start with the fragment index and '/')."""
+        return {}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of :meth:`state_dict`'s tensors (all optional in a checkpoint)."""
+        return {}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:  # noqa: B027 - stateless by default
+        """Restore what :meth:`state_dict` returned (missing keys: start afresh)."""
+
+    def status(self, fragment: int) -> dict:
+        """Figures for status displays (e.g. the current ranks)."""
+        return {}
+
+
+class BlockCompressor(Compressor):
+    """The block codecs: the wire vector is Delta itself (error feedback carries the quantization error)."""
+
+    def encode(self, fragment: int, delta: torch.Tensor, residual: torch.Tensor | None, round_: int) -> Encoded:
+        chunks, own = encode_with_feedback(self.codec, delta, residual)
+        return Encoded(chunks, delta.numel(), own)
+
+    def finish(self, ticket: object, average: torch.Tensor, extras: torch.Tensor, basis: bytes,
+               residual: torch.Tensor | None) -> torch.Tensor:
+        return average
+
+
+def wire_codec(outer: OuterSection) -> Codec:
+    """The block codec of the vectors a swarm's reducers average under these settings."""
+    inner = outer.lowrank_codec if outer.codec == "lowrank" else outer.codec
+    return get_codec(inner, outer.block_size)
+
+
+def make_compressor(outer: OuterSection, fragments: Sequence[tuple[int, Sequence[tuple[int, ...]]]]) -> Compressor:
+    """The compressor ``[outer] codec`` names; ``fragments``: (index, shapes of its tensors) per fragment."""
+    if outer.codec == "lowrank":
+        from node.core.lowrank import LowRankCompressor
+
+        return LowRankCompressor(fragments, wire_codec(outer), rank=outer.lowrank_rank,
+                                 min_rank=outer.lowrank_min_rank, max_rank=outer.lowrank_max_rank)
+    return BlockCompressor(wire_codec(outer))
