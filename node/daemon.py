@@ -629,7 +629,7 @@ class Node:
                 group_size=0 if merge is None else merge.group_size,
                 last_merge_time=None if merge is None else merge.time,
                 last_merge_clock=None if merge is None else merge.clock,
-                spread=Spread.from_json(spread[p]) if p in spread else None))
+                spread=Spread.from_json(spread[p]) if p in spread else None, ranks=list(f.get("ranks", ()))))
         return out
 
     def _peers_status(self, reputation: ReputationStatus) -> dict[str, NodePeerStatus]:

@@ -213,6 +213,7 @@ class FragmentStatus(Record):
     last_merge_time: float | None = None
     last_merge_clock: int | None = None
     spread: Spread | None = None
+    ranks: list[int] = field(default_factory=list)  # codec lowrank: each matrix's rank (empty: a block codec)
 
     PROTO: ClassVar[Any] = control_pb2.Fragment
 

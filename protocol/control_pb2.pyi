@@ -69,7 +69,7 @@ class Spread(_message.Message):
     def __init__(self, version: _Optional[int] = ..., holders: _Optional[int] = ..., distinct_hashes: _Optional[int] = ..., norm_spread: _Optional[float] = ..., max_version: _Optional[int] = ..., max_lag: _Optional[int] = ...) -> None: ...
 
 class Fragment(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "last_send", "quant_error", "phi_hash", "bytes_sent", "bytes_received", "group_size", "last_merge_time", "last_merge_clock", "spread", "phi_norm")
+    __slots__ = ("fragment", "version", "numel", "last_send", "quant_error", "phi_hash", "bytes_sent", "bytes_received", "group_size", "last_merge_time", "last_merge_clock", "spread", "phi_norm", "ranks")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class Fragment(_message.Message):
     LAST_MERGE_CLOCK_FIELD_NUMBER: _ClassVar[int]
     SPREAD_FIELD_NUMBER: _ClassVar[int]
     PHI_NORM_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
@@ -96,7 +97,8 @@ class Fragment(_message.Message):
     last_merge_clock: int
     spread: Spread
     phi_norm: float
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., last_send: _Optional[int] = ..., quant_error: _Optional[float] = ..., phi_hash: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., last_merge_time: _Optional[float] = ..., last_merge_clock: _Optional[int] = ..., spread: _Optional[_Union[Spread, _Mapping]] = ..., phi_norm: _Optional[float] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., last_send: _Optional[int] = ..., quant_error: _Optional[float] = ..., phi_hash: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., last_merge_time: _Optional[float] = ..., last_merge_clock: _Optional[int] = ..., spread: _Optional[_Union[Spread, _Mapping]] = ..., phi_norm: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerFragment(_message.Message):
     __slots__ = ("fragment", "version")
