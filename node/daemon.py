@@ -169,14 +169,16 @@ class Node:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def _follow(self) -> int:
-        """A rank > 0: no network, no state dir; rank 0's start, then inner steps until rank 0 says stop."""
+        """A rank > 0: no network, no state dir; rank 0's start, then inner steps until rank 0 says stop.
+        It ignores SIGINT and SIGTERM (torchrun and a terminal signal every rank): it stops when rank 0 says
+        so, or when rank 0 is gone (its next collective fails)."""
         import signal
 
         from node.data import TrainBatches
 
         assert self.ranks is not None
-        if launched():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         cfg = self.cfg
         try:
             self._prepare()
@@ -415,7 +417,8 @@ class Node:
             self._train()
         except RankFailure as exc:
             self.rank_failed = True
-            self._event("rank_failed", f"{exc}: leaving the swarm")
+            log.error("%s", exc)
+            self._event("rank_failed", "a rank of this node failed: leaving the swarm")
 
     def _share_start(self) -> None:
         """Rank 0's data seed, step, theta and inner optimizer state to the other ranks (after resume/join)."""

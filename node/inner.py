@@ -41,10 +41,10 @@ class InnerOptimizer:
         self.optimizer.state.clear()
 
     def state_dict(self) -> dict:
-        """The AdamW state (tensors on the CPU) and the step counter: what another rank needs to take
+        """The AdamW state (copies, on the CPU) and the step counter: what another rank needs to take
         this optimizer's place (``node.ranks``)."""
         opt = self.optimizer.state_dict()
-        state = {i: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+        state = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in opt["state"].items()}
         return {"optimizer": {**opt, "state": state}, "steps_done": self.steps_done}
 

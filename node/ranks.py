@@ -229,10 +229,10 @@ class RankLauncher:
 
     Each rank runs the same command with torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The launcher owns the signals: SIGINT/SIGTERM go
-    to rank 0 as SIGTERM (a graceful leave, whose stop flag ends the other ranks), a third one SIGKILLs
-    every rank. When a rank exits with an error, rank 0 gets a SIGTERM (it leaves the swarm cleanly and
-    exits non-zero: the dead rank also breaks its next collective) and the others are stopped; when rank 0
-    exits, ranks still running after ``grace_s`` are stopped. Each rank dies with the launcher
+    to rank 0 as SIGTERM (a graceful leave, whose stop flag ends the other ranks, which ignore signals), a
+    third one SIGKILLs every rank. When a rank exits with an error, rank 0 gets a SIGTERM (it leaves the
+    swarm cleanly and exits non-zero: the dead rank also breaks its next collective); when rank 0 exits,
+    ranks still running after ``grace_s`` are SIGKILLed. Each rank dies with the launcher
     (``PR_SET_PDEATHSIG``). Returns 0 when every rank exited 0, else the first failure's code (1 for a
     signal)."""
 
@@ -275,8 +275,6 @@ class RankLauncher:
                 code = rc if rc > 0 else 1
                 sys.stderr.write(f"locoswarm: rank {rank} exited with {rc}; stopping the node's other ranks\n")
                 _send(self.procs[0], signal.SIGTERM)  # rank 0 leaves the swarm cleanly
-                for other in self.procs[1:]:
-                    _send(other, signal.SIGTERM)
             if leader_done is None and self.procs[0].poll() is not None:
                 leader_done = time.monotonic()
             if leader_done is not None and time.monotonic() - leader_done > self.grace_s:

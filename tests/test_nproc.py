@@ -104,6 +104,37 @@ def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: 
     assert r0["stop"] and r1["stop"]
 
 
+@pytest.mark.timeout(60)
+def test_inner_state_dict_lets_another_optimizer_take_over(tmp_path: Path) -> None:
+    """What rank 0 hands the other ranks at the start (its resumed AdamW state and step counter): an optimizer
+    loaded from it makes the same next step as the original."""
+    from node.config import load_config
+    from node.inner import InnerOptimizer
+
+    cfg = load_config(write_config(tmp_path / "peers.toml"))
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [InnerOptimizer(m, cfg.inner) for m in models]
+    x = torch.randn(8, 4)
+
+    def step(i: int) -> None:
+        models[i](x).pow(2).mean().backward()
+        opts[i].optimizer.step()
+        opts[i].optimizer.zero_grad()
+        opts[i].steps_done += 1
+
+    for _ in range(3):
+        step(0)
+    models[1].load_state_dict(models[0].state_dict())
+    opts[1].load_state_dict(opts[0].state_dict())
+    assert opts[1].steps_done == 3
+    step(0)
+    step(1)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 # ---- validation ------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path) -> None:

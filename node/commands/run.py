@@ -67,8 +67,10 @@ def run_node(args: argparse.Namespace) -> int:
     from node.sim import data_paths
     from node.swarm.dht import bootstrap_from_env_and_args
 
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # a node's rank
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)-5s %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s %(levelname)-5s {f'[rank {rank}] ' if rank else ''}%(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
     cfg = load_config_from_args(args)
