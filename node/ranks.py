@@ -17,6 +17,8 @@ rank 0 only. The protocol that keeps the ranks equal, all collective, between tw
 
 At the start rank 0 broadcasts the data seed and step counter (``broadcast_start``), the parameters and
 its inner optimizer state (resumed from its checkpoint or fresh): the ranks start from rank 0's state.
+Until then the other ranks wait on the rendezvous store, not in a collective: rank 0 may take as long
+as it needs to join the swarm (bootstrap retries, a state download), yet its death is noticed at once.
 
 A rank that dies breaks the next collective (gloo reports a reset connection at once; a finite
 ``timeout`` bounds the rest): the survivors raise :class:`RankFailure`, rank 0 leaves the swarm in the
@@ -36,13 +38,18 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 from node.errors import UserError
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
+_START_KEY = "locoswarm/start"  # set in the rendezvous store by rank 0 when it has joined the swarm
 
 
 class RankFailure(RuntimeError):
@@ -73,6 +80,7 @@ class RankGroup:
         self.timeout_s = timeout_s
         self.device = torch.device("cpu")
         self._started = False
+        self._store: TCPStore | None = None
 
     @classmethod
     def from_env(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup | None:
@@ -111,9 +119,14 @@ class RankGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         with self._collective("joining the process group"):
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            # Our own handle on the rendezvous store: the other ranks wait on it for rank 0's start.
+            self._store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                        int(os.environ.get("MASTER_PORT", "29500")), self.world_size,
+                                        self.is_leader, timeout=timeout)
+            dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)
         self._started = True
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -151,10 +164,17 @@ class RankGroup:
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def broadcast_start(self, seed: int, step: int) -> tuple[int, int]:
-        """Rank 0's data seed and inner step counter on every rank."""
+    def broadcast_start(self, seed: int, step: int, poll_s: float = 0.2) -> tuple[int, int]:
+        """Rank 0's data seed and inner step counter on every rank. The other ranks first wait (without a
+        time limit: rank 0 may retry its bootstrap for long) until rank 0 gets here."""
         import torch.distributed as dist
 
+        with self._collective("waiting for rank 0 to join the swarm"):
+            if self.is_leader:
+                self._store.set(_START_KEY, "1")
+            else:
+                while not self._store.check([_START_KEY]):
+                    time.sleep(poll_s)
         t = torch.tensor([seed, step], dtype=torch.int64, device=self._comm())
         with self._collective("sharing the start"):
             dist.broadcast(t, src=0)

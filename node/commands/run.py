@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "ranks come from its environment instead")
     p.add_argument("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a collective of the node's ranks may wait for a rank before the node leaves "
-                        f"(default {DEFAULT_TIMEOUT_S:.0f}; a dead rank is usually noticed at once)")
+                        f"(default {DEFAULT_TIMEOUT_S:.0f}; at least the network's matchmaking and round timeouts "
+                        "plus 60: rank 0's longest pause between steps; a dead rank is noticed at once)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     p.set_defaults(func=run_node)
 
@@ -85,7 +86,9 @@ def run_node(args: argparse.Namespace) -> int:
     check_nproc(args.nproc, args.device)
     if not args.rank_timeout > 0:
         raise UserError(f"--rank-timeout {args.rank_timeout} is not allowed; give seconds > 0")
-    ranks = RankGroup.from_env(args.rank_timeout)
+    # Rank 0 may wait out a round between two steps: the others must not give up on it meanwhile.
+    ranks = RankGroup.from_env(max(args.rank_timeout,
+                                   cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0))
     if ranks is None and args.nproc > 1:  # the launcher: the ranks run this same command
         return RankLauncher(args.argv, args.nproc).run()
     from node.control import check_control_options, control_port_from_args
