@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from swarm_util import NodeProc, write_config, write_corpus
 from test_run_cli import refused_before_start, run
-from test_swarm_integration import Swarm, agree, fragments_merged, merged, wait_until
+from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
 
 from node.ranks import Flags, RankGroup, free_port
 from node.swarm.process import descendants, p2pd_pids
@@ -164,16 +164,8 @@ def _rank_pid(node: NodeProc, rank: int) -> int:
 
 @needs_gloo
 @pytest.mark.timeout(420)
-def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(tmp_path: Path) -> None:
-    swarm = Swarm(tmp_path)
-    try:
-        _two_nodes_and_a_rank_kill(swarm)
-    finally:
-        swarm.stop()
-    assert not any(n.group_alive() for n in swarm.nodes), "processes left behind"
-
-
-def _two_nodes_and_a_rank_kill(swarm: Swarm) -> None:
+def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(swarm: Swarm) -> None:  # noqa: F811 (the fixture)
+    """The fixture (``test_swarm_integration``) stops every node and checks that none left processes."""
     extra = (*NPROC, "--checkpoint-every", "10")
     nodes = [swarm.start("n0", *extra), swarm.start("n1", *extra)]
     for node in nodes:  # every fragment averaged (with the other node: group 2) on both
