@@ -23,7 +23,7 @@ from test_run_cli import refused_before_start, run
 from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
 
 from node.ranks import Flags, RankGroup, free_port
-from node.swarm.process import descendants, p2pd_pids
+from node.swarm.process import children, descendants, p2pd_pids
 
 GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not GLOO, reason="torch.distributed with gloo is not available in this torch build")
@@ -150,16 +150,39 @@ def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path) -> None:
 
 # ---- the issue's acceptance: two --nproc 2 nodes ------------------------------------------------------
 def _rank_pid(node: NodeProc, rank: int) -> int:
-    """The pid of ``node``'s rank ``rank`` (a child of its launcher with RANK in its environment)."""
-    for pid in descendants(node.proc.pid):
+    """The pid of ``node``'s rank ``rank``: a child of its launcher with RANK in its environment (the forks of
+    a rank, its watchdog and DHT process, inherit that environment but are not the launcher's children)."""
+    for pid in children(node.proc.pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"node.cli" in cmd and f"RANK={rank}".encode() in env:
+        if f"RANK={rank}".encode() in env:
             return pid
-    raise AssertionError(f"{node.name}: no rank {rank} process among {descendants(node.proc.pid)}")
+    raise AssertionError(f"{node.name}: no rank {rank} among the launcher's children {children(node.proc.pid)}")
+
+
+def _assert_down(node: NodeProc, p2pd: list[int]) -> None:
+    """``node`` exits non-zero within a minute and leaves nothing: its process group and its p2pd (which runs
+    in the DHT process's own group) are gone."""
+    rc = node.proc.wait(60)
+    assert rc != 0, node.tail()
+    deadline = time.monotonic() + 15
+    while (node.group_alive() or p2pd_pids(p2pd)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not node.group_alive() and not p2pd_pids(p2pd), "the node left processes behind"
+
+
+@needs_gloo
+@pytest.mark.timeout(180)
+def test_sigkill_of_rank0_stops_the_node_and_leaves_nothing(swarm: Swarm) -> None:  # noqa: F811 (the fixture)
+    node = swarm.start("n0", *NPROC)
+    node.wait_status(lambda s: s.get("inner_step", 0) >= 10, 120, "training")
+    p2pd = p2pd_pids(descendants(node.proc.pid))
+    assert p2pd
+    os.kill(_rank_pid(node, 0), signal.SIGKILL)  # rank 1 fails its next collective; rank 0's watchdog cleans up
+    _assert_down(node, p2pd)
+    assert "rank 1: " in node.tail(), node.tail()
 
 
 @needs_gloo
@@ -177,12 +200,7 @@ def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(swarm: Swarm) -> None:  
     p2pd = p2pd_pids(descendants(victim.proc.pid))
     assert p2pd, "rank 0 of the victim runs the node's only p2pd"
     os.kill(_rank_pid(victim, 1), signal.SIGKILL)
-    rc = victim.proc.wait(90)
-    assert rc != 0, victim.tail()
-    deadline = time.monotonic() + 15
-    while (victim.group_alive() or p2pd_pids(p2pd)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not victim.group_alive() and not p2pd_pids(p2pd), "the node left processes behind"
+    _assert_down(victim, p2pd)
     st = victim.status()
     assert st["state"] == "stopped", st["state"]  # its leave path ran: drained, checkpointed, announced
     assert any(e["kind"] == "rank_failed" for e in st["events"]), [e["kind"] for e in st["events"]]
