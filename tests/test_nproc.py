@@ -137,7 +137,7 @@ def test_inner_state_dict_lets_another_optimizer_take_over(tmp_path: Path) -> No
 
 # ---- validation ------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = write_config(tmp_path / "peers.toml")
     data = write_corpus(tmp_path / "data", docs=3, lines=60)
     common = ("--config", str(config), "--data", str(data), "--state-dir", str(tmp_path / "s"), "--max-steps", "1")
@@ -145,6 +145,10 @@ def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path) -> None:
     too_many = max(2, (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1)
     refused_before_start(run(*common, "--nproc", str(too_many), "--device", "cuda"), f"--nproc {too_many}", "GPUs")
     refused_before_start(run(*common, "--nproc", "2", "--device", "cuda:1"), "cuda:1", "auto, cuda or cpu")
+    with monkeypatch.context() as env:  # a rank of torchrun's (WORLD_SIZE 2) told --nproc 3
+        env.setenv("WORLD_SIZE", "2")
+        env.setenv("RANK", "1")
+        refused_before_start(run(*common, "--nproc", "3"), "--nproc 3", "one of 2 ranks")
     assert not (tmp_path / "s").exists()
 
 

@@ -89,6 +89,9 @@ def run_node(args: argparse.Namespace) -> int:
     # Rank 0 may wait out a round between two steps: the others must not give up on it meanwhile.
     ranks = RankGroup.from_env(max(args.rank_timeout,
                                    cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0))
+    if ranks is not None and args.nproc not in (1, ranks.world_size):
+        raise UserError(f"--nproc {args.nproc} but this process is one of {ranks.world_size} ranks (WORLD_SIZE, set "
+                        "by torchrun or the launcher); drop --nproc under torchrun or make them agree")
     if ranks is None and args.nproc > 1:  # the launcher: the ranks run this same command
         return RankLauncher(args.argv, args.nproc).run()
     from node.control import check_control_options, control_port_from_args
