@@ -39,7 +39,7 @@ import torch
 from node.config import SwarmConfig, fingerprint
 from node.core.schedule import ScheduleState
 from node.core.state import outer_state_device
-from node.ranks import Flags, RankFailure, RankGroup, launched
+from node.ranks import Flags, RankFailure, RankGroup, launched, params_digest
 from node.status import (
     ByteStatus,
     ConsensusStatus,
@@ -194,6 +194,7 @@ class Node:
                 if flags.reset_inner:
                     self.inner.reset_state()
                 if flags.stop:
+                    self._log_digest(step)
                     break
                 with self.ranks.guard("an inner step"):
                     self.inner.step([batches.get(step)])
@@ -438,7 +439,15 @@ class Node:
             if flags.changed:
                 self.ranks.broadcast_params(self.model)
             self._theta_written = self._inner_reset = False
+            if stop:  # before the leave's drain, which may write theta on rank 0 alone
+                self._log_digest(self.local_step)
         return not stop
+
+    def _log_digest(self, step: int) -> None:
+        """The parameters' digest as this rank stops: equal on every rank (tests and users compare the logs)."""
+        assert self.ranks is not None
+        log.info("rank %d stops at step %d with parameters crc32 %08x", self.ranks.rank, step,
+                 params_digest(self.model))
 
     def _inner_step(self, batch: torch.Tensor) -> float:
         if self.ranks is None:

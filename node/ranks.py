@@ -218,6 +218,16 @@ class RankGroup:
         return self._collective(what)
 
 
+def params_digest(model: torch.nn.Module) -> int:
+    """CRC32 of every parameter's bytes: what each rank logs when it stops, to show they trained one model."""
+    import zlib
+
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+    return crc
+
+
 def check_nproc(nproc: int, device: str) -> None:
     """``--nproc`` against the machine, before anything starts (one-line :class:`UserError`)."""
     if nproc < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -216,5 +217,9 @@ def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(swarm: Swarm) -> None:  
     restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", [])), 120, "resume")
     restarted.wait_status(lambda s: [e for e in merged(s) if e["group_size"] == 2], 150,
                           "a round merged with the other node after resuming")
-    for node in (survivor, restarted):  # graceful leave of a whole node
+    for node in (survivor, restarted):  # graceful leave of a whole node: both ranks stop with one model
         assert node.terminate(90) == 0, node.tail()
+        stops = re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})",
+                           node.log_path.read_text(errors="replace"))
+        assert len(stops) == 2 and {r for r, _, _ in stops} == {"0", "1"}, stops  # the killed run logged none
+        assert len({(step, crc) for _, step, crc in stops}) == 1, f"{node.name}: ranks differ at the stop: {stops}"
