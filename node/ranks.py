@@ -261,15 +261,20 @@ class RankLauncher:
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The launcher owns the signals: SIGINT/SIGTERM go
     to rank 0 as SIGTERM (a graceful leave, whose stop flag ends the other ranks, which ignore signals), a
     third one SIGKILLs every rank. When a rank exits with an error, rank 0 gets a SIGTERM (it leaves the
-    swarm cleanly and exits non-zero: the dead rank also breaks its next collective); when rank 0 exits,
-    ranks still running after ``grace_s`` are SIGKILLed. Each rank dies with the launcher
+    swarm cleanly and exits non-zero: the dead rank also breaks its next collective), and is SIGKILLed if
+    it is still there after ``leave_s`` (NCCL may hang on a dead peer until its timeout instead of failing;
+    rank 0's watchdog then removes its DHT and p2pd, and its last periodic checkpoint stays); when rank 0
+    exits, ranks still running after ``grace_s`` are SIGKILLed. Each rank dies with the launcher
     (``PR_SET_PDEATHSIG``). Returns 0 when every rank exited 0, else the first failure's code (1 for a
-    signal)."""
+    signal). ``command``: what runs ``argv`` (default this interpreter's ``-m node.cli``)."""
 
-    def __init__(self, argv: Sequence[str], nproc: int, grace_s: float = 15.0, poll_s: float = 0.1) -> None:
+    def __init__(self, argv: Sequence[str], nproc: int, grace_s: float = 15.0, leave_s: float = 120.0,
+                 poll_s: float = 0.1, command: Sequence[str] | None = None) -> None:
+        self.command = list(command) if command else [sys.executable, "-m", "node.cli"]
         self.argv = list(argv)
         self.nproc = nproc
         self.grace_s = grace_s
+        self.leave_s = leave_s
         self.poll_s = poll_s
         self.procs: list[subprocess.Popen] = []
         self._signals = 0
@@ -280,7 +285,7 @@ class RankLauncher:
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.nproc),
                        LOCAL_WORLD_SIZE=str(self.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env[LAUNCHED_ENV] = "1"
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "node.cli", *self.argv], env=env,
+            self.procs.append(subprocess.Popen([*self.command, *self.argv], env=env,
                                                preexec_fn=_die_with_parent))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -296,18 +301,22 @@ class RankLauncher:
 
     def _watch(self) -> int:
         code = 0
+        failed_at: float | None = None
         leader_done: float | None = None
         while any(p.poll() is None for p in self.procs):
+            now = time.monotonic()
             for rank, proc in enumerate(self.procs):
                 rc = proc.poll()
                 if rc is None or rc == 0 or code:
                     continue
-                code = rc if rc > 0 else 1
+                code, failed_at = (rc if rc > 0 else 1), now
                 sys.stderr.write(f"locoswarm: rank {rank} exited with {rc}; stopping the node's other ranks\n")
                 _send(self.procs[0], signal.SIGTERM)  # rank 0 leaves the swarm cleanly
+            if failed_at is not None and now - failed_at > self.leave_s:
+                _send(self.procs[0], signal.SIGKILL)  # stuck in a collective with the dead rank
             if leader_done is None and self.procs[0].poll() is not None:
-                leader_done = time.monotonic()
-            if leader_done is not None and time.monotonic() - leader_done > self.grace_s:
+                leader_done = now
+            if leader_done is not None and now - leader_done > self.grace_s:
                 for proc in self.procs[1:]:
                     _send(proc, signal.SIGKILL)
             time.sleep(self.poll_s)

@@ -13,18 +13,21 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from swarm_util import NodeProc, write_config, write_corpus
+from swarm_util import REPO, NodeProc, write_config, write_corpus
 from test_run_cli import refused_before_start, run
 from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
 
 from node.ranks import Flags, RankGroup, free_port
-from node.swarm.process import children, descendants, p2pd_pids
+from node.swarm.process import children, descendants, is_alive, p2pd_pids
 
 GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not GLOO, reason="torch.distributed with gloo is not available in this torch build")
@@ -134,6 +137,34 @@ def test_inner_state_dict_lets_another_optimizer_take_over(tmp_path: Path) -> No
     step(1)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_kills_a_rank0_that_does_not_leave_after_another_rank_died(tmp_path: Path) -> None:
+    """Rank 1 fails; rank 0 ignores the launcher's SIGTERM (as if stuck in an NCCL collective with the dead
+    rank): after ``leave_s`` the launcher SIGKILLs it and exits with rank 1's code."""
+    pidfile = tmp_path / "rank0.pid"
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        if os.environ["RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open(sys.argv[1], "w").write(str(os.getpid()))
+            time.sleep(120)
+            sys.exit(0)
+        time.sleep(1.0)
+        sys.exit(3)
+    """))
+    code = ("import sys; from node.ranks import RankLauncher; "
+            f"sys.exit(RankLauncher([{str(script)!r}, {str(pidfile)!r}], 2, leave_s=1.0, "
+            "command=[sys.executable]).run())")
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50,
+                         start_new_session=True)
+    assert res.returncode == 3, res.stderr
+    assert "rank 1 exited with 3" in res.stderr
+    assert time.monotonic() - started < 30
+    assert not is_alive(int(pidfile.read_text()))
 
 
 # ---- validation ------------------------------------------------------------------------------------
