@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher re-runs (``run --nproc``)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

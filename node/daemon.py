@@ -14,6 +14,10 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
    checkpoint atomically every ``--checkpoint-every`` steps;
 5. on SIGTERM/Ctrl+C: wait (bounded) for in-flight rounds and merge them, publish a "leaving"
    heartbeat, checkpoint, stop the DHT and p2pd. A watchdog kills leftovers if the node is SIGKILLed.
+
+With ``--nproc N`` (or torchrun) the node runs N ranks (``node.ranks``): rank 0 does all of the above,
+the other ranks only inner steps; DDP averages their gradients, and rank 0 broadcasts theta after the
+outer loop wrote it. A rank that dies makes rank 0 leave the swarm as above and exit non-zero.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from node.config import SwarmConfig, fingerprint
 from node.core.schedule import ScheduleState
 from node.core.state import outer_state_device
+from node.ranks import Flags, RankFailure, RankGroup, launched, params_digest
 from node.status import (
     ByteStatus,
     ConsensusStatus,
@@ -88,9 +93,17 @@ def _crc(t: torch.Tensor) -> int:
 
 
 class Node:
-    def __init__(self, cfg: SwarmConfig, opts: NodeOptions) -> None:
+    """One swarm node. ``ranks``: the node's process group when it runs over several GPUs or CPU ranks
+    (``node.ranks``); None for a single process, which never touches ``torch.distributed``."""
+
+    def __init__(self, cfg: SwarmConfig, opts: NodeOptions, ranks: RankGroup | None = None) -> None:
         self.cfg = cfg
         self.opts = opts
+        self.ranks = ranks
+        self.world = ranks.world_size if ranks else 1  # ranks training this node: its batch is world x a rank's
+        self._theta_written = False  # since the last sync with the other ranks (see _continue)
+        self._inner_reset = False
+        self.rank_failed = False
         self.fingerprint = fingerprint(cfg)
         self.stop = threading.Event()
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
@@ -114,29 +127,86 @@ class Node:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def run(self) -> int:
+        """Run the node; 0 after a clean leave, 1 when one of its ranks failed (it left the swarm cleanly)."""
+        if self.ranks is not None and not self.ranks.is_leader:
+            return self._follow()
         from node.swarm import process
 
-        process.become_group_leader()
+        if not launched():  # a launched rank stays in its launcher's process group (one killpg reaches all)
+            process.become_group_leader()
         watchdog = process.start_watchdog()
-        process.install_signal_handlers(self.stop)
+        self._install_signal_handlers()
         try:
             self._prepare()  # everything a user can get wrong is checked before anything starts
             self._start_network()
-            process.install_signal_handlers(self.stop)  # hivemind may have replaced them
+            self._install_signal_handlers()  # hivemind may have replaced them
             self._build()
             self._start_control()
             meta = self._resume()  # before any heartbeat: peers never see a clock from before the checkpoint
             self._start_heartbeats()
             self._join_or_resume(meta)
-            self._train()
+            self._train_with_ranks()
             self._leave()
-            return 0
+            return 1 if self.rank_failed else 0
         finally:
             self._shutdown_network()
             process.stop_watchdog(watchdog)
+            if self.ranks is not None:
+                self.ranks.close(failed=self.rank_failed)
             lock = getattr(self, "_state_lock", None)
             if lock is not None:
                 lock.release()
+
+    def _install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM: a graceful leave. A rank started by ``--nproc`` ignores SIGINT: a terminal's
+        Ctrl+C reaches the whole group, and the launcher passes it on to rank 0 once (as SIGTERM)."""
+        import signal
+
+        from node.swarm import process
+
+        process.install_signal_handlers(self.stop)
+        if launched():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _follow(self) -> int:
+        """A rank > 0: no network, no state dir; rank 0's start, then inner steps until rank 0 says stop.
+        It ignores SIGINT and SIGTERM (torchrun and a terminal signal every rank): it stops when rank 0 says
+        so, or when rank 0 is gone (its next collective fails)."""
+        import signal
+
+        from node.data import TrainBatches
+
+        assert self.ranks is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        cfg = self.cfg
+        try:
+            self._prepare()
+            seed, step = self.ranks.broadcast_start(0, 0)
+            batches = TrainBatches(self.corpus.train, self.ranks.rank, self.world, cfg.inner.batch_size,
+                                   cfg.inner.seq_len, seed)
+            self.ranks.broadcast_params(self.model)
+            self.inner.load_state_dict(self.ranks.broadcast_object(None))
+            while True:
+                flags = self.ranks.sync(Flags())
+                if flags.changed:
+                    self.ranks.broadcast_params(self.model)
+                if flags.reset_inner:
+                    self.inner.reset_state()
+                if flags.stop:
+                    self._log_digest(step)
+                    break
+                with self.ranks.guard("an inner step"):
+                    self.inner.step([batches.get(step)])
+                step += 1
+        except RankFailure as exc:
+            log.error("%s: stopping", exc)
+            self.rank_failed = True
+            return 1
+        finally:
+            self.ranks.close(failed=self.rank_failed)
+        log.info("rank %d stopped with rank 0 at step %d", self.ranks.rank, step)
+        return 0
 
     def _start_network(self) -> None:
         from node.swarm.dht import join_command, start_dht, visible_maddrs
@@ -198,10 +268,13 @@ class Node:
         from node.partition import partition
 
         o, cfg = self.opts, self.cfg
-        self._state_lock = prepare_state_dir(o.state_dir)
+        if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
+            self._state_lock = prepare_state_dir(o.state_dir)
         if o.threads:
             torch.set_num_threads(o.threads)
-        self.device = resolve_device(o.device)
+        self.device = self.ranks.resolve_device(o.device) if self.ranks else resolve_device(o.device)
+        if self.ranks is not None:
+            self.ranks.start(self.device)
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.corpus = load_corpus(o.data, cfg.data, tokenizer)
         log.info("data: %s", self.corpus.description)
@@ -209,7 +282,8 @@ class Node:
             log.warning("data: %s", warning)
         self.model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed).to(self.device)
         self.fragments = partition(self.model, cfg.outer.fragments)
-        self.inner = InnerOptimizer(self.model, cfg.inner)
+        # DDP for the inner steps only (it averages gradients over the ranks); the outer loop sees the bare model.
+        self.inner = InnerOptimizer(self.ranks.wrap(self.model) if self.ranks else self.model, cfg.inner)
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
 
     def _build(self) -> None:
@@ -224,8 +298,9 @@ class Node:
         from node.swarm.state_sync import StateClient, StateServer
 
         o, cfg = self.opts, self.cfg
-        seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
-        self.batches = TrainBatches(self.corpus.train, 0, 1, cfg.inner.batch_size, cfg.inner.seq_len, seed)
+        self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
+        self.batches = TrainBatches(self.corpus.train, 0, self.world, cfg.inner.batch_size, cfg.inner.seq_len,
+                                    self.data_seed)
         codec = wire_codec(cfg.outer)  # what the reducers average (codec lowrank: its factors' block codec)
         self.counters = ByteCounters()
         rb = cfg.robust  # refusals and bans per peer
@@ -336,6 +411,50 @@ class Node:
         return peers
 
     # ---- training ---------------------------------------------------------------------------------
+    def _train_with_ranks(self) -> None:
+        """Train; a failed rank (``RankFailure``) ends training here, and the caller leaves the swarm."""
+        try:
+            self._share_start()
+            self._train()
+        except RankFailure as exc:
+            self.rank_failed = True
+            log.error("%s", exc)
+            self._event("rank_failed", "a rank of this node failed: leaving the swarm")
+
+    def _share_start(self) -> None:
+        """Rank 0's data seed, step, theta and inner optimizer state to the other ranks (after resume/join)."""
+        if self.ranks is None:
+            return
+        self.ranks.broadcast_start(self.data_seed, self.local_step)
+        self.ranks.broadcast_params(self.model)
+        self.ranks.broadcast_object(self.inner.state_dict())
+
+    def _continue(self) -> bool:
+        """Whether to make another inner step. With ranks, collective: rank 0's decision reaches every rank,
+        and so does theta when the outer loop wrote it since the last call (``node.ranks``)."""
+        o = self.opts
+        stop = self.stop.is_set() or (o.max_steps is not None and self.local_step >= o.max_steps)
+        if self.ranks is not None:
+            flags = self.ranks.sync(Flags(changed=self._theta_written, stop=stop, reset_inner=self._inner_reset))
+            if flags.changed:
+                self.ranks.broadcast_params(self.model)
+            self._theta_written = self._inner_reset = False
+            if stop:  # before the leave's drain, which may write theta on rank 0 alone
+                self._log_digest(self.local_step)
+        return not stop
+
+    def _log_digest(self, step: int) -> None:
+        """The parameters' digest as this rank stops: equal on every rank (tests and users compare the logs)."""
+        assert self.ranks is not None
+        log.info("rank %d stops at step %d with parameters crc32 %08x", self.ranks.rank, step,
+                 params_digest(self.model))
+
+    def _inner_step(self, batch: torch.Tensor) -> float:
+        if self.ranks is None:
+            return self.inner.step([batch])
+        with self.ranks.guard("an inner step"):  # DDP's all-reduce: a dead rank fails it
+            return self.inner.step([batch])
+
     def _train(self) -> None:
         from node.checkpoint import save_checkpoint
 
@@ -344,13 +463,14 @@ class Node:
         self._beat_soon()  # peers count us as a member of rounds from our next heartbeat: make it now
         last_log = time.monotonic()
         window_tokens, window_start = 0, time.monotonic()
-        while not self.stop.is_set() and (o.max_steps is None or self.local_step < o.max_steps):
+        while self._continue():
             t0 = time.monotonic()
             batch = self.batches.get(self.local_step)
-            loss = self.inner.step([batch])
+            loss = self._inner_step(batch)
+            node_tokens = batch.numel() * self.world  # every rank trained a batch of this size
             self.local_step += 1
-            self.tokens += batch.numel()
-            window_tokens += batch.numel()
+            self.tokens += node_tokens
+            window_tokens += node_tokens
             step_time = time.monotonic() - t0
             self.compute_seconds += step_time
             if o.throttle > 1:
@@ -358,10 +478,10 @@ class Node:
             prev = self.clock
             self.clock = self.swarm_clock.tick(self.local_step)
             if self.clock > prev:
-                for ev in self.outer.advance(prev, self.clock, batch.numel()):
+                for ev in self.outer.advance(prev, self.clock, node_tokens):
                     self._on_sync(ev)
             else:  # ahead of the swarm's median: our clock waits for it, and nothing new is due
-                self.outer.add_tokens(batch.numel())
+                self.outer.add_tokens(node_tokens)
             self._realign_schedule()
             self.loss = loss
             if o.eval_every and self.local_step % o.eval_every == 0:
@@ -380,12 +500,16 @@ class Node:
                          self.counters.total_sent)
 
     def _on_sync(self, ev) -> None:
+        # Every write of theta by the outer loop comes with an event: the other ranks get theta before
+        # the next step (a "sent" without a write costs one needless broadcast per send).
+        self._theta_written = True
         if ev.kind in ("merged", "caught_up"):
             self._publish(ev.fragment)
         if ev.kind == "sent":
             return
         if ev.kind == "diverged":
             self.inner.reset_state()
+            self._inner_reset = True
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
             # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
@@ -501,7 +625,8 @@ class Node:
         (an offence: a fresh-clone CI run saw an honest joiner banned that way)."""
         slack = self.cfg.robust.weight_factor
         carry = max(self.cfg.outer.max_carry, MIN_CARRY_ALLOWANCE) + 1
-        whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.cfg.outer.h * carry)
+        whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.world * self.cfg.outer.h
+                            * carry)
         base = max(own_weight, whole_carry)
         hb = self.peer_table.get(peer)
         own_rate = self.tokens_per_s

@@ -40,6 +40,19 @@ class InnerOptimizer:
         non-finite gradients would carry the divergence into every later step)."""
         self.optimizer.state.clear()
 
+    def state_dict(self) -> dict:
+        """The AdamW state (copies, on the CPU) and the step counter: what another rank needs to take
+        this optimizer's place (``node.ranks``)."""
+        opt = self.optimizer.state_dict()
+        state = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
+                 for i, s in opt["state"].items()}
+        return {"optimizer": {**opt, "state": state}, "steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take ``state`` from :meth:`state_dict` (moments move to the parameters' device)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = int(state["steps_done"])
+
     def lr_at(self, step: int) -> float:
         if self.cfg.warmup and step < self.cfg.warmup:
             return self.cfg.lr * (step + 1) / self.cfg.warmup

@@ -11,6 +11,7 @@ from node import daemon
 from node.commands import add_config_args, load_config_from_args
 from node.errors import UserError
 from node.helptext import describe
+from node.ranks import DEFAULT_TIMEOUT_S, RankGroup, RankLauncher, check_nproc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=int(env("LOCOSWARM_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on http://CONTROL_HOST:PORT/metrics (env LOCOSWARM_METRICS_PORT; "
                         "default 0 = off)")
+    p.add_argument("--nproc", type=int, default=int(env("LOCOSWARM_NPROC", "1")),
+                   help="train this node over N ranks (one per GPU, or CPU processes with --device cpu): DDP inside "
+                        "the node, rank 0 joins the swarm (env LOCOSWARM_NPROC; default 1). Under torchrun the "
+                        "ranks come from its environment instead")
+    p.add_argument("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds a collective of the node's ranks may wait for a rank before the node leaves "
+                        f"(default {DEFAULT_TIMEOUT_S:.0f}; at least the network's matchmaking and round timeouts "
+                        "plus 60: rank 0's longest pause between steps; a dead rank is noticed at once)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     p.set_defaults(func=run_node)
 
@@ -59,8 +68,10 @@ def run_node(args: argparse.Namespace) -> int:
     from node.sim import data_paths
     from node.swarm.dht import bootstrap_from_env_and_args
 
+    rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # a node's rank
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)-5s %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(asctime)s %(levelname)-5s {f'[rank {rank}] ' if rank else ''}%(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
     cfg = load_config_from_args(args)
@@ -72,6 +83,17 @@ def run_node(args: argparse.Namespace) -> int:
         raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
+    check_nproc(args.nproc, args.device)
+    if not args.rank_timeout > 0:
+        raise UserError(f"--rank-timeout {args.rank_timeout} is not allowed; give seconds > 0")
+    # Rank 0 may wait out a round between two steps: the others must not give up on it meanwhile.
+    ranks = RankGroup.from_env(max(args.rank_timeout,
+                                   cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0))
+    if ranks is not None and args.nproc not in (1, ranks.world_size):
+        raise UserError(f"--nproc {args.nproc} but this process is one of {ranks.world_size} ranks (WORLD_SIZE, set "
+                        "by torchrun or the launcher); drop --nproc under torchrun or make them agree")
+    if ranks is None and args.nproc > 1:  # the launcher: the ranks run this same command
+        return RankLauncher(args.argv, args.nproc).run()
     from node.control import check_control_options, control_port_from_args
 
     control_port, control_port_default = control_port_from_args(args.control_port)
@@ -86,7 +108,7 @@ def run_node(args: argparse.Namespace) -> int:
         threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
         control_port=control_port, control_port_default=control_port_default,
         allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
-    return daemon.Node(cfg, opts).run()
+    return daemon.Node(cfg, opts, ranks).run()
 
 
 def _announce_addrs(addrs: list[str] | None) -> list[str] | None:

@@ -312,6 +312,12 @@ def _prctl(option: int, arg: int | bytes) -> bool:
         return False
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``): a child
+    that must not outlive the process that started it (a node's rank, its launcher). Linux only."""
+    return _prctl(PR_SET_PDEATHSIG, sig)
+
+
 def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
     """Fork a watchdog that cleans up after this process if it dies (SIGKILL included).
 
@@ -474,6 +480,7 @@ __all__ = [
     "children",
     "cleanup_ipc_files",
     "descendants",
+    "die_with_parent",
     "group_members",
     "install_signal_handlers",
     "ipc_files",

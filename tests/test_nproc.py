@@ -1,0 +1,256 @@
+"""One node over several ranks (``node.ranks``, ``locoswarm run --nproc N``), on CPU with gloo.
+
+The protocol on its own: two ranks train the tiny model with DDP and stay bit-identical, and a write of
+theta on rank 0 (what an outer merge does) reaches the other rank. Then the issue's acceptance with real
+nodes: two ``--nproc 2`` nodes average every fragment and agree on phi; SIGKILL of one node's rank 1
+makes that node leave cleanly (non-zero exit, nothing left behind) while the other keeps training, and
+the node resumes from its state dir.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from swarm_util import REPO, NodeProc, write_config, write_corpus
+from test_run_cli import refused_before_start, run
+from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
+
+from node.ranks import Flags, RankGroup, free_port
+from node.swarm.process import children, descendants, is_alive, p2pd_pids
+
+GLOO = dist.is_available() and dist.is_gloo_available()
+needs_gloo = pytest.mark.skipif(not GLOO, reason="torch.distributed with gloo is not available in this torch build")
+NPROC = ("--nproc", "2", "--device", "cpu")
+
+
+# ---- the protocol, two gloo ranks in spawned processes ------------------------------------------------
+def _rank_main(rank: int, port: int, config: str, data: str, out: str) -> None:
+    """One rank: 3 DDP steps, rank 0 writes theta (+1, as a merge would) and broadcasts it, 2 more steps.
+    Saves its parameters after each phase and the first batch it trained on."""
+    from node.config import load_config
+    from node.data import TrainBatches, load_corpus, load_tokenizer
+    from node.inner import InnerOptimizer
+    from node.model import build_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = load_config(Path(config))
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    corpus = load_corpus([data], cfg.data, tokenizer)
+    group = RankGroup(rank, 2, rank, timeout_s=60)
+    group.start(torch.device("cpu"))
+    # Different initial weights per rank: the start broadcast (as the node does it) must make them equal.
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed + rank)
+    group.broadcast_params(model)
+    inner = InnerOptimizer(group.wrap(model), cfg.inner)
+    batches = TrainBatches(corpus.train, rank, 2, cfg.inner.batch_size, cfg.inner.seq_len, seed=7)
+    snapshots: dict[str, object] = {"batch": batches.get(0)}
+    step = 0
+    for phase, steps in (("trained", 3), ("after_merge", 2)):
+        if phase == "after_merge":
+            if group.is_leader:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+            flags = group.sync(Flags(changed=group.is_leader))
+            if flags.changed:
+                group.broadcast_params(model)
+            snapshots["merged"] = [p.detach().clone() for p in model.parameters()]
+        for _ in range(steps):
+            inner.step([batches.get(step)])
+            step += 1
+        snapshots[phase] = [p.detach().clone() for p in model.parameters()]
+    stop = group.sync(Flags(stop=True))
+    snapshots["stop"] = stop.stop
+    torch.save(snapshots, out)
+    group.close()
+
+
+@needs_gloo
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "peers.toml")
+    data = write_corpus(tmp_path / "data", docs=3, lines=60)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(config), str(data), str(outs[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+    r0, r1 = (torch.load(o) for o in outs)
+    assert not torch.equal(r0["batch"], r1["batch"]), "each rank must read its own shard"
+    for phase in ("trained", "merged", "after_merge"):
+        for a, b in zip(r0[phase], r1[phase], strict=True):
+            assert torch.equal(a, b), f"ranks differ after {phase}"
+    # The write happened on rank 0 only, and rank 1 got it: +1 on every parameter.
+    for trained, after in zip(r0["trained"], r0["merged"], strict=True):
+        assert torch.allclose(after, trained + 1.0)
+    assert r0["stop"] and r1["stop"]
+
+
+@pytest.mark.timeout(60)
+def test_inner_state_dict_lets_another_optimizer_take_over(tmp_path: Path) -> None:
+    """What rank 0 hands the other ranks at the start (its resumed AdamW state and step counter): an optimizer
+    loaded from it makes the same next step as the original."""
+    from node.config import load_config
+    from node.inner import InnerOptimizer
+
+    cfg = load_config(write_config(tmp_path / "peers.toml"))
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [InnerOptimizer(m, cfg.inner) for m in models]
+    x = torch.randn(8, 4)
+
+    def step(i: int) -> None:
+        models[i](x).pow(2).mean().backward()
+        opts[i].optimizer.step()
+        opts[i].optimizer.zero_grad()
+        opts[i].steps_done += 1
+
+    for _ in range(3):
+        step(0)
+    models[1].load_state_dict(models[0].state_dict())
+    opts[1].load_state_dict(opts[0].state_dict())
+    assert opts[1].steps_done == 3
+    step(0)
+    step(1)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_kills_a_rank0_that_does_not_leave_after_another_rank_died(tmp_path: Path) -> None:
+    """Rank 1 fails; rank 0 ignores the launcher's SIGTERM (as if stuck in an NCCL collective with the dead
+    rank): after ``leave_s`` the launcher SIGKILLs it and exits with rank 1's code."""
+    pidfile = tmp_path / "rank0.pid"
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        if os.environ["RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open(sys.argv[1], "w").write(str(os.getpid()))
+            time.sleep(120)
+            sys.exit(0)
+        time.sleep(1.0)
+        sys.exit(3)
+    """))
+    code = ("import sys; from node.ranks import RankLauncher; "
+            f"sys.exit(RankLauncher([{str(script)!r}, {str(pidfile)!r}], 2, leave_s=1.0, "
+            "command=[sys.executable]).run())")
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50,
+                         start_new_session=True)
+    assert res.returncode == 3, res.stderr
+    assert "rank 1 exited with 3" in res.stderr
+    assert time.monotonic() - started < 30
+    assert not is_alive(int(pidfile.read_text()))
+
+
+# ---- validation ------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path / "peers.toml")
+    data = write_corpus(tmp_path / "data", docs=3, lines=60)
+    common = ("--config", str(config), "--data", str(data), "--state-dir", str(tmp_path / "s"), "--max-steps", "1")
+    refused_before_start(run(*common, "--nproc", "0"), "--nproc 0", ">= 1")
+    too_many = max(2, (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1)
+    refused_before_start(run(*common, "--nproc", str(too_many), "--device", "cuda"), f"--nproc {too_many}", "GPUs")
+    refused_before_start(run(*common, "--nproc", "2", "--device", "cuda:1"), "cuda:1", "auto, cuda or cpu")
+    with monkeypatch.context() as env:  # a rank of torchrun's (WORLD_SIZE 2) told --nproc 3
+        env.setenv("WORLD_SIZE", "2")
+        env.setenv("RANK", "1")
+        refused_before_start(run(*common, "--nproc", "3"), "--nproc 3", "one of 2 ranks")
+    assert not (tmp_path / "s").exists()
+
+
+# ---- the issue's acceptance: two --nproc 2 nodes ------------------------------------------------------
+def _rank_pid(node: NodeProc, rank: int) -> int:
+    """The pid of ``node``'s rank ``rank``: a child of its launcher with RANK in its environment (the forks of
+    a rank, its watchdog and DHT process, inherit that environment but are not the launcher's children)."""
+    for pid in children(node.proc.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"{node.name}: no rank {rank} among the launcher's children {children(node.proc.pid)}")
+
+
+def _assert_down(node: NodeProc, p2pd: list[int]) -> None:
+    """``node`` exits non-zero within a minute and leaves nothing: its process group and its p2pd (which runs
+    in the DHT process's own group) are gone."""
+    rc = node.proc.wait(60)
+    assert rc != 0, node.tail()
+    deadline = time.monotonic() + 15
+    while (node.group_alive() or p2pd_pids(p2pd)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not node.group_alive() and not p2pd_pids(p2pd), "the node left processes behind"
+
+
+@needs_gloo
+@pytest.mark.timeout(180)
+def test_sigkill_of_rank0_stops_the_node_and_leaves_nothing(swarm: Swarm) -> None:  # noqa: F811 (the fixture)
+    node = swarm.start("n0", *NPROC)
+    node.wait_status(lambda s: s.get("inner_step", 0) >= 10, 120, "training")
+    p2pd = p2pd_pids(descendants(node.proc.pid))
+    assert p2pd
+    os.kill(_rank_pid(node, 0), signal.SIGKILL)  # rank 1 fails its next collective; rank 0's watchdog cleans up
+    _assert_down(node, p2pd)
+    assert "rank 1: " in node.tail(), node.tail()
+
+
+@needs_gloo
+@pytest.mark.timeout(420)
+def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(swarm: Swarm) -> None:  # noqa: F811 (the fixture)
+    """The fixture (``test_swarm_integration``) stops every node and checks that none left processes."""
+    extra = (*NPROC, "--checkpoint-every", "10")
+    nodes = [swarm.start("n0", *extra), swarm.start("n1", *extra)]
+    for node in nodes:  # every fragment averaged (with the other node: group 2) on both
+        node.wait_status(lambda s: fragments_merged(s) == {0, 1} and len(merged(s)) >= 4, 240,
+                         "every fragment averaged twice")
+    wait_until(lambda: agree(nodes), 60, "phi to agree across the two nodes", nodes)
+    survivor, victim = nodes
+    assert victim.state_dir.joinpath("checkpoint.json").exists()
+    p2pd = p2pd_pids(descendants(victim.proc.pid))
+    assert p2pd, "rank 0 of the victim runs the node's only p2pd"
+    os.kill(_rank_pid(victim, 1), signal.SIGKILL)
+    _assert_down(victim, p2pd)
+    st = victim.status()
+    assert st["state"] == "stopped", st["state"]  # its leave path ran: drained, checkpointed, announced
+    assert any(e["kind"] == "rank_failed" for e in st["events"]), [e["kind"] for e in st["events"]]
+    # The other node keeps training.
+    before = survivor.status()["inner_step"]
+    survivor.wait_status(lambda s: s["inner_step"] >= before + 20, 90, "20 more steps without the victim")
+    # Restarted on its state dir, the node resumes with two ranks and merges rounds again.
+    restarted = swarm.start("n1", *extra)
+    restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", [])), 120, "resume")
+    restarted.wait_status(lambda s: [e for e in merged(s) if e["group_size"] == 2], 150,
+                          "a round merged with the other node after resuming")
+    for node in (survivor, restarted):  # graceful leave of a whole node: both ranks stop with one model
+        assert node.terminate(90) == 0, node.tail()
+        stops = re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})",
+                           node.log_path.read_text(errors="replace"))
+        assert len(stops) == 2 and {r for r, _, _ in stops} == {"0", "1"}, stops  # the killed run logged none
+        assert len({(step, crc) for _, step, crc in stops}) == 1, f"{node.name}: ranks differ at the stop: {stops}"
