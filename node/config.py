@@ -48,11 +48,15 @@ class SwarmSection:
                                    help="bootstrap multiaddrs, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
 
 
+#: The model size presets (their shapes: ``node.model.PRESETS``, which has exactly these keys).
+PRESET_NAMES = ("tiny", "small", "125m", "350m", "1b")
+
+
 @dataclass
 class ModelSection:
     arch: str = setting("llama", shared=True, choices=("llama", "gpt2"), help="model architecture")
-    preset: str = setting("tiny", shared=True, choices=("tiny", "small", "125m"),
-                          help="size preset: tiny (~1M params), small (~25M), 125m")
+    preset: str = setting("tiny", shared=True, choices=PRESET_NAMES,
+                          help="size preset: tiny (~1M params), small (~25M), 125m, 350m, 1b")
     # 0 means "take the preset's value"; a positive value overrides it.
     n_layers: int = setting(0, shared=True, min=0, max=256, help="decoder blocks (0 = preset)")
     d_model: int = setting(0, shared=True, min=0, max=16384, help="hidden size (0 = preset)")

@@ -81,3 +81,18 @@ def test_resolve_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA is not available"):
             resolve_device("cuda:0")
+
+
+def test_every_model_preset_can_be_chosen_in_peers_toml(tmp_path) -> None:
+    """The config's preset choices are the model's presets: a preset that the planner sizes (350m, 1b) is one a
+    user can train, and a name the model lacks is refused by the config, not deep in the build."""
+    from node.config import PRESET_NAMES, load_config
+    from node.model import PRESETS
+
+    assert tuple(PRESETS) == PRESET_NAMES
+    for preset in PRESET_NAMES:
+        (tmp_path / "peers.toml").write_text(f'[model]\npreset = "{preset}"\n')
+        assert load_config(tmp_path / "peers.toml").model.preset == preset
+    (tmp_path / "peers.toml").write_text('[model]\npreset = "7b"\n')
+    with pytest.raises(Exception, match="7b"):
+        load_config(tmp_path / "peers.toml")
