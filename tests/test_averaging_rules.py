@@ -243,8 +243,8 @@ def _consensus_parts(own: torch.Tensor, partner: torch.Tensor, codec) -> tuple:
     """A pair's consensus round on the outer state ``own``: the request, and the reduced chunks of the
     second half (the momenta, which the partner reduces), as an honest reducer makes them."""
     from node.core.consensus import state_digest
+    from node.core.transport import AverageRequest
     from node.swarm.averaging import check_reduced_part
-    from node.transport.base import AverageRequest
 
     req = AverageRequest(fragment=3, round=40, chunks=encode_chunks(codec, own), numel=own.numel(), weight=1.0,
                          version=7, codec="fp32", digest=state_digest(own))

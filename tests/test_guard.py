@@ -14,9 +14,9 @@ from node.config import ModelSection, OuterSection
 from node.core.codecs import get_codec
 from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
 from node.core.outer_loop import OuterLoop
+from node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.model import build_model
 from node.partition import partition
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.inprocess import InProcessHub
 
 VOCAB = 257

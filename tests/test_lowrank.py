@@ -36,6 +36,7 @@ from node.core.lowrank import (
 )
 from node.core.outer_loop import OuterLoop
 from node.core.payload import decode_chunks, payload_size
+from node.core.transport import AverageRequest
 from node.data import ByteTokenizer, load_corpus
 from node.errors import ConfigError
 from node.inner import InnerOptimizer
@@ -45,7 +46,6 @@ from node.sim.methods import method_config
 from node.sim.simulator import SimSpec, simulate
 from node.swarm.averaging import SwarmTransport, _Reduction, match_entry
 from node.swarm.wire import WireError
-from node.transport.base import AverageRequest
 from node.transport.inprocess import InProcessHub
 from protocol import swarm_pb2
 

@@ -34,9 +34,7 @@ from node.core.payload import (
 )
 from node.core.robust import make_aggregator
 from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
-from node.model import build_model
-from node.partition import partition
-from node.transport.base import (
+from node.core.transport import (
     AverageHandle,
     AverageRequest,
     AverageResult,
@@ -44,6 +42,8 @@ from node.transport.base import (
     FragmentSnapshot,
     Transport,
 )
+from node.model import build_model
+from node.partition import partition
 from node.transport.inprocess import HEADER_BYTES, InProcessHub
 from node.transport.reduce import part_ranges
 from node.transport.reduce import reduce_group as _reduce_group

@@ -34,8 +34,8 @@ def test_adaptive_slot_leader_state_becomes_the_schedule_hint() -> None:
     from types import SimpleNamespace
 
     from node.core.schedule import ScheduleState
+    from node.core.transport import AverageRequest
     from node.swarm.averaging import ScheduleHint, SwarmTransport, match_entry
-    from node.transport.base import AverageRequest
 
     def request(fragment: int, last_send: tuple, shared_r: tuple | None) -> AverageRequest:
         return AverageRequest(fragment=fragment, round=40, chunks=[], numel=0, weight=1.0, version=3,

@@ -23,6 +23,7 @@ import torch
 from hivemind.p2p import P2P
 from test_wire import LoopThread, p2p_nodes
 
+from node.core.transport import FragmentSnapshot
 from node.swarm import state_sync, wire
 from node.swarm.state_sync import (
     CHUNK_ELEMS,
@@ -33,7 +34,6 @@ from node.swarm.state_sync import (
     StateRateLimiter,
     StateServer,
 )
-from node.transport.base import FragmentSnapshot
 from protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)

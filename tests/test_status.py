@@ -164,10 +164,10 @@ def test_node_status_snapshot(tmp_path):
     import torch
 
     from node.config import load_config
+    from node.core.transport import FragmentSnapshot
     from node.daemon import Node, NodeOptions
     from node.swarm.averaging import ByteCounters
     from node.swarm.reputation import Reputation
-    from node.transport.base import FragmentSnapshot
 
     node = Node(load_config(None, []), NodeOptions(state_dir=tmp_path, control_port=7615, metrics_port=9615))
     node.peer_id, node.maddrs, node.state, node.loss, node.clock, node.local_step = "QmSelf", ["/ip4/1"], "training", \

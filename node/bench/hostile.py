@@ -182,8 +182,8 @@ class StateAttack(NodeAttack):
     def apply(self) -> None:
         import torch
 
+        from node.core.transport import FragmentSnapshot
         from node.daemon import Node
-        from node.transport.base import FragmentSnapshot
 
         publish, heartbeat = Node._publish, Node._heartbeat
 

@@ -51,7 +51,7 @@ from node.core.outer_optimizer import NesterovOuterOptimizer
 from node.core.payload import encode_chunks
 from node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from node.core.state import FragmentState
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
+from node.core.transport import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
 
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)

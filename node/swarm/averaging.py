@@ -50,10 +50,10 @@ from node.core.codecs import CODECS, Codec
 from node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from node.core.robust import make_aggregator
 from node.core.schedule import ScheduleState
+from node.core.transport import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
 from node.swarm.reputation import EveryNth
 from node.swarm.runtime import NetworkRuntime
 from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
 from node.transport.groups import form_groups, group_basis
 from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from protocol import swarm_pb2

@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from node.core.transport import FragmentSnapshot
 from node.swarm import wire
-from node.transport.base import FragmentSnapshot
 from protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover (types only: the averaging protocol is not needed to move state)

@@ -20,7 +20,7 @@ from node.config import RobustSection
 from node.core.codecs import Codec, get_codec
 from node.core.payload import decode_chunks
 from node.core.robust import make_aggregator
-from node.transport.base import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
 from node.transport.groups import form_groups, group_basis
 from node.transport.reduce import reduce_group
 
