@@ -271,16 +271,17 @@ def test_ratios_between_methods(h: int, fragments: int, tau: int) -> None:
 
 def test_diloco_x_rows_send_the_low_rank_bytes_of_the_models_shapes() -> None:
     """codec lowrank's bits per parameter follow from the shapes (the 1b preset's for 1e9 parameters):
-    r (m + n) int8 factor values per m x n matrix, far below fp4's 4.5 bits, and more at a larger rank."""
+    r (m + n) int8 factor values per m x n matrix, far below fp4's 4.5 bits; one
+    row per distinct rank of the initial and the largest (the default starts at the largest)."""
     lowrank = plan.lowrank_bits(1e9)
     assert plan.lowrank_bits(1e9, preset="1b") == lowrank
-    (small, small_bits), (large, large_bits) = lowrank
-    assert (small, large) == ("lr8", "lr32") and small_bits < large_bits < plan.codec_bits("fp4") / 4
+    [(large, large_bits)] = lowrank
+    assert large == "lr32" and large_bits < plan.codec_bits("fp4") / 4
     rows = method_rows(1e9, 0.1, 1e9, h=100, fragments=8, tau=1, lowrank=lowrank)
     x = [r for r in rows if r.method == "diloco-x"]
-    assert [(r.h, r.fragments, r.tau, r.codec) for r in x] == [(100, 1, 100, "lr8"), (100, 1, 100, "lr32")]
-    assert x[0].bytes_per_sync == pytest.approx(1e9 * small_bits / 8)  # ring factor 1 for 2 workers
-    assert x[0].required_bandwidth < _need("eager", "fp32", rows) * small_bits / 32 * 1.001
+    assert [(r.h, r.fragments, r.tau, r.codec) for r in x] == [(100, 1, 100, "lr32")]
+    assert x[0].bytes_per_sync == pytest.approx(1e9 * large_bits / 8)  # ring factor 1 for 2 workers
+    assert x[0].required_bandwidth < _need("eager", "fp32", rows) * large_bits / 32 * 1.001
 
 
 def test_table4_orders_of_magnitude() -> None:
@@ -391,9 +392,8 @@ def test_cli_json() -> None:
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [m["method"] for m in data["methods"]] == [
-        "dp", "diloco", "streaming", "streaming-overlap", "streaming-overlap", "eager", "locoswarm", "diloco-x",
-        "diloco-x"]
-    assert [m["codec"] for m in data["methods"][-2:]] == ["lr8", "lr32"]  # the default initial and largest rank
+        "dp", "diloco", "streaming", "streaming-overlap", "streaming-overlap", "eager", "locoswarm", "diloco-x"]
+    assert [m["codec"] for m in data["methods"][-1:]] == ["lr32"]  # the default initial rank is the largest
     assert data["inputs"]["bandwidth_bit_s"] == 1e9 and data["inputs"]["latency_s"] == pytest.approx(0.05)
     assert data["methods"][0]["required_bandwidth"] is None  # dp: latency alone exceeds the budget
     rec = data["recommendation"]

@@ -64,6 +64,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("diloco-x", "DiLoCoX (Qi et al. 2025)",
            "F=1, one-step-delay overlap (tau=H, rebase) + adaptive low-rank compression with error feedback",
            _outer(fragments=1, tau="H", method="rebase", codec="lowrank", error_feedback=True, schedule="fixed")),
+    # diloco-x without its delay: what the low-rank compression alone costs against diloco.
+    Method("diloco-lowrank", "DiLoCoX's compression on DiLoCo",
+           "F=1, blocking sync every H steps, adaptive low-rank compression with error feedback",
+           _outer(fragments=1, tau=0, method="replace", codec="lowrank", error_feedback=True, schedule="fixed")),
 ]}
 
 
