@@ -32,15 +32,15 @@ def node_flags() -> dict[str, str]:
 
 
 def main() -> int:
-    from node.control import (
+    from locoswarm.node.control import (
         DEFAULT_CONTROL_HOST,
         DEFAULT_CONTROL_PORT,
         ENV_CONTROL,
         ENV_CONTROL_PORT,
         parse_hostport,
     )
-    from node.control.cli import ControlClient
-    from node.errors import UserError
+    from locoswarm.node.control.cli import ControlClient
+    from locoswarm.node.errors import UserError
 
     flags = node_flags()
     port = flags.get("--control-port") or os.environ.get(ENV_CONTROL_PORT, "").strip() or str(DEFAULT_CONTROL_PORT)

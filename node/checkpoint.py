@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.config import SwarmConfig
-from node.errors import UserError
-from node.inner import InnerOptimizer
+from locoswarm.node.config import SwarmConfig
+from locoswarm.node.errors import UserError
+from locoswarm.node.inner import InnerOptimizer
 
 if TYPE_CHECKING:
-    from node.core.outer_loop import OuterLoop
+    from locoswarm.node.core.outer_loop import OuterLoop
 
 log = logging.getLogger(__name__)
 
@@ -424,9 +424,9 @@ def load_trained_model(state_dir: Path, cfg: SwarmConfig, vocab_size: int, *,
     """The checkpoint's model on CPU: ``use="outer"`` loads phi, the consensus the swarm agreed on (the
     same on every peer at equal versions); ``use="live"`` this node's own live params theta. Returns the
     model and the checkpoint pair it came from. Raises ``UserError`` without a usable checkpoint."""
-    from node.config import fingerprint as swarm_fingerprint
-    from node.model import build_model
-    from node.partition import fragment_params, partition
+    from locoswarm.node.config import fingerprint as swarm_fingerprint
+    from locoswarm.node.model import build_model
+    from locoswarm.node.partition import fragment_params, partition
 
     if use not in ("outer", "live"):
         raise UserError(f"use = {use!r}; choose 'outer' (consensus phi) or 'live' (this node's theta)")
@@ -468,13 +468,13 @@ def load_trained_model(state_dir: Path, cfg: SwarmConfig, vocab_size: int, *,
 
 def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, tokenizer, *, use: str = "outer") -> Path:
     """Write the checkpoint's model (see :func:`load_trained_model` for ``use``) as a ``transformers``
-    directory loadable with ``from_pretrained``, with ``tokenizer`` (the swarm's: ``node.data``) saved
+    directory loadable with ``from_pretrained``, with ``tokenizer`` (the swarm's: ``locoswarm.node.data``) saved
     beside it so ``AutoTokenizer.from_pretrained`` loads it too, and the end-of-document token as the
     model's eos. Also writes ``out_dir/locoswarm.json`` (fingerprint, fragment versions, the checkpoint's
     meta) so the export can be traced to its swarm. Returns ``out_dir``."""
-    from node.config import fingerprint as swarm_fingerprint
-    from node.config import to_dict
-    from node.fsutil import atomic_write_text
+    from locoswarm.node.config import fingerprint as swarm_fingerprint
+    from locoswarm.node.config import to_dict
+    from locoswarm.node.fsutil import atomic_write_text
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():

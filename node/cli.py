@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from node.errors import UserError
-from node.helptext import describe
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,12 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="locoswarm", description=describe(__doc__))
     parser.add_argument("--version", action="version", version="locoswarm 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    from node import plan
-    from node.bench import register as register_bench
-    from node.commands import config, data, partition, run
-    from node.commands.export import register_export, register_generate
-    from node.control.cli import register as register_status
-    from node.sim import register as register_sim
+    from locoswarm.node import plan
+    from locoswarm.node.bench import register as register_bench
+    from locoswarm.node.commands import config, data, partition, run
+    from locoswarm.node.commands.export import register_export, register_generate
+    from locoswarm.node.control.cli import register as register_status
+    from locoswarm.node.sim import register as register_sim
 
     for register in (run.register, config.register, partition.register, data.register, register_sim, register_bench,
                      plan.register, register_export, register_generate, register_status):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.errors import ConfigError
+from locoswarm.node.errors import ConfigError
 
 
 def setting(default: Any, *, shared: bool, help: str, choices: tuple | None = None,
@@ -48,7 +48,7 @@ class SwarmSection:
                                    help="bootstrap multiaddrs, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
 
 
-#: The model size presets (their shapes: ``node.model.PRESETS``, which has exactly these keys).
+#: The model size presets (their shapes: ``locoswarm.node.model.PRESETS``, which has exactly these keys).
 PRESET_NAMES = ("tiny", "small", "125m", "350m", "1b")
 
 
@@ -159,7 +159,7 @@ class NetworkSection:
                                         help="seconds between membership heartbeats")
 
 
-#: Robust aggregators (``node.core.robust``), declared here once: the schema is their single home.
+#: Robust aggregators (``locoswarm.node.core.robust``), declared here once: the schema is their single home.
 AGGREGATORS: tuple[str, ...] = ("clipped_mean", "trimmed_mean", "median", "mean")
 
 

@@ -6,7 +6,7 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
 2. build the model and data; resume from the state dir's checkpoint, if any; when peers already hold
    outer state, download phi and momentum from them (spread over several peers) before training;
 3. train: an inner AdamW step, then the outer core (``OuterLoop.advance``) on the swarm clock
-   (swarm-wide progress from heartbeats, ``node.swarm.clock``: every node steers toward the median of
+   (swarm-wide progress from heartbeats, ``locoswarm.node.swarm.clock``: every node steers toward the median of
    the validated clocks, so all meet in the same rounds, each contribution weighted by its tokens);
    averaging runs on the network thread
    while training goes on; results merge between inner steps;
@@ -15,7 +15,7 @@ Config -> model/data -> inner loop -> outer core -> transport, for one volunteer
 5. on SIGTERM/Ctrl+C: wait (bounded) for in-flight rounds and merge them, publish a "leaving"
    heartbeat, checkpoint, stop the DHT and p2pd. A watchdog kills leftovers if the node is SIGKILLed.
 
-With ``--nproc N`` (or torchrun) the node runs N ranks (``node.ranks``): rank 0 does all of the above,
+With ``--nproc N`` (or torchrun) the node runs N ranks (``locoswarm.node.ranks``): rank 0 does all of the above,
 the other ranks only inner steps; DDP averages their gradients, and rank 0 broadcasts theta after the
 outer loop wrote it. A rank that dies makes rank 0 leave the swarm as above and exit non-zero.
 """
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from node.config import SwarmConfig, fingerprint
-from node.core.schedule import ScheduleState
-from node.core.state import outer_state_device
-from node.ranks import Flags, RankFailure, RankGroup, launched, params_digest
-from node.status import (
+from locoswarm.node.config import SwarmConfig, fingerprint
+from locoswarm.node.core.schedule import ScheduleState
+from locoswarm.node.core.state import outer_state_device
+from locoswarm.node.ranks import Flags, RankFailure, RankGroup, launched, params_digest
+from locoswarm.node.status import (
     ByteStatus,
     ConsensusStatus,
     EvalPoint,
@@ -52,7 +52,7 @@ from node.status import (
     Spread,
     StatusEvent,
 )
-from protocol import swarm_pb2
+from locoswarm.protocol import swarm_pb2
 
 log = logging.getLogger("locoswarm.node")
 
@@ -82,7 +82,7 @@ class NodeOptions:
     config_path: str | None = None
     seed: int | None = None        # data sampling seed of this node (default: from its peer id)
     control_host: str = "127.0.0.1"
-    control_port: int = 0          # gRPC control API (0 = off); see node.control
+    control_port: int = 0          # gRPC control API (0 = off); see locoswarm.node.control
     control_port_default: bool = False  # not chosen by the user: if taken (another node), use any free port
     allow_remote_control: bool = False
     metrics_port: int = 0          # Prometheus text endpoint (0 = off)
@@ -94,7 +94,7 @@ def _crc(t: torch.Tensor) -> int:
 
 class Node:
     """One swarm node. ``ranks``: the node's process group when it runs over several GPUs or CPU ranks
-    (``node.ranks``); None for a single process, which never touches ``torch.distributed``."""
+    (``locoswarm.node.ranks``); None for a single process, which never touches ``torch.distributed``."""
 
     def __init__(self, cfg: SwarmConfig, opts: NodeOptions, ranks: RankGroup | None = None) -> None:
         self.cfg = cfg
@@ -130,7 +130,7 @@ class Node:
         """Run the node; 0 after a clean leave, 1 when one of its ranks failed (it left the swarm cleanly)."""
         if self.ranks is not None and not self.ranks.is_leader:
             return self._follow()
-        from node.swarm import process
+        from locoswarm.node.swarm import process
 
         if not launched():  # a launched rank stays in its launcher's process group (one killpg reaches all)
             process.become_group_leader()
@@ -162,7 +162,7 @@ class Node:
         Ctrl+C reaches the whole group, and the launcher passes it on to rank 0 once (as SIGTERM)."""
         import signal
 
-        from node.swarm import process
+        from locoswarm.node.swarm import process
 
         process.install_signal_handlers(self.stop)
         if launched():
@@ -174,7 +174,7 @@ class Node:
         so, or when rank 0 is gone (its next collective fails)."""
         import signal
 
-        from node.data import TrainBatches
+        from locoswarm.node.data import TrainBatches
 
         assert self.ranks is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -209,9 +209,9 @@ class Node:
         return 0
 
     def _start_network(self) -> None:
-        from node.swarm.dht import join_command, start_dht, visible_maddrs
-        from node.swarm.membership import Membership, swarm_key
-        from node.swarm.runtime import NetworkRuntime
+        from locoswarm.node.swarm.dht import join_command, start_dht, visible_maddrs
+        from locoswarm.node.swarm.membership import Membership, swarm_key
+        from locoswarm.node.swarm.runtime import NetworkRuntime
 
         o = self.opts
         bootstrap = o.bootstrap or []
@@ -235,7 +235,7 @@ class Node:
     def _listen_port(self) -> int:
         """``--port``, or (0: any) the port this state dir listened on last time when it is free: a restarted
         node keeps its address, so the join command it printed before still works."""
-        from node.swarm.dht import tcp_port_free
+        from locoswarm.node.swarm.dht import tcp_port_free
 
         o = self.opts
         if o.port:
@@ -250,8 +250,8 @@ class Node:
         return 0
 
     def _remember_port(self) -> None:
-        from node.fsutil import atomic_write_text
-        from node.swarm.dht import maddr_port
+        from locoswarm.node.fsutil import atomic_write_text
+        from locoswarm.node.swarm.dht import maddr_port
 
         ports = {maddr_port(a) for a in self.maddrs} - {None}
         if len(ports) == 1:
@@ -261,11 +261,11 @@ class Node:
     def _prepare(self) -> None:
         """The local half of the node, before any network: the state dir, the device, the data, the model
         and its fragments. A bad flag or setting fails here, before a DHT starts or a join command prints."""
-        from node.data import eval_batches, load_corpus, load_tokenizer
-        from node.fsutil import prepare_state_dir
-        from node.inner import InnerOptimizer
-        from node.model import build_model, resolve_device
-        from node.partition import partition
+        from locoswarm.node.data import eval_batches, load_corpus, load_tokenizer
+        from locoswarm.node.fsutil import prepare_state_dir
+        from locoswarm.node.inner import InnerOptimizer
+        from locoswarm.node.model import build_model, resolve_device
+        from locoswarm.node.partition import partition
 
         o, cfg = self.opts, self.cfg
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
@@ -289,13 +289,13 @@ class Node:
     def _build(self) -> None:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
-        from node.core.compress import wire_codec
-        from node.core.outer_loop import OuterLoop
-        from node.data import TrainBatches
-        from node.swarm.averaging import ByteCounters, SwarmTransport
-        from node.swarm.clock import SwarmClock
-        from node.swarm.reputation import Reputation
-        from node.swarm.state_sync import StateClient, StateServer
+        from locoswarm.node.core.compress import wire_codec
+        from locoswarm.node.core.outer_loop import OuterLoop
+        from locoswarm.node.data import TrainBatches
+        from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
+        from locoswarm.node.swarm.clock import SwarmClock
+        from locoswarm.node.swarm.reputation import Reputation
+        from locoswarm.node.swarm.state_sync import StateClient, StateServer
 
         o, cfg = self.opts, self.cfg
         self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
@@ -337,7 +337,7 @@ class Node:
         """The control API (``locoswarm status``) and metrics, once there is a status to serve."""
         o = self.opts
         if o.control_port or o.metrics_port:
-            from node.control.server import start_control_server
+            from locoswarm.node.control.server import start_control_server
 
             self.control = start_control_server(self, o.control_host, o.control_port or None,
                                                 o.allow_remote_control, metrics_port=o.metrics_port,
@@ -346,7 +346,7 @@ class Node:
 
     def _resume(self) -> dict | None:
         """Load the state dir's checkpoint, if any; its meta (None without one)."""
-        from node.checkpoint import load_checkpoint
+        from locoswarm.node.checkpoint import load_checkpoint
 
         doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
                               fingerprint=self.fingerprint)
@@ -431,7 +431,7 @@ class Node:
 
     def _continue(self) -> bool:
         """Whether to make another inner step. With ranks, collective: rank 0's decision reaches every rank,
-        and so does theta when the outer loop wrote it since the last call (``node.ranks``)."""
+        and so does theta when the outer loop wrote it since the last call (``locoswarm.node.ranks``)."""
         o = self.opts
         stop = self.stop.is_set() or (o.max_steps is not None and self.local_step >= o.max_steps)
         if self.ranks is not None:
@@ -456,7 +456,7 @@ class Node:
             return self.inner.step([batch])
 
     def _train(self) -> None:
-        from node.checkpoint import save_checkpoint
+        from locoswarm.node.checkpoint import save_checkpoint
 
         o = self.opts
         self.state = "training"
@@ -538,7 +538,7 @@ class Node:
                     own_weight=ev.own_weight, total_weight=ev.total_weight)
 
     def _evaluate(self) -> float:
-        from node.data import evaluate
+        from locoswarm.node.data import evaluate
 
         return evaluate(self.model, self.evals, self.device)
 
@@ -579,7 +579,7 @@ class Node:
     def _pace_peers(self) -> list[str]:
         """Live peers that keep the swarm's pace (``membership.pace_set``: the same set on every member),
         the ones a round waits for."""
-        from node.swarm.membership import pace_set
+        from locoswarm.node.swarm.membership import pace_set
 
         rates = {p: float(hb.tokens_per_s) for p, hb in self.peer_table.items() if hb.has_state}
         rates[self.peer_id] = self.tokens_per_s  # as our heartbeat announces it
@@ -601,7 +601,7 @@ class Node:
         """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.
         One peer claiming a far newer version is not believed while others say otherwise
         (``plausible_version``): a liar cannot lure the swarm into catching up from it."""
-        from node.swarm.averaging import plausible_version
+        from locoswarm.node.swarm.averaging import plausible_version
 
         claims: dict[str, int] = {}
         for pid, hb in self.peer_table.items():
@@ -702,12 +702,12 @@ class Node:
         log.info("%s: %s", kind, detail)
 
     def status_snapshot(self) -> NodeStatus:
-        """The node's status now: what ``status.json`` holds and the control API serves (``node.status``)."""
+        """The node's status now: what ``status.json`` holds and the control API serves (``locoswarm.node.status``)."""
         now = time.time()
         if not hasattr(self, "outer"):  # not built yet
             return NodeStatus(peer_id=getattr(self, "peer_id", ""), addrs=list(getattr(self, "maddrs", [])),
                               state=self.state, now=now)
-        from node.swarm.membership import fragment_spread
+        from locoswarm.node.swarm.membership import fragment_spread
 
         own = self._fragment_statuses()
         spread: dict[int, dict] = {}
@@ -769,7 +769,7 @@ class Node:
         return out
 
     def _write_status(self) -> None:
-        from node.fsutil import atomic_write_text
+        from locoswarm.node.fsutil import atomic_write_text
 
         atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self.status_snapshot().to_json(), indent=1))
 
@@ -779,7 +779,7 @@ class Node:
 
     # ---- leaving ----------------------------------------------------------------------------------
     def _leave(self) -> None:
-        from node.checkpoint import save_checkpoint
+        from locoswarm.node.checkpoint import save_checkpoint
 
         self.state = "leaving"
         log.info("leaving: finishing %d in-flight round(s)", self.outer.in_flight())

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.config import DataSection
-from node.errors import UserError
+from locoswarm.node.config import DataSection
+from locoswarm.node.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenizers
@@ -222,7 +222,7 @@ ODD_SPLIT = 2.0               # an eval share this many times off data.eval_frac
 @dataclass
 class Corpus:
     """Train and eval tokens (1-D int32, documents joined, each ending with eos; or, for a prepared
-    directory, ``node.shards.ShardedTokens`` that read them from disk a window at a time) and counts.
+    directory, ``locoswarm.node.shards.ShardedTokens`` that read them from disk a window at a time) and counts.
     ``n_docs`` counts the split's units: documents, long ones cut into segments. ``warnings`` are
     one-line notes on the data the caller should show (skipped binary files, an odd split)."""
 
@@ -257,7 +257,7 @@ def stream_segments(key: str, read: Callable[[int], bytes], size: int) -> Iterat
     ``size`` bytes (key unchanged), else pieces of about ``size`` bytes keyed ``key@i``, each cut after a
     newline in its second half where there is one, else at a UTF-8 character boundary. The split hashes
     the pieces, so one big file no longer goes wholly to eval or wholly to train. At most ``2 * size``
-    bytes are held at once (``node.shards`` streams files larger than memory through it)."""
+    bytes are held at once (``locoswarm.node.shards`` streams files larger than memory through it)."""
     buf = bytearray()
     eof = False
 
@@ -502,7 +502,7 @@ def _carve_tune_tail(corpus: Corpus, fraction: float) -> Corpus:
 def _load_prepared(directory: Path, data_cfg: DataSection, tokenizer, min_train_tokens: int,
                    start: float) -> Corpus:
     """A directory written by ``locoswarm data prepare``: its shards, read a window at a time."""
-    from node.shards import load_prepared
+    from locoswarm.node.shards import load_prepared
 
     train, eval_, index = load_prepared(directory, tokenizer, tokenizer.spec)
     if len(train) < max(min_train_tokens, 2):

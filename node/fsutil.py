@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 LOCK_NAME = ".lock"
 

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from node.config import InnerSection
+from locoswarm.node.config import InnerSection
 
 
 class InnerOptimizer:
@@ -42,7 +42,7 @@ class InnerOptimizer:
 
     def state_dict(self) -> dict:
         """The AdamW state (copies, on the CPU) and the step counter: what another rank needs to take
-        this optimizer's place (``node.ranks``)."""
+        this optimizer's place (``locoswarm.node.ranks``)."""
         opt = self.optimizer.state_dict()
         state = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
                  for i, s in opt["state"].items()}

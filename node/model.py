@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import ModelSection
-from node.errors import UserError
+from locoswarm.node.config import ModelSection
+from locoswarm.node.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 # "model.layers.3." (Llama) or "transformer.h.3." (GPT-2); also matches under wrapper prefixes such
 # as "module." (DDP) or "_orig_mod." (torch.compile).

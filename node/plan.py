@@ -88,7 +88,7 @@ target on it): there fp4 comes first.
   what is done with a late result, not the bytes, so its row equals streaming-overlap fp4.
 - diloco-x: DiLoCoX, F = 1, tau = H (one-step delay), ``codec = "lowrank"`` at the default initial rank
   and at the largest rank (codec ``lr<rank>``): its bits per parameter follow from the matrices' shapes
-  (``node.core.lowrank``: each m x n matrix sends r·(m + n) factor values, the other tensors go raw), so the
+  (``locoswarm.node.core.lowrank``: each m x n matrix sends r·(m + n) factor values, the other tensors go raw), so the
   rows use the shapes of ``--preset`` or of the preset nearest in size to ``--params``.
 
 Calibration against Streaming DiLoCo's Table 4 (1B model, 95% utilization: 222 Gbit/s data-parallel,
@@ -110,15 +110,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from node.core.late_window import AUTO, late_window
-from node.errors import UserError
+from locoswarm.node.core.late_window import AUTO, late_window
+from locoswarm.node.errors import UserError
 
 # --------------------------------------------------------------------------------------------------
 # Constants
 # --------------------------------------------------------------------------------------------------
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
-BLOCK_SIZE = 64  # elements per fp32 codec scale (node.core.codecs default)
+BLOCK_SIZE = 64  # elements per fp32 codec scale (locoswarm.node.core.codecs default)
 PHASES = 2  # reduce-scatter + all-gather, one latency each
 ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
 LINK_EFFICIENCY = 0.5  # e: share of a link's rate a round's transfers get (measured; see the docstring)
@@ -400,11 +400,11 @@ def lowrank_bits(params: float, preset: str | None = None, arch: str = "llama") 
     """Wire bits per parameter of ``codec = "lowrank"`` (the default ``[outer]`` ranks and factor codec) at
     its initial and at its largest rank, labelled ``lr<rank>``. They depend on the matrices' shapes: those of
     ``preset``, or of the preset nearest in size to ``params`` (the ratio follows the widths, not the count)."""
-    from node.config import ModelSection, OuterSection
-    from node.core.codecs import get_codec
-    from node.core.lowrank import lowrank_bits_per_element
-    from node.model import PRESETS, build_meta_model
-    from node.sizing import preset_params
+    from locoswarm.node.config import ModelSection, OuterSection
+    from locoswarm.node.core.codecs import get_codec
+    from locoswarm.node.core.lowrank import lowrank_bits_per_element
+    from locoswarm.node.model import PRESETS, build_meta_model
+    from locoswarm.node.sizing import preset_params
 
     if preset is None:
         preset = min(PRESETS, key=lambda p: abs(math.log(preset_params(p, arch) / max(params, 1.0))))
@@ -450,7 +450,7 @@ def link_load(params: float, step_time: float, bandwidth: float, *, h: int, frag
 
 def node_overlap(h: int, fragments: int, tau: int) -> int:
     """Inner steps a round of a pick (H, F, tau) may run before training waits: its late window with
-    ``max_delay = -1`` (``node.core.late_window``: h / fragments, at least tau), which a pick sets."""
+    ``max_delay = -1`` (``locoswarm.node.core.late_window``: h / fragments, at least tau), which a pick sets."""
     return late_window(h=h, fragments=fragments, tau=tau, max_delay=AUTO)
 
 
@@ -547,7 +547,7 @@ def _finite(x: float) -> float | None:
 
 
 def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from node.sizing import DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP
+    from locoswarm.node.sizing import DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP
 
     return {"arch": getattr(args, "arch", "llama") or "llama",
             "tokens_per_step": int(parse_count(str(getattr(args, "tokens_per_step", None)
@@ -558,8 +558,8 @@ def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _model_inputs(args: argparse.Namespace) -> tuple[float, float, dict[str, Any] | None]:
     """(params, step time, sizing) from --params/--step-time, or from --preset and --gpu (estimated)."""
-    from node.model import PRESETS
-    from node.sizing import estimate, preset_params
+    from locoswarm.node.model import PRESETS
+    from locoswarm.node.sizing import estimate, preset_params
 
     preset, gpu = getattr(args, "preset", None), getattr(args, "gpu", None)
     if preset is not None and preset not in PRESETS:
@@ -695,8 +695,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
 
 def build_sizes(args: argparse.Namespace) -> dict[str, Any]:
     """Every preset on every GPU class (``--sizes``; ``--preset``/``--gpu`` narrow it)."""
-    from node.model import PRESETS
-    from node.sizing import GPUS, estimate, gpu_class, sizes_table
+    from locoswarm.node.model import PRESETS
+    from locoswarm.node.sizing import GPUS, estimate, gpu_class, sizes_table
 
     presets = [args.preset] if getattr(args, "preset", None) else list(PRESETS)
     if presets[0] not in PRESETS:
@@ -716,7 +716,7 @@ def _print_sizes(sizes: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from node.sizing import GPUS
+    from locoswarm.node.sizing import GPUS
 
     kw = sizes["inputs"]
     console = Console(highlight=False)

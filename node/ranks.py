@@ -45,7 +45,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
@@ -104,7 +104,7 @@ class RankGroup:
     def resolve_device(self, spec: str) -> torch.device:
         """This rank's device: ``auto`` and ``cuda`` mean ``cuda:LOCAL_RANK`` when CUDA exists (one GPU
         per rank), ``cpu`` the CPU."""
-        from node.model import resolve_device
+        from locoswarm.node.model import resolve_device
 
         value = (spec or "").strip().lower()
         if value in ("auto", "cuda") and torch.cuda.is_available():
@@ -266,11 +266,11 @@ class RankLauncher:
     rank 0's watchdog then removes its DHT and p2pd, and its last periodic checkpoint stays); when rank 0
     exits, ranks still running after ``grace_s`` are SIGKILLed. Each rank dies with the launcher
     (``PR_SET_PDEATHSIG``). Returns 0 when every rank exited 0, else the first failure's code (1 for a
-    signal). ``command``: what runs ``argv`` (default this interpreter's ``-m node.cli``)."""
+    signal). ``command``: what runs ``argv`` (default this interpreter's ``-m locoswarm.node.cli``)."""
 
     def __init__(self, argv: Sequence[str], nproc: int, grace_s: float = 15.0, leave_s: float = 120.0,
                  poll_s: float = 0.1, command: Sequence[str] | None = None) -> None:
-        self.command = list(command) if command else [sys.executable, "-m", "node.cli"]
+        self.command = list(command) if command else [sys.executable, "-m", "locoswarm.node.cli"]
         self.argv = list(argv)
         self.nproc = nproc
         self.grace_s = grace_s
@@ -335,7 +335,7 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
 
 def _die_with_parent() -> None:
     """In a launched rank (before exec): SIGTERM when the launcher dies, so no rank outlives it."""
-    from node.swarm.process import die_with_parent
+    from locoswarm.node.swarm.process import die_with_parent
 
     die_with_parent(signal.SIGTERM)
 

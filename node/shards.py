@@ -9,7 +9,7 @@ files of at most ``--shard-tokens`` tokens (uint16 when the vocabulary fits, els
 renamed into place when complete and ``index.json`` is written last, atomically, so a directory with
 an index is whole and an interrupted prepare leaves no index behind.
 
-``ShardedTokens`` is what ``node.data.load_corpus`` returns for such a directory: it has a length and
+``ShardedTokens`` is what ``locoswarm.node.data.load_corpus`` returns for such a directory: it has a length and
 answers slices and batches of contiguous windows by reading exactly those tokens with ``pread`` (no
 mapping, no cache of its own), so memory stays flat whatever the corpus size; a window may span two
 shards. Sampling stays that of ``TrainBatches``: a batch depends only on (seed, rank, step), so a
@@ -29,8 +29,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.data import SEGMENT_BYTES, _tokenize, discover_files, is_binary, segments_of, split_value, stream_segments
-from node.errors import UserError
+from locoswarm.node.data import (
+    SEGMENT_BYTES,
+    _tokenize,
+    discover_files,
+    is_binary,
+    segments_of,
+    split_value,
+    stream_segments,
+)
+from locoswarm.node.errors import UserError
 
 FORMAT = "locoswarm-tokens-1"
 INDEX = "index.json"
@@ -303,7 +311,7 @@ def prepare(paths: Sequence[str], out: Path, data_cfg, tokenizer, tokenizer_spec
         "sources": [str(p) for p in paths], "files": stats.files, "skipped_binary": stats.skipped_binary,
         "skipped_lines": stats.skipped_lines, "bytes": stats.bytes,
     }
-    from node.fsutil import atomic_write_text
+    from locoswarm.node.fsutil import atomic_write_text
 
     atomic_write_text(out / INDEX, json.dumps(index, indent=1) + "\n")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -3,8 +3,8 @@
 ``Node.status_snapshot()`` builds a :class:`NodeStatus` once per request; everything else reads that
 structure: ``STATE_DIR/status.json`` is its :meth:`NodeStatus.to_json`, the control API sends its
 :meth:`NodeStatus.to_proto` (``protocol/control.proto``'s ``Status``), ``locoswarm status`` turns the message
-back with :meth:`NodeStatus.from_proto` and draws it (``node.control.tui``), and the metrics endpoint
-renders it (``node.control.metrics``). The swarm view of ``locoswarm status --swarm`` (no local node, the
+back with :meth:`NodeStatus.from_proto` and draws it (``locoswarm.node.control.tui``), and the metrics endpoint
+renders it (``locoswarm.node.control.metrics``). The swarm view of ``locoswarm status --swarm`` (no local node, the
 peers' heartbeats only) is a :class:`SwarmView`.
 
 Why frozen dataclasses and not the generated ``control.Status`` message used directly:
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from protocol import control_pb2, swarm_pb2
+from locoswarm.protocol import control_pb2, swarm_pb2
 
 # ---- the conversions every record shares ----------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class LossSample(Record):
 @dataclass(frozen=True)
 class Spread(Record):
     """The consensus measure of one fragment across this node and the peers' heartbeats
-    (``node.swarm.membership.fragment_spread``): ``version`` is the highest version held by >= 2 peers (None:
+    (``locoswarm.node.swarm.membership.fragment_spread``): ``version`` is the highest version held by >= 2 peers (None:
     none is), ``holders`` how many hold it, ``distinct_hashes`` their distinct phi hashes (1 = consensus),
     ``norm_spread`` (max - min) / mean of their phi norms, ``max_lag`` the highest minus the lowest version."""
 
@@ -315,7 +315,7 @@ class ByteStatus(Record):
 
 @dataclass(frozen=True)
 class PeerReputation(Record):
-    """What this node refused of one peer and whether it bans it (``node.swarm.reputation``)."""
+    """What this node refused of one peer and whether it bans it (``locoswarm.node.swarm.reputation``)."""
 
     refused: int = 0                         # refusals of anything it sent
     offences: int = 0                        # refusals that count toward a ban, within the offence window
@@ -377,7 +377,7 @@ class NodeStatus(Record):
     """Everything ``locoswarm status``, ``status.json`` and the metrics show of one node.
 
     ``loss_history`` and the byte rates are what only a watcher over time knows: the control server samples
-    them (``node.control.server.StatusSource``); they are empty in ``status.json``.
+    them (``locoswarm.node.control.server.StatusSource``); they are empty in ``status.json``.
     """
 
     peer_id: str = ""

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protocol import control_pb2 as control__pb2
+from locoswarm.protocol import control_pb2 as control__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

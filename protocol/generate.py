@@ -1,4 +1,4 @@
-"""Regenerate the checked-in Python code of every ``protocol/*.proto``: ``python -m protocol.generate``.
+"""Regenerate the checked-in Python code of every ``protocol/*.proto``: ``python -m locoswarm.protocol.generate``.
 
 ``--check`` exits 1 (naming the files) when the checked-in code differs from what protoc generates,
 which is what the test suite runs.
@@ -30,7 +30,7 @@ def generate(out_dir: Path) -> list[Path]:
         text = path.read_text()
         for proto in protos:
             mod = proto.stem + "_pb2"
-            text = text.replace(f"\nimport {mod} as", f"\nfrom protocol import {mod} as")
+            text = text.replace(f"\nimport {mod} as", f"\nfrom locoswarm.protocol import {mod} as")
         path.write_text(text)
     return generated
 
@@ -45,7 +45,7 @@ def main() -> int:
                  or (HERE / f.name).read_text() != f.read_text()]
         if args.check:
             if stale:
-                print(f"stale generated protocol code: {', '.join(stale)}; run python -m protocol.generate",
+                print(f"stale generated protocol code: {', '.join(stale)}; run python -m locoswarm.protocol.generate",
                       file=sys.stderr)
                 return 1
             return 0

@@ -6,6 +6,39 @@ import pytest
 import torch
 
 
+def _import_this_checkout() -> None:
+    """Make ``locoswarm.node`` / ``locoswarm.protocol`` this checkout's node/ and protocol/, in this process and
+    in the processes tests start (``python -m locoswarm.node.cli``), when the installed ``locoswarm`` is another
+    checkout (several worktrees sharing one environment) or none: a ``locoswarm`` package whose path is the
+    checkout's root, on PYTHONPATH. A fresh clone installed editable (CI) already maps here: nothing is done."""
+    import atexit
+    import importlib.util
+    import os
+    import shutil
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        spec = importlib.util.find_spec("locoswarm.node")
+    except ModuleNotFoundError:  # no locoswarm installed at all
+        spec = None
+    if spec is not None and spec.origin and Path(spec.origin).resolve() == root / "node" / "__init__.py":
+        return
+    for name in [m for m in sys.modules if m == "locoswarm" or m.startswith("locoswarm.")]:
+        del sys.modules[name]
+    shim = Path(tempfile.mkdtemp(prefix="locoswarm-checkout-"))
+    atexit.register(shutil.rmtree, shim, True)
+    (shim / "locoswarm").mkdir()
+    (shim / "locoswarm" / "__init__.py").write_text(f"__path__ = [{str(root)!r}]\n")
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH")) if p)
+
+
+_import_this_checkout()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread():
     """The tensors in unit tests are small; on a busy 2-core box intra-op threads only add

@@ -55,7 +55,7 @@ def write_config(path: Path, **sections: dict) -> Path:
 
 class NodeProc:
     """A ``locoswarm run`` process (or, with ``command``, another ``python -m ...`` entry point that takes
-    a node's arguments, e.g. ``["node.bench.hostile", "--attack", "nan"]``)."""
+    a node's arguments, e.g. ``["locoswarm.node.bench.hostile", "--attack", "nan"]``)."""
 
     def __init__(self, name: str, state_dir: Path, args: list[str], log_path: Path,
                  command: list[str] | None = None) -> None:
@@ -65,7 +65,7 @@ class NodeProc:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        entry = command or ["node.cli", "run"]
+        entry = command or ["locoswarm.node.cli", "run"]
         self.proc = subprocess.Popen([sys.executable, "-m", *entry, "--state-dir", str(state_dir), "--threads", "1",
                                       *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -136,7 +136,7 @@ class NodeProc:
         The SIGKILL of the group takes the node's watchdog too, so the files its processes own (torch's
         ``/dev/shm/torch_<pid>_*``, a p2pd socket) are recorded first and removed here once all are dead
         (a full suite left ~50 such files in /dev/shm)."""
-        from node.swarm.process import cleanup_ipc_files, ipc_files
+        from locoswarm.node.swarm.process import cleanup_ipc_files, ipc_files
 
         pids: list[int] = []
         files: set[str] = set()

@@ -1,6 +1,6 @@
 """Hostile peers against honest ones: real ``locoswarm run`` nodes and p2pd on loopback.
 
-Two honest nodes run for the whole module; each test adds one hostile peer (``node.bench.hostile``:
+Two honest nodes run for the whole module; each test adds one hostile peer (``locoswarm.node.bench.hostile``:
 a node with one attack patched in, or a client that never joins matchmaking), lets it attack for a
 while, kills it, and checks that the honest nodes never crashed, kept training and averaging with
 each other, kept a finite phi and an eval loss near what they had before the attack, counted the
@@ -163,7 +163,7 @@ NODE_ATTACKS = ["weight", "values", "nan", "reducer", "state", "clock", "forge"]
 def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
     watch = Watch(honest)
     hostile = NodeProc(f"hostile-{attack}", tmp_path / "h", [*honest.args, "--bootstrap", honest.boot],
-                       tmp_path / "h.log", command=["node.bench.hostile", "--attack", attack])
+                       tmp_path / "h.log", command=["locoswarm.node.bench.hostile", "--attack", attack])
     try:
         st = hostile.wait_status(lambda s: s.get("state") == "training", 90, "the hostile node to train")
         attacker = st["peer_id"]
@@ -195,7 +195,7 @@ def run_client(pair: HonestPair, attack: str, tmp_path: Path, *extra: str) -> di
     report = tmp_path / "report.json"
     proc = NodeProc(f"hostile-{attack}", tmp_path / "h",
                     ["--config", str(pair.config), "--bootstrap", pair.boot, "--seconds", str(CLIENT_ATTACK_S),
-                     "--report", str(report), *extra], tmp_path / "h.log", command=["node.bench.hostile",
+                     "--report", str(report), *extra], tmp_path / "h.log", command=["locoswarm.node.bench.hostile",
                                                                                      "--attack", attack])
     watch = Watch(pair)
     try:
@@ -248,8 +248,9 @@ def test_state_download_by_a_non_member_is_refused(honest: HonestPair, tmp_path:
 
 def test_hostile_cli_refuses_bad_arguments() -> None:
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "node.bench.hostile", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        return subprocess.run([sys.executable, "-m", "locoswarm.node.bench.hostile", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
 
     for args, needle in ((("--attack", "bogus"), "is not an attack"), ((), "no attack given"),
                          (("--attack", "flood"), "needs --bootstrap"),
@@ -267,7 +268,7 @@ def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "report"
     data = write_corpus(tmp_path / "data")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the benchmark's scratch swarm lives under tmp_path too
-    bench = subprocess.Popen([sys.executable, "-m", "node.cli", "bench", "robustness", "--out", str(out),
+    bench = subprocess.Popen([sys.executable, "-m", "locoswarm.node.cli", "bench", "robustness", "--out", str(out),
                               "--kinds", "nan", "--seconds", "5", "--data", str(data)], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.config import RobustSection
-from node.core.codecs import get_codec
-from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.swarm.averaging import (
+from locoswarm.node.config import RobustSection
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     NO_SHOW_ROUNDS,
     RELATIVE_REFUSALS,
@@ -23,9 +23,9 @@ from node.swarm.averaging import (
     _Reduction,
     plausible_version,
 )
-from node.swarm.reputation import EveryNth
-from node.transport.groups import form_groups
-from node.transport.reduce import PartContribution
+from locoswarm.node.swarm.reputation import EveryNth
+from locoswarm.node.transport.groups import form_groups
+from locoswarm.node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
 
@@ -242,9 +242,9 @@ def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> 
 def _consensus_parts(own: torch.Tensor, partner: torch.Tensor, codec) -> tuple:
     """A pair's consensus round on the outer state ``own``: the request, and the reduced chunks of the
     second half (the momenta, which the partner reduces), as an honest reducer makes them."""
-    from node.core.consensus import state_digest
-    from node.core.transport import AverageRequest
-    from node.swarm.averaging import check_reduced_part
+    from locoswarm.node.core.consensus import state_digest
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import check_reduced_part
 
     req = AverageRequest(fragment=3, round=40, chunks=encode_chunks(codec, own), numel=own.numel(), weight=1.0,
                          version=7, codec="fp32", digest=state_digest(own))

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.core.codecs import CODECS
+from locoswarm.node.core.codecs import CODECS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
-    return subprocess.run([sys.executable, "-m", "node.cli", "bench", "codecs", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "bench", "codecs", *args], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=120)
 
 

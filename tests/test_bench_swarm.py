@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from node.bench.swarm import netns, spec
-from node.bench.swarm.proxy import DelayProxy
-from node.bench.swarm.report import FILES, summarize, write_report
-from node.bench.swarm.runner import failure_reason, node_metrics
-from node.config import load_config
-from node.errors import UserError
+from locoswarm.node.bench.swarm import netns, spec
+from locoswarm.node.bench.swarm.proxy import DelayProxy
+from locoswarm.node.bench.swarm.report import FILES, summarize, write_report
+from locoswarm.node.bench.swarm.runner import failure_reason, node_metrics
+from locoswarm.node.config import load_config
+from locoswarm.node.errors import UserError
 from tests.swarm_util import REPO, write_config, write_corpus
 
 # ---- flags --------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_bench_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_flag_is_one_line_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "bench", "swarm", "--out", str(tmp_path / "o"),
                            "--bandwidth", "fast"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "'fast'" in proc.stderr and "Traceback" not in proc.stderr
@@ -210,7 +210,7 @@ def test_short_real_run_in_namespaces(tmp_path: Path) -> None:
                        network={"group_size": 4, "matchmaking_timeout": 3.0, "round_timeout": 10.0,
                                 "heartbeat_interval": 0.5})
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(out), "--nodes", "2",
+    cmd = [sys.executable, "-m", "locoswarm.node.cli", "bench", "swarm", "--out", str(out), "--nodes", "2",
            "--configs", "unshaped,recommended", "--seconds", "12", "--warmup", "1", "--bandwidth", "20mbit",
            "--latency-ms", "20", "--config", str(cfg), "--data", str(corpus), "--eval-every", "50",
            "--ready-timeout", "200"]
@@ -261,8 +261,8 @@ def test_sigterm_mid_run_cleans_up(tmp_path: Path) -> None:
         pytest.skip(f"network namespaces cannot be made here: {reason}")
     corpus = write_corpus(tmp_path / "data", docs=4, lines=100)
     cfg = write_config(tmp_path / "peers.toml")
-    cmd = [sys.executable, "-m", "node.cli", "bench", "swarm", "--out", str(tmp_path / "report"), "--nodes", "2",
-           "--configs", "recommended", "--seconds", "120", "--latency-ms", "10", "--loss", "0.001",
+    cmd = [sys.executable, "-m", "locoswarm.node.cli", "bench", "swarm", "--out", str(tmp_path / "report"), "--nodes",
+           "2", "--configs", "recommended", "--seconds", "120", "--latency-ms", "10", "--loss", "0.001",
            "--config", str(cfg), "--data", str(corpus)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.checkpoint import export_model, load_checkpoint, save_checkpoint
-from node.commands.export import register_export
-from node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, fingerprint
-from node.core.codecs import get_codec
-from node.core.outer_loop import OuterLoop
-from node.data import ByteTokenizer
-from node.errors import UserError
-from node.inner import InnerOptimizer
-from node.model import build_model
-from node.partition import partition
-from node.transport.inprocess import InProcessHub
+from locoswarm.node.checkpoint import export_model, load_checkpoint, save_checkpoint
+from locoswarm.node.commands.export import register_export
+from locoswarm.node.config import InnerSection, ModelSection, OuterSection, SwarmConfig, fingerprint
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.data import ByteTokenizer
+from locoswarm.node.errors import UserError
+from locoswarm.node.inner import InnerOptimizer
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import partition
+from locoswarm.node.transport.inprocess import InProcessHub
 
 VOCAB = 257
 FP = fingerprint(SwarmConfig())  # the nodes below use the default sections, so this is their swarm
@@ -304,8 +304,8 @@ def test_export_errors_are_user_errors(tmp_path: Path) -> None:
 # ---- CLI -------------------------------------------------------------------------------------------
 
 def _parser_with_export() -> argparse.ArgumentParser:
-    """node.cli's parser class with our subcommand (node.cli may not register ``export`` yet)."""
-    from node.cli import _Parser
+    """locoswarm.node.cli's parser class with our subcommand (locoswarm.node.cli may not register ``export`` yet)."""
+    from locoswarm.node.cli import _Parser
 
     parser = _Parser(prog="locoswarm")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -314,7 +314,7 @@ def _parser_with_export() -> argparse.ArgumentParser:
 
 
 def _cli_registers_export() -> bool:
-    from node.cli import build_parser
+    from locoswarm.node.cli import build_parser
 
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -324,29 +324,29 @@ def _cli_registers_export() -> bool:
 
 def test_cli_export_through_register_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture) -> None:
-    import node.cli
+    import locoswarm.node.cli
 
     monkeypatch.delenv("LOCOSWARM_CONFIG", raising=False)
-    monkeypatch.setattr(node.cli, "build_parser", _parser_with_export)
+    monkeypatch.setattr(locoswarm.node.cli, "build_parser", _parser_with_export)
     _trained().save(tmp_path / "state")
     out = tmp_path / "out"
-    assert node.cli.main(["export", "--state-dir", str(tmp_path / "state"), "--out", str(out)]) == 0
+    assert locoswarm.node.cli.main(["export", "--state-dir", str(tmp_path / "state"), "--out", str(out)]) == 0
     assert (out / "model.safetensors").exists() and (out / "locoswarm.json").exists()
     capsys.readouterr()
     for argv in (["export", "--state-dir", str(tmp_path / "nope"), "--out", str(out)],
                  ["export", "--state-dir", str(tmp_path / "state"), "--out", str(out), "--set", "outer.h=20"]):
-        assert node.cli.main(argv) == 2
+        assert locoswarm.node.cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("locoswarm: error: ") and "Traceback" not in err
 
 
-@pytest.mark.skipif(not _cli_registers_export(), reason="node.cli does not register 'export' yet")
+@pytest.mark.skipif(not _cli_registers_export(), reason="locoswarm.node.cli does not register 'export' yet")
 def test_cli_export_subprocess(tmp_path: Path) -> None:
     _trained().save(tmp_path / "state")
     env = {k: v for k, v in os.environ.items() if k != "LOCOSWARM_CONFIG"}
 
     def run(state: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "node.cli", "export", "--state-dir", str(state),
+        return subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "export", "--state-dir", str(state),
                                "--out", str(tmp_path / "out"), "--live"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
 
@@ -361,8 +361,8 @@ def test_cli_export_subprocess(tmp_path: Path) -> None:
 def test_generate_greedy_matches_transformers_generate_on_the_export(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from node.checkpoint import load_trained_model
-    from node.generate import generate_text
+    from locoswarm.node.checkpoint import load_trained_model
+    from locoswarm.node.generate import generate_text
 
     _trained().save(tmp_path / "state")
     export_model(tmp_path / "state", tmp_path / "out", SwarmConfig(), ByteTokenizer())
@@ -382,14 +382,14 @@ def test_generate_greedy_matches_transformers_generate_on_the_export(tmp_path: P
 
 def test_cli_generate_prints_the_prompt_and_its_continuation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture) -> None:
-    import node.cli
+    import locoswarm.node.cli
 
     monkeypatch.delenv("LOCOSWARM_CONFIG", raising=False)
     _trained().save(tmp_path / "state")
     argv = ["generate", "--state-dir", str(tmp_path / "state"), "--prompt", "Hello", "--max-new-tokens", "8"]
-    assert node.cli.main(argv) == 0
+    assert locoswarm.node.cli.main(argv) == 0
     assert capsys.readouterr().out.startswith("Hello")
     for bad in (["--max-new-tokens", "0"], ["--temperature", "-1"], ["--state-dir", str(tmp_path / "nope")]):
-        assert node.cli.main([*argv, *bad]) == 2
+        assert locoswarm.node.cli.main([*argv, *bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("locoswarm: error: ") and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""The swarm clock (``node.swarm.clock``): tracks the nodes' inner steps, refuses impossible claims,
+"""The swarm clock (``locoswarm.node.swarm.clock``): tracks the nodes' inner steps, refuses impossible claims,
 and is not moved by one liar. Simulated time, simulated heartbeats: no network."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.swarm.clock import MAX_CLOCK, SwarmClock
+from locoswarm.node.swarm.clock import MAX_CLOCK, SwarmClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -444,8 +444,8 @@ def test_invalid_arguments_are_refused():
 # ---- the daemon: no heartbeat before the checkpoint loaded ------------------------------------
 
 def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch):
-    from node import daemon
-    from node.swarm import process
+    from locoswarm.node import daemon
+    from locoswarm.node.swarm import process
 
     order: list[str] = []
     node = daemon.Node.__new__(daemon.Node)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from node.core.codecs import (
+from locoswarm.node.core.codecs import (
     CODECS,
     FP4_LEVELS,
     Codec,
     get_codec,
     quantization_error,
 )
-from node.core.payload import encode_with_feedback
+from locoswarm.node.core.payload import encode_with_feedback
 
 SIZES = (1, 2, 63, 64, 65, 1000, 4097)
 BLOCK_SIZES = (1, 7, 64, 128)
@@ -371,7 +371,7 @@ def test_cuda_round_trip(name: str) -> None:
 def test_the_device_decode_path_gives_the_cpu_decode_bit_for_bit(name: str, numel: int) -> None:
     """``decode(data, n, device)`` for a device decodes the wire bytes as a tensor on that device; run on
     the CPU here (the same torch ops), it must equal the numpy-piecewise CPU decode exactly."""
-    from node.core.codecs import _bytes_on
+    from locoswarm.node.core.codecs import _bytes_on
 
     codec = get_codec(name)
     x = _randn(numel, seed=13) * 1e-3
@@ -420,7 +420,7 @@ def _spec_block_decode(data: bytes, n: int, name: str, block_size: int) -> torch
 @pytest.mark.parametrize("name", ["int8", "fp4"])
 @pytest.mark.parametrize("block_size", [64, 3])
 def test_large_tensors_are_coded_in_pieces_exactly_as_the_format_says(name: str, block_size: int) -> None:
-    from node.core.codecs import CPU_PIECE
+    from locoswarm.node.core.codecs import CPU_PIECE
 
     n = 2 * CPU_PIECE + 37  # three pieces, an odd count, a partial last block
     g = torch.Generator().manual_seed(5)
@@ -436,7 +436,7 @@ def test_large_tensors_are_coded_in_pieces_exactly_as_the_format_says(name: str,
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_large_tensors_in_pieces_match_plain_casts(name: str) -> None:
-    from node.core.codecs import CPU_PIECE
+    from locoswarm.node.core.codecs import CPU_PIECE
 
     n = 2 * CPU_PIECE + 5
     x = torch.randn(n, generator=torch.Generator().manual_seed(6))
@@ -452,7 +452,7 @@ def test_large_tensors_in_pieces_match_plain_casts(name: str) -> None:
 
 
 def test_a_non_finite_value_in_a_late_piece_is_refused() -> None:
-    from node.core.codecs import CPU_PIECE
+    from locoswarm.node.core.codecs import CPU_PIECE
 
     for name in CODECS:
         x = torch.randn(3 * CPU_PIECE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import (
+from locoswarm.node.config import (
     SECTIONS,
     SwarmConfig,
     config_from_dict,
@@ -26,7 +26,7 @@ from node.config import (
     to_toml,
     validate,
 )
-from node.errors import ConfigError, UserError
+from locoswarm.node.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -309,7 +309,7 @@ def test_fingerprint_ignores_number_spelling():
 
 def test_fingerprint_stable_across_processes(tmp_path):
     p = write(tmp_path, '[outer]\ncodec = "int8"\nh = 20\n[model]\npreset = "small"\n')
-    code = ("import sys; from node.config import fingerprint, load_config; "
+    code = ("import sys; from locoswarm.node.config import fingerprint, load_config; "
             "print(fingerprint(load_config(sys.argv[1])))")
     out = set()
     for seed in ("1", "2"):
@@ -333,7 +333,7 @@ def test_describe_difference():
 # ---- the command ----
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    launcher = ["-m", "node.cli"]
+    launcher = ["-m", "locoswarm.node.cli"]
     env = {k: v for k, v in os.environ.items() if k != "LOCOSWARM_CONFIG"}
     return subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)

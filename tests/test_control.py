@@ -27,12 +27,12 @@ import pytest
 from rich.console import Console
 from swarm_util import REPO, NodeProc, bootstrap_addr, write_config, write_corpus
 
-from node.control import NodeUnreachable, check_control_options, control_port_from_args, parse_hostport
-from node.control.metrics import render_metrics
-from node.control.server import StatusSource, start_control_server
-from node.control.tui import render, short_id, sparkline
-from node.errors import UserError
-from node.status import (
+from locoswarm.node.control import NodeUnreachable, check_control_options, control_port_from_args, parse_hostport
+from locoswarm.node.control.metrics import render_metrics
+from locoswarm.node.control.server import StatusSource, start_control_server
+from locoswarm.node.control.tui import render, short_id, sparkline
+from locoswarm.node.errors import UserError
+from locoswarm.node.status import (
     ByteStatus,
     ConsensusStatus,
     EvalPoint,
@@ -44,9 +44,9 @@ from node.status import (
     StatusEvent,
     SwarmView,
 )
-from node.swarm.averaging import ByteCounters
-from node.swarm.reputation import Reputation
-from protocol import swarm_pb2
+from locoswarm.node.swarm.averaging import ByteCounters
+from locoswarm.node.swarm.reputation import Reputation
+from locoswarm.protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ def free_port() -> int:
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
     full.update(OMP_NUM_THREADS="1", COLUMNS="120", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=REPO, env=full, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "locoswarm.node.cli", *args], cwd=REPO, env=full, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -241,8 +241,8 @@ def test_tui_without_refusals_or_reputation(fake):
 
 
 def test_tui_swarm_mode_and_helpers():
-    from node.config import load_config
-    from node.control.cli import swarm_view
+    from locoswarm.node.config import load_config
+    from locoswarm.node.control.cli import swarm_view
 
     cfg = load_config(None, [])
     hb = swarm_pb2.Heartbeat(peer_id=PEER, clock=50, inner_step=48, tokens_per_s=1500, loss=2.0, time=99.0,
@@ -354,7 +354,7 @@ def test_status_without_a_node_says_so_and_exits_1():
     res = cli("status", "--json", "--control", "127.0.0.1:notaport")
     assert res.returncode == 2 and "not a TCP port" in res.stderr and "Traceback" not in res.stderr
     with pytest.raises(NodeUnreachable):
-        from node.control.cli import ControlClient
+        from locoswarm.node.control.cli import ControlClient
 
         client = ControlClient("127.0.0.1", port)
         try:
@@ -380,7 +380,7 @@ class Daemon:
         self.peer_id, self.addr = st["peer_id"], bootstrap_addr(st)
 
     def client(self):
-        from node.control.cli import ControlClient
+        from locoswarm.node.control.cli import ControlClient
 
         return ControlClient("127.0.0.1", self.control)
 
@@ -449,10 +449,10 @@ FAKE_PEER = """
 import glob, os, signal, sys, threading
 from pathlib import Path
 from hivemind.utils import get_dht_time
-from node.config import load_config
-from node.swarm.dht import start_dht
-from node.swarm.membership import Membership
-from protocol import swarm_pb2
+from locoswarm.node.config import load_config
+from locoswarm.node.swarm.dht import start_dht
+from locoswarm.node.swarm.membership import Membership
+from locoswarm.protocol import swarm_pb2
 
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -526,7 +526,7 @@ def test_real_daemon_peers_tui_and_swarm_view(daemon, fake_peer, tmp_path):
     if shutil.which("tmux"):
         sock, done = tmp_path / "tmux.sock", tmp_path / "exit"
         tmux = ["tmux", "-S", str(sock)]
-        cmd = (f"{sys.executable} -m node.cli status --control 127.0.0.1:{daemon.control}; "
+        cmd = (f"{sys.executable} -m locoswarm.node.cli status --control 127.0.0.1:{daemon.control}; "
                f"echo $? > {done}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCOSWARM_", "TMUX"))}
         subprocess.run([*tmux, "new-session", "-d", "-x", "120", "-y", "40", "-c", str(REPO), cmd], env=env,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.config import DataSection, ModelSection
-from node.data import (
+from locoswarm.node.config import DataSection, ModelSection
+from locoswarm.node.data import (
     SEGMENT_BYTES,
     ByteTokenizer,
     TrainBatches,
@@ -22,8 +22,8 @@ from node.data import (
     load_tokenizer,
     segments_of,
 )
-from node.errors import UserError
-from node.model import build_model
+from locoswarm.node.errors import UserError
+from locoswarm.node.model import build_model
 
 EXTS = [".txt", ".md", ".py", ".jsonl"]
 

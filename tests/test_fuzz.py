@@ -32,11 +32,11 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.core.codecs import CODECS, get_codec
-from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.swarm import wire
-from node.swarm.wire import WireError, read_message
-from protocol import swarm_pb2
+from locoswarm.node.core.codecs import CODECS, get_codec
+from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from locoswarm.node.swarm import wire
+from locoswarm.node.swarm.wire import WireError, read_message
+from locoswarm.protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -450,7 +450,7 @@ async def _send_raw(client, server_id: str, name: str, data: bytes, wait: float 
 def test_live_state_server_survives_fuzzed_streams(live):
     from test_state_sync import FP, Book, ByteCounters, Runtime, _numel, _same, _snaps
 
-    from node.swarm.state_sync import STATE_HANDLER, StateClient, StateServer
+    from locoswarm.node.swarm.state_sync import STATE_HANDLER, StateClient, StateServer
 
     loop, server_p2p, client_p2p = live
     book, snaps = Book(), _snaps(seed=7)
@@ -488,8 +488,8 @@ def test_live_state_client_survives_fuzzed_replies(live):
     against the holder when it broke the rules, and the client downloads from an honest holder after."""
     from test_state_sync import FP, Book, ByteCounters, Runtime, _numel, _same, _snaps
 
-    from node.swarm import state_sync
-    from node.swarm.state_sync import STATE_HANDLER, HolderBackoff, StateClient, StateServer
+    from locoswarm.node.swarm import state_sync
+    from locoswarm.node.swarm.state_sync import STATE_HANDLER, HolderBackoff, StateClient, StateServer
 
     loop, server_p2p, client_p2p = live
     server_id = str(server_p2p.peer_id)

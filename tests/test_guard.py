@@ -10,14 +10,14 @@ import copy
 import pytest
 import torch
 
-from node.config import ModelSection, OuterSection
-from node.core.codecs import get_codec
-from node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
-from node.core.outer_loop import OuterLoop
-from node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
-from node.model import build_model
-from node.partition import partition
-from node.transport.inprocess import InProcessHub
+from locoswarm.node.config import ModelSection, OuterSection
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
+from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import partition
+from locoswarm.node.transport.inprocess import InProcessHub
 
 VOCAB = 257
 

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.checkpoint import load_checkpoint, save_checkpoint
-from node.config import (
+from locoswarm.node.checkpoint import load_checkpoint, save_checkpoint
+from locoswarm.node.config import (
     InnerSection,
     ModelSection,
     OuterSection,
@@ -24,9 +24,9 @@ from node.config import (
     config_from_dict,
     fingerprint,
 )
-from node.core.codecs import get_codec
-from node.core.compress import BlockCompressor, make_compressor, wire_codec
-from node.core.lowrank import (
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.compress import BlockCompressor, make_compressor, wire_codec
+from locoswarm.node.core.lowrank import (
     GROW_BELOW,
     SHRINK_ABOVE,
     AdaptiveRank,
@@ -34,20 +34,20 @@ from node.core.lowrank import (
     LowRankLayout,
     lowrank_bits_per_element,
 )
-from node.core.outer_loop import OuterLoop
-from node.core.payload import decode_chunks, payload_size
-from node.core.transport import AverageRequest
-from node.data import ByteTokenizer, load_corpus
-from node.errors import ConfigError
-from node.inner import InnerOptimizer
-from node.model import build_model
-from node.partition import partition
-from node.sim.methods import method_config
-from node.sim.simulator import SimSpec, simulate
-from node.swarm.averaging import SwarmTransport, _Reduction, match_entry
-from node.swarm.wire import WireError
-from node.transport.inprocess import InProcessHub
-from protocol import swarm_pb2
+from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.payload import decode_chunks, payload_size
+from locoswarm.node.core.transport import AverageRequest
+from locoswarm.node.data import ByteTokenizer, load_corpus
+from locoswarm.node.errors import ConfigError
+from locoswarm.node.inner import InnerOptimizer
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import partition
+from locoswarm.node.sim.methods import method_config
+from locoswarm.node.sim.simulator import SimSpec, simulate
+from locoswarm.node.swarm.averaging import SwarmTransport, _Reduction, match_entry
+from locoswarm.node.swarm.wire import WireError
+from locoswarm.node.transport.inprocess import InProcessHub
+from locoswarm.protocol import swarm_pb2
 
 VOCAB = 257
 BLOCK = 64

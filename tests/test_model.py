@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.config import ModelSection
-from node.errors import UserError
-from node.model import (
+from locoswarm.node.config import ModelSection
+from locoswarm.node.errors import UserError
+from locoswarm.node.model import (
     ARCHS,
     PRESET_TARGETS,
     build_meta_model,
@@ -86,8 +86,8 @@ def test_resolve_device() -> None:
 def test_every_model_preset_can_be_chosen_in_peers_toml(tmp_path) -> None:
     """The config's preset choices are the model's presets: a preset that the planner sizes (350m, 1b) is one a
     user can train, and a name the model lacks is refused by the config, not deep in the build."""
-    from node.config import PRESET_NAMES, load_config
-    from node.model import PRESETS
+    from locoswarm.node.config import PRESET_NAMES, load_config
+    from locoswarm.node.model import PRESETS
 
     assert tuple(PRESETS) == PRESET_NAMES
     for preset in PRESET_NAMES:

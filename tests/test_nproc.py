@@ -1,4 +1,4 @@
-"""One node over several ranks (``node.ranks``, ``locoswarm run --nproc N``), on CPU with gloo.
+"""One node over several ranks (``locoswarm.node.ranks``, ``locoswarm run --nproc N``), on CPU with gloo.
 
 The protocol on its own: two ranks train the tiny model with DDP and stay bit-identical, and a write of
 theta on rank 0 (what an outer merge does) reaches the other rank. Then the issue's acceptance with real
@@ -26,8 +26,8 @@ from swarm_util import REPO, NodeProc, write_config, write_corpus
 from test_run_cli import refused_before_start, run
 from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
 
-from node.ranks import Flags, RankGroup, free_port
-from node.swarm.process import children, descendants, is_alive, p2pd_pids
+from locoswarm.node.ranks import Flags, RankGroup, free_port
+from locoswarm.node.swarm.process import children, descendants, is_alive, p2pd_pids
 
 GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not GLOO, reason="torch.distributed with gloo is not available in this torch build")
@@ -38,10 +38,10 @@ NPROC = ("--nproc", "2", "--device", "cpu")
 def _rank_main(rank: int, port: int, config: str, data: str, out: str) -> None:
     """One rank: 3 DDP steps, rank 0 writes theta (+1, as a merge would) and broadcasts it, 2 more steps.
     Saves its parameters after each phase and the first batch it trained on."""
-    from node.config import load_config
-    from node.data import TrainBatches, load_corpus, load_tokenizer
-    from node.inner import InnerOptimizer
-    from node.model import build_model
+    from locoswarm.node.config import load_config
+    from locoswarm.node.data import TrainBatches, load_corpus, load_tokenizer
+    from locoswarm.node.inner import InnerOptimizer
+    from locoswarm.node.model import build_model
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -112,8 +112,8 @@ def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: 
 def test_inner_state_dict_lets_another_optimizer_take_over(tmp_path: Path) -> None:
     """What rank 0 hands the other ranks at the start (its resumed AdamW state and step counter): an optimizer
     loaded from it makes the same next step as the original."""
-    from node.config import load_config
-    from node.inner import InnerOptimizer
+    from locoswarm.node.config import load_config
+    from locoswarm.node.inner import InnerOptimizer
 
     cfg = load_config(write_config(tmp_path / "peers.toml"))
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def test_launcher_kills_a_rank0_that_does_not_leave_after_another_rank_died(tmp_
         time.sleep(1.0)
         sys.exit(3)
     """))
-    code = ("import sys; from node.ranks import RankLauncher; "
+    code = ("import sys; from locoswarm.node.ranks import RankLauncher; "
             f"sys.exit(RankLauncher([{str(script)!r}, {str(pidfile)!r}], 2, leave_s=1.0, "
             "command=[sys.executable]).run())")
     started = time.monotonic()

@@ -12,18 +12,18 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from node.config import ModelSection, OuterSection, RobustSection
-from node.core.codecs import get_codec
-from node.core.merge import (
+from locoswarm.node.config import ModelSection, OuterSection, RobustSection
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.merge import (
     eager_outer_gradient,
     merge_alpha,
     merge_compensate,
     merge_rebase,
     merge_replace,
 )
-from node.core.outer_loop import OuterLoop
-from node.core.outer_optimizer import NesterovOuterOptimizer
-from node.core.payload import (
+from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
+from locoswarm.node.core.payload import (
     CHUNK_TARGET_ELEMS,
     chunk_bounds,
     chunk_elems,
@@ -32,9 +32,9 @@ from node.core.payload import (
     encode_with_feedback,
     payload_size,
 )
-from node.core.robust import make_aggregator
-from node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
-from node.core.transport import (
+from locoswarm.node.core.robust import make_aggregator
+from locoswarm.node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
+from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
     AverageResult,
@@ -42,11 +42,11 @@ from node.core.transport import (
     FragmentSnapshot,
     Transport,
 )
-from node.model import build_model
-from node.partition import partition
-from node.transport.inprocess import HEADER_BYTES, InProcessHub
-from node.transport.reduce import part_ranges
-from node.transport.reduce import reduce_group as _reduce_group
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import partition
+from locoswarm.node.transport.inprocess import HEADER_BYTES, InProcessHub
+from locoswarm.node.transport.reduce import part_ranges
+from locoswarm.node.transport.reduce import reduce_group as _reduce_group
 
 VOCAB = 257
 CHUNK = chunk_elems(64)  # elements per chunk with 64-element blocks
@@ -987,7 +987,7 @@ def _quadratic_swarm(method: str, centers: list[torch.Tensor], *, h: int, gamma:
                      rounds: int) -> list[OuterLoop]:
     """Workers m = 0..M-1 minimize |w - c_m|^2 / 2 with ``h`` gradient steps of size ``gamma`` per round
     (w <- c_m + (1 - gamma)^h (w - c_m)), synced by ``method``; drained at the end."""
-    from node.partition import Fragment
+    from locoswarm.node.partition import Fragment
 
     n, dim = len(centers), centers[0].numel()
     outer = _outer(method=method, h=h, tau=h if method in ("eager", "delay", "rebase") else 0, lr=lr,
@@ -1254,7 +1254,7 @@ def test_consensus_makes_diverged_outer_states_bit_identical_and_they_stay_so(ba
 
 
 def test_offload_setting_picks_where_the_outer_state_lives() -> None:
-    from node.core.state import outer_state_device
+    from locoswarm.node.core.state import outer_state_device
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
     assert outer_state_device("auto", gpu) == cpu and outer_state_device("auto", cpu) == cpu
@@ -1264,7 +1264,7 @@ def test_offload_setting_picks_where_the_outer_state_lives() -> None:
 
 
 def test_fragment_state_copies_theta_parameter_by_parameter_across_dtypes() -> None:
-    from node.core.state import FragmentState
+    from locoswarm.node.core.state import FragmentState
 
     params = [torch.nn.Parameter(torch.randn(3, 4).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(5))]
     st = FragmentState.create(0, params, error_feedback=True, device=torch.device("cpu"))
@@ -1280,7 +1280,7 @@ def test_fragment_state_copies_theta_parameter_by_parameter_across_dtypes() -> N
 def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, offload: str) -> None:
     """Two workers on the training device (CUDA where there is one); the outer state on it or on the CPU
     (pinned): the same phi after the same rounds, and the model stays on its device."""
-    from node.core.state import outer_state_device
+    from locoswarm.node.core.state import outer_state_device
 
     train = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     phis = {}

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from node.config import ModelSection
-from node.errors import UserError
-from node.model import build_meta_model, build_model
-from node.partition import (
+from locoswarm.node.config import ModelSection
+from locoswarm.node.errors import UserError
+from locoswarm.node.model import build_meta_model, build_model
+from locoswarm.node.partition import (
     block_index,
     fragment_params,
     partition,
@@ -85,7 +85,7 @@ def test_table_and_json() -> None:
 
 
 def test_cli_partition(capsys) -> None:
-    from node.commands.partition import _handler
+    from locoswarm.node.commands.partition import _handler
 
     args = argparse.Namespace(config=None, overrides=["outer.fragments=2"], json=True)
     assert _handler(args) == 0

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from node import plan
-from node.errors import UserError
-from node.plan import (
+from locoswarm.node import plan
+from locoswarm.node.errors import UserError
+from locoswarm.node.plan import (
     CODECS,
     GRID_F,
     GRID_H,
@@ -355,14 +355,14 @@ def test_recommendation_when_nothing_reaches_the_target() -> None:
 # CLI
 # --------------------------------------------------------------------------------------------------
 
-# Runs node.cli.main with a parser holding only ``plan``, so these tests do not depend on the
+# Runs locoswarm.node.cli.main with a parser holding only ``plan``, so these tests do not depend on the
 # other subcommands' modules.
 GOOD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbit/s", "--latency", "50ms"]
 BAD = ["plan", "--params", "1B", "--step-time", "0.5", "--bandwidth", "1Gbps/x"]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    head = [sys.executable, "-m", "node.cli"]
+    head = [sys.executable, "-m", "locoswarm.node.cli"]
     return subprocess.run([*head, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "80"})
 
@@ -420,7 +420,7 @@ def test_cli_bad_flags(flag: str, value: str) -> None:
 # ---- sizes per preset and GPU class (node/sizing.py) ------------------------------------------------
 
 def test_size_estimates_follow_the_stated_model() -> None:
-    from node.sizing import GIB, GPUS, estimate
+    from locoswarm.node.sizing import GIB, GPUS, estimate
 
     e = estimate("1b", "h100", tokens_per_step=8192, seq_len=1024, mfu=0.5)
     n = e.params

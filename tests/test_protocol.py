@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protocol import swarm_pb2
+from locoswarm.protocol import swarm_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_generated_code_is_fresh():
-    res = subprocess.run([sys.executable, "-m", "protocol.generate", "--check"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "locoswarm.protocol.generate", "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
 
@@ -33,9 +33,9 @@ def test_adaptive_slot_leader_state_becomes_the_schedule_hint() -> None:
     peer id is told that leader's state (to adopt); equal states, or being the leader, give no hint."""
     from types import SimpleNamespace
 
-    from node.core.schedule import ScheduleState
-    from node.core.transport import AverageRequest
-    from node.swarm.averaging import ScheduleHint, SwarmTransport, match_entry
+    from locoswarm.node.core.schedule import ScheduleState
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import ScheduleHint, SwarmTransport, match_entry
 
     def request(fragment: int, last_send: tuple, shared_r: tuple | None) -> AverageRequest:
         return AverageRequest(fragment=fragment, round=40, chunks=[], numel=0, weight=1.0, version=3,

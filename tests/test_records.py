@@ -1,4 +1,4 @@
-"""Signed DHT records (node.swarm.records): owner subkeys bound to the libp2p identity, on real hivemind
+"""Signed DHT records (locoswarm.node.swarm.records): owner subkeys bound to the libp2p identity, on real hivemind
 DHTs on loopback.
 
 Three DHTs run in this test process: A and C are honest locoswarm nodes, B is the attacker. B is a
@@ -24,11 +24,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from node.config import SwarmConfig
-from node.errors import UserError
-from node.swarm.dht import start_dht, visible_maddrs
-from node.swarm.membership import Membership
-from node.swarm.records import (
+from locoswarm.node.config import SwarmConfig
+from locoswarm.node.errors import UserError
+from locoswarm.node.swarm.dht import start_dht, visible_maddrs
+from locoswarm.node.swarm.membership import Membership
+from locoswarm.node.swarm.records import (
     MAX_RECORD_BYTES,
     OwnerSignatureValidator,
     RecordSizeValidator,
@@ -38,7 +38,7 @@ from node.swarm.records import (
     record_validators,
     subkey_peer,
 )
-from protocol import swarm_pb2
+from locoswarm.protocol import swarm_pb2
 
 # ---- helpers ----
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from node.swarm.reputation import Reputation
+from locoswarm.node.swarm.reputation import Reputation
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Robust aggregation (node.core.robust, node.transport.reduce): screening and every aggregator."""
+"""Robust aggregation (locoswarm.node.core.robust, locoswarm.node.transport.reduce): screening and every aggregator."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from node.config import RobustSection
-from node.core.codecs import get_codec
-from node.core.payload import chunk_bounds, decode_chunks, encode_chunks
-from node.core.robust import (
+from locoswarm.node.config import RobustSection
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from locoswarm.node.core.robust import (
     NORM_ABSURD,
     ClippedMean,
     ContributionStats,
@@ -21,7 +21,7 @@ from node.core.robust import (
     make_aggregator,
     screen,
 )
-from node.transport.reduce import PartContribution, combine_part, reduce_group, screen_part
+from locoswarm.node.transport.reduce import PartContribution, combine_part, reduce_group, screen_part
 
 S = RobustSection()
 
@@ -281,8 +281,8 @@ def test_reduce_group_reports_the_weight_each_member_entered_with() -> None:
 def test_the_node_bounds_a_peers_claim_by_a_whole_carry_not_by_its_own_young_claim(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from node.config import config_from_dict
-    from node.daemon import MIN_CARRY_ALLOWANCE, Node, NodeOptions
+    from locoswarm.node.config import config_from_dict
+    from locoswarm.node.daemon import MIN_CARRY_ALLOWANCE, Node, NodeOptions
 
     cfg = config_from_dict({"inner": {"batch_size": 4, "seq_len": 32}, "outer": {"h": 10, "max_carry": 4}})
     node = Node(cfg, NodeOptions(state_dir=tmp_path))

@@ -17,8 +17,8 @@ import pytest
 import torch
 from swarm_util import REPO, write_config, write_corpus
 
-from node.errors import UserError
-from node.fsutil import StateDirLock, prepare_state_dir
+from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import StateDirLock, prepare_state_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "node.cli", "run", "--threads", "1", "--control-port", "0", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "locoswarm.node.cli", "run", "--threads", "1", "--control-port", "0", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def refused_before_start(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -162,11 +162,11 @@ def _subparsers(parser) -> dict:
 
 
 def test_every_help_text_is_plain_and_every_option_explained() -> None:
-    from node.cli import build_parser
-    from node.helptext import describe
+    from locoswarm.node.cli import build_parser
+    from locoswarm.node.helptext import describe
 
-    assert describe("``locoswarm run``: the :class:`~node.daemon.Node`'s ``loop``\nmore") == \
-        "locoswarm run: the node.daemon.Node's loop"
+    assert describe("``locoswarm run``: the :class:`~locoswarm.node.daemon.Node`'s ``loop``\nmore") == \
+        "locoswarm run: the locoswarm.node.daemon.Node's loop"
     todo = [("locoswarm", build_parser())]
     seen = 0
     while todo:
@@ -181,16 +181,18 @@ def test_every_help_text_is_plain_and_every_option_explained() -> None:
     assert seen > 10
 
 
-DOMAIN = ["node.config", "node.partition", "node.checkpoint", "node.daemon", "node.data", "node.model", "node.plan",
-          "node.core.outer_loop", "node.swarm.averaging"]
+DOMAIN = ["locoswarm.node.config", "locoswarm.node.partition", "locoswarm.node.checkpoint", "locoswarm.node.daemon",
+          "locoswarm.node.data", "locoswarm.node.model", "locoswarm.node.plan",
+          "locoswarm.node.core.outer_loop", "locoswarm.node.swarm.averaging"]
 
 
 @pytest.mark.parametrize("module", DOMAIN)
 def test_domain_modules_do_not_import_the_command_line(module: str) -> None:
     code = (f"import sys, {module}, inspect\n"
-            "bad = [m for m in sys.modules if m in ('node.cli', 'node.commands') or m.startswith('node.commands.')]\n"
+            "bad = [m for m in sys.modules if m in ('locoswarm.node.cli', 'locoswarm.node.commands') or "
+            "m.startswith('locoswarm.node.commands.')]\n"
             f"src = inspect.getsource({module})\n"
-            "bad += [w for w in ('node.cli', 'node.commands') if w in src]\n"
+            "bad += [w for w in ('locoswarm.node.cli', 'locoswarm.node.commands') if w in src]\n"
             "print(bad)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

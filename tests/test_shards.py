@@ -14,10 +14,10 @@ import pytest
 import torch
 from swarm_util import REPO
 
-from node.config import DataSection
-from node.data import ByteTokenizer, TrainBatches, eval_batches, load_corpus
-from node.errors import UserError
-from node.shards import INDEX, SHARD_TOKENS, ShardedTokens, prepare
+from locoswarm.node.config import DataSection
+from locoswarm.node.data import ByteTokenizer, TrainBatches, eval_batches, load_corpus
+from locoswarm.node.errors import UserError
+from locoswarm.node.shards import INDEX, SHARD_TOKENS, ShardedTokens, prepare
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -159,14 +159,14 @@ def test_eval_windows_stay_inside_an_eval_split_past_float32_precision() -> None
 
 
 def test_cli_default_shard_size_is_the_librarys() -> None:
-    from node.commands.data import SHARD_TOKENS as CLI_DEFAULT
+    from locoswarm.node.commands.data import SHARD_TOKENS as CLI_DEFAULT
 
     assert CLI_DEFAULT == SHARD_TOKENS
 
 
 def _prepare_cli(src: Path, out: Path) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
-    res = subprocess.run([sys.executable, "-m", "node.cli", "data", "prepare", str(src), "--out", str(out),
+    res = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "data", "prepare", str(src), "--out", str(out),
                           "--shard-tokens", str(1 << 20)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=240)
     assert res.returncode == 0, res.stderr
@@ -188,6 +188,6 @@ def test_memory_stays_flat_as_the_corpus_grows(tmp_path: Path) -> None:
     assert total > 25_000_000
     # 36 MB more text (290 MB more as int64 tokens) and not 20 MB more memory
     assert rss_big - rss_small < 20, (rss_small, rss_big)
-    res = subprocess.run([sys.executable, "-m", "node.cli", "data", "prepare", str(tmp_path / "nowhere"), "--out",
-                          str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "data", "prepare", str(tmp_path / "nowhere"),
+                          "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "nowhere" in res.stderr

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from node.bench.convergence import ALL_METHODS, check_claims, render_existing, steps_to_target
-from node.bench.convergence_report import summarize
-from node.bench.tuning import Sweep, run_sweeps
-from node.config import SwarmConfig
-from node.data import ByteTokenizer, load_corpus
-from node.sim.methods import METHODS, method_config, tuned_settings
-from node.sim.simulator import SimSpec, simulate
+from locoswarm.node.bench.convergence import ALL_METHODS, check_claims, render_existing, steps_to_target
+from locoswarm.node.bench.convergence_report import summarize
+from locoswarm.node.bench.tuning import Sweep, run_sweeps
+from locoswarm.node.config import SwarmConfig
+from locoswarm.node.data import ByteTokenizer, load_corpus
+from locoswarm.node.sim.methods import METHODS, method_config, tuned_settings
+from locoswarm.node.sim.simulator import SimSpec, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "swarm", "trains", "a", "model", "while", "peers", "come", "and", "go",
@@ -37,7 +37,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "locoswarm.node.cli", *args], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=timeout)
 
 

@@ -23,9 +23,9 @@ import torch
 from hivemind.p2p import P2P
 from test_wire import LoopThread, p2p_nodes
 
-from node.core.transport import FragmentSnapshot
-from node.swarm import state_sync, wire
-from node.swarm.state_sync import (
+from locoswarm.node.core.transport import FragmentSnapshot
+from locoswarm.node.swarm import state_sync, wire
+from locoswarm.node.swarm.state_sync import (
     CHUNK_ELEMS,
     MAX_CHUNK_BYTES,
     STATE_HANDLER,
@@ -34,7 +34,7 @@ from node.swarm.state_sync import (
     StateRateLimiter,
     StateServer,
 )
-from protocol import swarm_pb2
+from locoswarm.protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
 

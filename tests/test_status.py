@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from node.status import NodeStatus, PeerStatus, Record, Spread, SwarmView
-from protocol import control_pb2, swarm_pb2
+from locoswarm.node.status import NodeStatus, PeerStatus, Record, Spread, SwarmView
+from locoswarm.protocol import control_pb2, swarm_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -108,8 +108,8 @@ def test_reputation_snapshot_is_the_reputation_json():
     """The node types ``Reputation.snapshot()`` with ``ReputationStatus.from_json``: same keys."""
     import logging
 
-    from node.status import ReputationStatus
-    from node.swarm.reputation import Reputation
+    from locoswarm.node.status import ReputationStatus
+    from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation(now=lambda: 100.0, log=logging.getLogger("test.reputation"))
     for _ in range(3):
@@ -138,7 +138,7 @@ class FakeOuter:
     """What ``Node.status_snapshot`` reads of the outer loop: two fragments, fragment 0 sent at step 112."""
 
     def __init__(self) -> None:
-        from node.core.outer_loop import OuterStats
+        from locoswarm.node.core.outer_loop import OuterStats
 
         self.stats = OuterStats(syncs_ok=9, syncs_failed=2, catch_ups=1, consensus_rounds=3,
                                 last_consensus_shift=0.01)
@@ -148,7 +148,7 @@ class FakeOuter:
                 {"fragment": 1, "version": 6, "numel": 5, "last_send": None, "quant_error": None}]
 
     def schedule_state(self):
-        from node.core.schedule import ScheduleState
+        from locoswarm.node.core.schedule import ScheduleState
 
         return ScheduleState((112, None), None)
 
@@ -163,11 +163,11 @@ def test_node_status_snapshot(tmp_path):
 
     import torch
 
-    from node.config import load_config
-    from node.core.transport import FragmentSnapshot
-    from node.daemon import Node, NodeOptions
-    from node.swarm.averaging import ByteCounters
-    from node.swarm.reputation import Reputation
+    from locoswarm.node.config import load_config
+    from locoswarm.node.core.transport import FragmentSnapshot
+    from locoswarm.node.daemon import Node, NodeOptions
+    from locoswarm.node.swarm.averaging import ByteCounters
+    from locoswarm.node.swarm.reputation import Reputation
 
     node = Node(load_config(None, []), NodeOptions(state_dir=tmp_path, control_port=7615, metrics_port=9615))
     node.peer_id, node.maddrs, node.state, node.loss, node.clock, node.local_step = "QmSelf", ["/ip4/1"], "training", \

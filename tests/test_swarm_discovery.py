@@ -25,9 +25,9 @@ from pathlib import Path
 import hivemind  # noqa: F401 (imported up front so DHT timings exclude the import)
 import pytest
 
-from node.config import SwarmConfig, fingerprint
-from node.errors import UserError
-from node.swarm.dht import (
+from locoswarm.node.config import SwarmConfig, fingerprint
+from locoswarm.node.errors import UserError
+from locoswarm.node.swarm.dht import (
     ENV_BOOTSTRAP,
     bootstrap_from_env_and_args,
     join_command,
@@ -35,8 +35,8 @@ from node.swarm.dht import (
     validate_bootstrap,
     visible_maddrs,
 )
-from node.swarm.membership import Membership, fragment_spread, swarm_key
-from protocol import swarm_pb2
+from locoswarm.node.swarm.membership import Membership, fragment_spread, swarm_key
+from locoswarm.protocol import swarm_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 SOCKETS = "/tmp/hivemind-*.sock"
@@ -409,11 +409,11 @@ def test_fragment_spread():
 NODE_SCRIPT = textwrap.dedent("""
     import json, os, sys, threading, time
     sys.path.insert(0, sys.argv[2])
-    from node.swarm.process import become_group_leader, install_signal_handlers, start_watchdog, stop_watchdog
+    from locoswarm.node.swarm.process import become_group_leader, install_signal_handlers, start_watchdog, stop_watchdog
     leader = become_group_leader() if sys.argv[3] == "group" else False
     watchdog = start_watchdog(poll_s=0.2)
     from pathlib import Path
-    from node.swarm.dht import start_dht
+    from locoswarm.node.swarm.dht import start_dht
     stop = threading.Event()
     install_signal_handlers(stop)
     dht = start_dht([], identity_path=Path(sys.argv[1]) / "node.key")
@@ -526,7 +526,7 @@ def test_graceful_exit_leaves_nothing(tmp_path, how):
 def test_a_dead_processes_socket_still_listed_as_bound_is_removed_after_the_wait(tmp_path, monkeypatch):
     """/proc/net/unix can list a killed process's socket for a while: with a wait it goes anyway (all owners
     are dead, and nothing can bind a path whose file exists); without one, a listed socket is kept."""
-    from node.swarm import process
+    from locoswarm.node.swarm import process
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -543,7 +543,7 @@ def test_a_dead_processes_socket_still_listed_as_bound_is_removed_after_the_wait
 
 
 def test_pace_set_is_the_same_for_every_member_and_ignores_one_fast_liar() -> None:
-    from node.swarm.membership import pace_set
+    from locoswarm.node.swarm.membership import pace_set
 
     rates = {"a": 3000.0, "b": 2900.0, "c": 1700.0, "d": 400.0}
     # Every member computes from the same announced rates: the same set, whatever its own speed.
@@ -564,7 +564,7 @@ SOCKET_CHILD = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.
 LATE_CHILD_SCRIPT = textwrap.dedent("""
     import os, subprocess, sys, time
     sys.path.insert(0, sys.argv[1])
-    from node.swarm.process import become_group_leader, start_watchdog
+    from locoswarm.node.swarm.process import become_group_leader, start_watchdog
     become_group_leader()
     start_watchdog(poll_s=60.0)  # one poll at start; the child below comes after it
     time.sleep(0.3)
@@ -633,7 +633,7 @@ def test_kill_groups_leaves_neither_processes_nor_their_files(tmp_path):
     """What the benchmarks (and the tests' NodeProc) do to nodes: SIGKILL by process group, which takes
     the node's watchdog too. The files the processes owned go with them, and a descendant in a session of
     its own is killed as well."""
-    from node.swarm.process import kill_groups
+    from locoswarm.node.swarm.process import kill_groups
 
     proc, sock = _start_socket_owner(tmp_path, OWNER_SCRIPT, [], start_new_session=True)
     shm = f"/dev/shm/torch_{proc.pid}_test_0"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from swarm_util import NodeProc, bootstrap_addr, write_config, write_corpus
 
-from node.config import load_config
-from node.core.codecs import get_codec
-from node.core.payload import payload_size
+from locoswarm.node.config import load_config
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.payload import payload_size
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
 """Bounded framing on real libp2p streams: two hivemind P2P daemons on loopback inside this process.
 
-A server P2P registers handlers with ``node.swarm.wire.serve``; a client P2P talks to it with
+A server P2P registers handlers with ``locoswarm.node.swarm.wire.serve``; a client P2P talks to it with
 ``open_stream`` or, to play a hostile peer, writes raw frames on a binary stream. Every test is
 bounded in time; both p2pd processes are stopped by the fixture, and every asyncio error the loop
 reports ("Future exception was never retrieved", unhandled callback errors) fails the module.
@@ -24,9 +24,9 @@ import hivemind  # noqa: F401 (imported up front so the first test's timings exc
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from node.swarm import wire
-from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from protocol import swarm_pb2
+from locoswarm.node.swarm import wire
+from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
+from locoswarm.protocol import swarm_pb2
 
 pytestmark = pytest.mark.timeout(120)
 

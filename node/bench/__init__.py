@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.bench import codecs, convergence, robustness
-    from node.bench import swarm as swarm_bench
+    from locoswarm.node.bench import codecs, convergence, robustness
+    from locoswarm.node.bench import swarm as swarm_bench
 
     p = sub.add_parser("bench", help="benchmarks that write a report (JSON + markdown + PNG)")
     bench_sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
@@ -26,7 +26,7 @@ def write_png(fig, path: Path) -> None:
 
     import matplotlib.pyplot as plt
 
-    from node.fsutil import atomic_write_bytes
+    from locoswarm.node.fsutil import atomic_write_bytes
 
     fig.tight_layout()
     buf = io.BytesIO()

@@ -1,17 +1,17 @@
 """``locoswarm bench convergence``: every method side by side, each at its own tuned settings, over seeds.
 
-Methods: every entry of the registry ``node.sim.methods.METHODS`` (dp, diloco, streaming, streaming-fp4,
+Methods: every entry of the registry ``locoswarm.node.sim.methods.METHODS`` (dp, diloco, streaming, streaming-fp4,
 delayed, naive-delay, eager, streaming-overlap, cocodc, locoswarm, and whatever is added there). Each runs
 the in-process simulator with the same model, data shards, inner optimizer and number of inner steps.
 
 A fair comparison: first each method's outer settings (the outer lr and momentum, plus alpha or lambda0
 where its merge rule has one) are swept on a *tuning split*, training documents held out by the eval
-split's hash rule with another salt (``node.data.load_corpus(tune_fraction=...)``), and the lowest final
-tuning loss is kept (``node.bench.tuning``); then every method runs at its chosen settings once per seed
+split's hash rule with another salt (``locoswarm.node.data.load_corpus(tune_fraction=...)``), and the lowest final
+tuning loss is kept (``locoswarm.node.bench.tuning``); then every method runs at its chosen settings once per seed
 (model init and batch sampling differ) and is evaluated on the eval split, never seen before. The final
-model is the one after every sync in flight has landed (``node.sim.simulator``). The report gives the
+model is the one after every sync in flight has landed (``locoswarm.node.sim.simulator``). The report gives the
 mean final eval loss with the seeds' spread, steps to a target (DiLoCo's mean final eval loss, or
-``--target``), bytes, the tuning table and the papers' claims checked (``node.bench.convergence_report``).
+``--target``), bytes, the tuning table and the papers' claims checked (``locoswarm.node.bench.convergence_report``).
 
 Profiles and their expected run time, tuned with 2 seeds (``--no-tune``: the eval runs alone):
 quick (tiny model, 240 steps, H 30: 8 rounds), default (tiny, 800 steps, H 40: 20 rounds), long (tiny,
@@ -33,21 +33,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from node.bench.convergence_report import (  # re-exported: the tests and callers use them from here
+from locoswarm.node.bench.convergence_report import (  # re-exported: the tests and callers use them from here
     SEARCH,
     check_claims,
     normalize,
     steps_to_target,
     write_report,
 )
-from node.bench.tuning import DEFAULT_GRIDS, Settings, Sweep, parse_fixed, parse_grids, run_sweeps
-from node.errors import UserError
-from node.helptext import describe
-from node.sim.methods import METHODS
+from locoswarm.node.bench.tuning import DEFAULT_GRIDS, Settings, Sweep, parse_fixed, parse_grids, run_sweeps
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
+from locoswarm.node.sim.methods import METHODS
 
 if TYPE_CHECKING:
-    from node.config import SwarmConfig
-    from node.data import Corpus
+    from locoswarm.node.config import SwarmConfig
+    from locoswarm.node.data import Corpus
 
 __all__ = ["ALL_METHODS", "PROFILES", "check_claims", "steps_to_target", "write_report"]
 
@@ -90,8 +90,8 @@ DEFAULT_TUNE_FRACTION = 0.02
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.commands import add_config_args
-    from node.sim import add_data_args
+    from locoswarm.node.commands import add_config_args
+    from locoswarm.node.sim import add_data_args
 
     p = sub.add_parser("convergence", help="all methods side by side: tuned on a tuning split, run over seeds",
                        description=describe(__doc__))
@@ -187,8 +187,8 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def base_config(args: argparse.Namespace, prof: Profile):
     """The user's config (or defaults) with the profile's model, inner and schedule settings."""
-    from node.commands import load_config_from_args
-    from node.config import validate
+    from locoswarm.node.commands import load_config_from_args
+    from locoswarm.node.config import validate
 
     cfg = load_config_from_args(args)
     if not args.config and not args.overrides:
@@ -239,7 +239,7 @@ class BenchContext:
     @classmethod
     def load(cls, cfg: SwarmConfig, data: list[str], prof: Profile, device: str,
              tune_fraction: float) -> BenchContext:
-        from node.data import load_corpus, load_tokenizer
+        from locoswarm.node.data import load_corpus, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         corpus = load_corpus(data, cfg.data, tokenizer, tune_fraction=tune_fraction)
@@ -250,8 +250,8 @@ class BenchContext:
 
     def method_config(self, method: str, settings: Settings) -> SwarmConfig:
         """The method's config at ``settings`` (outer lr, momentum, alpha, lambda0), validated."""
-        from node.config import validate
-        from node.sim.methods import method_config
+        from locoswarm.node.config import validate
+        from locoswarm.node.sim.methods import method_config
 
         cfg = method_config(self.cfg, method, self.profile.tau)
         for key, value in settings.items():
@@ -261,8 +261,8 @@ class BenchContext:
 
     def run(self, job: Job, progress=None) -> dict:
         """Simulate ``job``; its record for the report (final loss and curve on the job's split, bytes)."""
-        from node.core.compress import wire_codec
-        from node.sim.simulator import SimSpec, simulate, simulate_dp
+        from locoswarm.node.core.compress import wire_codec
+        from locoswarm.node.sim.simulator import SimSpec, simulate, simulate_dp
 
         p = self.profile
         corpus = self.corpus if job.split == "eval" else replace(self.corpus, eval=self.corpus.tune)
@@ -414,7 +414,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from node.model import resolve_device
+    from locoswarm.node.model import resolve_device
 
     if args.render_only:
         return render_existing(Path(args.out))
@@ -427,7 +427,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     cfg = base_config(args, prof)
     device = str(resolve_device(args.device))
     console = Console(stderr=True)
-    from node.sim import data_paths
+    from locoswarm.node.sim import data_paths
 
     with console.status("loading data"):
         ctx = BenchContext.load(cfg, data_paths(args), prof, device, args.tune_fraction)
@@ -480,7 +480,7 @@ def run_convergence(args: argparse.Namespace) -> int:
 
 
 def _knobs(ctx: BenchContext, method: str) -> tuple[str, ...]:
-    from node.sim.methods import tuned_settings
+    from locoswarm.node.sim.methods import tuned_settings
 
     return tuned_settings(method, ctx.method_config(method, {}))
 

@@ -1,5 +1,5 @@
 """The convergence benchmark's report: seeds aggregated, steps to target, the papers' claims checked,
-written as results.json, report.md and loss.png (``node.bench.convergence`` runs the methods).
+written as results.json, report.md and loss.png (``locoswarm.node.bench.convergence`` runs the methods).
 
 Every method ran once per seed; its row shows the mean final eval loss over the seeds with their spread
 (min..max and the sample standard deviation), and the claims are judged on those means, with the spread
@@ -17,7 +17,7 @@ FORMAT = 2
 TARGET_METHOD = "diloco"               # the default target of steps-to-target: DiLoCo's mean final eval loss
 OVERLAP_METHOD = "streaming-overlap"   # CoCoDC's claim is against it, at its own final loss
 NO_LOSS = 0.01                         # "no loss" in the papers' sense: within 1% of the final eval loss
-SEARCH = "outer lr, then momentum, then alpha or lambda0, then the lr once more"  # node.bench.tuning.Sweep
+SEARCH = "outer lr, then momentum, then alpha or lambda0, then the lr once more"  # locoswarm.node.bench.tuning.Sweep
 EAGER_TOLERANCE = 0.03                 # the issue's acceptance: eager within 3% of DiLoCo
 DILOCO_X_TOLERANCE = 0.02              # ... and diloco-x within 2%
 
@@ -203,7 +203,7 @@ def _bytes_claims(c: _Claims, setup: dict) -> None:
 def write_report(out: Path, doc: dict) -> dict:
     """Aggregate ``doc['methods']``' runs, check the claims, and write results.json, report.md and loss.png.
     ``doc`` holds ``setup``, ``methods`` (each with its ``runs``), ``tuning`` and ``wall_seconds``."""
-    from node.fsutil import atomic_write_text
+    from locoswarm.node.fsutil import atomic_write_text
 
     results = doc["methods"]
     doc["target"] = default_target(results, doc["setup"].get("fixed_target"))
@@ -361,7 +361,7 @@ def plot(path: Path, results: dict[str, dict], setup: dict) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    from node.bench import write_png
+    from locoswarm.node.bench import write_png
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2, 1]})
     for name, r in results.items():

@@ -1,4 +1,4 @@
-"""``python -m node.bench.hostile``: a hostile peer, for the adversarial tests and ``bench robustness``.
+"""``python -m locoswarm.node.bench.hostile``: a hostile peer, for the adversarial tests and ``bench robustness``.
 
 Nothing here is imported by the node: the production modules carry no attack code. A hostile *node*
 is the ordinary ``locoswarm run`` with monkeypatches applied in its own process before it starts
@@ -108,7 +108,7 @@ class _ContributionAttack(NodeAttack):
     """Rewrites the request this node streams to each reducer (``SwarmTransport._send_part``)."""
 
     def apply(self) -> None:
-        from node.swarm.averaging import SwarmTransport
+        from locoswarm.node.swarm.averaging import SwarmTransport
 
         original = SwarmTransport._send_part
         attack = self
@@ -162,7 +162,7 @@ class ReducerAttack(NodeAttack):
     help = "as a reducer, returns reduced chunks of 1e30"
 
     def apply(self) -> None:
-        from node.swarm import averaging
+        from locoswarm.node.swarm import averaging
 
         original = averaging._Reduction._reduce
 
@@ -182,8 +182,8 @@ class StateAttack(NodeAttack):
     def apply(self) -> None:
         import torch
 
-        from node.core.transport import FragmentSnapshot
-        from node.daemon import Node
+        from locoswarm.node.core.transport import FragmentSnapshot
+        from locoswarm.node.daemon import Node
 
         publish, heartbeat = Node._publish, Node._heartbeat
 
@@ -209,7 +209,7 @@ class ClockAttack(NodeAttack):
     help = "the heartbeat clock claims +10000 more every --attack-period seconds"
 
     def apply(self) -> None:
-        from node.daemon import Node
+        from locoswarm.node.daemon import Node
 
         heartbeat = Node._heartbeat
         started = time.monotonic()
@@ -229,7 +229,7 @@ class ForgeAttack(NodeAttack):
     help = "contribution headers name another member as the sender"
 
     def apply(self) -> None:
-        from node.swarm import averaging
+        from locoswarm.node.swarm import averaging
 
         original_init, original_open = averaging.SwarmTransport.__init__, averaging.open_stream
         transports: list = []
@@ -287,7 +287,7 @@ class HostileClient(ABC):
     help: str
 
     def __init__(self, opts: ClientOptions) -> None:
-        from node.config import fingerprint, load_config
+        from locoswarm.node.config import fingerprint, load_config
 
         self.opts = opts
         self.cfg = load_config(opts.config, [])
@@ -305,9 +305,9 @@ class HostileClient(ABC):
                 kept.append(text[:200])
 
     def run(self) -> dict:
-        from node.swarm.dht import start_dht
-        from node.swarm.membership import Membership, swarm_key
-        from node.swarm.runtime import NetworkRuntime
+        from locoswarm.node.swarm.dht import start_dht
+        from locoswarm.node.swarm.membership import Membership, swarm_key
+        from locoswarm.node.swarm.runtime import NetworkRuntime
 
         self.dht = start_dht(self.opts.bootstrap, identity_path=self.opts.state_dir / "identity.key", attempts=5,
                              log=lambda line: log.warning(line), stop=self.stop)
@@ -347,11 +347,11 @@ class InjectClient(HostileClient):
 
     def __init__(self, opts: ClientOptions) -> None:
         super().__init__(opts)
-        from node.core.codecs import get_codec
-        from node.core.schedule import make_schedule
-        from node.data import load_tokenizer
-        from node.model import build_model
-        from node.partition import partition
+        from locoswarm.node.core.codecs import get_codec
+        from locoswarm.node.core.schedule import make_schedule
+        from locoswarm.node.data import load_tokenizer
+        from locoswarm.node.model import build_model
+        from locoswarm.node.partition import partition
 
         tokenizer = load_tokenizer(self.cfg.model.tokenizer)
         model = build_model(self.cfg.model, tokenizer.vocab_size, seed=self.cfg.data.seed)
@@ -383,8 +383,8 @@ class InjectClient(HostileClient):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def entries(self, fragment: int, round_: int) -> dict:
-        from node.swarm.records import subkey_peer
-        from protocol import swarm_pb2
+        from locoswarm.node.swarm.records import subkey_peer
+        from locoswarm.protocol import swarm_pb2
 
         found = await self.dht.get(f"{self.swarm_key}/match/{fragment}/{round_}", latest=True, return_future=True)
         out = {}
@@ -397,7 +397,7 @@ class InjectClient(HostileClient):
         return out
 
     async def inject_round(self, fragment: int, round_: int) -> None:
-        from node.transport.groups import form_groups
+        from locoswarm.node.transport.groups import form_groups
 
         entries = await self.entries(fragment, round_)
         if len(entries) < 2:
@@ -420,11 +420,11 @@ class InjectClient(HostileClient):
     async def send_part(self, fragment: int, round_: int, group: list[str], j: int, sender: str, entry) -> None:
         import torch
 
-        from node.core.payload import chunk_bounds
-        from node.swarm.averaging import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
-        from node.swarm.wire import PeerRefused, WireError, open_stream
-        from node.transport.reduce import part_ranges
-        from protocol import swarm_pb2
+        from locoswarm.node.core.payload import chunk_bounds
+        from locoswarm.node.swarm.averaging import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
+        from locoswarm.node.swarm.wire import PeerRefused, WireError, open_stream
+        from locoswarm.node.transport.reduce import part_ranges
+        from locoswarm.protocol import swarm_pb2
 
         bounds = chunk_bounds(self.numel[fragment], self.codec.block_size)
         part = part_ranges(len(bounds), len(group))[j]
@@ -482,8 +482,8 @@ class FloodClient(HostileClient):
     async def one_stream(self, peer: str, with_header: bool) -> None:
         from hivemind.p2p import PeerID
 
-        from node.swarm.averaging import AVERAGE_HANDLER
-        from protocol import swarm_pb2
+        from locoswarm.node.swarm.averaging import AVERAGE_HANDLER
+        from locoswarm.protocol import swarm_pb2
 
         _, reader, writer = await self.runtime.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
                                                                                AVERAGE_HANDLER)
@@ -518,8 +518,8 @@ class DownloadClient(HostileClient):
     async def attack(self, deadline: float) -> None:
         from hivemind.p2p import PeerID
 
-        from node.swarm.state_sync import STATE_HANDLER
-        from protocol import swarm_pb2
+        from locoswarm.node.swarm.state_sync import STATE_HANDLER
+        from locoswarm.protocol import swarm_pb2
 
         while self.active(deadline):
             peers = await self.peers_async()
@@ -554,7 +554,7 @@ ALL_ATTACKS = (*NODE_ATTACKS, *CLIENT_ATTACKS)
 def _parser() -> argparse.ArgumentParser:
     kinds = "\n".join(f"  {a.name:<9} {a.help}" for a in (*NODE_ATTACKS.values(), *CLIENT_ATTACKS.values()))
     p = argparse.ArgumentParser(
-        prog="python -m node.bench.hostile", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m locoswarm.node.bench.hostile", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="a hostile peer (a patched node, or a client that never joins) for robustness tests",
         epilog=f"attacks:\n{kinds}\n\nA node attack passes every other argument to 'locoswarm run' "
                "(e.g. --state-dir DIR --config peers.toml --bootstrap MULTIADDR).")
@@ -579,7 +579,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> int:
-    print(f"hostile: error: {message} (see 'python -m node.bench.hostile --help')", file=sys.stderr)
+    print(f"hostile: error: {message} (see 'python -m locoswarm.node.bench.hostile --help')", file=sys.stderr)
     return 2
 
 
@@ -608,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_hostile_node(args: argparse.Namespace, rest: list[str]) -> int:
     """Patch this process for the attack, then run the ordinary node with the other arguments."""
-    from node.cli import main as cli_main
+    from locoswarm.node.cli import main as cli_main
 
     # The client flags parsed above belong to 'locoswarm run' as well: hand them back.
     for flag, value in (("--config", args.config), ("--state-dir", args.state_dir), ("--seed", args.seed),

@@ -2,7 +2,7 @@
 
 Each scenario is a short multi-process swarm on loopback (real ``locoswarm run`` processes, real
 DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then an attack
-scenario adds ``N`` hostile peers of one kind (``python -m node.bench.hostile``: a node with the attack
+scenario adds ``N`` hostile peers of one kind (``python -m locoswarm.node.bench.hostile``: a node with the attack
 patched in, or a client that never joins) and ``clean`` adds ``N`` bystanders instead, for each ``N``
 of ``--counts``: nodes that train as hard as a hostile node but in a swarm of their own, so the honest
 nodes share the machine's cores as they do under attack but average only with each other, as they do
@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.errors import UserError
-from node.helptext import describe
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
 
 KINDS = ("clean", "weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
 CLIENT_KINDS = ("inject", "flood", "download")
@@ -98,7 +98,7 @@ class LocalProc:
 
     def rss_mb(self) -> float:
         """Resident memory of the process and its descendants (DHT child, p2pd), in MB."""
-        from node.swarm.process import descendants
+        from locoswarm.node.swarm.process import descendants
 
         total = 0
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:
@@ -110,7 +110,7 @@ class LocalProc:
 
     def stop(self) -> None:
         """Kill the process, its group and the groups of its descendants; wait until they are gone."""
-        from node.swarm.process import kill_groups, tree_groups
+        from locoswarm.node.swarm.process import kill_groups, tree_groups
 
         kill_groups(tree_groups(self.proc.pid), self.proc)
         self._log.close()
@@ -118,7 +118,7 @@ class LocalProc:
 
 @dataclass
 class Scenario:
-    kind: str        # "clean" or an attack of node.bench.hostile
+    kind: str        # "clean" or an attack of locoswarm.node.bench.hostile
     hostile: int     # peers added: hostile ones, or bystanders (another swarm) for "clean"
 
     @property
@@ -209,12 +209,13 @@ class ScenarioRun:
         return outcome
 
     def start_honest(self) -> str:
-        first = self.spawn("honest0", ["node.cli", "run"], self.node_args())
+        first = self.spawn("honest0", ["locoswarm.node.cli", "run"], self.node_args())
         self.honest.append(first)
         addrs = first.wait_for(lambda s: s.get("addrs"), 120, "addresses")["addrs"]
         boot = next((a for a in addrs if "/127.0.0.1/" in a), addrs[0])
         for i in range(1, self.n_honest):
-            self.honest.append(self.spawn(f"honest{i}", ["node.cli", "run"], [*self.node_args(), "--bootstrap", boot]))
+            self.honest.append(self.spawn(f"honest{i}", ["locoswarm.node.cli", "run"],
+                                          [*self.node_args(), "--bootstrap", boot]))
         if self.n_honest > 1:
             for proc in self.honest:
                 proc.wait_for(lambda s: s.get("syncs_ok", 0) >= 2, 180, "two merged rounds")
@@ -226,18 +227,18 @@ class ScenarioRun:
             # Bystanders: as much CPU as a hostile node, none of its (refused) contributions; an honest
             # extra member would make the baseline a larger swarm that learns faster than the one attacked.
             for i in range(n):
-                self.extra.append(self.spawn(f"bystander{i}", ["node.cli", "run"],
+                self.extra.append(self.spawn(f"bystander{i}", ["locoswarm.node.cli", "run"],
                                              [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"],
                                              self.nice_others))
         elif kind in CLIENT_KINDS:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
                         "--report", str(self.root / f"hostile{i}.json")]
-                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind], args,
+                self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind], args,
                                              self.nice_others))
         else:
             for i in range(n):
-                self.extra.append(self.spawn(f"hostile{i}", ["node.bench.hostile", "--attack", kind],
+                self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind],
                                              [*self.node_args(), "--bootstrap", boot], self.nice_others))
         if kind not in CLIENT_KINDS:
             for proc in self.extra:
@@ -306,7 +307,7 @@ class ScenarioRun:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.sim import add_data_args
+    from locoswarm.node.sim import add_data_args
 
     p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
                        description=describe(__doc__))
@@ -350,7 +351,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from node.sim import data_paths
+    from locoswarm.node.sim import data_paths
 
     scenarios = _scenarios(args.kinds, args.counts)
     if not (math.isfinite(args.seconds) and 1 <= args.seconds <= 3600):
@@ -449,9 +450,9 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
     lines = [
         "# Robustness benchmark", "",
         f"{setup['honest']} honest nodes per scenario (real processes on loopback); an attack scenario adds N "
-        f"hostile peers of one kind (`python -m node.bench.hostile`; `xN` in its name, 1 if none), `clean` adds N "
-        f"bystanders instead (nodes training as hard, each in a swarm of its own: the same share of the machine's "
-        f"cores, no contribution); vs clean compares with the clean run of the same N. "
+        "hostile peers of one kind (`python -m locoswarm.node.bench.hostile`; `xN` in its name, 1 if none), `clean` "
+        "adds N bystanders instead (nodes training as hard, each in a swarm of its own: the same share of the "
+        f"machine's cores, no contribution); vs clean compares with the clean run of the same N. "
         f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
         + (f"the added peers (attackers and bystanders alike) ran at nice {setup['nice_others']}; "
            if setup.get("nice_others") else "") +
@@ -466,7 +467,7 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
 
 
 def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
-    from node.fsutil import atomic_write_text
+    from locoswarm.node.fsutil import atomic_write_text
 
     doc = {"setup": setup, "scenarios": results, "wall_seconds": wall}
     atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
@@ -482,7 +483,7 @@ def plot(path: Path, results: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from node.bench import write_png
+    from locoswarm.node.bench import write_png
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     for name, r in results.items():

@@ -3,7 +3,7 @@
 A comparison at one shared outer lr favours the methods that lr happens to suit: a method whose update
 is partly one round stale (eager, the naive delay) wants a lower outer lr, or less Nesterov momentum,
 than blocking DiLoCo (the Eager paper lowers the lr for the naive delay: 3.01 -> 2.73). So each method
-gets a small sweep of its own settings (``node.sim.methods.tuned_settings``: the outer lr and momentum,
+gets a small sweep of its own settings (``locoswarm.node.sim.methods.tuned_settings``: the outer lr and momentum,
 plus alpha or lambda0 where its merge rule has one), run on training documents held out as a tuning
 split, never on the eval split.
 """
@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 #: The values tried per setting (``--grid KEY=V1,V2,...`` replaces one).
 DEFAULT_GRIDS: dict[str, tuple[float, ...]] = {

@@ -1,6 +1,6 @@
-"""The ``locoswarm`` subcommands of the node's own modules: flags and environment in, the domain
-modules (``node.daemon``, ``node.config``, ``node.partition``, ``node.checkpoint``) called. Those modules
-never import the command line; ``node.cli`` only builds the parser and dispatches."""
+"""The ``locoswarm`` subcommands of the node's own modules: flags and environment in, the domain modules
+(``locoswarm.node.daemon``, ``locoswarm.node.config``, ``locoswarm.node.partition``, ``locoswarm.node.checkpoint``)
+called. Those modules never import the command line; ``locoswarm.node.cli`` only builds the parser and dispatches."""
 
 from __future__ import annotations
 
@@ -17,6 +17,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config_from_args(args: argparse.Namespace):
-    from node.config import load_config
+    from locoswarm.node.config import load_config
 
     return load_config(args.config, args.overrides)

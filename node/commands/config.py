@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from node.commands import add_config_args
-from node.config import fingerprint, load_config, render_init, to_toml
+from locoswarm.node.commands import add_config_args
+from locoswarm.node.config import fingerprint, load_config, render_init, to_toml
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

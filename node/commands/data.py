@@ -1,4 +1,4 @@
-"""``locoswarm data prepare``: pre-tokenize a corpus into token shards (``node.shards``)."""
+"""``locoswarm data prepare``: pre-tokenize a corpus into token shards (``locoswarm.node.shards``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from node.commands import add_config_args, load_config_from_args
-from node.errors import UserError
+from locoswarm.node.commands import add_config_args, load_config_from_args
+from locoswarm.node.errors import UserError
 
-# node.shards.SHARD_TOKENS, said again here: building the parser must not import torch (node.shards does)
+# locoswarm.node.shards.SHARD_TOKENS, said again here: building the parser must not import torch (locoswarm.node.shards
+# does)
 SHARD_TOKENS = 64 * 1024 * 1024
 
 
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _source_bytes(paths: list[str], extensions: list[str]) -> int:
-    from node.data import discover_files
+    from locoswarm.node.data import discover_files
 
     total = 0
     for f in discover_files(paths, [*extensions, ".parquet"]):
@@ -46,8 +47,8 @@ def run_prepare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from node.data import load_tokenizer
-    from node.shards import is_hf_dataset_dir, prepare
+    from locoswarm.node.data import load_tokenizer
+    from locoswarm.node.shards import is_hf_dataset_dir, prepare
 
     cfg = load_config_from_args(args)
     tokenizer = load_tokenizer(cfg.model.tokenizer)

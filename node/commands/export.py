@@ -11,12 +11,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from node.commands import add_config_args, load_config_from_args
+from locoswarm.node.commands import add_config_args, load_config_from_args
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from node.checkpoint import export_model
-    from node.data import load_tokenizer
+    from locoswarm.node.checkpoint import export_model
+    from locoswarm.node.data import load_tokenizer
 
     cfg = load_config_from_args(args)
     use = "live" if args.live else "outer"
@@ -46,10 +46,10 @@ def register_export(sub: Any) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from node.checkpoint import load_trained_model
-    from node.data import load_tokenizer
-    from node.errors import UserError
-    from node.generate import generate_text
+    from locoswarm.node.checkpoint import load_trained_model
+    from locoswarm.node.data import load_tokenizer
+    from locoswarm.node.errors import UserError
+    from locoswarm.node.generate import generate_text
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is not allowed; give at least 1")

@@ -1,11 +1,11 @@
 """The node's local control surface: a gRPC API, the ``locoswarm status`` TUI and Prometheus metrics.
 
-- :mod:`node.control.server`   the gRPC ``Control`` service (``protocol/control.proto``) run inside
+- :mod:`locoswarm.node.control.server`   the gRPC ``Control`` service (``protocol/control.proto``) run inside
   ``locoswarm run``; it samples the node (loss history, byte rates, peer joins and leaves) once a second
-- :mod:`node.control.metrics`  the same figures in the Prometheus text format (``--metrics-port``)
-- :mod:`node.control.tui`      a status (``node.status.NodeStatus``) rendered with rich (a pure function,
-  testable at a fixed width)
-- :mod:`node.control.cli`      ``locoswarm status``
+- :mod:`locoswarm.node.control.metrics`  the same figures in the Prometheus text format (``--metrics-port``)
+- :mod:`locoswarm.node.control.tui`      a status (``locoswarm.node.status.NodeStatus``) rendered with rich (a pure
+  function, testable at a fixed width)
+- :mod:`locoswarm.node.control.cli`      ``locoswarm status``
 
 This module stays import-light (no grpc, no rich): ``locoswarm run`` validates its control flags with it
 before anything heavy starts.
@@ -17,7 +17,7 @@ import ipaddress
 import os
 from collections.abc import Collection
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 DEFAULT_CONTROL_PORT = 7615
 DEFAULT_CONTROL_HOST = "127.0.0.1"
@@ -69,7 +69,7 @@ def check_control_options(host: str, ports: dict[str, int], allow_remote: bool,
     warning to print for a non-loopback host, None otherwise; raises :class:`UserError` naming a bad
     host, port, or a port already in use.
     """
-    from node.swarm.dht import check_port_free
+    from locoswarm.node.swarm.dht import check_port_free
 
     if host != "localhost":
         try:

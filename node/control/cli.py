@@ -24,18 +24,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from node.control import DEFAULT_CONTROL_HOST, DEFAULT_CONTROL_PORT, ENV_CONTROL, NodeUnreachable, parse_hostport
-from node.control import format_hostport as _fmt
-from node.errors import UserError
-from node.helptext import describe
-from node.status import NodePeerStatus, NodeStatus, PeerStatus, Spread, SwarmView
+from locoswarm.node.control import (
+    DEFAULT_CONTROL_HOST,
+    DEFAULT_CONTROL_PORT,
+    ENV_CONTROL,
+    NodeUnreachable,
+    parse_hostport,
+)
+from locoswarm.node.control import format_hostport as _fmt
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
+from locoswarm.node.status import NodePeerStatus, NodeStatus, PeerStatus, Spread, SwarmView
 
 RPC_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.commands import add_config_args
+    from locoswarm.node.commands import add_config_args
 
     default = os.environ.get(ENV_CONTROL) or f"{DEFAULT_CONTROL_HOST}:{DEFAULT_CONTROL_PORT}"
     p = sub.add_parser("status", help="watch a running node (or, with --swarm, a swarm) in the terminal",
@@ -89,7 +95,7 @@ class ControlClient:
     def __init__(self, host: str, port: int) -> None:
         import grpc
 
-        from protocol import control_pb2_grpc
+        from locoswarm.protocol import control_pb2_grpc
 
         self.where = _fmt(host, port)
         # A proxy from the environment must never see (or break) a loopback control connection.
@@ -115,7 +121,7 @@ class ControlClient:
     def status(self) -> NodeStatus:
         import grpc
 
-        from protocol import control_pb2
+        from locoswarm.protocol import control_pb2
 
         try:
             return NodeStatus.from_proto(self.stub.GetStatus(control_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S))
@@ -125,7 +131,7 @@ class ControlClient:
     def peers(self) -> dict[str, NodePeerStatus]:
         import grpc
 
-        from protocol import control_pb2
+        from locoswarm.protocol import control_pb2
 
         try:
             reply = self.stub.ListPeers(control_pb2.ListPeersRequest(), timeout=RPC_TIMEOUT_S)
@@ -136,7 +142,7 @@ class ControlClient:
     def leave(self, reason: str = "") -> tuple[bool, str]:
         import grpc
 
-        from protocol import control_pb2
+        from locoswarm.protocol import control_pb2
 
         try:
             reply = self.stub.Leave(control_pb2.LeaveRequest(reason=reason), timeout=RPC_TIMEOUT_S)
@@ -149,7 +155,7 @@ class ControlClient:
         that is not running fails at once. Ends with :class:`NodeUnreachable` if the node goes away."""
         import grpc
 
-        from protocol import control_pb2
+        from locoswarm.protocol import control_pb2
 
         yield self.status()
         stream = self.stub.WatchStatus(control_pb2.WatchRequest(interval_s=interval))
@@ -183,7 +189,7 @@ def _console() -> Any:
 
 
 def _print_once(status: NodeStatus | SwarmView) -> None:
-    from node.control.tui import render
+    from locoswarm.node.control.tui import render
 
     console = _console()
     console.print(render(status, console.width))
@@ -193,7 +199,7 @@ def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:
     """Redraw on every status until Ctrl+C (exit 0) or the node goes away (one line, exit 1)."""
     from rich.live import Live
 
-    from node.control.tui import render
+    from locoswarm.node.control.tui import render
 
     console = _console()
     first = next(frames)  # a node that does not answer raises here, before the screen is taken
@@ -213,9 +219,9 @@ def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:
 # ---- the swarm from its DHT, without a local node ---------------------------------------------------------
 
 def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> SwarmView:
-    """What :func:`node.control.tui.render` draws without a local node, from ``Membership.peers()``."""
-    from node.config import fingerprint
-    from node.swarm.membership import fragment_spread
+    """What :func:`locoswarm.node.control.tui.render` draws without a local node, from ``Membership.peers()``."""
+    from locoswarm.node.config import fingerprint
+    from locoswarm.node.swarm.membership import fragment_spread
 
     fp = fingerprint(cfg)
     return SwarmView(swarm=cfg.swarm.name, fingerprint=fp, via=via, now=now,
@@ -228,9 +234,9 @@ def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> SwarmView:
 def _run_swarm(args: argparse.Namespace) -> int:
     from hivemind.utils import get_dht_time
 
-    from node.commands import load_config_from_args
-    from node.swarm.dht import start_dht, validate_bootstrap
-    from node.swarm.membership import Membership
+    from locoswarm.node.commands import load_config_from_args
+    from locoswarm.node.swarm.dht import start_dht, validate_bootstrap
+    from locoswarm.node.swarm.membership import Membership
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")

@@ -1,6 +1,6 @@
 """Prometheus metrics of a running node: ``locoswarm run --metrics-port 9615`` -> ``GET /metrics``.
 
-The figures are those of the control API (one :class:`node.control.server.StatusSource`), in the text
+The figures are those of the control API (one :class:`locoswarm.node.control.server.StatusSource`), in the text
 exposition format 0.0.4 with conventional names: a ``locoswarm_`` prefix, base units in the name
 (``_seconds``, ``_bytes``, ``_ratio``), ``_total`` on counters. A tiny ``http.server`` thread serves them,
 so no client library is needed; it listens on the control host (loopback unless the user allowed remote
@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from node.control import format_hostport
-from node.errors import UserError
-from node.status import NodeStatus
+from locoswarm.node.control import format_hostport
+from locoswarm.node.errors import UserError
+from locoswarm.node.status import NodeStatus
 
 log = logging.getLogger("locoswarm.metrics")
 

@@ -1,7 +1,7 @@
 """The ``Control`` gRPC service of a running node (``protocol/control.proto``).
 
 ``locoswarm run`` serves it on 127.0.0.1:7615 by default. It answers from ``Node.status_snapshot()`` (a
-:class:`node.status.NodeStatus`) plus what a :class:`StatusSource` samples once a second from cheap node
+:class:`locoswarm.node.status.NodeStatus`) plus what a :class:`StatusSource` samples once a second from cheap node
 attributes: the loss history (for the TUI's sparkline), byte rates, and peer joins and leaves (the daemon
 keeps only its own events). The full status is built on demand only and cached briefly: building it hashes
 every fragment's phi, which is not free for a large model, and several watchers must not multiply that cost.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from node.control import (
+from locoswarm.node.control import (
     DEFAULT_CONTROL_HOST,
     DEFAULT_CONTROL_PORT,
     check_control_options,
@@ -29,13 +29,13 @@ from node.control import (
     is_loopback,
     remote_warning,
 )
-from node.errors import UserError
-from node.status import LossSample, NodeStatus, StatusEvent
-from protocol import control_pb2, control_pb2_grpc
+from locoswarm.node.errors import UserError
+from locoswarm.node.status import LossSample, NodeStatus, StatusEvent
+from locoswarm.protocol import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
-    from node.control.metrics import MetricsServer
-    from node.daemon import Node
+    from locoswarm.node.control.metrics import MetricsServer
+    from locoswarm.node.daemon import Node
 
 log = logging.getLogger("locoswarm.control")
 
@@ -242,7 +242,7 @@ def _add_port(server: grpc.Server, host: str, port: int) -> int:
     """The port bound, or 0 (grpc raises on some versions, returns 0 on others). A taken port is found
     first: grpc's core prints its own raw ``add_port.cc ... Address already in use`` line to stderr for one,
     which users read as a crash."""
-    from node.swarm.dht import tcp_port_free
+    from locoswarm.node.swarm.dht import tcp_port_free
 
     if port and not tcp_port_free(host, port):
         return 0
@@ -262,7 +262,7 @@ def start_control_server(node: Node | Any, host: str, port: int | None, allow_re
     A non-loopback ``host`` needs ``allow_remote`` (the API can make the node leave) and logs a warning.
     Raises :class:`UserError` naming a port that is already in use.
     """
-    from node.control.metrics import start_metrics_server
+    from locoswarm.node.control.metrics import start_metrics_server
 
     if not is_loopback(host):
         if not allow_remote:

@@ -1,4 +1,4 @@
-"""``locoswarm status``'s screen: a node's status (``node.status``) rendered with rich.
+"""``locoswarm status``'s screen: a node's status (``locoswarm.node.status``) rendered with rich.
 
 :func:`render` is a pure function of the status (a :class:`NodeStatus` through the control API, or
 a :class:`SwarmView` built from DHT heartbeats) and a width, so ``--once``, the live view and the tests
@@ -20,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from node.status import NodePeerStatus, NodeStatus, PeerReputation, PeerStatus, Spread, StatusEvent, SwarmView
+from locoswarm.node.status import NodePeerStatus, NodeStatus, PeerReputation, PeerStatus, Spread, StatusEvent, SwarmView
 
 SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed

@@ -1,11 +1,11 @@
 """The compressor seam of the outer loop: how a fragment's pseudo-gradient becomes the vector peers average.
 
-The transports average flat vectors coded by a block codec (``node.core.codecs``), chunk by chunk, with a
+The transports average flat vectors coded by a block codec (``locoswarm.node.core.codecs``), chunk by chunk, with a
 robust weighted mean. A :class:`Compressor` turns a fragment's Delta (plus its error-feedback residual) into
 such a vector and turns the group's mean of those vectors back into a dense average of Delta:
 
 - :class:`BlockCompressor`: the vector is Delta itself, coded by ``[outer] codec`` (fp32, bf16, int8, fp4).
-- :class:`node.core.lowrank.LowRankCompressor` (``codec = "lowrank"``): the vector holds low-rank
+- :class:`locoswarm.node.core.lowrank.LowRankCompressor` (``codec = "lowrank"``): the vector holds low-rank
   coefficients of the fragment's matrices on a basis the group shares, so that the group's mean of the
   coefficients is the compression of the mean (DiLoCoX's adaptive low-rank compression).
 
@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.config import OuterSection
-from node.core.codecs import Codec, get_codec
-from node.core.payload import encode_with_feedback
+from locoswarm.node.config import OuterSection
+from locoswarm.node.core.codecs import Codec, get_codec
+from locoswarm.node.core.payload import encode_with_feedback
 
 
 @dataclass
 class Encoded:
     """One member's contribution of one fragment, ready for the transport."""
 
-    chunks: list[bytes]          # the wire vector coded by the compressor's block codec (node.core.payload)
+    chunks: list[bytes]          # the wire vector coded by the compressor's block codec (locoswarm.node.core.payload)
     numel: int                   # elements of the wire vector
     own: torch.Tensor            # this member's contribution as the group counts it, dense (the fragment's numel)
     extras: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # side values summed over the group
@@ -105,7 +105,7 @@ def wire_codec(outer: OuterSection) -> Codec:
 def make_compressor(outer: OuterSection, fragments: Sequence[tuple[int, Sequence[tuple[int, ...]]]]) -> Compressor:
     """The compressor ``[outer] codec`` names; ``fragments``: (index, shapes of its tensors) per fragment."""
     if outer.codec == "lowrank":
-        from node.core.lowrank import LowRankCompressor
+        from locoswarm.node.core.lowrank import LowRankCompressor
 
         return LowRankCompressor(fragments, wire_codec(outer), rank=outer.lowrank_rank,
                                  min_rank=outer.lowrank_min_rank, max_rank=outer.lowrank_max_rank)

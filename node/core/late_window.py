@@ -11,7 +11,7 @@ rules already overlap a whole round (tau = h).
 The window ends at the latest h steps after the send, so a fragment's next sync never overtakes its
 last; auto (``max_delay = -1``) is h / fragments, the spacing of the schedule's sync events.
 
-No torch here: the planner models the same window (``node.plan``).
+No torch here: the planner models the same window (``locoswarm.node.plan``).
 """
 
 from __future__ import annotations

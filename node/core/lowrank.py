@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from node.core.codecs import Codec
-from node.core.compress import Compressor, Encoded
-from node.core.payload import decode_chunks, encode_chunks, payload_size
+from locoswarm.node.core.codecs import Codec
+from locoswarm.node.core.compress import Compressor, Encoded
+from locoswarm.node.core.payload import decode_chunks, encode_chunks, payload_size
 
 #: The rank doubles when the group's basis captured less than this share of its members' energy.
 GROW_BELOW = 0.5

@@ -114,7 +114,8 @@ class MergeRule(ABC):
 
     name: ClassVar[str]
     late: ClassVar[bool] = False
-    # The rule's own ``[outer]`` settings a fair benchmark tunes besides the outer lr (node.bench.convergence).
+    # The rule's own ``[outer]`` settings a fair benchmark tunes besides the outer lr
+    # (locoswarm.node.bench.convergence).
     tunable: ClassVar[tuple[str, ...]] = ()
     # Whether a result may be merged later than tau while training goes on: the rule keeps the local
     # progress made since the send (mixed or carried), so a late result costs staleness, not steps.

@@ -15,9 +15,9 @@ After each inner step, as the swarm clock moves from ``prev`` to ``t``, the driv
 
 The late rules (``eager``, ``delay``; tau = H) differ: at a send, the late group average of the
 previous round (and, for eager, a share of the fresh Delta) forms the outer gradient (see
-``node.core.merge``), theta_p <- phi_p, and the fresh Delta is sent.
+``locoswarm.node.core.merge``), theta_p <- phi_p, and the fresh Delta is sent.
 
-Whatever peers sent passes ``node.core.guard`` before it changes phi, momentum or theta: a group
+Whatever peers sent passes ``locoswarm.node.core.guard`` before it changes phi, momentum or theta: a group
 average, the outer step it makes, a consensus shift, a downloaded snapshot. A refused one leaves the
 state as it was (a "refused" event; for a sync result, the same as a failed sync). A local divergence
 (non-finite theta, e.g. an inner lr far too high) resets theta to phi instead of sending it.
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from node.config import OuterSection
-from node.core.codecs import get_codec
-from node.core.compress import Encoded, make_compressor
-from node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
-from node.core.guard import (
+from locoswarm.node.config import OuterSection
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.compress import Encoded, make_compressor
+from locoswarm.node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
+from locoswarm.node.core.guard import (
     GuardLimits,
     check_average,
     check_momentum,
@@ -45,13 +45,20 @@ from node.core.guard import (
     check_snapshot,
     non_finite,
 )
-from node.core.late_window import late_window
-from node.core.merge import LateRule, make_merge_rule
-from node.core.outer_optimizer import NesterovOuterOptimizer
-from node.core.payload import encode_chunks
-from node.core.schedule import ScheduleState, ScheduleView, make_schedule
-from node.core.state import FragmentState
-from node.core.transport import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
+from locoswarm.node.core.late_window import late_window
+from locoswarm.node.core.merge import LateRule, make_merge_rule
+from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
+from locoswarm.node.core.payload import encode_chunks
+from locoswarm.node.core.schedule import ScheduleState, ScheduleView, make_schedule
+from locoswarm.node.core.state import FragmentState
+from locoswarm.node.core.transport import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    FetchHandle,
+    FragmentSnapshot,
+    Transport,
+)
 
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
@@ -117,7 +124,7 @@ class _Pending:
     own_share: float = 0.0
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
-    ticket: object | None = None  # what the compressor needs to read the result (node.core.compress)
+    ticket: object | None = None  # what the compressor needs to read the result (locoswarm.node.core.compress)
 
 
 class OuterLoop:
@@ -125,7 +132,7 @@ class OuterLoop:
 
     Args:
         model: the worker's model; its parameters are theta.
-        fragments: the partition (``node.partition.partition``); each has ``index`` and ``names``.
+        fragments: the partition (``locoswarm.node.partition.partition``); each has ``index`` and ``names``.
         outer: the ``[outer]`` settings.
         transport: where averages happen.
         expected_group_size: group size assumed for the eager rule's own share before a group result
@@ -231,7 +238,7 @@ class OuterLoop:
 
     def late_window(self) -> int:
         """Steps after a send by which its round must have finished; until then a round slower than tau
-        is not waited for (``node.core.late_window``, ``[outer] max_delay``)."""
+        is not waited for (``locoswarm.node.core.late_window``, ``[outer] max_delay``)."""
         c = self.cfg
         return late_window(h=c.h, fragments=c.fragments, tau=c.tau, max_delay=c.max_delay,
                            merges_late=self.rule.merges_late)
@@ -288,7 +295,7 @@ class OuterLoop:
         return events
 
     def _start_consensus(self, st: FragmentState, step: int) -> None:
-        """Also average the outer state (phi and momentum) in this round (see ``node.core.consensus``)."""
+        """Also average the outer state (phi and momentum) in this round (see ``locoswarm.node.core.consensus``)."""
         sent = join_state(st.phi, st.momentum)
         codec = get_codec(CONSENSUS_CODEC)
         handle = self.transport.start_average(AverageRequest(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from node.core.codecs import Codec
+from locoswarm.node.core.codecs import Codec
 
 CHUNK_TARGET_ELEMS = 1 << 14  # 16 Ki elements: 9 KiB of fp4, 64 KiB of fp32; small enough to balance reducers
 

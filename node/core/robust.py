@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.config import AGGREGATORS, RobustSection
+from locoswarm.node.config import AGGREGATORS, RobustSection
 
 #: A weight above this many times its cap is not a rounding matter but a lie (or a bug): refused.
 WEIGHT_ABSURD = 100.0

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.core.schedule import ScheduleState
+from locoswarm.node.core.schedule import ScheduleState
 
 
 @dataclass
 class AverageRequest:
     fragment: int
     round: int                 # swarm clock step at which the sync started: equal on every member
-    chunks: list[bytes]        # codec payload, see node.core.payload
+    chunks: list[bytes]        # codec payload, see locoswarm.node.core.payload
     numel: int
     weight: float              # tokens this contribution represents
     version: int               # sender's outer version of this fragment
@@ -29,7 +29,7 @@ class AverageRequest:
     digest: bytes = b""        # when every member's digest is equal, nothing needs averaging: the round
                                # succeeds at once with ``average = None`` and no payload is exchanged
     schedule: ScheduleState | None = None  # adaptive schedule: what the sender picked this fragment from
-    # Low-rank payloads (node.core.lowrank) are coefficients on a basis: ``basis`` tags it (its ranks and a
+    # Low-rank payloads (locoswarm.node.core.lowrank) are coefficients on a basis: ``basis`` tags it (its ranks and a
     # hash), and every member of a group must send the same tag. Where they differ, the group takes the
     # leader's (smallest id) tag and each member calls ``reencode(leader_tag)``: the same pseudo-gradient
     # on the seeded basis of this round at the leader's ranks (None: it cannot, and it leaves the round).

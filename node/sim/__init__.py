@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def parse_speeds(text: str | None, workers: int) -> list[float] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.commands import add_config_args
+    from locoswarm.node.commands import add_config_args
 
     p = sub.add_parser("simulate", help="run M workers in one process on the outer-loop core",
                        description="Simulate a swarm in one process: M workers, the same outer core, "
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_data_args(p)
     p.add_argument("--workers", type=int, default=4, help="number of simulated workers (default 4)")
     p.add_argument("--steps", type=int, default=200, help="swarm clock steps (default 200)")
-    from node.sim.methods import METHODS
+    from locoswarm.node.sim.methods import METHODS
 
     p.add_argument("--method", default=None, metavar="METHOD",
                    help=f"apply a benchmark method preset: {', '.join(METHODS)} (default: the config's "
@@ -67,12 +67,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from node.commands import load_config_from_args
-    from node.data import load_corpus, load_tokenizer
-    from node.fsutil import atomic_write_text
-    from node.model import resolve_device
-    from node.sim.methods import METHODS, method_config
-    from node.sim.simulator import SimSpec, check_spec, simulate, simulate_dp
+    from locoswarm.node.commands import load_config_from_args
+    from locoswarm.node.data import load_corpus, load_tokenizer
+    from locoswarm.node.fsutil import atomic_write_text
+    from locoswarm.node.model import resolve_device
+    from locoswarm.node.sim.methods import METHODS, method_config
+    from locoswarm.node.sim.simulator import SimSpec, check_spec, simulate, simulate_dp
 
     cfg = load_config_from_args(args)
     if args.method is not None and args.method not in METHODS:

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node.config import SwarmConfig
+from locoswarm.node.config import SwarmConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def tuned_settings(name: str, cfg: SwarmConfig) -> tuple[str, ...]:
     ``method_config``): the outer lr and momentum of every outer-loop method (Nesterov momentum amplifies a
     stale update: eager and the naive delay want less of it than blocking DiLoCo), plus its merge rule's own
     knobs (alpha, lambda0); none for dp, whose only optimizer is the inner one."""
-    from node.core.merge import make_merge_rule
+    from locoswarm.node.core.merge import make_merge_rule
 
     if METHODS[name].apply is None:
         return ()

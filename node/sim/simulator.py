@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.config import SwarmConfig
-from node.core.compress import wire_codec
-from node.core.outer_loop import OuterLoop
-from node.core.state import outer_state_device
-from node.data import Corpus, TrainBatches, eval_batches, evaluate
-from node.inner import InnerOptimizer
-from node.model import build_model
-from node.partition import partition
-from node.transport.inprocess import InProcessHub
+from locoswarm.node.config import SwarmConfig
+from locoswarm.node.core.compress import wire_codec
+from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.state import outer_state_device
+from locoswarm.node.data import Corpus, TrainBatches, eval_batches, evaluate
+from locoswarm.node.inner import InnerOptimizer
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import partition
+from locoswarm.node.transport.inprocess import InProcessHub
 
 
 @dataclass
@@ -92,7 +92,7 @@ class _Worker:
 
 
 def check_spec(spec: SimSpec) -> None:
-    from node.errors import UserError
+    from locoswarm.node.errors import UserError
 
     if spec.workers < 1:
         raise UserError(f"--workers {spec.workers} must be >= 1")

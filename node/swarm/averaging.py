@@ -3,7 +3,7 @@
 A round of fragment ``p`` started at swarm step ``r``:
 
 1. **Matchmaking** through the DHT: each member stores a signed ``MatchEntry`` under the round's key
-   (under its owner subkey, see ``node.swarm.records``: nobody can enter a round in another peer's name)
+   (under its owner subkey, see ``locoswarm.node.swarm.records``: nobody can enter a round in another peer's name)
    and polls it until every live peer has arrived or the window (``network.matchmaking_timeout`` after
    the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
    balanced groups of at most ``network.group_size``: random groups that change from round to round
@@ -13,7 +13,7 @@ A round of fragment ``p`` started at swarm step ``r``:
    members of a send slot meet under one key whatever fragment they picked; a member whose pick or
    schedule state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
    A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
-2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``node.transport.reduce``):
+2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``locoswarm.node.transport.reduce``):
    member ``i`` streams its chunks of part ``j`` to member ``j``, which screens every member's part
    (finite, weight within bounds, norm against the group's) and combines the accepted ones with the
    swarm's robust aggregator, re-encodes the result and streams it back to each member.
@@ -25,8 +25,8 @@ A round of fragment ``p`` started at swarm step ``r``:
 Nothing from the network is trusted: every stream is bound to the authenticated libp2p peer id of the
 other end (the header's ``sender`` must be it); a reducer accepts parts only from the members of the
 group it formed for that (fragment, round), only after it formed it, and each message is bounded by the
-codec's chunk size (``node.swarm.wire``); a refused contribution is dropped from the round (its sender
-gets the reason) and the round completes for the others. Offences go to ``node.swarm.reputation``.
+codec's chunk size (``locoswarm.node.swarm.wire``); a refused contribution is dropped from the round (its sender
+gets the reason) and the round completes for the others. Offences go to ``locoswarm.node.swarm.reputation``.
 Bytes sent and received are counted here, per peer and per fragment.
 """
 
@@ -45,18 +45,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node.config import RobustSection
-from node.core.codecs import CODECS, Codec
-from node.core.payload import chunk_bounds, chunk_elems, decode_chunks
-from node.core.robust import make_aggregator
-from node.core.schedule import ScheduleState
-from node.core.transport import AverageHandle, AverageRequest, AverageResult, FetchHandle, FragmentSnapshot, Transport
-from node.swarm.reputation import EveryNth
-from node.swarm.runtime import NetworkRuntime
-from node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from node.transport.groups import form_groups, group_basis
-from node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
-from protocol import swarm_pb2
+from locoswarm.node.config import RobustSection
+from locoswarm.node.core.codecs import CODECS, Codec
+from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
+from locoswarm.node.core.robust import make_aggregator
+from locoswarm.node.core.schedule import ScheduleState
+from locoswarm.node.core.transport import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    FetchHandle,
+    FragmentSnapshot,
+    Transport,
+)
+from locoswarm.node.swarm.reputation import EveryNth
+from locoswarm.node.swarm.runtime import NetworkRuntime
+from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
+from locoswarm.node.transport.groups import form_groups, group_basis
+from locoswarm.node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
+from locoswarm.protocol import swarm_pb2
 
 log = logging.getLogger("locoswarm.averaging")
 
@@ -269,7 +276,7 @@ class _Reduction:
     Created only by this node's own round (``SwarmTransport._exchange``), so peers cannot create
     sessions; it lives until the round's end plus a round timeout. Contributions are exact-size codec
     bytes of this part (checked as they stream in); the reduction screens and combines them with the
-    swarm's robust aggregator (``node.transport.reduce``)."""
+    swarm's robust aggregator (``locoswarm.node.transport.reduce``)."""
 
     def __init__(self, key: tuple[int, int, bytes], own: str, codec: Codec, members: list[str], part: range,
                  sizes: dict[int, int], settings: RobustSection, consensus: bool, basis: bytes = b"") -> None:
@@ -427,14 +434,14 @@ class SwarmTransport(Transport):
         live_peers: returns the ids of live peers (from heartbeats): matchmaking closes as soon as they
             are all in.
         latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
-        fetch: downloads a fragment's outer state from given peers (``node.swarm.state_sync``).
+        fetch: downloads a fragment's outer state from given peers (``locoswarm.node.swarm.state_sync``).
         pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
             ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         ready: whether this node may enter rounds: a joining node waits until every peer has had the
             time to see its heartbeat, since members that disagree on whether it is live would form
             different groups and fail the round for everyone.
         robust: the ``[robust]`` settings (screening and the aggregator; stream caps).
-        reputation: where offences are counted and bans looked up (``node.swarm.reputation``); None:
+        reputation: where offences are counted and bans looked up (``locoswarm.node.swarm.reputation``); None:
             nothing is counted and nobody is banned.
         max_weight: ``max_weight(peer, own_weight)``: the most tokens ``peer`` can plausibly claim in a
             round where this node claims ``own_weight`` (from its heartbeat throughput); None: no bound
@@ -503,12 +510,12 @@ class SwarmTransport(Transport):
             on_refused=self._stream_refused, gatekeeper=self._refuse_banned), timeout=30)
 
     def _own_subkey(self) -> str:
-        from node.swarm.records import dht_identity, owner_subkey
+        from locoswarm.node.swarm.records import dht_identity, owner_subkey
 
         identity = dht_identity(self.dht)
         if identity is None:
             raise RuntimeError("the DHT has no identity key to sign match entries with (start it with "
-                               "node.swarm.dht.start_dht)")
+                               "locoswarm.node.swarm.dht.start_dht)")
         return owner_subkey(self.peer_id, identity)
 
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> None:
@@ -685,7 +692,7 @@ class SwarmTransport(Transport):
 
     async def _read_entries(self, key: str) -> dict[str, swarm_pb2.MatchEntry]:
         """The round's entries, each published by the peer it names (signed under its owner subkey)."""
-        from node.swarm.records import subkey_peer
+        from locoswarm.node.swarm.records import subkey_peer
 
         found = await self.dht.get(key, latest=True, return_future=True)
         entries: dict[str, swarm_pb2.MatchEntry] = {}
@@ -905,7 +912,7 @@ class SwarmTransport(Transport):
         return part, chunks, h.total_weight, list(h.extras)
 
     def _codec(self, name: str) -> Codec:
-        from node.core.codecs import get_codec
+        from locoswarm.node.core.codecs import get_codec
 
         return get_codec(name, self.codec.block_size) if name and name != self.codec.name else self.codec
 

@@ -1,6 +1,6 @@
 """The swarm clock: swarm-wide progress counted in inner steps, the time base of rounds.
 
-Rounds of fragment p happen at clock values t with ``t % H == offset_p`` (``node.core.schedule``), and
+Rounds of fragment p happen at clock values t with ``t % H == offset_p`` (``locoswarm.node.core.schedule``), and
 all members of a round name it by that t, so every node needs about the same clock at the same moment.
 
 What the clock is: each node counts its own inner steps (+1 per step) and steers that count toward the

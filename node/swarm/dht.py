@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from node.errors import UserError
-from node.swarm import process as _proc
+from locoswarm.node.errors import UserError
+from locoswarm.node.swarm import process as _proc
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
@@ -234,7 +234,7 @@ def _dht_class() -> type:
     that group): a terminal's Ctrl+C, sent to the node's foreground group, then reaches only the node,
     which can still publish its leaving heartbeat and shut the DHT down in order (p2pd exits on
     SIGINT). The child also drops the parent's Python signal handlers it inherited through fork. The
-    watchdog of :mod:`node.swarm.process` kills groups led by the node's descendants."""
+    watchdog of :mod:`locoswarm.node.swarm.process` kills groups led by the node's descendants."""
     global _DHT_CLASS
     if _DHT_CLASS is None:
         import hivemind
@@ -305,11 +305,11 @@ def _try_start(peers: list[str], host_maddr: str, identity_path: Path, stop: thr
 
 
 def _with_record_validators(identity_path: Path, kwargs: dict) -> dict:
-    """``kwargs`` for ``hivemind.DHT`` with the signed-record validators of :mod:`node.swarm.records`
+    """``kwargs`` for ``hivemind.DHT`` with the signed-record validators of :mod:`locoswarm.node.swarm.records`
     (unless the caller passes its own ``record_validators``). They sign with the libp2p identity, so the
     identity file is created here when missing, as hivemind would create it; hivemind skips its
     "identity already taken" probe (an extra p2pd) for a key it just generated, and so do we."""
-    from node.swarm.records import record_validators
+    from locoswarm.node.swarm.records import record_validators
 
     if "record_validators" in kwargs:
         return kwargs
@@ -339,7 +339,7 @@ def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: in
     passes all peers at once, then (with several) each one alone. Raises :class:`UserError` when it
     gives up, on a bad address, a taken port, an identity used by another running node, or when
     ``stop`` is set. Extra keyword arguments go to ``hivemind.DHT``; unless they name ``record_validators``,
-    the DHT gets :func:`node.swarm.records.record_validators` (records under owner subkeys must be signed
+    the DHT gets :func:`locoswarm.node.swarm.records.record_validators` (records under owner subkeys must be signed
     by their owner; sizes bounded), signing with this identity.
     """
     peers = validate_bootstrap(initial_peers)

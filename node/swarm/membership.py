@@ -1,15 +1,15 @@
 """Membership: heartbeats in the DHT, the live peer table, fingerprint refusal, fragment spread
-(the swarm clock built from the heartbeats is ``node.swarm.clock``).
+(the swarm clock built from the heartbeats is ``locoswarm.node.swarm.clock``).
 
 DHT layout (every key carries the swarm name; every per-swarm key also the fingerprint, so peers
 with different shared settings never see each other's records):
 
 - ``locoswarm/<name>/<fingerprint>/peers``: one owner subkey per peer (``<peer id>[owner:<its libp2p
-  public key>]``, see :mod:`node.swarm.records`: only that peer can sign a record there), value = a
-  serialized :class:`protocol.swarm_pb2.Heartbeat` (a few hundred bytes), expiring ``expiry`` s after
+  public key>]``, see :mod:`locoswarm.node.swarm.records`: only that peer can sign a record there), value = a
+  serialized :class:`locoswarm.protocol.swarm_pb2.Heartbeat` (a few hundred bytes), expiring ``expiry`` s after
   publication;
 - ``locoswarm/<name>/fingerprints``: one subkey per fingerprint in use, value = JSON of its shared
-  settings (:func:`node.config.shared_settings`), so a newcomer with other settings is refused with a
+  settings (:func:`locoswarm.node.config.shared_settings`), so a newcomer with other settings is refused with a
   message naming the difference.
 
 hivemind's DHT can crash on records of 16 KiB or more, so record sizes are asserted well below that.
@@ -27,10 +27,10 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from node.config import SwarmConfig, describe_difference, fingerprint, shared_settings
-from node.errors import UserError
-from node.swarm.clock import lower_median
-from protocol import swarm_pb2
+from locoswarm.node.config import SwarmConfig, describe_difference, fingerprint, shared_settings
+from locoswarm.node.errors import UserError
+from locoswarm.node.swarm.clock import lower_median
+from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
@@ -64,7 +64,7 @@ class Membership:
 
     ``expiry`` (default: 4 heartbeat intervals) is how long a heartbeat stays valid; ``timeout`` bounds
     every DHT call. ``identity`` is the node's libp2p identity key, which heartbeats are bound to (default:
-    the identity file the DHT runs with, see :func:`node.swarm.records.dht_identity`); without one this
+    the identity file the DHT runs with, see :func:`locoswarm.node.swarm.records.dht_identity`); without one this
     node only reads.
     """
 
@@ -168,9 +168,9 @@ class Membership:
         return ok
 
     def _owner_subkey(self) -> str | None:
-        """This node's owner subkey (see :mod:`node.swarm.records`); None without an identity key."""
+        """This node's owner subkey (see :mod:`locoswarm.node.swarm.records`); None without an identity key."""
         if self._subkey is None:
-            from node.swarm.records import dht_identity, owner_subkey
+            from locoswarm.node.swarm.records import dht_identity, owner_subkey
 
             identity = self._identity or dht_identity(self.dht)
             if identity is not None:
@@ -185,7 +185,7 @@ class Membership:
         of another fingerprint, marked ``leaving``, or not published by the peer they name (the entry's
         owner subkey must be bound to the heartbeat's peer id). On a DHT failure: the last known table, minus
         what has expired since."""
-        from node.swarm.records import subkey_peer
+        from locoswarm.node.swarm.records import subkey_peer
 
         entries = self._get("peers", self.peers_key)
         now = _dht_time()

@@ -9,7 +9,7 @@ misses it) and leaves ``/dev/shm/torch_<pid>_*`` files after a SIGKILL.
 The remedy, in the order a node calls it:
 
 1. :func:`become_group_leader` - the node leads its own process group (one ``killpg`` reaches
-   everything started in it); ``node.swarm.dht`` puts the DHT child and its p2pd in a group of their
+   everything started in it); ``locoswarm.node.swarm.dht`` puts the DHT child and its p2pd in a group of their
    own, so a terminal's Ctrl+C (sent to the foreground group) does not kill p2pd before the node has
    left the swarm gracefully;
 2. :func:`start_watchdog` - forked right away, before anything heavy: a tiny process that notices the

@@ -44,7 +44,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover
     import hivemind
@@ -102,7 +102,7 @@ def peer_id_of(public_key: RSAPublicKey) -> str:
 
 
 def dht_identity(dht: hivemind.DHT) -> RSAPrivateKey | None:
-    """The identity key of a DHT started with ``identity_path`` (as :func:`node.swarm.dht.start_dht`
+    """The identity key of a DHT started with ``identity_path`` (as :func:`locoswarm.node.swarm.dht.start_dht`
     does; ``hivemind.DHT`` keeps the keyword arguments it hands to its P2P in its ``kwargs``); None if it
     has none or the file is unreadable. :func:`owner_subkey` checks that it is the key of the peer id."""
     path = (getattr(dht, "kwargs", None) or {}).get("identity_path")

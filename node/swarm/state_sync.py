@@ -21,7 +21,7 @@ stream closed with unread data is reset, which cut the last chunk short.
 The client is resumable: when a peer fails mid-stream it continues from the last element received with
 another peer holding the same version. A joiner spreads its fragments over several peers.
 
-Both ends use the bounded framing of ``node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
+Both ends use the bounded framing of ``locoswarm.node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
 chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
 concurrent downloads per peer and in total.
 
@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from node.core.transport import FragmentSnapshot
-from node.swarm import wire
-from protocol import swarm_pb2
+from locoswarm.node.core.transport import FragmentSnapshot
+from locoswarm.node.swarm import wire
+from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover (types only: the averaging protocol is not needed to move state)
-    from node.swarm.averaging import ByteCounters
-    from node.swarm.runtime import NetworkRuntime
+    from locoswarm.node.swarm.averaging import ByteCounters
+    from locoswarm.node.swarm.runtime import NetworkRuntime
 
 log = logging.getLogger("locoswarm.state")
 

@@ -27,7 +27,7 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     and a peer that bans everyone isolates only itself. A peer banned by only some members is not placed
     last on purpose: the ban may be a liar's (a Sybil banning an honest node would then isolate it every
     round); the members that have not banned it yet ban it soon themselves (an absurd contribution is an
-    offence even in a pair, ``node.core.robust.NORM_ABSURD``).
+    offence even in a pair, ``locoswarm.node.core.robust.NORM_ABSURD``).
     """
     seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
     order = sorted(members)

@@ -1,7 +1,7 @@
 """An in-process transport: workers of one process meet at a hub that forms groups and reduces.
 
 Used by the simulator and unit tests. It performs the same reduction as the swarm transport
-(``node.transport.reduce``) on the same codec bytes and counts bytes with the same exchange pattern,
+(``locoswarm.node.transport.reduce``) on the same codec bytes and counts bytes with the same exchange pattern,
 so simulated bandwidth figures are the ones the network would carry. Workers run in lock-step in one
 thread: each calls ``start_average`` during a step's send phase, then the driver calls ``flush()``,
 which completes every round started so far.
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import RobustSection
-from node.core.codecs import Codec, get_codec
-from node.core.payload import decode_chunks
-from node.core.robust import make_aggregator
-from node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
-from node.transport.groups import form_groups, group_basis
-from node.transport.reduce import reduce_group
+from locoswarm.node.config import RobustSection
+from locoswarm.node.core.codecs import Codec, get_codec
+from locoswarm.node.core.payload import decode_chunks
+from locoswarm.node.core.robust import make_aggregator
+from locoswarm.node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from locoswarm.node.transport.groups import form_groups, group_basis
+from locoswarm.node.transport.reduce import reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
 # basis tag of low-rank payloads.
@@ -55,7 +55,7 @@ class InProcessHub:
     Args:
         codec: the swarm's payload codec.
         group_size: at most this many members per group; members of a round are split into random
-            balanced groups by the swarm's rule (``node.transport.groups``; ``group_size >= workers`` is an
+            balanced groups by the swarm's rule (``locoswarm.node.transport.groups``; ``group_size >= workers`` is an
             all-reduce).
         seed: seeds dropped syncs.
         drop_prob: probability that a worker's sync is dropped (fails for that worker only).
@@ -105,7 +105,7 @@ class InProcessHub:
                 alive.append(m)
         if not alive:
             return
-        # The swarm's rule (node.transport.groups): the same split for the same members and round.
+        # The swarm's rule (locoswarm.node.transport.groups): the same split for the same members and round.
         by_id = {f"w{m.worker:06d}": m for m in alive}
         key = alive[0].request
         for group in form_groups(list(by_id), key.fragment, key.round, self.group_size):

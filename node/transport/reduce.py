@@ -2,7 +2,7 @@
 
 Members are ordered (by peer id); the payload's chunks are split into ``n`` contiguous parts and
 member ``j`` reduces part ``j``: it screens every member's chunks of that part, combines the accepted
-ones in fp32 with the swarm's robust aggregator (``node.core.robust``), and re-encodes the reduced
+ones in fp32 with the swarm's robust aggregator (``locoswarm.node.core.robust``), and re-encodes the reduced
 chunks with the same codec. The reduced chunks are then all-gathered. Every member decodes the *same*
 reduced bytes, so the group's result is bit-identical on all members. Per member and sync this moves
 about ``2 (n-1)/n`` payloads each way, the exchange pattern of a ring/butterfly all-reduce.
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import RobustSection
-from node.core.codecs import Codec
-from node.core.payload import chunk_bounds
-from node.core.robust import Aggregator, ContributionStats, Screening, chunk_norm, screen
+from locoswarm.node.config import RobustSection
+from locoswarm.node.core.codecs import Codec
+from locoswarm.node.core.payload import chunk_bounds
+from locoswarm.node.core.robust import Aggregator, ContributionStats, Screening, chunk_norm, screen
 
 
 def part_ranges(n_chunks: int, n_members: int) -> list[range]:

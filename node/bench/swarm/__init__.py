@@ -13,6 +13,6 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.bench.swarm.cli import register as _register
+    from locoswarm.node.bench.swarm.cli import register as _register
 
     _register(sub)

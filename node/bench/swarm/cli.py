@@ -24,16 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.errors import UserError
-from node.helptext import describe
-from node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
+from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S
 
-HIVEMIND_MODULE = ["node.bench.swarm.peers", "hivemind"]
+HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
-    from node.sim import add_data_args
+    from locoswarm.node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
+    from locoswarm.node.sim import add_data_args
 
     p = sub.add_parser("swarm", help="real nodes in network namespaces on shaped links (needs root)",
                        description=describe(__doc__))
@@ -82,8 +82,8 @@ class _Interrupt:
 
 
 def _base_config(args: argparse.Namespace):
-    from node.bench.swarm.spec import PRESETS
-    from node.config import load_config
+    from locoswarm.node.bench.swarm.spec import PRESETS
+    from locoswarm.node.config import load_config
 
     if args.preset not in PRESETS:
         raise UserError(f"--preset: cannot use {args.preset!r}; choose one of {', '.join(PRESETS)}")
@@ -96,8 +96,8 @@ def _base_config(args: argparse.Namespace):
 
 
 def _params(cfg) -> int:
-    from node.data import load_tokenizer
-    from node.model import build_meta_model, count_params
+    from locoswarm.node.data import load_tokenizer
+    from locoswarm.node.model import build_meta_model, count_params
 
     return count_params(build_meta_model(cfg.model, load_tokenizer(cfg.model.tokenizer).vocab_size))
 
@@ -110,12 +110,12 @@ def run_swarm(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from node.bench.swarm import netns, spec
-    from node.bench.swarm.report import write_report
-    from node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
-    from node.config import to_toml
-    from node.plan import recommend, utilization
-    from node.sim import data_paths
+    from locoswarm.node.bench.swarm import netns, spec
+    from locoswarm.node.bench.swarm.report import write_report
+    from locoswarm.node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
+    from locoswarm.node.config import to_toml
+    from locoswarm.node.plan import recommend, utilization
+    from locoswarm.node.sim import data_paths
 
     # ---- every flag first: one clear line, exit 2 ----
     configs = spec.parse_configs(args.configs)
@@ -191,7 +191,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                     cfg = spec.config_for("recommended", base)
                     conf["settings"] = {"optimizer": "hivemind.Optimizer (see node/bench/swarm/peers.py)"}
                 else:
-                    launch_module = ["node.cli", "run"]
+                    launch_module = ["locoswarm.node.cli", "run"]
                     cfg = spec.config_for(name if name != "unshaped" else "recommended", base, pick)
                     conf["settings"] = spec.outer_settings(cfg)
                 cfg_path = Path(tmp) / f"{name}.toml"
@@ -228,8 +228,8 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     if "optimizer" in (conf.get("settings") or {}):
         conf["predicted"] = None
         return
-    from node.core.late_window import late_window
-    from node.core.merge import make_merge_rule
+    from locoswarm.node.core.late_window import late_window
+    from locoswarm.node.core.merge import make_merge_rule
 
     o = cfg.outer
     # the overlap the node really has: its late window (a slow round is waited for only at its end)
@@ -262,7 +262,7 @@ def _copy_logs(src: Path, dst: Path) -> None:
 
 
 def _command_line(argv: list[str]) -> str:
-    """``locoswarm bench swarm ARGS`` as it was run (also when run as ``python -m node.cli``)."""
+    """``locoswarm bench swarm ARGS`` as it was run (also when run as ``python -m locoswarm.node.cli``)."""
     words = list(argv)
     for i in range(len(words) - 1):
         if words[i] == "bench" and words[i + 1] == "swarm":

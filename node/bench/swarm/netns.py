@@ -14,7 +14,7 @@ a node sends or receives crosses its own veth pair, where it is shaped:
 - random loss: an iptables ``statistic`` rule dropping packets arriving on ``eth0`` (so each
   direction of every path sees the loss once).
 
-The kernel here has no netem, so latency is not done here but by :mod:`node.bench.swarm.proxy`.
+The kernel here has no netem, so latency is not done here but by :mod:`locoswarm.node.bench.swarm.proxy`.
 
 Cleanup is guaranteed by construction: every qdisc, veth and iptables rule lives inside a namespace
 this module created, and :meth:`Topology.close` deletes those namespaces (deleting a namespace
@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from node.errors import UserError
+from locoswarm.node.errors import UserError
 
 PREFIX = "lsb"  # locoswarm swarm bench
 SUBNET = "10.77.0"

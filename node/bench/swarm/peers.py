@@ -2,8 +2,8 @@
 
 The hook
 --------
-A configuration's peer is started by :class:`node.bench.swarm.runner.ConfigRun` exactly like a
-``locoswarm run`` node: ``python -m node.bench.swarm.peers hivemind`` followed by the node's flags
+A configuration's peer is started by :class:`locoswarm.node.bench.swarm.runner.ConfigRun` exactly like a
+``locoswarm run`` node: ``python -m locoswarm.node.bench.swarm.peers hivemind`` followed by the node's flags
 (``--config --state-dir --threads --host --port --seed --checkpoint-every --eval-every --control-port
 --device`` and optionally ``--announce``, ``--bootstrap``, ``--data``), inside node i's namespace. It
 must (1) log a line ``... listening on /ip4/<bench subnet address>/tcp/<port>/p2p/<peer id>`` as soon
@@ -16,7 +16,7 @@ it sees), ``uptime_s``, ``compute_utilization`` (compute seconds / uptime), ``in
 ``hivemind``
 ------------
 hivemind's own ``hivemind.Optimizer`` (the tool a user of this field would otherwise pick) trains the
-same model (:func:`node.model.build_model`, same preset and seed) on the same data and batches with
+same model (:func:`locoswarm.node.model.build_model`, same preset and seed) on the same data and batches with
 the same AdamW settings, in its local-updates mode (``use_local_updates=True``: every peer steps on
 its own gradients; parameters and optimizer state are averaged once the swarm has processed
 ``target_batch_size`` samples, here ``outer.h`` steps of every peer: DiLoCo's period without its outer
@@ -59,7 +59,7 @@ def _eth0_bytes() -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m node.bench.swarm.peers hivemind")
+    p = argparse.ArgumentParser(prog="python -m locoswarm.node.bench.swarm.peers hivemind")
     p.add_argument("--config", required=True)
     p.add_argument("--state-dir", required=True)
     p.add_argument("--threads", type=int, default=1)
@@ -82,10 +82,10 @@ def run_hivemind(argv: list[str]) -> int:
     import hivemind
     import torch
 
-    from node.config import load_config
-    from node.data import TrainBatches, eval_batches, evaluate, load_corpus, load_tokenizer
-    from node.fsutil import atomic_write_text
-    from node.model import build_model
+    from locoswarm.node.config import load_config
+    from locoswarm.node.data import TrainBatches, eval_batches, evaluate, load_corpus, load_tokenizer
+    from locoswarm.node.fsutil import atomic_write_text
+    from locoswarm.node.model import build_model
 
     started = time.time()
     torch.set_num_threads(args.threads)
@@ -177,7 +177,7 @@ def run_hivemind(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "hivemind":
-        print("usage: python -m node.bench.swarm.peers hivemind [node flags]", file=sys.stderr)
+        print("usage: python -m locoswarm.node.bench.swarm.peers hivemind [node flags]", file=sys.stderr)
         return 2
     return run_hivemind(argv[1:])
 

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from node.helptext import describe
+from locoswarm.node.helptext import describe
 
 CHUNK = 64 * 1024
 
@@ -162,7 +162,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m node.bench.swarm.proxy", description=describe(__doc__))
+    parser = argparse.ArgumentParser(prog="python -m locoswarm.node.bench.swarm.proxy", description=describe(__doc__))
     parser.add_argument("--listen", type=_hostport, required=True, help="HOST:PORT to accept connections on")
     parser.add_argument("--target", type=_hostport, required=True, help="HOST:PORT to forward them to")
     parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to every byte")

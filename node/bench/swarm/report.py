@@ -14,9 +14,9 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from node.bench import write_png
-from node.fsutil import atomic_write_text
-from node.plan import ROUND_OVERHEAD_S
+from locoswarm.node.bench import write_png
+from locoswarm.node.fsutil import atomic_write_text
+from locoswarm.node.plan import ROUND_OVERHEAD_S
 
 FILES = ("results.json", "report.md", "swarm.png")
 
@@ -142,10 +142,10 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "*Utilization* is the share of wall time a node spends in inner steps over the window (its "
         "`compute_utilization` differenced between two statuses); *vs unshaped* divides it by the same node's "
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
-        "machine whose cores all peers share, that is the ceiling. *Planner predicted* is `node.plan.utilization` "
-        "for the configuration's H, F, tau and codec with the measured step time, the parameter count, the link "
-        "rate and latency, n = min(nodes, group size) workers and the planner's round overhead "
-        f"({ROUND_OVERHEAD_S:g} s per sync): compare it with *vs unshaped*. Rounds: merged "
+        "machine whose cores all peers share, that is the ceiling. *Planner predicted* is "
+        "`locoswarm.node.plan.utilization` for the configuration's H, F, tau and codec with the measured step time, "
+        "the parameter count, the link rate and latency, n = min(nodes, group size) workers and the planner's round "
+        f"overhead ({ROUND_OVERHEAD_S:g} s per sync): compare it with *vs unshaped*. Rounds: merged "
         "and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",

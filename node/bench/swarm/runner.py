@@ -1,7 +1,7 @@
 """One configuration of the swarm benchmark: start N real peers in their namespaces, measure, stop.
 
 A peer is a real ``locoswarm run`` process (or, for the ``hivemind`` configuration, the program of
-:mod:`node.bench.swarm.peers`) started with ``ip netns exec`` in node ``i``'s namespace, in a session
+:mod:`locoswarm.node.bench.swarm.peers`) started with ``ip netns exec`` in node ``i``'s namespace, in a session
 of its own so that it and everything it starts (the DHT child, p2pd, the watchdog) are stopped by
 process group, never by name. Peers are observed only through ``status.json`` in their state dirs.
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.bench.swarm.netns import Topology
+from locoswarm.node.bench.swarm.netns import Topology
 
 REPO = Path(__file__).resolve().parents[3]
 NODE_PORT = 31337
@@ -43,7 +43,7 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the bench dies, even by SIGKILL (its own session
     puts it out of reach of a signal to the bench's group; the setting survives ``ip netns exec``).
     The stop signals the spawner blocked are unblocked again (a blocked mask survives exec)."""
-    from node.swarm.process import PR_SET_PDEATHSIG, _prctl
+    from locoswarm.node.swarm.process import PR_SET_PDEATHSIG, _prctl
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -83,14 +83,14 @@ class BenchProc:
 
     def groups(self) -> set[int]:
         """Process groups of this process and its descendants (the DHT child leads its own)."""
-        from node.swarm.process import tree_groups
+        from locoswarm.node.swarm.process import tree_groups
 
         return tree_groups(self.pid)
 
     def kill(self) -> None:
         """SIGKILL every process group of this process tree, wait until they are gone, remove the IPC
         files (hivemind sockets, torch shared memory) the killed processes leave behind."""
-        from node.swarm.process import kill_groups
+        from locoswarm.node.swarm.process import kill_groups
 
         kill_groups(self.groups(), self.proc)
 
@@ -105,7 +105,7 @@ def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> list[str]:
     ``grace_s`` for all of them together, then kill whatever is left by process group. The IPC files
     of the process trees (recorded before) that outlive them are removed; returns those that could
     not be (normally none)."""
-    from node.swarm.process import cleanup_ipc_files, descendants, ipc_files, proc_stat
+    from locoswarm.node.swarm.process import cleanup_ipc_files, descendants, ipc_files, proc_stat
 
     pids = [q for p in procs if p.alive() for q in (p.pid, *descendants(p.pid))]
     started = {pid: st[4] for pid in pids if (st := proc_stat(pid)) is not None}
@@ -251,7 +251,7 @@ class ConfigRun:
         return env
 
     def _start_proxy(self, i: int) -> None:
-        argv = [*self.topo.exec_prefix(i), sys.executable, "-m", "node.bench.swarm.proxy",
+        argv = [*self.topo.exec_prefix(i), sys.executable, "-m", "locoswarm.node.bench.swarm.proxy",
                 "--listen", f"{self.topo.address(i)}:{PROXY_PORT}", "--target", f"127.0.0.1:{NODE_PORT}",
                 "--delay-ms", f"{self.s.latency_ms:g}"]
         BenchProc(f"proxy{i}", argv, self.root / f"proxy{i}.log", self.proxies, self._env())

@@ -1,7 +1,7 @@
 """What a swarm benchmark runs: flag parsing and the per-configuration swarm descriptors.
 
 Everything here is pure (no processes, no namespaces), so it is unit-tested directly. A bad flag
-value raises :class:`node.errors.UserError` naming the value and what is allowed.
+value raises :class:`locoswarm.node.errors.UserError` naming the value and what is allowed.
 
 Configurations (``--configs``):
 
@@ -10,11 +10,11 @@ Configurations (``--configs``):
 - ``recommended``: the stack of the base ``peers.toml`` (built-in defaults: alpha, H=50, F=2, tau=2,
   fp4 with error feedback).
 - ``diloco``: blocking DiLoCo: one fragment, no overlap (tau=0), fp32 payloads, method replace.
-- ``planner``: what :func:`node.plan.recommend` picks for the measured step time, parameter count and
+- ``planner``: what :func:`locoswarm.node.plan.recommend` picks for the measured step time, parameter count and
   link (method replace when it picks tau=0, else the base method). Run after a configuration that
   measured the step time.
 - ``hivemind``: the hook for hivemind's own ``hivemind.Optimizer`` on the same model, data and links
-  (see :mod:`node.bench.swarm.peers`); a configuration whose peer program is not available is
+  (see :mod:`locoswarm.node.bench.swarm.peers`); a configuration whose peer program is not available is
   reported as "could not run" with the reason.
 """
 
@@ -25,9 +25,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from node.config import SwarmConfig, validate
-from node.errors import UserError
-from node.plan import parse_rate
+from locoswarm.node.config import SwarmConfig, validate
+from locoswarm.node.errors import UserError
+from locoswarm.node.plan import parse_rate
 
 CONFIGS: tuple[str, ...] = ("unshaped", "recommended", "diloco", "planner", "hivemind")
 DEFAULT_CONFIGS = "unshaped,recommended,diloco,planner"
@@ -143,7 +143,7 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
     cfg = copy.deepcopy(base)
     cfg.swarm = dataclasses.replace(cfg.swarm, name=f"{base.swarm.name}-{name}"[:64], bootstrap=[])
     o = cfg.outer
-    from node.core.merge import make_merge_rule
+    from locoswarm.node.core.merge import make_merge_rule
 
     if name == "diloco":
         cfg.outer = dataclasses.replace(o, fragments=1, tau=0, codec="fp32", method="replace")
