@@ -450,6 +450,7 @@ def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch)
     order: list[str] = []
     node = daemon.Node.__new__(daemon.Node)
     node.stop = SimpleNamespace(is_set=lambda: True, set=lambda: None)
+    node.ranks, node.rank_failed = None, False  # a single-process node (``--nproc 1``)
     for name in ("_prepare", "_start_network", "_build", "_start_control", "_train", "_leave",
                  "_shutdown_network"):
         monkeypatch.setattr(node, name, lambda name=name: order.append(name), raising=False)

@@ -261,7 +261,7 @@ def test_group_sigkill_leaves_no_process(swarm):
     {"method": "eager", "tau": 8, "fragments": 1},
     {"method": "delay", "tau": 8, "fragments": 1},
     {"method": "compensate", "tau": 2, "schedule": "adaptive", "codec": "bf16"},
-    {"method": "rebase", "tau": 8, "fragments": 1, "codec": "lowrank", "lowrank_max_rank": 16},
+    {"method": "rebase", "tau": 8, "fragments": 1, "codec": "lowrank", "lowrank_rank": 16, "lowrank_max_rank": 16},
 ], ids=lambda o: "diloco-x" if o.get("codec") == "lowrank" else o["method"])
 def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
     swarm = Swarm(tmp_path, outer=outer)
@@ -279,8 +279,8 @@ def test_every_method_of_the_core_runs_in_the_daemon(tmp_path, outer):
 def test_a_lowrank_node_that_joins_late_rounds_with_the_others_on_the_seeded_basis(tmp_path):
     """codec lowrank: the two first nodes' bases have moved on when a third joins with the initial one; their
     groups re-encode on the round's seeded basis, after which all three share one basis and phi."""
-    swarm = Swarm(tmp_path, outer={"method": "rebase", "tau": 4, "codec": "lowrank", "lowrank_max_rank": 16,
-                                   "consensus_every": 0})
+    swarm = Swarm(tmp_path, outer={"method": "rebase", "tau": 4, "codec": "lowrank", "lowrank_rank": 16,
+                                   "lowrank_max_rank": 16, "consensus_every": 0})
     try:
         nodes = [swarm.start("n0"), swarm.start("n1")]
         for node in nodes:
