@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -108,7 +109,26 @@ def run_node(args: argparse.Namespace) -> int:
         threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
         control_port=control_port, control_port_default=control_port_default,
         allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
-    return daemon.Node(cfg, opts, ranks).run()
+    code = daemon.Node(cfg, opts, ranks).run()
+    if ranks is not None:
+        _exit_rank(code)
+    return code
+
+
+def _exit_rank(code: int) -> None:
+    """End a rank's process now that its node has left (checkpoint saved, network down, group closed).
+
+    A rank's interpreter teardown may destroy distributed objects whose C++ threads still run: one CI run
+    saw a rank that had stopped cleanly abort afterwards ("terminate called without an active exception",
+    SIGABRT), and the launcher rightly reported the node as failed. Nothing is left to run after the
+    node's own cleanup, so the rank flushes its output and exits without that teardown."""
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _announce_addrs(addrs: list[str] | None) -> list[str] | None:
