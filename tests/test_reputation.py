@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from locoswarm.node.swarm.reputation import Reputation
+from locoswarm.node.swarm.reputation import CONCLUSIVE, Reputation
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,10 +39,10 @@ def make(clock: Clock, **kw) -> Reputation:
 
 def test_threshold_bans_and_snapshot_says_so(clock):
     rep = make(clock, threshold=3, cooldown_s=60, window_s=100)
-    assert rep.refuse(A, "forged_sender", "header sender QmX is not the stream's peer") is False
+    assert rep.refuse(A, "bad_weight", "token weight 1e30 above the bound") is False
     assert rep.refuse(A, "non_member", "part for fragment 0 round 12 from a non-member") is False
     assert not rep.is_banned(A) and rep.banned() == []
-    assert rep.refuse(A, "forged_sender", "again") is True
+    assert rep.refuse(A, "bad_weight", "again") is True
     assert rep.is_banned(A) and rep.banned() == [A] and not rep.is_banned(B)
     clock.advance(15)
     snap = rep.snapshot()
@@ -50,9 +50,24 @@ def test_threshold_bans_and_snapshot_says_so(clock):
     assert snap["refused"] == 3 and snap["banned"] == 1
     peer = snap["peers"][A]
     assert peer["refused"] == 3 and peer["offences"] == 3 and peer["banned"] is True
-    assert peer["by_kind"] == {"forged_sender": 2, "non_member": 1}
+    assert peer["by_kind"] == {"bad_weight": 2, "non_member": 1}
     assert peer["banned_for_s"] == pytest.approx(45.0)
-    assert peer["last"] == "forged_sender: again"
+    assert peer["last"] == "bad_weight: again"
+
+
+def test_a_conclusive_offence_bans_at_once_and_a_refusal_that_is_no_offence_never_does(clock):
+    rep = make(clock, threshold=3, cooldown_s=60, window_s=100)
+    assert "forged_sender" in CONCLUSIVE
+    assert rep.refuse(A, "forged_sender", "not an offence here", offence=False) is False
+    assert not rep.is_banned(A)
+    assert rep.refuse(A, "forged_sender", "header names sender QmB on A's stream") is True
+    assert rep.is_banned(A) and not rep.is_banned(B)
+    assert rep.refuse(A, "forged_sender", "again, while banned") is False  # one ban, logged once
+    clock.advance(61)
+    assert not rep.is_banned(A)
+    assert rep.refuse(A, "forged_sender", "after the cool-down") is True  # banned anew, for twice as long
+    clock.advance(100)
+    assert rep.is_banned(A)
 
 
 def test_offences_older_than_the_window_expire(clock):
@@ -119,16 +134,16 @@ def test_non_offence_refusals_never_ban(clock):
 def test_the_ban_is_logged_once_as_one_line(clock, caplog):
     rep = make(clock, threshold=2, cooldown_s=60, window_s=100)
     with caplog.at_level(logging.DEBUG, logger="test.reputation"):
-        rep.refuse(A, "forged_sender", "sender mismatch")
+        rep.refuse(A, "bad_weight", "token weight 1e30")
         rep.refuse(A, "non_member", "not in group\nsecond line")
         for _ in range(10):
             rep.refuse(A, "banned", "part refused: peer is banned", offence=False)
-            rep.refuse(A, "forged_sender", "still at it")
+            rep.refuse(A, "bad_weight", "still at it")
     records = [r for r in caplog.records if r.name == "test.reputation"]
     assert len(records) == 1, [r.getMessage() for r in records]
     line = records[0].getMessage()
     assert "\n" not in line and A in line and "60 s" in line
-    assert "forged_sender=1" in line and "non_member=1" in line
+    assert "bad_weight=1" in line and "non_member=1" in line
     assert rep.snapshot()["peers"][A]["refused"] == 22
 
 

@@ -17,7 +17,8 @@ A hostile *client* never publishes a heartbeat nor enters matchmaking; it joins 
 libp2p identity (``--state-dir``) and:
 
 - ``inject``:   reads the public match keys of recent rounds and streams plausible contributions to
-  the members it finds, the header's sender alternately forged (another member's id) and its own;
+  the members it finds: under its own id in the first round it finds, forged in the second (another
+  member's id), then forged or its own at random;
 - ``flood``:    opens many concurrent streams to each live peer's averaging handler, each sending a
   frame that announces ``--frame-mib`` MiB (half of them after a valid header) as fast as the peer
   takes it;
@@ -412,7 +413,10 @@ class InjectClient(HostileClient):
             if len(group) < 2:
                 continue
             for j, reducer in enumerate(group):
-                forged = self.rng.random() < 0.5
+                # Its own id first: a forged sender is a conclusive offence (banned at once), so the
+                # non-member path is tried on the first round, while nobody bans it yet; then forged.
+                found = self.counts.get("rounds_found", 0)
+                forged = found == 2 or (found > 2 and self.rng.random() < 0.5)
                 sender = next(m for m in group if m != reducer) if forged else self.peer_id
                 jobs.append(self.send_part(fragment, round_, group, j, sender, entries[reducer]))
         await asyncio.gather(*jobs, return_exceptions=True)
