@@ -39,7 +39,7 @@ import torch
 from locoswarm.node.config import SwarmConfig, fingerprint
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.state import outer_state_device
-from locoswarm.node.ranks import Flags, RankFailure, RankGroup, launched, params_digest
+from locoswarm.node.ranks import Flags, RankFailure, RankGroup, launched
 from locoswarm.node.status import (
     ByteStatus,
     ConsensusStatus,
@@ -102,6 +102,7 @@ class Node:
         self.ranks = ranks
         self.world = ranks.world_size if ranks else 1  # ranks training this node: its batch is world x a rank's
         self._theta_written = False  # since the last sync with the other ranks (see _continue)
+        self._inner_gathered_at = 0   # FSDP: the step of the moments in saved_inner (see _gather_inner)
         self._inner_reset = False
         self.rank_failed = False
         self.fingerprint = fingerprint(cfg)
@@ -182,23 +183,26 @@ class Node:
         cfg = self.cfg
         try:
             self._prepare()
+            engine = self.ranks.engine
             seed, step = self.ranks.broadcast_start(0, 0)
             batches = TrainBatches(self.corpus.train, self.ranks.rank, self.world, cfg.inner.batch_size,
                                    cfg.inner.seq_len, seed)
-            self.ranks.broadcast_params(self.model)
-            self.inner.load_state_dict(self.ranks.broadcast_object(None))
+            engine.push_params(self.model, self.train_model)
+            engine.push_inner(self.inner, self.inner)
             while True:
                 flags = self.ranks.sync(Flags())
                 if flags.changed:
-                    self.ranks.broadcast_params(self.model)
+                    engine.push_params(self.model, self.train_model)
                 if flags.reset_inner:
                     self.inner.reset_state()
                 if flags.stop:
                     self._log_digest(step)
+                    engine.pull_inner(self.inner, self.inner)  # rank 0's leave checkpoint
                     break
-                with self.ranks.guard("an inner step"):
-                    self.inner.step([batches.get(step)])
+                self._inner_step(batches.get(step))
                 step += 1
+                if self._checkpoint_due(step):
+                    engine.pull_inner(self.inner, self.inner)
         except RankFailure as exc:
             log.error("%s: stopping", exc)
             self.rank_failed = True
@@ -280,10 +284,20 @@ class Node:
         log.info("data: %s", self.corpus.description)
         for warning in self.corpus.warnings:
             log.warning("data: %s", warning)
-        self.model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed).to(self.device)
+        model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed)
+        # self.model is what the outer loop, evaluations and checkpoints see; self.train_model what the inner
+        # steps run: the same module in one process; with ranks, the engine's (DDP: the bare model and its
+        # DDP wrapper, one set of tensors; FSDP: rank 0's full CPU copy and the sharded module).
+        if self.ranks is None:
+            self.model = self.train_model = model.to(self.device)
+        else:
+            self.model, self.train_model = self.ranks.engine.place(model, self.device)
         self.fragments = partition(self.model, cfg.outer.fragments)
-        # DDP for the inner steps only (it averages gradients over the ranks); the outer loop sees the bare model.
-        self.inner = InnerOptimizer(self.ranks.wrap(self.model) if self.ranks else self.model, cfg.inner)
+        self.inner = InnerOptimizer(self.train_model, cfg.inner)
+        # What checkpoints save and load: the inner optimizer itself, unless its state is sharded over the
+        # ranks (FSDP): then one over rank 0's full model, filled by the engine before each save.
+        sharded = self.ranks is not None and self.ranks.engine.shards_optimizer
+        self.saved_inner = InnerOptimizer(self.model, cfg.inner) if sharded and self.ranks.is_leader else self.inner
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
 
     def _build(self) -> None:
@@ -325,7 +339,7 @@ class Node:
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5,
-                               state_device=outer_state_device(cfg.outer.offload, self.device))
+                               state_device=outer_state_device(cfg.outer.offload, self._outer_device()))
         self.state_server = StateServer(
             self.runtime, self.fingerprint, self.published.get, self.counters,
             is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,
@@ -348,7 +362,7 @@ class Node:
         """Load the state dir's checkpoint, if any; its meta (None without one)."""
         from locoswarm.node.checkpoint import load_checkpoint
 
-        doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+        doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                               fingerprint=self.fingerprint)
         meta = doc["meta"] if doc else None
         if meta:
@@ -426,8 +440,8 @@ class Node:
         if self.ranks is None:
             return
         self.ranks.broadcast_start(self.data_seed, self.local_step)
-        self.ranks.broadcast_params(self.model)
-        self.ranks.broadcast_object(self.inner.state_dict())
+        self.ranks.engine.push_params(self.model, self.train_model)
+        self.ranks.engine.push_inner(self.saved_inner, self.inner)
 
     def _continue(self) -> bool:
         """Whether to make another inner step. With ranks, collective: rank 0's decision reaches every rank,
@@ -437,23 +451,42 @@ class Node:
         if self.ranks is not None:
             flags = self.ranks.sync(Flags(changed=self._theta_written, stop=stop, reset_inner=self._inner_reset))
             if flags.changed:
-                self.ranks.broadcast_params(self.model)
+                self.ranks.engine.push_params(self.model, self.train_model)
             self._theta_written = self._inner_reset = False
             if stop:  # before the leave's drain, which may write theta on rank 0 alone
                 self._log_digest(self.local_step)
+                self._gather_inner()  # for the leave checkpoint
         return not stop
 
     def _log_digest(self, step: int) -> None:
         """The parameters' digest as this rank stops: equal on every rank (tests and users compare the logs)."""
         assert self.ranks is not None
         log.info("rank %d stops at step %d with parameters crc32 %08x", self.ranks.rank, step,
-                 params_digest(self.model))
+                 self.ranks.engine.digest(self.model, self.train_model))
 
     def _inner_step(self, batch: torch.Tensor) -> float:
         if self.ranks is None:
             return self.inner.step([batch])
-        with self.ranks.guard("an inner step"):  # DDP's all-reduce: a dead rank fails it
-            return self.inner.step([batch])
+        with self.ranks.guard("an inner step"):  # the gradients' all-reduce: a dead rank fails it
+            loss = self.inner.step([batch])
+        self.ranks.engine.pull_params(self.train_model, self.model)  # FSDP: the new theta into rank 0's copy
+        return loss
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether a periodic checkpoint follows inner step ``step`` (every rank asks: with FSDP the
+        optimizer state is gathered for it, a collective)."""
+        every = self.opts.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def _gather_inner(self) -> None:
+        """The ranks' optimizer state into ``saved_inner`` before a checkpoint (FSDP; else nothing)."""
+        if self.ranks is not None:
+            self.ranks.engine.pull_inner(self.inner, self.saved_inner)
+            self._inner_gathered_at = self.local_step
+
+    def _outer_device(self) -> torch.device:
+        """Where the outer model lives (FSDP: rank 0's full copy stays on the CPU)."""
+        return next(self.model.parameters()).device
 
     def _train(self) -> None:
         from locoswarm.node.checkpoint import save_checkpoint
@@ -486,8 +519,9 @@ class Node:
             self.loss = loss
             if o.eval_every and self.local_step % o.eval_every == 0:
                 self.eval_curve.append((self.clock, self._evaluate()))
-            if o.checkpoint_every and self.local_step % o.checkpoint_every == 0:
-                save_checkpoint(o.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+            if self._checkpoint_due(self.local_step):
+                self._gather_inner()
+                save_checkpoint(o.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                                 meta=self._checkpoint_meta())
             now = time.monotonic()
             if now - window_start >= 5.0:
@@ -540,7 +574,7 @@ class Node:
     def _evaluate(self) -> float:
         from locoswarm.node.data import evaluate
 
-        return evaluate(self.model, self.evals, self.device)
+        return evaluate(self.model, self.evals, self._outer_device())
 
     def _publish(self, fragment: int) -> None:
         """An immutable snapshot for the state server (read from the network thread)."""
@@ -785,7 +819,10 @@ class Node:
         log.info("leaving: finishing %d in-flight round(s)", self.outer.in_flight())
         for ev in self.outer.drain(self.clock):
             self._on_sync(ev)
-        save_checkpoint(self.opts.state_dir, model=self.model, inner=self.inner, outer=self.outer,
+        if self.rank_failed and self.saved_inner is not self.inner:
+            log.warning("a rank failed: the leave checkpoint holds the AdamW moments of step %d (the last "
+                        "gathered), theta and the outer state of step %d", self._inner_gathered_at, self.local_step)
+        save_checkpoint(self.opts.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                         meta=self._checkpoint_meta())
         self.stop.set()
         self._beat.set()

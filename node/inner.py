@@ -53,6 +53,22 @@ class InnerOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = int(state["steps_done"])
 
+    def params(self) -> list[torch.Tensor]:
+        """The optimized parameters in the optimizer's order (decayed first): index ``i`` below."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def param_state(self, i: int) -> dict:
+        """The AdamW state of parameter ``i`` (empty before its first step or after a reset)."""
+        return dict(self.optimizer.state.get(self.params()[i], {}))
+
+    def load_param_state(self, i: int, state: dict) -> None:
+        """Set parameter ``i``'s AdamW state (empty: none, as before its first step)."""
+        param = self.params()[i]
+        if state:
+            self.optimizer.state[param] = dict(state)
+        else:
+            self.optimizer.state.pop(param, None)
+
     def lr_at(self, step: int) -> float:
         if self.cfg.warmup and step < self.cfg.warmup:
             return self.cfg.lr * (step + 1) / self.cfg.warmup

@@ -17,6 +17,19 @@ rank 0 only. The protocol that keeps the ranks equal, all collective, between tw
 
 At the start rank 0 broadcasts the data seed and step counter (``broadcast_start``), the parameters and
 its inner optimizer state (resumed from its checkpoint or fresh): the ranks start from rank 0's state.
+
+How the ranks hold the model is an engine chosen once (``--parallel``, :data:`ENGINES`):
+
+- :class:`DDPEngine` (default): every rank holds the whole model and AdamW state; the outer loop on
+  rank 0 works on the very tensors DDP trains.
+- :class:`FSDPEngine`: PyTorch FSDP2 (``fully_shard``; Zhao et al. 2023, "PyTorch FSDP: Experiences on
+  Scaling Fully Sharded Data Parallel"): each rank holds 1/N of the parameters, gradients and AdamW
+  moments, for a model whose training state does not fit one device. Rank 0 also keeps one full copy
+  of theta on the CPU for the outer loop, evaluations and checkpoints. After every inner step the ranks
+  gather the new parameters into it, one tensor at a time (peak extra device memory: the largest
+  tensor). A merge scatters it back. For a checkpoint the moments are gathered the same way.
+  Every one of these transfers is a collective, made at points every rank knows: after a step, at a
+  ``changed`` flag, every ``--checkpoint-every`` steps, at the stop.
 Until then the other ranks wait on the rendezvous store, not in a collective: rank 0 may take as long
 as it needs to join the swarm (bootstrap retries, a state download), yet its death is noticed at once.
 
@@ -45,11 +58,14 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from locoswarm.node.inner import InnerOptimizer
+
 from locoswarm.node.errors import UserError
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
 _START_KEY = "locoswarm/start"  # set in the rendezvous store by rank 0 when it has joined the swarm
+_CLOSED_KEY = "locoswarm/closed"  # counts the ranks > 0 that left the process group (see RankGroup.close)
 
 
 class RankFailure(RuntimeError):
@@ -73,17 +89,21 @@ class RankGroup:
         timeout_s: how long a collective may wait for a rank before it fails.
     """
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, rank: int, world_size: int, local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 parallel: str = "ddp") -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} of world size {world_size}: need a world size >= 2 and 0 <= rank < it")
+        if parallel not in ENGINES:
+            raise UserError(f"--parallel {parallel!r} is not allowed; use one of {', '.join(ENGINES)}")
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.timeout_s = timeout_s
+        self.engine: ParallelEngine = ENGINES[parallel](self)
         self.device = torch.device("cpu")
         self._started = False
         self._store: TCPStore | None = None
 
     @classmethod
-    def from_env(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup | None:
+    def from_env(cls, timeout_s: float = DEFAULT_TIMEOUT_S, parallel: str = "ddp") -> RankGroup | None:
         """The group torchrun (or :class:`RankLauncher`) describes in the environment; None for a
         single-process node (no ``WORLD_SIZE``, or 1)."""
         env = os.environ
@@ -94,7 +114,7 @@ class RankGroup:
         except ValueError as exc:
             raise UserError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({exc}); "
                             "start the node with --nproc N or torchrun") from None
-        return None if world <= 1 else cls(rank, world, local, timeout_s)
+        return None if world <= 1 else cls(rank, world, local, timeout_s, parallel)
 
     @property
     def is_leader(self) -> bool:
@@ -141,7 +161,7 @@ class RankGroup:
         """Rank 0's ``flags`` on every rank (the other ranks' argument is ignored)."""
         import torch.distributed as dist
 
-        t = torch.tensor([flags.changed, flags.stop, flags.reset_inner], dtype=torch.uint8, device=self._comm())
+        t = torch.tensor([flags.changed, flags.stop, flags.reset_inner], dtype=torch.uint8, device=self.comm_device())
         with self._collective("exchanging flags"):
             dist.broadcast(t, src=0)
         changed, stop, reset = (bool(v) for v in t.tolist())
@@ -155,7 +175,7 @@ class RankGroup:
         for p in model.parameters():
             by_dtype.setdefault(p.dtype, []).append(p.data)
         for params in by_dtype.values():
-            flat = torch.cat([p.reshape(-1) for p in params]).to(self._comm())
+            flat = torch.cat([p.reshape(-1) for p in params]).to(self.comm_device())
             with self._collective("broadcasting the parameters"):
                 dist.broadcast(flat, src=0)
             if not self.is_leader:
@@ -175,7 +195,7 @@ class RankGroup:
             else:
                 while not self._store.check([_START_KEY]):
                     time.sleep(poll_s)
-        t = torch.tensor([seed, step], dtype=torch.int64, device=self._comm())
+        t = torch.tensor([seed, step], dtype=torch.int64, device=self.comm_device())
         with self._collective("sharing the start"):
             dist.broadcast(t, src=0)
         seed, step = (int(v) for v in t.tolist())
@@ -187,19 +207,33 @@ class RankGroup:
 
         box = [obj if self.is_leader else None]
         with self._collective("sharing the inner optimizer state"):
-            dist.broadcast_object_list(box, src=0, device=self._comm())
+            dist.broadcast_object_list(box, src=0, device=self.comm_device())
         return box[0]
 
-    def close(self, failed: bool = False) -> None:
-        """Leave the process group (skipped after a failure: a broken group may block its teardown)."""
+    def close(self, failed: bool = False, wait_s: float = 30.0) -> None:
+        """Leave the process group (skipped after a failure: a broken group may block its teardown).
+
+        Rank 0 goes last: it serves the rendezvous store, and a rank whose teardown still talked to it
+        when rank 0's process ended aborted ("terminate called without an active exception", SIGABRT;
+        1 run in 4 of the two-rank protocol test, and once in CI). The others say on the store that they
+        are done, and rank 0 waits for that (at most ``wait_s``) before its own teardown."""
         import torch.distributed as dist
 
         if self._started and not failed and dist.is_initialized():
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                if not self.is_leader:
+                    dist.destroy_process_group()
+                    if self._store is not None:
+                        self._store.add(_CLOSED_KEY, 1)
+                else:
+                    deadline = time.monotonic() + wait_s
+                    while self._store is not None and time.monotonic() < deadline \
+                            and self._store.add(_CLOSED_KEY, 0) < self.world_size - 1:
+                        time.sleep(0.02)
+                    dist.destroy_process_group()
         self._started = False
 
-    def _comm(self) -> torch.device:
+    def comm_device(self) -> torch.device:
         """Where collective tensors live: NCCL needs them on the GPU."""
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
@@ -226,6 +260,177 @@ def params_digest(model: torch.nn.Module) -> int:
     for p in model.parameters():
         crc = zlib.crc32(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
     return crc
+
+
+class ParallelEngine:
+    """How a node's ranks hold the model: the transfers between rank 0's outer model and the ranks'
+    training module. Every method is collective (every rank calls it at the same point) unless it says
+    otherwise. ``outer`` is the model the outer loop, evaluations and checkpoints use on rank 0 (on other
+    ranks whatever :meth:`place` returned); ``train`` the module the inner steps run."""
+
+    name = ""
+    shards_optimizer = False  # the ranks hold 1/N of the AdamW state each (checkpoints gather it)
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+
+    def place(self, model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """``(outer, train)`` for a freshly built ``model`` (on the CPU); not collective."""
+        raise NotImplementedError
+
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
+        """Rank 0's ``outer`` parameters into every rank's ``train`` (after a merge, at the start)."""
+        raise NotImplementedError
+
+    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module) -> None:
+        """The trained parameters into rank 0's ``outer`` (after every inner step)."""
+
+    def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
+        """Rank 0's ``source`` optimizer state (and step count) into every rank's ``inner``."""
+        raise NotImplementedError
+
+    def pull_inner(self, inner: InnerOptimizer, target: InnerOptimizer) -> None:
+        """The ranks' optimizer state into rank 0's ``target`` (before a checkpoint)."""
+
+    def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:
+        """CRC32 of the whole parameters, equal on every rank when they agree (see :func:`params_digest`)."""
+        raise NotImplementedError
+
+
+class DDPEngine(ParallelEngine):
+    """Every rank holds the whole model; DDP averages the gradients in backward, so the replicated AdamW
+    steps keep the ranks bit-identical. The outer model *is* the trained model: nothing to pull."""
+
+    name = "ddp"
+
+    def place(self, model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+        model = model.to(device)
+        return model, self.group.wrap(model)
+
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
+        self.group.broadcast_params(outer)
+
+    def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
+        state = self.group.broadcast_object(source.state_dict() if self.group.is_leader else None)
+        if inner is not source:
+            inner.load_state_dict(state)
+
+    def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:
+        return params_digest(outer)
+
+
+class FSDPEngine(ParallelEngine):
+    """FSDP2 ``fully_shard`` over the node's ranks (see the module docstring): every ``nn.ModuleList``
+    entry (a transformer block) is one shard group, the rest of the model (embeddings, head, final norm)
+    another. Rank 0 keeps the full outer copy of theta on the CPU."""
+
+    name = "fsdp"
+    shards_optimizer = True
+
+    def place(self, model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+        import copy
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (self.group.world_size,))
+        # Rank 0 shards a copy and keeps the original (on the CPU) as its outer model; the other ranks
+        # need no full copy at all.
+        train = copy.deepcopy(model) if self.group.is_leader else model
+        for module in list(train.modules()):
+            if isinstance(module, torch.nn.ModuleList):
+                for block in module:
+                    fully_shard(block, mesh=mesh)
+        fully_shard(train, mesh=mesh)
+        train.to(device)
+        return (model if self.group.is_leader else train), train
+
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for full, param in zip(outer.parameters(), train.parameters(), strict=True):
+                param.to_local().copy_(self._scatter(full if self.group.is_leader else None, param))
+
+    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module) -> None:
+        with torch.no_grad(), self.group.guard("gathering the parameters"):
+            for param, full in zip(train.parameters(), outer.parameters(), strict=True):
+                gathered = param.full_tensor()
+                if self.group.is_leader:
+                    full.copy_(gathered)
+
+    def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
+        # What rank 0 holds, per parameter: its state's keys, and which of them are parameter-shaped
+        # (sharded like the parameter) rather than scalars such as AdamW's ``step``.
+        params = inner.params()
+        layout = None
+        if self.group.is_leader:
+            layout = [{k: torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)
+                       for k, v in source.param_state(i).items()} for i, p in enumerate(params)]
+            layout = (layout, source.steps_done)
+        layout, steps_done = self.group.broadcast_object(layout)
+        full = source.param_state if self.group.is_leader else None
+        for i, (param, keys) in enumerate(zip(params, layout, strict=True)):
+            state: dict[str, object] = {}
+            own = full(i) if full is not None else {}
+            for key, sharded in keys.items():
+                if sharded:
+                    local = self._scatter(own.get(key), param)
+                    state[key] = _like_param(local, param)
+                else:
+                    state[key] = self.group.broadcast_object(own.get(key))
+            inner.load_param_state(i, state)
+        inner.steps_done = int(steps_done)
+
+    def pull_inner(self, inner: InnerOptimizer, target: InnerOptimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad(), self.group.guard("gathering the optimizer state"):
+            for i, _ in enumerate(inner.params()):
+                state = {}
+                for key, value in inner.param_state(i).items():
+                    value = value.full_tensor() if isinstance(value, DTensor) else value
+                    state[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+                if self.group.is_leader:
+                    target.load_param_state(i, state)
+        if self.group.is_leader:
+            target.steps_done = inner.steps_done
+
+    def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:
+        import zlib
+
+        crc = 0
+        with torch.no_grad(), self.group.guard("gathering the parameters"):
+            for param in train.parameters():
+                full = param.full_tensor().to("cpu", torch.float32).contiguous()
+                crc = zlib.crc32(full.numpy().tobytes(), crc)
+        return crc
+
+    def _scatter(self, full: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of rank 0's ``full`` tensor shaped like the sharded ``param``: one broadcast,
+        then each rank keeps its slice (the same slicing FSDP uses)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
+
+        comm = self.group.comm_device()
+        if self.group.is_leader:
+            assert full is not None
+            buf = full.detach().to(comm, param.dtype).contiguous()
+        else:
+            buf = torch.empty(tuple(param.shape), dtype=param.dtype, device=comm)
+        with self.group.guard("scattering the parameters"):
+            dist.broadcast(buf, src=0)
+        local = distribute_tensor(buf, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        return local.to(param.to_local().device)
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor holding ``local`` with ``param``'s mesh and placements (how FSDP keeps AdamW moments)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.clone(), param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride(), run_check=False)
+
+
+ENGINES: dict[str, type[ParallelEngine]] = {e.name: e for e in (DDPEngine, FSDPEngine)}
 
 
 def check_nproc(nproc: int, device: str) -> None:

@@ -204,8 +204,8 @@ def test_a_norm_far_above_the_groups_is_refused_and_only_every_few_such_refusals
         s.add(_contribution("big", _honest(2) * 20), [])  # 20x: an honest joiner's carry can be that far off
         return s.done.result().refused
     refused = asyncio.run(run())
-    kind, _, offence, relative = refused["big"]
-    assert (kind, offence, relative) == ("bad_contribution", True, True)
+    kind, _, offence, relative, conclusive = refused["big"]
+    assert (kind, offence, relative, conclusive) == ("bad_contribution", True, True, False)
     stub = SimpleNamespace(_relative_refused=EveryNth(RELATIVE_REFUSALS))
     counted = [SwarmTransport._relative_offence(stub, "big") for _ in range(3 * RELATIVE_REFUSALS)]
     assert sum(counted) == 3 and not any(counted[:RELATIVE_REFUSALS - 1])  # a few refusals: no ban yet

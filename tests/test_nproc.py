@@ -35,9 +35,11 @@ NPROC = ("--nproc", "2", "--device", "cpu")
 
 
 # ---- the protocol, two gloo ranks in spawned processes ------------------------------------------------
-def _rank_main(rank: int, port: int, config: str, data: str, out: str) -> None:
-    """One rank: 3 DDP steps, rank 0 writes theta (+1, as a merge would) and broadcasts it, 2 more steps.
-    Saves its parameters after each phase and the first batch it trained on."""
+def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel: str = "ddp") -> None:
+    """One rank, through its engine as the node drives it: 3 steps, rank 0 writes theta (+1, as a merge
+    would) and pushes it, 2 more steps; then the optimizer state's round trip (what a checkpoint gathers
+    and a resume scatters). Saves rank 0's full theta after each phase, every rank's digest of it, and the
+    first batch it trained on."""
     from locoswarm.node.config import load_config
     from locoswarm.node.data import TrainBatches, load_corpus, load_tokenizer
     from locoswarm.node.inner import InnerOptimizer
@@ -48,44 +50,72 @@ def _rank_main(rank: int, port: int, config: str, data: str, out: str) -> None:
     cfg = load_config(Path(config))
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     corpus = load_corpus([data], cfg.data, tokenizer)
-    group = RankGroup(rank, 2, rank, timeout_s=60)
+    group = RankGroup(rank, 2, rank, timeout_s=60, parallel=parallel)
     group.start(torch.device("cpu"))
-    # Different initial weights per rank: the start broadcast (as the node does it) must make them equal.
+    engine = group.engine
+    # Different initial weights per rank: the start push (as the node does it) must make them equal.
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed + rank)
-    group.broadcast_params(model)
-    inner = InnerOptimizer(group.wrap(model), cfg.inner)
+    outer, train = engine.place(model, torch.device("cpu"))
+    engine.push_params(outer, train)
+    inner = InnerOptimizer(train, cfg.inner)
     batches = TrainBatches(corpus.train, rank, 2, cfg.inner.batch_size, cfg.inner.seq_len, seed=7)
-    snapshots: dict[str, object] = {"batch": batches.get(0)}
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in train.parameters()]
+    snapshots: dict[str, object] = {"batch": batches.get(0), "numel": sum(p.numel() for p in train.parameters()),
+                                    "local_numel": sum(t.numel() for t in local)}
+
+    def theta() -> list[torch.Tensor] | None:
+        return [p.detach().clone() for p in outer.parameters()] if group.is_leader else None
+
     step = 0
     for phase, steps in (("trained", 3), ("after_merge", 2)):
         if phase == "after_merge":
             if group.is_leader:
                 with torch.no_grad():
-                    for p in model.parameters():
+                    for p in outer.parameters():
                         p.add_(1.0)
             flags = group.sync(Flags(changed=group.is_leader))
             if flags.changed:
-                group.broadcast_params(model)
-            snapshots["merged"] = [p.detach().clone() for p in model.parameters()]
+                engine.push_params(outer, train)
+            engine.pull_params(train, outer)  # FSDP: the pushed shards gathered back must be what was written
+            snapshots["merged"] = theta()
+            snapshots["merged_digest"] = engine.digest(outer, train)
         for _ in range(steps):
             inner.step([batches.get(step)])
+            engine.pull_params(train, outer)
             step += 1
-        snapshots[phase] = [p.detach().clone() for p in model.parameters()]
+        snapshots[phase] = theta()
+        snapshots[f"{phase}_digest"] = engine.digest(outer, train)
+
+    def moments(opt: InnerOptimizer) -> list[dict]:
+        return [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.param_state(i).items()}
+                for i in range(len(opt.params()))]
+
+    def gathered(source: InnerOptimizer) -> InnerOptimizer:
+        target = InnerOptimizer(outer, cfg.inner) if engine.shards_optimizer and group.is_leader else source
+        engine.pull_inner(source, target)
+        return target
+
+    saved = gathered(inner)
+    fresh = InnerOptimizer(train, cfg.inner)
+    engine.push_inner(saved, fresh)
+    again = gathered(fresh)
+    if group.is_leader:
+        snapshots["moments"], snapshots["moments_again"] = moments(saved), moments(again)
+        snapshots["steps_done"] = (saved.steps_done, again.steps_done)
     stop = group.sync(Flags(stop=True))
     snapshots["stop"] = stop.stop
     torch.save(snapshots, out)
     group.close()
 
 
-@needs_gloo
-@pytest.mark.timeout(180)
-def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: Path) -> None:
+def _run_ranks(tmp_path: Path, parallel: str) -> tuple[dict, dict]:
     config = write_config(tmp_path / "peers.toml")
     data = write_corpus(tmp_path / "data", docs=3, lines=60)
     port = free_port()
     ctx = mp.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(config), str(data), str(outs[r]))) for r in range(2)]
+    outs = [tmp_path / f"{parallel}-rank{r}.pt" for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(config), str(data), str(outs[r]), parallel))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -97,15 +127,48 @@ def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: 
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(10)
-    r0, r1 = (torch.load(o) for o in outs)
+    r0, r1 = (torch.load(o, weights_only=False) for o in outs)
     assert not torch.equal(r0["batch"], r1["batch"]), "each rank must read its own shard"
     for phase in ("trained", "merged", "after_merge"):
-        for a, b in zip(r0[phase], r1[phase], strict=True):
-            assert torch.equal(a, b), f"ranks differ after {phase}"
-    # The write happened on rank 0 only, and rank 1 got it: +1 on every parameter.
+        assert r0[f"{phase}_digest"] == r1[f"{phase}_digest"], f"ranks differ after {phase}"
+    # The write happened on rank 0 only, and every rank got it: +1 on every parameter.
     for trained, after in zip(r0["trained"], r0["merged"], strict=True):
         assert torch.allclose(after, trained + 1.0)
+    assert not torch.equal(r0["merged"][0], r0["after_merge"][0]), "training after the merge changed nothing"
     assert r0["stop"] and r1["stop"]
+    # The optimizer state survives a gather, a scatter into a fresh optimizer and a gather again.
+    assert r0["steps_done"] == (5, 5)
+    assert any(m for m in r0["moments"]), "no AdamW state after 5 steps"
+    for a, b in zip(r0["moments"], r0["moments_again"], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
+    return r0, r1
+
+
+@needs_gloo
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_stay_identical_and_a_rank0_write_reaches_both(tmp_path: Path) -> None:
+    _run_ranks(tmp_path, "ddp")
+
+
+@needs_gloo
+@pytest.mark.timeout(300)
+def test_fsdp_ranks_train_as_ddp_does_and_round_trip_their_state(tmp_path: Path) -> None:
+    """FSDP (each rank holds half of every parameter and of its AdamW moments) makes the same steps as DDP
+    from the same start and data: the sharded AdamW update is elementwise, only the order of the
+    gradient sums differs (reduce-scatter vs all-reduce)."""
+    ddp, _ = _run_ranks(tmp_path, "ddp")
+    fsdp, fsdp1 = _run_ranks(tmp_path, "fsdp")
+    assert ddp["local_numel"] == ddp["numel"]
+    for rank in (fsdp, fsdp1):  # each rank holds about half of the parameters
+        assert rank["numel"] == ddp["numel"] and rank["local_numel"] <= 0.55 * rank["numel"], rank["local_numel"]
+    for phase in ("trained", "after_merge"):
+        for a, b in zip(ddp[phase], fsdp[phase], strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"fsdp and ddp differ after {phase}"
+    for a, b in zip(ddp["moments"], fsdp["moments"], strict=True):
+        for key in a:
+            assert torch.allclose(torch.as_tensor(a[key]), torch.as_tensor(b[key]), atol=1e-6, rtol=1e-3), key
 
 
 @pytest.mark.timeout(60)
@@ -254,3 +317,35 @@ def test_two_nproc2_nodes_agree_and_survive_a_rank_kill(swarm: Swarm) -> None:  
                            node.log_path.read_text(errors="replace"))
         assert len(stops) == 2 and {r for r, _, _ in stops} == {"0", "1"}, stops  # the killed run logged none
         assert len({(step, crc) for _, step, crc in stops}) == 1, f"{node.name}: ranks differ at the stop: {stops}"
+
+
+@needs_gloo
+@pytest.mark.timeout(420)
+def test_an_fsdp_node_averages_with_a_plain_node_and_resumes(swarm: Swarm) -> None:  # noqa: F811 (the fixture)
+    """A two-rank FSDP node (each rank holds half the model and half its AdamW state) beside a one-process
+    node: every fragment averaged in groups of two, phi agreed, a graceful leave with one model on both
+    ranks and a checkpoint gathered from them, then a resume with two ranks that merges again."""
+    fsdp = (*NPROC, "--parallel", "fsdp", "--checkpoint-every", "10")
+    plain = swarm.start("n1", "--device", "cpu")  # first: the swarm's bootstrap peer, alive throughout
+    nodes = [swarm.start("n0", *fsdp), plain]
+    for node in nodes:
+        node.wait_status(lambda s: fragments_merged(s) == {0, 1} and len(merged(s)) >= 4, 240,
+                         "every fragment averaged twice")
+    wait_until(lambda: agree(nodes), 60, "phi to agree across the two nodes", nodes)
+
+    def stops(node: NodeProc) -> list[tuple[str, str, str]]:
+        return re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})",
+                          node.log_path.read_text(errors="replace"))
+
+    assert nodes[0].terminate(90) == 0, nodes[0].tail()
+    first = stops(nodes[0])
+    assert len(first) == 2 and len({(step, crc) for _, step, crc in first}) == 1, f"ranks differ: {first}"
+    assert nodes[0].state_dir.joinpath("checkpoint.json").exists()
+    restarted = swarm.start("n0", *fsdp)
+    restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", [])), 120, "resume")
+    restarted.wait_status(lambda s: [e for e in merged(s) if e["group_size"] == 2], 150,
+                          "a round merged with the other node after resuming")
+    assert restarted.terminate(90) == 0, restarted.tail()
+    again = stops(restarted)[len(first):]
+    assert len(again) == 2 and len({(step, crc) for _, step, crc in again}) == 1, f"ranks differ: {again}"
+    assert int(again[0][1]) > int(first[0][1]), "the resumed node did not continue from its checkpoint"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from locoswarm.node.swarm.reputation import CONCLUSIVE, Reputation
+from locoswarm.node.swarm.reputation import Reputation
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,15 +57,15 @@ def test_threshold_bans_and_snapshot_says_so(clock):
 
 def test_a_conclusive_offence_bans_at_once_and_a_refusal_that_is_no_offence_never_does(clock):
     rep = make(clock, threshold=3, cooldown_s=60, window_s=100)
-    assert "forged_sender" in CONCLUSIVE
-    assert rep.refuse(A, "forged_sender", "not an offence here", offence=False) is False
+    assert rep.refuse(A, "forged_sender", "not an offence here", offence=False, conclusive=True) is False
+    assert rep.refuse(A, "forged_sender", "an ordinary offence") is False
     assert not rep.is_banned(A)
-    assert rep.refuse(A, "forged_sender", "header names sender QmB on A's stream") is True
+    assert rep.refuse(A, "forged_sender", "header names sender QmB on A's stream", conclusive=True) is True
     assert rep.is_banned(A) and not rep.is_banned(B)
-    assert rep.refuse(A, "forged_sender", "again, while banned") is False  # one ban, logged once
+    assert rep.refuse(A, "forged_sender", "again, while banned", conclusive=True) is False  # one ban, logged once
     clock.advance(61)
     assert not rep.is_banned(A)
-    assert rep.refuse(A, "forged_sender", "after the cool-down") is True  # banned anew, for twice as long
+    assert rep.refuse(A, "bad_contribution", "NaN after the cool-down", conclusive=True) is True  # banned anew
     clock.advance(100)
     assert rep.is_banned(A)
 

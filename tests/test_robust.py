@@ -45,19 +45,20 @@ def test_honest_group_is_accepted_unchanged() -> None:
     assert not sc.refusals and not sc.clamped
 
 
-@pytest.mark.parametrize(("weight", "finite", "norm", "kind"), [
-    (100.0, False, 1.0, "bad_contribution"),          # nan/inf values
-    (100.0, True, 1e30, "bad_contribution"),          # absurd norm
-    (1e30, True, 1.0, "bad_weight"),                  # absurd token weight
-    (float("nan"), True, 1.0, "bad_weight"),
-    (-5.0, True, 1.0, "bad_weight"),
-    (0.0, True, 1.0, "bad_weight"),
+@pytest.mark.parametrize(("weight", "finite", "norm", "kind", "conclusive"), [
+    (100.0, False, 1.0, "bad_contribution", True),          # nan/inf values: nothing honest sends them
+    (100.0, True, 1e30, "bad_contribution", True),          # absurd norm: neither
+    (1e30, True, 1.0, "bad_weight", False),                 # absurd token weight (a bound from heartbeats)
+    (float("nan"), True, 1.0, "bad_weight", False),
+    (-5.0, True, 1.0, "bad_weight", False),
+    (0.0, True, 1.0, "bad_weight", False),
+    (100.0, True, 20.0, "bad_contribution", False),         # large, not absurd: an honest joiner can be
 ])
-def test_a_bad_member_is_refused_and_the_rest_accepted(weight, finite, norm, kind) -> None:
+def test_a_bad_member_is_refused_and_the_rest_accepted(weight, finite, norm, kind, conclusive) -> None:
     group = [stats("a", 100.0, [1.0]), stats("b", 110.0, [1.2]), stats("x", weight, [norm], finite=finite)]
     sc = screen(group, S)
     assert sc.accepted == [0, 1]
-    assert [(r.sender, r.kind) for r in sc.refusals] == [("x", kind)]
+    assert [(r.sender, r.kind, r.conclusive) for r in sc.refusals] == [("x", kind, conclusive)]
     assert sc.total_weight == 210.0
 
 

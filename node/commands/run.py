@@ -12,7 +12,7 @@ from locoswarm.node import daemon
 from locoswarm.node.commands import add_config_args, load_config_from_args
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.ranks import DEFAULT_TIMEOUT_S, RankGroup, RankLauncher, check_nproc
+from locoswarm.node.ranks import DEFAULT_TIMEOUT_S, ENGINES, RankGroup, RankLauncher, check_nproc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train this node over N ranks (one per GPU, or CPU processes with --device cpu): DDP inside "
                         "the node, rank 0 joins the swarm (env LOCOSWARM_NPROC; default 1). Under torchrun the "
                         "ranks come from its environment instead")
+    p.add_argument("--parallel", default=env("LOCOSWARM_PARALLEL", "ddp"),
+                   help="how the node's ranks hold the model (env LOCOSWARM_PARALLEL): ddp (default; every rank "
+                        "holds it all) or fsdp (each rank holds 1/N of the parameters, gradients and AdamW state, "
+                        "for a model that does not fit one device; rank 0 keeps a full copy of theta on the CPU)")
     p.add_argument("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a collective of the node's ranks may wait for a rank before the node leaves "
                         f"(default {DEFAULT_TIMEOUT_S:.0f}; at least the network's matchmaking and round timeouts "
@@ -85,11 +89,17 @@ def run_node(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
     check_nproc(args.nproc, args.device)
+    if args.parallel not in ENGINES:
+        raise UserError(f"--parallel {args.parallel!r} is not allowed; use one of {', '.join(ENGINES)}")
     if not args.rank_timeout > 0:
         raise UserError(f"--rank-timeout {args.rank_timeout} is not allowed; give seconds > 0")
     # Rank 0 may wait out a round between two steps: the others must not give up on it meanwhile.
     ranks = RankGroup.from_env(max(args.rank_timeout,
-                                   cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0))
+                                   cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0),
+                               parallel=args.parallel)
+    if ranks is None and args.nproc == 1 and args.parallel != "ddp":
+        raise UserError(f"--parallel {args.parallel} needs several ranks; add --nproc N (N >= 2) or run under "
+                        "torchrun")
     if ranks is not None and args.nproc not in (1, ranks.world_size):
         raise UserError(f"--nproc {args.nproc} but this process is one of {ranks.world_size} ranks (WORLD_SIZE, set "
                         "by torchrun or the launcher); drop --nproc under torchrun or make them agree")

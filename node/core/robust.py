@@ -84,6 +84,7 @@ class Refusal:
     kind: str       # "bad_contribution" | "bad_weight"
     detail: str
     relative: bool = False   # judged against the group's reference (not absolute: non-finite, absurd weight/norm)
+    conclusive: bool = False  # this project's code never sends it (non-finite values, an absurd norm): a ban at once
 
 
 @dataclass
@@ -127,7 +128,8 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     live = []
     for i, s in enumerate(stats):
         if i != trusted and not s.finite:
-            refusals.append(Refusal(s.sender, "bad_contribution", "non-finite values (nan/inf)"))
+            # A node resets non-finite theta to phi instead of sending it: nothing honest sends NaN.
+            refusals.append(Refusal(s.sender, "bad_contribution", "non-finite values (nan/inf)", conclusive=True))
         elif i != trusted and not (math.isfinite(s.weight) and s.weight > 0):
             refusals.append(Refusal(s.sender, "bad_weight", f"token weight {s.weight!r} is not a positive number"))
         else:
@@ -170,7 +172,8 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
                                     f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
                                     f"{ref_norm:.3g} (limit {limit:.3g}x for its token weight)",
-                                    relative=norm <= NORM_ABSURD * ref_norm))
+                                    relative=norm <= NORM_ABSURD * ref_norm,
+                                    conclusive=norm > NORM_ABSURD * ref_norm))
         elif i != trusted and ref_norm == 0 and norm > 0 and len(live) > 2:
             # Every other member changed nothing here: a lone large change is not believable.
             refusals.append(Refusal(stats[i].sender, "bad_contribution",

@@ -265,9 +265,10 @@ class _Reduced:
     chunks: dict[int, bytes]
     total_weight: float
     extras: list[float]
-    # sender -> (kind, detail, offence, relative): why it was dropped, whether that counts toward a ban,
-    # and whether it was judged against the group (a norm far above the others') rather than absolutely
-    refused: dict[str, tuple[str, str, bool, bool]]
+    # sender -> (kind, detail, offence, relative, conclusive): why it was dropped, whether that counts toward
+    # a ban, whether it was judged against the group (a norm far above the others') rather than absolutely,
+    # and whether it bans at once (see Reputation)
+    refused: dict[str, tuple[str, str, bool, bool, bool]]
 
 
 class _Reduction:
@@ -371,7 +372,7 @@ class _Reduction:
                 extras[k] += x
         # In a pair the reference is this node's own contribution: a partner far larger may be honest
         # (this node may have made little progress), so a relative refusal there is not an offence.
-        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2), r.relative)
+        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2), r.relative, r.conclusive)
                    for r in screening.refusals}
         return _Reduced(reduced, total, extras, refused)
 
@@ -518,11 +519,12 @@ class SwarmTransport(Transport):
                                "locoswarm.node.swarm.dht.start_dht)")
         return owner_subkey(self.peer_id, identity)
 
-    def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> None:
-        """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck)."""
+    def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> None:
+        """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:
+        something this project's code never sends, a ban at once)."""
         self.refusals.append(f"{peer[:12]}: {kind}: {detail}")
         if self.reputation is not None:
-            self.reputation.refuse(peer, kind, detail, offence=offence)
+            self.reputation.refuse(peer, kind, detail, offence=offence, conclusive=conclusive)
 
     def _stream_refused(self, peer: str, why: str) -> None:
         """A stream refused by the caps. Alone it may be an honest peer's burst, or the server being full
@@ -969,7 +971,7 @@ class SwarmTransport(Transport):
             self._offence(remote, "fingerprint", text, offence=False)
             raise WireError(text)
         if h.sender != remote:
-            self._offence(remote, "forged_sender", f"header names sender {h.sender[:20]!r}")
+            self._offence(remote, "forged_sender", f"header names sender {h.sender[:20]!r}", conclusive=True)
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: the header's sender is not the stream's authenticated peer id")
         if not (math.isfinite(h.weight) and h.weight > 0) or len(h.extras) > MAX_EXTRAS or not _finite(h.extras) \
@@ -992,10 +994,10 @@ class SwarmTransport(Transport):
         except Exception as exc:
             raise WireError(f"round failed at reducer: {exc or type(exc).__name__}") from None
         if remote in result.refused:
-            kind, detail, offence, relative = result.refused[remote]
+            kind, detail, offence, relative, conclusive = result.refused[remote]
             if offence and relative:
                 offence = self._relative_offence(remote)
-            self._offence(remote, kind, detail, offence=offence)
+            self._offence(remote, kind, detail, offence=offence, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
