@@ -240,6 +240,8 @@ def test_bad_nproc_is_refused_before_anything_starts(tmp_path: Path, monkeypatch
     too_many = max(2, (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1)
     refused_before_start(run(*common, "--nproc", str(too_many), "--device", "cuda"), f"--nproc {too_many}", "GPUs")
     refused_before_start(run(*common, "--nproc", "2", "--device", "cuda:1"), "cuda:1", "auto, cuda or cpu")
+    refused_before_start(run(*common, "--nproc", "2", "--parallel", "zero3"), "--parallel 'zero3'", "ddp, fsdp")
+    refused_before_start(run(*common, "--parallel", "fsdp"), "--parallel fsdp", "--nproc N")
     with monkeypatch.context() as env:  # a rank of torchrun's (WORLD_SIZE 2) told --nproc 3
         env.setenv("WORLD_SIZE", "2")
         env.setenv("RANK", "1")
