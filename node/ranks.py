@@ -312,7 +312,7 @@ class DDPEngine(ParallelEngine):
 
     def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
         state = self.group.broadcast_object(source.state_dict() if self.group.is_leader else None)
-        if inner is not source:
+        if not self.group.is_leader or inner is not source:  # (rank 0's own optimizer has it already)
             inner.load_state_dict(state)
 
     def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:

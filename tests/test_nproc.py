@@ -102,6 +102,13 @@ def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel:
     if group.is_leader:
         snapshots["moments"], snapshots["moments_again"] = moments(saved), moments(again)
         snapshots["steps_done"] = (saved.steps_done, again.steps_done)
+    # As a resumed node starts: the other ranks' optimizers are empty, and each is its own source argument.
+    if not group.is_leader:
+        inner.reset_state()
+    engine.push_inner(saved if group.is_leader else inner, inner)
+    snapshots["own_moments"] = moments(inner) if not engine.shards_optimizer else None
+    resumed = gathered(inner)  # collective: every rank
+    snapshots["moments_resumed"] = moments(resumed) if group.is_leader else None
     stop = group.sync(Flags(stop=True))
     snapshots["stop"] = stop.stop
     torch.save(snapshots, out)
@@ -139,10 +146,14 @@ def _run_ranks(tmp_path: Path, parallel: str) -> tuple[dict, dict]:
     # The optimizer state survives a gather, a scatter into a fresh optimizer and a gather again.
     assert r0["steps_done"] == (5, 5)
     assert any(m for m in r0["moments"]), "no AdamW state after 5 steps"
-    for a, b in zip(r0["moments"], r0["moments_again"], strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
+    for again in ("moments_again", "moments_resumed"):
+        for a, b in zip(r0["moments"], r0[again], strict=True):
+            assert a.keys() == b.keys(), again
+            for key in a:
+                assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (again, key)
+    if r1["own_moments"] is not None:  # replicated: rank 1 holds rank 0's whole state
+        for a, b in zip(r0["moments"], r1["own_moments"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
     return r0, r1
 
 
