@@ -49,7 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -252,13 +252,14 @@ class RankGroup:
         return self._collective(what)
 
 
-def params_digest(model: torch.nn.Module) -> int:
-    """CRC32 of every parameter's bytes: what each rank logs when it stops, to show they trained one model."""
+def params_digest(tensors: Iterable[torch.Tensor]) -> int:
+    """CRC32 of the tensors' bytes (as fp32), in order: what each rank logs when it stops, to show they
+    trained one model."""
     import zlib
 
     crc = 0
-    for p in model.parameters():
-        crc = zlib.crc32(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+    for t in tensors:
+        crc = zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
     return crc
 
 
@@ -316,7 +317,7 @@ class DDPEngine(ParallelEngine):
             inner.load_state_dict(state)
 
     def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:
-        return params_digest(outer)
+        return params_digest(outer.parameters())
 
 
 class FSDPEngine(ParallelEngine):
@@ -395,14 +396,8 @@ class FSDPEngine(ParallelEngine):
             target.steps_done = inner.steps_done
 
     def digest(self, outer: torch.nn.Module, train: torch.nn.Module) -> int:
-        import zlib
-
-        crc = 0
         with torch.no_grad(), self.group.guard("gathering the parameters"):
-            for param in train.parameters():
-                full = param.full_tensor().to("cpu", torch.float32).contiguous()
-                crc = zlib.crc32(full.numpy().tobytes(), crc)
-        return crc
+            return params_digest(param.full_tensor() for param in train.parameters())
 
     def _scatter(self, full: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
         """This rank's shard of rank 0's ``full`` tensor shaped like the sharded ``param``: one broadcast,
