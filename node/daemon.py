@@ -634,12 +634,14 @@ class Node:
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.
         One peer claiming a far newer version is not believed while others say otherwise
-        (``plausible_version``): a liar cannot lure the swarm into catching up from it."""
+        (``plausible_version``): a liar cannot lure the swarm into catching up from it. Nor is a peer that
+        served this node a state it refused lately (``Reputation.offended``): colluding liars corroborate
+        each other's claims."""
         from locoswarm.node.swarm.averaging import plausible_version
 
         claims: dict[str, int] = {}
         for pid, hb in self.peer_table.items():
-            if not hb.has_state or self.reputation.is_banned(pid):
+            if not hb.has_state or self.reputation.is_banned(pid) or self.reputation.offended(pid, "bad_state"):
                 continue
             for fs in hb.fragments:
                 if fs.fragment == fragment:

@@ -21,6 +21,9 @@ from locoswarm.node.swarm.averaging import (
     NoShows,
     SwarmTransport,
     _Reduction,
+    awaited,
+    match_entry,
+    peer_tag,
     plausible_version,
 )
 from locoswarm.node.swarm.reputation import EveryNth
@@ -55,6 +58,26 @@ def test_a_peer_that_bans_everyone_isolates_only_itself(round_: int) -> None:
     liar = "Qmb"
     groups = form_groups(members, 0, round_, 4, {liar: [p for p in members if p != liar]})
     assert [liar] in groups and sorted(p for p in members if p != liar) in groups
+
+
+@pytest.mark.parametrize("size", [2, 8])
+def test_members_whose_bans_disagree_still_average_together(size: int) -> None:
+    """Two honest members, two colluding liars: one honest member banned both liars, the other only one
+    so far. Every round the honest pair shares a group (with one order of placement only, the second
+    liar was often placed with the slower honest member first and the other was left alone)."""
+    honest0, honest1, liar0, liar1 = "QmH0", "QmH1", "QmL0", "QmL1"
+    excluded = {honest0: [liar0], honest1: [liar0, liar1]}
+    for round_ in range(60):
+        groups = form_groups([honest0, honest1, liar0, liar1], 1, round_, size, excluded)
+        assert [honest0, honest1] in groups, (round_, groups)
+        assert sorted(itertools.chain(*groups)) == sorted([honest0, honest1, liar0, liar1])
+
+
+def test_the_placement_is_the_same_on_every_member_whatever_order_it_saw() -> None:
+    members = PEERS[:7]
+    excluded = {"Qma": ["Qmb"], "Qmc": ["Qmb", "Qmd"], "Qmb": ["Qme"]}
+    for round_ in range(20):
+        assert form_groups(members, 0, round_, 8, excluded) == form_groups(members[::-1], 0, round_, 8, excluded)
 
 
 def test_exclusions_never_put_a_conflicting_pair_together() -> None:
@@ -92,6 +115,28 @@ def test_a_match_view_explains_which_members_another_view_may_have_had() -> None
     assert "formed [AAAAAa BBBBBb] (grace, 1.50 s after the first arrival)" in line
     assert "arrived late [EEEEEe]" in line and "in time but unseen then [CCCCCc]" in line
     assert "never [DDDDDd]" in line
+
+
+def test_members_wait_for_whom_any_trusted_member_expects() -> None:
+    """A joiner that does not see honest1's heartbeat yet (or skips it as a no-show) still waits for it
+    when honest0's entry expects it, so both close the round on one member list; a banned member's list,
+    and a peer the list does not name, are not waited for."""
+    from locoswarm.node.core.transport import AverageRequest
+
+    req = AverageRequest(fragment=0, round=40, chunks=[], weight=1.0, numel=0, codec="fp4", version=3)
+    honest0, honest1, joiner, liar = "QmH0", "QmH1", "QmJ", "QmL"
+    entries = {honest0: match_entry(honest0, req, 10.0, expected={honest0, honest1, joiner}),
+               joiner: match_entry(joiner, req, 10.1, expected={honest0, joiner}),
+               liar: match_entry(liar, req, 10.2, expected={"QmMadeUp"})}
+    assert list(entries[honest0].expected) == sorted([peer_tag(honest1), peer_tag(joiner)])  # not itself
+    joiner_waits = awaited({honest0, joiner}, entries, trusted={honest0, joiner})
+    assert joiner_waits == {peer_tag(p) for p in (honest0, honest1, joiner)}
+    assert not {peer_tag(p) for p in entries} >= joiner_waits      # honest1 has not entered yet
+    entries[honest1] = match_entry(honest1, req, 10.3, expected={honest0})
+    assert {peer_tag(p) for p in entries} >= awaited({honest0, joiner}, entries, trusted={honest0, joiner})
+    # the liar is live and not banned: its made-up peer is waited for (until the window ends); banned: not
+    assert peer_tag("QmMadeUp") in awaited({joiner}, entries, trusted={honest0, joiner, liar})
+    assert peer_tag("QmMadeUp") not in awaited({joiner}, entries, trusted={honest0, joiner})
 
 
 def test_plausible_version_needs_a_second_claimant() -> None:
@@ -277,3 +322,21 @@ def test_an_honest_consensus_part_of_momenta_is_accepted_when_our_momentum_is_ne
     c = next(iter(bad))
     bad[c] = torch.full((bounds[c][1] - bounds[c][0],), float("nan")).numpy().tobytes()  # fp32 bytes
     assert "non-finite" in check(codec, req, bad, bounds, own_norm)
+
+
+def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_member() -> None:
+    """A liar that averaged honestly in our last group but serves NaN states: after one refused download
+    it is neither a holder of the group's version nor of the heartbeats' (no ban needed for that)."""
+    from locoswarm.node.swarm.reputation import Reputation
+
+    rep = Reputation(threshold=3)
+    stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
+                           _latest_versions=lambda fragment: (11, ["QmLiar", "QmOther"]))
+    stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
+    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+    assert SwarmTransport._newest(stub, 0) == (12, ["QmHonest", "QmLiar"])
+    rep.refuse("QmLiar", "bad_state", "phi at 0 has 9 non-finite value(s)")
+    assert not rep.is_banned("QmLiar")
+    assert SwarmTransport._newest(stub, 0) == (12, ["QmHonest"])
+    stub.recent = {0: (11, ["QmMe", "QmLiar"])}
+    assert SwarmTransport._newest(stub, 0) == (11, ["QmOther"])

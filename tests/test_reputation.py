@@ -82,6 +82,16 @@ def test_offences_older_than_the_window_expire(clock):
     assert rep.snapshot()["peers"][A]["refused"] == 4
 
 
+def test_one_offence_of_a_kind_is_remembered_for_the_window_without_a_ban(clock):
+    rep = make(clock, threshold=3, window_s=60)
+    rep.refuse(A, "bad_state", "phi at 0 has 4 non-finite value(s)")
+    rep.refuse(B, "rate", "too many requests", offence=False)
+    assert rep.offended(A, "bad_state") and not rep.is_banned(A)
+    assert not rep.offended(A, "bad_part") and not rep.offended(B, "rate") and not rep.offended("QmNobody", "x")
+    clock.advance(61)
+    assert not rep.offended(A, "bad_state")
+
+
 def test_ban_ends_after_the_cool_down(clock):
     rep = make(clock, threshold=2, cooldown_s=60, window_s=30)
     rep.refuse(A, "bad_state", "NaN phi")

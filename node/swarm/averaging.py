@@ -4,8 +4,9 @@ A round of fragment ``p`` started at swarm step ``r``:
 
 1. **Matchmaking** through the DHT: each member stores a signed ``MatchEntry`` under the round's key
    (under its owner subkey, see ``locoswarm.node.swarm.records``: nobody can enter a round in another peer's name)
-   and polls it until every live peer has arrived or the window (``network.matchmaking_timeout`` after
-   the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
+   and polls it until every peer it expects (live, not banned, not a no-show) and every peer the other
+   members' entries say they expect (``awaited``) has arrived, or the window (``network.matchmaking_timeout``
+   after the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
    balanced groups of at most ``network.group_size``: random groups that change from round to round
    (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its
    entry; grouping never puts two peers in one group when one of them excludes the other, so every
@@ -74,6 +75,7 @@ PARTIAL_AFTER = 0.6
 MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
 MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group formed are remembered
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
+MAX_EXPECTED = 64            # awaited peers one match entry may name (4-byte tags: 256 bytes)
 MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a fragment + a hash)
 MAX_HEADER_BYTES = 64 * 1024
 FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
@@ -191,16 +193,40 @@ class ScheduleHint:
 
 
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
-                excluded: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
+                excluded: Iterable[str] = (), expected: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
                                  digest=req.digest, fragment=req.fragment, basis=req.basis)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
+    entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
     if req.schedule is not None:
         entry.scheduled = True
         entry.last_send.extend(-1 if t is None else t for t in req.schedule.last_send)
         entry.shared_r.extend(req.schedule.shared_r or ())
     return entry
+
+
+def peer_tag(peer: str) -> int:
+    """A peer id in 4 bytes, for the awaited lists of match entries (a round's key holds every member's
+    entry, and DHT values must stay small)."""
+    return int.from_bytes(hashlib.blake2b(peer.encode(), digest_size=4).digest(), "big")
+
+
+def awaited(own: set[str], entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> set[int]:
+    """Whom this node waits for before it closes a round early, as peer tags: the peers it expects itself,
+    and every peer that a ``trusted`` member that entered the round expects (a live peer not banned here:
+    a banned liar's list counts for nothing, and a live liar's costs at most the window, as entering
+    every other round already could).
+
+    Each member used to wait only for its own expectation, which differs between members: a joiner does
+    not see every heartbeat yet, a member skips a peer it counts as a no-show or bans, the others do not.
+    It closed the window early, before an entry the others waited for, and the round failed for all of
+    them ("group mismatch", "in time but unseen then": 4-node robustness bench, two state liars)."""
+    wanted = {peer_tag(p) for p in own}
+    for peer, entry in entries.items():
+        if peer in trusted:
+            wanted.update(list(entry.expected)[:MAX_EXPECTED])
+    return wanted
 
 
 def group_hash(members: list[str]) -> bytes:
@@ -548,6 +574,12 @@ class SwarmTransport(Transport):
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
 
+    def _state_source(self, peer: str) -> bool:
+        """Whether ``peer`` may serve this node a catch-up: not banned, and no state of its refused lately
+        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version)."""
+        return self.reputation is None or not (self.reputation.is_banned(peer)
+                                               or self.reputation.offended(peer, "bad_state"))
+
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is
         read (counted, no new offence)."""
@@ -565,8 +597,8 @@ class SwarmTransport(Transport):
     def _newest(self, fragment: int) -> tuple[int, list[str]]:
         version, holders = self._latest_versions(fragment)
         recent_version, members = self.recent.get(fragment, (-1, []))
-        others = [m for m in members if m != self.peer_id and not self._banned(m)]
-        holders = [h for h in holders if not self._banned(h)]
+        others = [m for m in members if m != self.peer_id and self._state_source(m)]
+        holders = [h for h in holders if self._state_source(h)]
         if recent_version > version and others:
             return recent_version, others
         if recent_version == version:
@@ -750,13 +782,14 @@ class SwarmTransport(Transport):
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
         banned = self.reputation.banned() if self.reputation is not None else []
-        me = match_entry(self.peer_id, req, get_dht_time(), banned)
+        live = set(self.live_peers())
+        not_banned = live - set(banned)
+        own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
+        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
-        live = set(self.live_peers())
-        awaited = live - set(banned)
-        expected = (awaited - self.no_shows.skipped()) | {self.peer_id}
-        core = (set(self.pace_peers()) | {self.peer_id}) & expected
+        core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
+        trusted = not_banned | {self.peer_id}
         grace = min(self.grace(), self.matchmaking_timeout)
         # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
         # close the window for everyone by claiming an arrival in the past.
@@ -764,25 +797,28 @@ class SwarmTransport(Transport):
         while True:
             entries = await self._read_entries(key)
             entries.setdefault(self.peer_id, me)
+            wanted = awaited(own_expected, entries, trusted)
+            arrived = {peer_tag(p) for p in entries} >= wanted
             first = min(max(e.arrival, earliest) for e in entries.values())
             window_end = first + self.matchmaking_timeout
             now = get_dht_time()
-            if set(entries) >= expected or now >= window_end:
-                cut = "all expected" if set(entries) >= expected else "window"
+            if arrived or now >= window_end:
+                cut = "all expected" if arrived else "window"
                 break
             if set(entries) >= core and now >= first + grace:
                 window_end = now  # stragglers are not waited for beyond the grace
                 cut = "grace"
                 break
             await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
-        if not set(entries) >= expected:
+        if not arrived:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
-        self._background(self._record_no_shows(key, awaited, live, first + self.matchmaking_timeout))
+        self._background(self._record_no_shows(key, not_banned, live, first + self.matchmaking_timeout))
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
         members = sorted(p for p, e in entries.items() if e.arrival <= window_end)
+        expected = own_expected | {p for p in live | set(entries) if peer_tag(p) in wanted}
         self._views[(req.fragment, req.round)] = MatchView(members, expected, first, window_end, now, cut)
         while len(self._views) > MAX_VIEWS:
             self._views.popitem(last=False)

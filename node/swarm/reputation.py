@@ -179,6 +179,18 @@ class Reputation:
             rec = self._peers.get(peer_key(peer))
             return rec is not None and rec.banned(self._now())
 
+    def offended(self, peer: str, kind: str) -> bool:
+        """Whether ``peer`` committed an offence of ``kind`` within the window, banned or not. One bad state
+        download is not yet a ban (the threshold forgives luck), but its source is not believed as a holder
+        of newer versions meanwhile: two colluding liars that claimed versions far ahead corroborated each
+        other, and the honest nodes downloaded NaN states from them, three times each, before the bans."""
+        with self._lock:
+            rec = self._peers.get(peer_key(peer))
+            if rec is None:
+                return False
+            rec.expire(self._now(), self.window_s)
+            return any(k == kind for _, k in rec.offences)
+
     def banned(self) -> list[str]:
         """The peers banned now, sorted (matchmaking leaves them out of this node's groups)."""
         with self._lock:
