@@ -306,7 +306,7 @@ class Node:
         from locoswarm.node.core.compress import wire_codec
         from locoswarm.node.core.outer_loop import OuterLoop
         from locoswarm.node.data import TrainBatches
-        from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
+        from locoswarm.node.swarm.averaging import MAX_WINDOW_S, ByteCounters, SwarmTransport
         from locoswarm.node.swarm.clock import SwarmClock
         from locoswarm.node.swarm.reputation import Reputation
         from locoswarm.node.swarm.state_sync import StateClient, StateServer
@@ -333,12 +333,14 @@ class Node:
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
-            pace_peers=self._pace_peers, grace=self._straggler_grace, ready=self._in_rounds,
+            pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
+            ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
-                               wait_timeout=cfg.network.matchmaking_timeout + cfg.network.round_timeout + 5,
+                               wait_timeout=max(cfg.network.matchmaking_timeout, MAX_WINDOW_S)
+                               + cfg.network.round_timeout + 5,
                                state_device=outer_state_device(cfg.outer.offload, self._outer_device()))
         self.state_server = StateServer(
             self.runtime, self.fingerprint, self.published.get, self.counters,
@@ -624,12 +626,14 @@ class Node:
         overlap tau, in steps at the swarm's inner-step rate (the median of the announced rates, about
         the same on every member, so members cut stragglers at about the same moment); this node's own
         step time while no rate is known."""
+        return max(0.05, 0.8 * self.cfg.outer.tau * self._step_seconds())
+
+    def _step_seconds(self) -> float:
+        """Seconds per inner step of the swarm (its clock's rate), this node's own while none is known."""
         rate = self.swarm_clock.rate()
         if rate and rate > 0 and math.isfinite(rate):
-            step = 1.0 / rate
-        else:
-            step = self.compute_seconds / max(1, self.local_step) * self.opts.throttle
-        return max(0.05, 0.8 * self.cfg.outer.tau * step)
+            return 1.0 / rate
+        return self.compute_seconds / max(1, self.local_step) * self.opts.throttle
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.

@@ -340,3 +340,13 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     assert SwarmTransport._newest(stub, 0) == (12, ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmLiar"])}
     assert SwarmTransport._newest(stub, 0) == (11, ["QmOther"])
+
+
+def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:
+    """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round."""
+    from locoswarm.node.swarm.averaging import MAX_WINDOW_S, WINDOW_STEPS
+
+    for step, expected in [(0.0, 5.0), (float("nan"), 5.0), (0.26, 5.0), (4.9, WINDOW_STEPS * 4.9),
+                           (1e6, MAX_WINDOW_S)]:
+        stub = SimpleNamespace(matchmaking_timeout=5.0, step_time=lambda s=step: s)
+        assert SwarmTransport.window(stub) == pytest.approx(expected), step

@@ -5,9 +5,10 @@ A round of fragment ``p`` started at swarm step ``r``:
 1. **Matchmaking** through the DHT: each member stores a signed ``MatchEntry`` under the round's key
    (under its owner subkey, see ``locoswarm.node.swarm.records``: nobody can enter a round in another peer's name)
    and polls it until every peer it expects (live, not banned, not a no-show) and every peer the other
-   members' entries say they expect (``awaited``) has arrived, or the window (``network.matchmaking_timeout``
-   after the first arrival) closes. Members are sorted, shuffled by a seed derived from (p, r) and cut into
-   balanced groups of at most ``network.group_size``: random groups that change from round to round
+   members' entries say they expect (``awaited``) has arrived, or the window (``network.matchmaking_timeout``,
+   or three of the swarm's inner steps where those are longer, after the first arrival) closes. Members
+   are sorted, shuffled by a seed derived from (p, r) and cut into balanced groups of at most
+   ``network.group_size``: random groups that change from round to round
    (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its
    entry; grouping never puts two peers in one group when one of them excludes the other, so every
    member computes the same groups and a banned peer ends up alone. Under the adaptive schedule all
@@ -89,6 +90,11 @@ REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
 
 
+# The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
+# a step or two apart in wall time, and with a 26M-parameter model on a small machine (4.9 s per step) a fixed
+# 5 s window closed before the second member arrived: 0 of 17 rounds merged, unshaped.
+WINDOW_STEPS = 3.0
+MAX_WINDOW_S = 60.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
 
@@ -464,6 +470,8 @@ class SwarmTransport(Transport):
         fetch: downloads a fragment's outer state from given peers (``locoswarm.node.swarm.state_sync``).
         pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
             ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
+        step_time: returns the swarm's seconds per inner step (0 when unknown): the matchmaking window is at
+            least ``WINDOW_STEPS`` of them (at most ``MAX_WINDOW_S``).
         ready: whether this node may enter rounds: a joining node waits until every peer has had the
             time to see its heartbeat, since members that disagree on whether it is live would form
             different groups and fail the round for everyone.
@@ -483,6 +491,7 @@ class SwarmTransport(Transport):
                  fetch: Callable[[int, list[str], int], FragmentSnapshot | None],
                  pace_peers: Callable[[], list[str]] | None = None,
                  grace: Callable[[], float] | None = None,
+                 step_time: Callable[[], float] | None = None,
                  ready: Callable[[], bool] | None = None,
                  robust: RobustSection | None = None,
                  reputation=None,
@@ -500,6 +509,7 @@ class SwarmTransport(Transport):
         self.live_peers = live_peers
         self.pace_peers = pace_peers or live_peers
         self.grace = grace or (lambda: matchmaking_timeout)
+        self.step_time = step_time or (lambda: 0.0)
         self.ready = ready or (lambda: True)
         self.robust = robust or RobustSection()
         self.reputation = reputation
@@ -527,7 +537,7 @@ class SwarmTransport(Transport):
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
-        self._stream_timeout = matchmaking_timeout + round_timeout + 5.0
+        self._stream_timeout = max(matchmaking_timeout, MAX_WINDOW_S) + round_timeout + 5.0
         self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap
         self._relative_refused = EveryNth(RELATIVE_REFUSALS, MAX_TRACKED_FLOODERS)  # contributions refused by norm
         self._server = runtime.call(serve(
@@ -590,9 +600,17 @@ class SwarmTransport(Transport):
 
     # ---- Transport ------------------------------------------------------------------------------
     def start_average(self, request: AverageRequest) -> AverageHandle:
-        budget = self.matchmaking_timeout + self.round_timeout + 5.0
+        budget = self.window() + self.round_timeout + 5.0
         future = self.runtime.submit(asyncio.wait_for(self._average(request), budget))
         return _Handle(future, budget)
+
+    def window(self) -> float:
+        """Seconds a round's matchmaking stays open after its first arrival: ``matchmaking_timeout``, or
+        ``WINDOW_STEPS`` of the swarm's inner steps where those are longer (at most ``MAX_WINDOW_S``)."""
+        step = self.step_time()
+        if not (step > 0 and math.isfinite(step)):
+            return self.matchmaking_timeout
+        return max(self.matchmaking_timeout, min(WINDOW_STEPS * step, MAX_WINDOW_S))
 
     def _newest(self, fragment: int) -> tuple[int, list[str]]:
         version, holders = self._latest_versions(fragment)
@@ -790,17 +808,18 @@ class SwarmTransport(Transport):
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
         trusted = not_banned | {self.peer_id}
-        grace = min(self.grace(), self.matchmaking_timeout)
+        timeout = self.window()
+        grace = min(self.grace(), timeout)
         # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
         # close the window for everyone by claiming an arrival in the past.
-        earliest = me.arrival - self.matchmaking_timeout
+        earliest = me.arrival - timeout
         while True:
             entries = await self._read_entries(key)
             entries.setdefault(self.peer_id, me)
             wanted = awaited(own_expected, entries, trusted)
             arrived = {peer_tag(p) for p in entries} >= wanted
             first = min(max(e.arrival, earliest) for e in entries.values())
-            window_end = first + self.matchmaking_timeout
+            window_end = first + timeout
             now = get_dht_time()
             if arrived or now >= window_end:
                 cut = "all expected" if arrived else "window"
@@ -813,7 +832,7 @@ class SwarmTransport(Transport):
         if not arrived:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
-        self._background(self._record_no_shows(key, not_banned, live, first + self.matchmaking_timeout))
+        self._background(self._record_no_shows(key, not_banned, live, first + timeout))
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
@@ -1015,7 +1034,7 @@ class SwarmTransport(Transport):
             self._offence(remote, "bad_header", "weight, extras, codec or basis tag out of bounds")
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: header fields out of bounds")
-        session = await self._await_view(h.fragment, h.round, self.matchmaking_timeout + 2.0)
+        session = await self._await_view(h.fragment, h.round, self.window() + 2.0)
         if session is None:
             self._offence(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
             raise WireError("this peer is not in the round (it arrived after the window or had no group)")
