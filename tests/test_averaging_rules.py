@@ -21,6 +21,7 @@ from locoswarm.node.swarm.averaging import (
     NoShows,
     SwarmTransport,
     _Reduction,
+    agreed_window,
     awaited,
     match_entry,
     peer_tag,
@@ -350,3 +351,16 @@ def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> N
                            (1e6, MAX_WINDOW_S)]:
         stub = SimpleNamespace(matchmaking_timeout=5.0, step_time=lambda s=step: s)
         assert SwarmTransport.window(stub) == pytest.approx(expected), step
+
+
+def test_members_close_the_round_on_the_longest_trusted_window() -> None:
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import MAX_WINDOW_S
+
+    req = AverageRequest(fragment=0, round=40, chunks=[], weight=1.0, numel=0, codec="fp4", version=3)
+    entries = {"QmA": match_entry("QmA", req, 10.0, window=18.0), "QmB": match_entry("QmB", req, 10.5, window=21.0),
+               "QmL": match_entry("QmL", req, 11.0, window=1e9)}
+    assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 21.0      # the liar's is not trusted
+    assert agreed_window(18.0, entries, trusted={"QmA", "QmB", "QmL"}) == MAX_WINDOW_S  # trusted: capped
+    entries["QmB"].window = float("nan")
+    assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 18.0

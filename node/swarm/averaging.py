@@ -91,9 +91,9 @@ CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
-# a step or two apart in wall time, and with a 26M-parameter model on a small machine (4.9 s per step) a fixed
-# 5 s window closed before the second member arrived: 0 of 17 rounds merged, unshaped.
-WINDOW_STEPS = 3.0
+# a few steps apart in wall time (their swarm clocks differ by a step or two), and with a 26M-parameter model on
+# a small machine (5-6 s per step) a fixed 5 s window merged 0 of 17 rounds, unshaped; 3 steps merged 5 of 13.
+WINDOW_STEPS = 4.0
 MAX_WINDOW_S = 60.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
@@ -199,10 +199,11 @@ class ScheduleHint:
 
 
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
-                excluded: Iterable[str] = (), expected: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
+                excluded: Iterable[str] = (), expected: Iterable[str] = (),
+                window: float = 0.0) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
-                                 digest=req.digest, fragment=req.fragment, basis=req.basis)
+                                 digest=req.digest, fragment=req.fragment, basis=req.basis, window=window)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
     if req.schedule is not None:
@@ -233,6 +234,18 @@ def awaited(own: set[str], entries: Mapping[str, swarm_pb2.MatchEntry], trusted:
         if peer in trusted:
             wanted.update(list(entry.expected)[:MAX_EXPECTED])
     return wanted
+
+
+def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> float:
+    """The round's window: the longest of ours and the trusted entries' (finite, at most ``MAX_WINDOW_S``).
+    Each member's own window follows its view of the swarm's step time, and those differ by a second or two;
+    members that closed on their own windows formed different member lists ("window" on one, "all
+    expected" on another, 18-21 s after the first arrival, small preset)."""
+    window = own
+    for peer, entry in entries.items():
+        if peer in trusted and math.isfinite(entry.window):
+            window = max(window, min(entry.window, max(own, MAX_WINDOW_S)))
+    return window
 
 
 def group_hash(members: list[str]) -> bytes:
@@ -600,7 +613,7 @@ class SwarmTransport(Transport):
 
     # ---- Transport ------------------------------------------------------------------------------
     def start_average(self, request: AverageRequest) -> AverageHandle:
-        budget = self.window() + self.round_timeout + 5.0
+        budget = 2 * self.window() + self.round_timeout + 5.0  # the agreed window may be another member's
         future = self.runtime.submit(asyncio.wait_for(self._average(request), budget))
         return _Handle(future, budget)
 
@@ -803,12 +816,13 @@ class SwarmTransport(Transport):
         live = set(self.live_peers())
         not_banned = live - set(banned)
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
-        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected)
+        own_window = self.window()
+        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
         trusted = not_banned | {self.peer_id}
-        timeout = self.window()
+        timeout = own_window
         grace = min(self.grace(), timeout)
         # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
         # close the window for everyone by claiming an arrival in the past.
@@ -817,6 +831,7 @@ class SwarmTransport(Transport):
             entries = await self._read_entries(key)
             entries.setdefault(self.peer_id, me)
             wanted = awaited(own_expected, entries, trusted)
+            timeout = agreed_window(own_window, entries, trusted)
             arrived = {peer_tag(p) for p in entries} >= wanted
             first = min(max(e.arrival, earliest) for e in entries.values())
             window_end = first + timeout
@@ -1034,7 +1049,7 @@ class SwarmTransport(Transport):
             self._offence(remote, "bad_header", "weight, extras, codec or basis tag out of bounds")
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: header fields out of bounds")
-        session = await self._await_view(h.fragment, h.round, self.window() + 2.0)
+        session = await self._await_view(h.fragment, h.round, 2 * self.window() + 2.0)
         if session is None:
             self._offence(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
             raise WireError("this peer is not in the round (it arrived after the window or had no group)")
