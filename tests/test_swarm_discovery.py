@@ -656,3 +656,22 @@ def test_kill_groups_leaves_neither_processes_nor_their_files(tmp_path):
         for path in (sock, shm):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def test_the_network_runtime_leaves_no_client_socket_behind(pair) -> None:
+    """The node's replica of the DHT's daemon binds /tmp/hivemind-p2pclient-*.sock once it serves a handler;
+    ``NetworkRuntime.stop`` removes it (test runs used to leave a few of them)."""
+    from locoswarm.node.swarm.runtime import NetworkRuntime
+
+    async def noop(stream_info, reader, writer) -> None:
+        writer.close()
+
+    before = set(glob.glob("/tmp/hivemind-p2pclient-*.sock"))
+    runtime = NetworkRuntime(pair[0])
+    try:
+        runtime.call(runtime.p2p.add_binary_stream_handler("locoswarm.test.noop", noop), timeout=10)
+        made = set(glob.glob("/tmp/hivemind-p2pclient-*.sock")) - before
+        assert made, "the replica bound no client socket: nothing to check"
+    finally:
+        runtime.stop()
+    assert not {p for p in made if os.path.exists(p)}, made

@@ -48,5 +48,9 @@ class NetworkRuntime:
 
         with contextlib.suppress(Exception):
             self.call(_cancel_all(), timeout=5)
+        # The replica's client socket (/tmp/hivemind-p2pclient-*.sock) is removed only by its shutdown, or by
+        # its __del__ when that runs before the interpreter exits: test runs left a few such files behind.
+        with contextlib.suppress(Exception):
+            self.call(self.p2p.shutdown(), timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
