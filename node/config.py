@@ -152,7 +152,7 @@ class NetworkSection:
     group_size: int = setting(4, shared=True, min=2, max=1024,
                               help="peers per averaging group (2 = pairwise gossip)")
     matchmaking_timeout: float = setting(5.0, shared=False, min=0.1, max=600.0,
-                                         help="seconds to wait for a group to form (or 3 swarm inner steps"
+                                         help="seconds to wait for a group to form (or 4 swarm inner steps"
                                               " where longer, at most 60 s)")
     round_timeout: float = setting(30.0, shared=False, min=0.5, max=3600.0,
                                    help="seconds a group exchange may take before it is abandoned")

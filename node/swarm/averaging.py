@@ -6,7 +6,7 @@ A round of fragment ``p`` started at swarm step ``r``:
    (under its owner subkey, see ``locoswarm.node.swarm.records``: nobody can enter a round in another peer's name)
    and polls it until every peer it expects (live, not banned, not a no-show) and every peer the other
    members' entries say they expect (``awaited``) has arrived, or the window (``network.matchmaking_timeout``,
-   or three of the swarm's inner steps where those are longer, after the first arrival) closes. Members
+   or four of the swarm's inner steps where those are longer, after the first arrival) closes. Members
    are sorted, shuffled by a seed derived from (p, r) and cut into balanced groups of at most
    ``network.group_size``: random groups that change from round to round
    (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its
