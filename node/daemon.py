@@ -645,7 +645,7 @@ class Node:
 
         claims: dict[str, int] = {}
         for pid, hb in self.peer_table.items():
-            if not hb.has_state or not self.reputation.serves_state(pid):
+            if not hb.has_state or self.reputation.is_banned(pid) or self.reputation.offended(pid, "bad_state"):
                 continue
             for fs in hb.fragments:
                 if fs.fragment == fragment:

@@ -600,7 +600,8 @@ class SwarmTransport(Transport):
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, and no state of its refused lately
         (``Reputation.offended``: a liar that was a group member serves NaN under an honest version)."""
-        return self.reputation is None or self.reputation.serves_state(peer)
+        return self.reputation is None or not (self.reputation.is_banned(peer)
+                                               or self.reputation.offended(peer, "bad_state"))
 
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is

@@ -191,11 +191,6 @@ class Reputation:
             rec.expire(self._now(), self.window_s)
             return any(k == kind for _, k in rec.offences)
 
-    def serves_state(self, peer: str) -> bool:
-        """Whether ``peer`` may be believed as a holder of versions and asked for a catch-up: not banned, and
-        no state of its refused within the window (the one rule for heartbeat claims and group members)."""
-        return not (self.is_banned(peer) or self.offended(peer, "bad_state"))
-
     def banned(self) -> list[str]:
         """The peers banned now, sorted (matchmaking leaves them out of this node's groups)."""
         with self._lock:
