@@ -158,6 +158,10 @@ class NetworkSection:
                                    help="seconds a group exchange may take before it is abandoned")
     heartbeat_interval: float = setting(2.0, shared=False, min=0.1, max=600.0,
                                         help="seconds between membership heartbeats")
+    state_momentum: str = setting("fp32", shared=False, choices=("fp32", "bf16"),
+                                  help="precision of the momentum in this node's state downloads (join, "
+                                       "catch-up); phi is always exact. bf16: a quarter fewer bytes, phi then "
+                                       "agrees with the swarm's to bf16 rounding, not bit for bit")
 
 
 #: Robust aggregators (``locoswarm.node.core.robust``), declared here once: the schema is their single home.

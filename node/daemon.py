@@ -326,7 +326,8 @@ class Node:
         numels = {f.index: f.numel for f in self.fragments}  # a download of another size is refused
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
                                         timeout=max(30.0, cfg.network.round_timeout), expected_numel=numels.get,
-                                        on_bad=self.reputation.refuse, is_banned=self.reputation.is_banned)
+                                        on_bad=self.reputation.refuse, is_banned=self.reputation.is_banned,
+                                        momentum=cfg.network.state_momentum)
         self.transport = SwarmTransport(
             self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
@@ -386,7 +387,9 @@ class Node:
         self.swarm_clock.observe_table(self.peer_table)
         holders = [p for p, hb in self.peer_table.items() if hb.has_state]
         if holders:
+            before = self.counters.total_received
             fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
+            got = self.counters.total_received - before  # the download's bytes (and a heartbeat's, if any)
             for p, snap in list(fetched.items()):
                 reason = self.outer.adopt(snap, keep_progress=bool(meta))  # a resumed node keeps its progress
                 if reason is not None:
@@ -404,7 +407,8 @@ class Node:
             self.clock = self.swarm_clock.join(self.clock)
             self._adopt_schedule_state()
             self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
-                                  f"{len(holders)} peer(s); swarm clock {self.clock}")
+                                  f"{len(holders)} peer(s) ({got / 1e6:.3f} MB, momentum in "
+                                  f"{self.cfg.network.state_momentum}); swarm clock {self.clock}")
         else:
             self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
         for p in range(self.outer.n_fragments):

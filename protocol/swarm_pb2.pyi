@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class MomentumPrecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MOMENTUM_FP32: _ClassVar[MomentumPrecision]
+    MOMENTUM_BF16: _ClassVar[MomentumPrecision]
+MOMENTUM_FP32: MomentumPrecision
+MOMENTUM_BF16: MomentumPrecision
 
 class FragmentStatus(_message.Message):
     __slots__ = ("fragment", "version", "phi_hash", "phi_norm", "last_send")
@@ -147,21 +155,23 @@ class AverageReply(_message.Message):
     def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat")
+    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat", "momentum_precision")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_PRECISION_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     offset: int
     min_version: int
     heartbeat: Heartbeat
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    momentum_precision: MomentumPrecision
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step")
+    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step", "momentum_precision")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +181,7 @@ class StateChunk(_message.Message):
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_PRECISION_FIELD_NUMBER: _ClassVar[int]
     error: str
     fragment: int
     version: int
@@ -180,4 +191,5 @@ class StateChunk(_message.Message):
     momentum: bytes
     clock: int
     inner_step: int
-    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ...) -> None: ...
+    momentum_precision: MomentumPrecision
+    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ...) -> None: ...

@@ -72,6 +72,8 @@ def _value(rnd: random.Random, field: FieldDescriptor, depth: int):
         return rnd.choice([0.0, -1.5, 1e30, float("inf"), float("nan"), rnd.uniform(-1e6, 1e6)])
     if cpp == FieldDescriptor.CPPTYPE_BOOL:
         return rnd.random() < 0.5
+    if cpp == FieldDescriptor.CPPTYPE_ENUM:  # proto3 enums are open: unknown numbers parse too
+        return rnd.choice([v.number for v in field.enum_type.values] + [rnd.randint(-(2**31), 2**31 - 1)])
     if field.type == FieldDescriptor.TYPE_BYTES:
         return rnd.randbytes(rnd.choice([0, 1, 4, 33, 300]))
     if cpp == FieldDescriptor.CPPTYPE_STRING:

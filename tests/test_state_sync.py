@@ -120,9 +120,9 @@ def _server(swarm: Swarm, p2p: P2P, book: Book, *, live: Callable[[str], bool] =
 
 
 def _client(swarm: Swarm, book: Book, timeout: float = 20.0, fingerprint: str = FP,
-            backoff: HolderBackoff | None = None) -> StateClient:
+            backoff: HolderBackoff | None = None, momentum: str = "fp32") -> StateClient:
     return StateClient(Runtime(swarm.loop, swarm.client), fingerprint, ByteCounters(), timeout=timeout,
-                       expected_numel=_numel, on_bad=book.on_bad, backoff=backoff)
+                       expected_numel=_numel, on_bad=book.on_bad, backoff=backoff, momentum=momentum)
 
 
 def _same(a: FragmentSnapshot, b: FragmentSnapshot) -> bool:
@@ -527,6 +527,11 @@ def _hostile_chunks(mode: str, req: swarm_pb2.StateRequest) -> list[swarm_pb2.St
         "oversize": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
                                           phi=bytes(MAX_CHUNK_BYTES), momentum=bytes(MAX_CHUNK_BYTES))],
         "ends_early": [first],
+        "other_precision": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
+                                                 phi=bytes(400), momentum=bytes(200),
+                                                 momentum_precision=swarm_pb2.MOMENTUM_BF16)],
+        "unknown_precision": [swarm_pb2.StateChunk(fragment=req.fragment, version=9, numel=NUMEL, offset=0,
+                                                   phi=bytes(400), momentum=bytes(400), momentum_precision=7)],
     }[mode]
 
 
@@ -548,6 +553,8 @@ HOSTILE = {
     "other_fragment": ("bad_state", "sent fragment 1 for fragment 0"),
     "oversize": ("bad_stream", "exceeds the limit of"),
     "ends_early": ("bad_state", f"the stream ended at {CHUNK_ELEMS}/{NUMEL}"),
+    "other_precision": ("bad_state", "momentum in precision 1, 0 was asked for"),
+    "unknown_precision": ("bad_state", "momentum in precision 7, 0 was asked for"),
 }
 
 
@@ -589,6 +596,80 @@ def test_a_hostile_holder_is_refused_and_the_next_holder_serves(swarm, mode, cap
     finally:
         swarm.run(bad.stop())
         honest.close()
+
+
+def test_a_bf16_momentum_download_is_a_quarter_smaller_with_phi_exact(swarm):
+    """``momentum="bf16"``: phi arrives bit for bit, the momentum rounded to bf16 (nearest even), and the
+    download carries 6 bytes per element instead of 8."""
+    book = Book()
+    snaps = _snaps(seed=5)
+    server = _server(swarm, swarm.good, book, snaps=snaps)
+    good = swarm.id(swarm.good)
+    try:
+        exact, half = _client(swarm, book), _client(swarm, book, momentum="bf16")
+        full = exact.fetch(0, [good])
+        got = half.fetch(0, [good])
+        assert full is not None and _same(full, snaps[0])
+        assert got is not None and got.version == snaps[0].version and torch.equal(got.phi, snaps[0].phi)
+        assert got.momentum.dtype == torch.float32
+        assert torch.equal(got.momentum, snaps[0].momentum.to(torch.bfloat16).to(torch.float32))
+        assert not torch.equal(got.momentum, snaps[0].momentum)  # rounded: random fp32 values are not bf16
+        rel = float((got.momentum - snaps[0].momentum).abs().max() / snaps[0].momentum.abs().max())
+        assert 0 < rel <= 2 ** -8
+        sent, recv = exact.counters.received_bytes, half.counters.received_bytes
+        payload = 8 * NUMEL  # fp32 phi + momentum
+        assert payload <= sent < payload * 1.02, sent
+        assert 0.75 * payload <= recv < 0.75 * payload * 1.02, recv
+        print(f"\n[state] {NUMEL} elements: {sent} bytes with fp32 momentum, {recv} with bf16 ({recv / sent:.3f})")
+        assert book.bad == [] and book.refused == []
+    finally:
+        server.close()
+
+
+def test_a_bf16_client_refuses_a_holder_that_sends_fp32_momentum(swarm):
+    book = Book()
+
+    async def wide(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        assert req.momentum_precision == swarm_pb2.MOMENTUM_BF16
+        chunk = _chunk(req, 0, CHUNK_ELEMS)  # fp32 momentum (4 bytes a value) labelled bf16
+        chunk.momentum_precision = swarm_pb2.MOMENTUM_BF16
+        yield chunk
+        await _drain(requests)
+
+    bad = swarm.run(wire.serve(swarm.other, STATE_HANDLER, wide, swarm_pb2.StateRequest,
+                               max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    try:
+        assert _client(swarm, book, timeout=5, momentum="bf16").fetch(0, [swarm.id(swarm.other)]) is None
+        assert [(k, d) for _, k, d in book.bad] == [
+            ("bad_state", f"malformed chunk: {4 * CHUNK_ELEMS} bytes of phi, {4 * CHUNK_ELEMS} of momentum")]
+        with pytest.raises(ValueError, match="momentum precision 'fp16' is not one of"):
+            _client(swarm, book, momentum="fp16")
+    finally:
+        swarm.run(bad.stop())
+
+
+def test_a_request_for_an_unknown_momentum_precision_is_an_offence(swarm):
+    book = Book()
+    server = _server(swarm, swarm.good, book)
+
+    async def ask() -> swarm_pb2.StateChunk:
+        req = swarm_pb2.StateRequest(fingerprint=FP, fragment=0, momentum_precision=5)
+
+        async def once() -> AsyncIterator[swarm_pb2.StateRequest]:
+            yield req
+
+        async with wire.open_stream(swarm.client, swarm.id(swarm.good), STATE_HANDLER, once(),
+                                    swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=5) as stream:
+            return await anext(aiter(stream))
+
+    try:
+        reply = swarm.run(ask())
+        assert reply.error.startswith("bad-request: momentum precision 5 is not one of [0, 1]"), reply.error
+        assert book.refused == [(swarm.id(swarm.client), "state_request", True)]
+        assert server.served == 0
+    finally:
+        server.close()
 
 
 def test_a_stream_closed_under_the_client_is_asked_again_not_given_up(swarm):

@@ -147,6 +147,37 @@ def _three_then_four(swarm: Swarm) -> None:
         assert node.terminate(60) == 0, node.tail()
 
 
+def test_a_joiner_with_bf16_momentum_downloads_a_quarter_less_and_stays_with_the_swarm(tmp_path):
+    """``network.state_momentum = "bf16"`` on the joiner alone (a per-node setting): its download carries 6 bytes
+    per parameter instead of 8, it rounds with the others, and its phi stays within bf16 rounding of theirs."""
+    swarm = Swarm(tmp_path, outer={"h": 16, "tau": 2, "consensus_every": 0})
+    half = write_config(tmp_path / "bf16.toml", outer={"h": 16, "tau": 2, "consensus_every": 0},
+                        network={"state_momentum": "bf16"})
+    try:
+        pair = [swarm.start("n0"), swarm.start("n1")]
+        for node in pair:
+            node.wait_status(lambda s: fragments_merged(s) == {0, 1}, 120, "both fragments averaged")
+        n2 = swarm.start("n2", config=half)
+        st = n2.wait_status(lambda s: any(e["kind"] == "joined" for e in s.get("events", [])), 90, "joined")
+        joined = next(e for e in st["events"] if e["kind"] == "joined")
+        assert "downloaded 2/2 fragments" in joined["detail"] and "momentum in bf16" in joined["detail"], joined
+        numel = sum(f["numel"] for f in st["fragments"])
+        mb = float(joined["detail"].split(" MB")[0].rsplit("(", 1)[1])
+        # phi 4 + momentum 2 bytes per parameter, plus the chunks' headers (the detail rounds to 1 kB)
+        assert 6 * numel - 500 <= mb * 1e6 <= 6 * numel * 1.05, (mb, numel)
+        n2.wait_status(lambda s: len(merged(s)) >= 4, 120, "the joiner's rounds")
+        nodes = [*pair, n2]
+
+        def close() -> bool:  # one status read per node: same versions, phi norms within 1e-4 of each other
+            views = [{f["fragment"]: (f["version"], f["phi_norm"]) for f in n.status()["fragments"]} for n in nodes]
+            return all(all(v[p][0] == views[0][p][0] and abs(v[p][1] - views[0][p][1]) <= 1e-4 * views[0][p][1]
+                           for p in views[0]) for v in views[1:])
+        wait_until(close, 90, "phi norms within bf16 rounding on all three nodes", nodes)
+        assert all(node.terminate(60) == 0 for node in nodes)
+    finally:
+        swarm.stop()
+
+
 def test_sigkill_mid_round_stalls_nobody_and_the_node_resumes(swarm):
     nodes = [swarm.start("n0"), swarm.start("n1"), swarm.start("n2", "--checkpoint-every", "10")]
     for node in nodes:

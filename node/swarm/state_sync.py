@@ -1,8 +1,15 @@
 """Outer-state download between peers: how a joining node (or one that fell behind) gets phi and b.
 
-The server answers a ``StateRequest`` for one fragment with a stream of ``StateChunk``s (fp32 phi and
-momentum, 16 Ki elements per message) from an immutable snapshot, so a download never sees a
-half-applied outer step.
+The server answers a ``StateRequest`` for one fragment with a stream of ``StateChunk``s (phi in fp32,
+momentum in the precision the request asks for, 16 Ki elements per message) from an immutable snapshot,
+so a download never sees a half-applied outer step.
+
+Precision: phi is always exact (fp32), since a node rounds from it and must hold its version's phi. The
+momentum may travel in bf16 (``MOMENTUM_BF16``, config ``network.state_momentum``): 6 bytes per parameter
+instead of 8, a quarter less to download before a joiner or a node behind rounds again. The price: the
+downloader's momentum differs from its source's by bf16 rounding (relative 2^-9), and so, slightly, do
+the phis it computes from then on; the swarm's phis then agree to that rounding, no longer bit for bit
+(one consensus round or the next catch-up makes them equal again). fp32 is the default.
 
 Flow control: the server sends at most ``CREDIT_CHUNKS`` chunks ahead of the client. Each further
 ``StateRequest`` the client writes on the same stream (one per chunk received) lets it send one more.
@@ -75,7 +82,7 @@ MIN_DOWNLOAD_RATE = 250_000  # bytes/s a download is given time for, on top of t
 DRAIN_S = 5.0  # how long a server reads a client's trailing acknowledgements after its last chunk
 MAX_REQUEST_BYTES = 2048  # a StateRequest is a fingerprint, three integers and a small heartbeat
 PRESENTED_MAX_AGE_S = 30.0  # a heartbeat presented in a request older (or newer) than this is no proof
-MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32, plus the small fields
+MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32 (the widest), plus the small fields
 IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 128 KiB)
 MAX_STREAMS_PER_PEER = 8
 MAX_STREAMS = 64
@@ -99,6 +106,7 @@ FINGERPRINT = "fingerprint"
 NO_STATE = "no-state"
 OLD_VERSION = "old-version"
 BAD_OFFSET = "bad-offset"
+BAD_REQUEST = "bad-request"
 _PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
 _STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
 
@@ -112,12 +120,24 @@ class RefusalCallback(Protocol):
 BadSourceCallback = Callable[[str, str, str], object]  # (peer, kind, detail): counted as an offence
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+MOMENTUM_PRECISIONS = {"fp32": swarm_pb2.MOMENTUM_FP32, "bf16": swarm_pb2.MOMENTUM_BF16}
+_BYTES_PER_ELEM = {swarm_pb2.MOMENTUM_FP32: 4, swarm_pb2.MOMENTUM_BF16: 2}
 
 
-def _from_bytes(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+def _to_bytes(t: torch.Tensor, precision: int = swarm_pb2.MOMENTUM_FP32) -> bytes:
+    """Little-endian fp32, or bf16 (rounded to nearest even) when ``precision`` is ``MOMENTUM_BF16``."""
+    t = t.detach().to("cpu", torch.float32).contiguous()
+    if precision == swarm_pb2.MOMENTUM_BF16:
+        return t.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+    return t.numpy().astype("<f4").tobytes()
+
+
+def _from_bytes(data: bytes, precision: int = swarm_pb2.MOMENTUM_FP32) -> torch.Tensor:
+    """fp32 values of little-endian fp32 or bf16 bytes (the length must be a multiple of the width)."""
+    if precision == swarm_pb2.MOMENTUM_BF16:
+        raw = np.frombuffer(data, dtype="<i2").astype(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).to(torch.float32)
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -325,6 +345,10 @@ class StateServer:
         if request.fingerprint != self.fingerprint:
             return self._refuse(remote, FINGERPRINT, f"{request.fingerprint[:40]!r} is not {self.fingerprint}",
                                 kind="state_fingerprint", offence=False)
+        if request.momentum_precision not in _BYTES_PER_ELEM:  # no version of this node sends one
+            return self._refuse(remote, BAD_REQUEST, f"momentum precision {request.momentum_precision} is not one "
+                                                     f"of {sorted(_BYTES_PER_ELEM)}", kind="state_request",
+                                offence=True)
         return None
 
     def _presents_heartbeat(self, remote: str, request: swarm_pb2.StateRequest) -> bool:
@@ -357,15 +381,18 @@ class StateServer:
                 if not await window.take():
                     return  # the client is done with this stream
                 b = min(a + CHUNK_ELEMS, numel)
+                precision = request.momentum_precision
                 msg = swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=numel, offset=a,
-                                           phi=_to_bytes(snap.phi[a:b]), momentum=_to_bytes(snap.momentum[a:b]))
+                                           phi=_to_bytes(snap.phi[a:b]),
+                                           momentum=_to_bytes(snap.momentum[a:b], precision),
+                                           momentum_precision=precision)
                 self._stamp(msg)
                 self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
                 yield msg
                 await asyncio.sleep(0)
             if numel == 0:
                 yield self._stamp(swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0,
-                                                       offset=0))
+                                                       offset=0, momentum_precision=request.momentum_precision))
             # Read the client's last acknowledgements up to its END before the stream closes: a socket closed
             # with unread data is reset, and the reset discarded the end of the last chunk on its way out.
             await window.drain(DRAIN_S)
@@ -454,10 +481,12 @@ class _Passing(Exception):
 class _Download:
     """One fragment's download, resumable across peers: each chunk is checked against the stream so far."""
 
-    def __init__(self, fragment: int, min_version: int, numel: int) -> None:
+    def __init__(self, fragment: int, min_version: int, numel: int,
+                 precision: int = swarm_pb2.MOMENTUM_FP32) -> None:
         self.fragment = fragment
         self._min_version = min_version
         self._numel = numel
+        self._precision = precision  # of the momentum, asked for and required of every chunk
         self._phi: torch.Tensor | None = None
         self._mom: torch.Tensor | None = None
         self._offset = 0
@@ -469,7 +498,7 @@ class _Download:
         node's heartbeat as ``peer_id`` (none when empty: the server must know us from the DHT)."""
         version = self._version if self._version is not None else self._min_version
         req = swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
-                                     min_version=version)
+                                     min_version=version, momentum_precision=self._precision)
         if peer_id:
             req.heartbeat.CopyFrom(swarm_pb2.Heartbeat(peer_id=peer_id, fingerprint=fingerprint, time=time.time()))
         return req
@@ -509,13 +538,17 @@ class _Download:
         self._claim = (int(msg.clock), int(msg.inner_step), time.time()) if msg.clock or msg.inner_step else None
 
     def _chunk(self, msg: swarm_pb2.StateChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """A well-formed chunk's phi and momentum: equal fp32 lengths, inside the fragment, finite."""
-        if len(msg.phi) != len(msg.momentum) or len(msg.phi) % 4:
-            raise BadSource(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum")
+        """A well-formed chunk's phi and momentum: the precision asked for, as many momentum values as phi
+        values, inside the fragment, finite."""
+        if msg.momentum_precision != self._precision:
+            raise BadSource(f"momentum in precision {msg.momentum_precision}, {self._precision} was asked for")
+        width = _BYTES_PER_ELEM[self._precision]
         count = len(msg.phi) // 4
+        if len(msg.phi) % 4 or len(msg.momentum) != count * width:
+            raise BadSource(f"malformed chunk: {len(msg.phi)} bytes of phi, {len(msg.momentum)} of momentum")
         if count > CHUNK_ELEMS or self._offset + count > self._numel or (count == 0 and self._numel):
             raise BadSource(f"chunk of {count} elements at {self._offset} does not fit {self._numel} elements")
-        phi, mom = _from_bytes(msg.phi), _from_bytes(msg.momentum)
+        phi, mom = _from_bytes(msg.phi), _from_bytes(msg.momentum, self._precision)
         for name, values in (("phi", phi), ("momentum", mom)):
             if not bool(torch.isfinite(values).all()):
                 bad = int((~torch.isfinite(values)).sum())
@@ -542,13 +575,18 @@ class StateClient:
 
     ``expected_numel(fragment)`` is the fragment's size on this node (a download of another size is
     refused); ``on_bad(peer, kind, detail)`` is told of each source that served bad state or broke the
-    framing; holders for which ``is_banned(peer)`` holds are skipped.
+    framing; holders for which ``is_banned(peer)`` holds are skipped. ``momentum`` is the precision the
+    momentum is asked in (``MOMENTUM_PRECISIONS``: "fp32" exact, "bf16" a quarter fewer bytes; module
+    docstring).
     """
 
     def __init__(self, runtime: NetworkRuntime, fingerprint: str, counters: ByteCounters,
                  timeout: float = 60.0, *, expected_numel: Callable[[int], int | None],
                  on_bad: BadSourceCallback | None = None, is_banned: Callable[[str], bool] | None = None,
-                 backoff: HolderBackoff | None = None) -> None:
+                 backoff: HolderBackoff | None = None, momentum: str = "fp32") -> None:
+        if momentum not in MOMENTUM_PRECISIONS:
+            raise ValueError(f"momentum precision {momentum!r} is not one of {sorted(MOMENTUM_PRECISIONS)}")
+        self._precision = MOMENTUM_PRECISIONS[momentum]
         self.runtime = runtime
         self.fingerprint = fingerprint
         self.counters = counters
@@ -614,7 +652,7 @@ class StateClient:
         numel = expected_numel if expected_numel is not None else self._expected_numel(fragment)
         if numel is None or numel < 0:
             raise RuntimeError(f"fragment {fragment}: its size on this node is unknown")
-        download = _Download(fragment, min_version, int(numel))
+        download = _Download(fragment, min_version, int(numel), self._precision)
         deadline = time.monotonic() + self.budget(numel)
         errors: list[str] = []
         order, wait = list(peers), RETRY_FIRST_S
