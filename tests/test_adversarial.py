@@ -263,6 +263,34 @@ def test_hostile_cli_refuses_bad_arguments() -> None:
     assert res.returncode == 0 and "inject" in res.stdout and "locoswarm run" in res.stdout
 
 
+def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> None:
+    """The clean run's loss where its clock reached the attacked run's final clock (linear between evals),
+    and '-' where the clean run never got that far: no extrapolation."""
+    from locoswarm.node.bench.robustness import clean_at_equal_progress, interpolate, markdown_table
+
+    curve = [[0, 5.0], [100, 3.0], [200, 2.5]]
+    assert interpolate(curve, 50) == 4.0 and interpolate(curve, 200) == 2.5
+    assert interpolate(curve, 201) is None and interpolate([], 0) is None
+
+    def scenario(kind: str, hostile: int, clocks: list[int], final: float) -> dict:
+        honest = [{"final_clock": c, "eval_curve": [[0, 5.0], [100, 3.0], [200, 2.5]] if kind == "clean"
+                   else [[0, 5.0], [c, final]], "inner_steps": c, "final_eval": final} for c in clocks]
+        return {"kind": kind, "hostile": hostile, "error": "", "honest": honest, "honest_alive": len(clocks),
+                "final_eval": final, "max_eval_during": 5.0, "rounds_ok": 9, "rounds_failed": 0,
+                "attacker_refused": 3, "banned_by": 2, "rss_growth_mb": 1.0}
+
+    results = {"clean x2": scenario("clean", 2, [200, 200], 2.5), "flood x2": scenario("flood", 2, [100, 100], 3.0),
+               "slow x2": scenario("values", 2, [150, 50], 3.3), "far x2": scenario("weight", 2, [250, 250], 2.4),
+               "weight": scenario("weight", 1, [100, 100], 3.0)}
+    assert clean_at_equal_progress(results, results["flood x2"]) == 3.0
+    assert clean_at_equal_progress(results, results["slow x2"]) == pytest.approx((2.75 + 4.0) / 2)
+    assert clean_at_equal_progress(results, results["far x2"]) is None  # beyond the clean curve
+    assert clean_at_equal_progress(results, results["weight"]) is None  # no clean run of one bystander
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}
+    assert rows["flood x2"][3:5] == ["+20.0%", "+0.0%"]  # 3.0 against 2.5 at the end, against 3.0 at clock 100
+    assert rows["far x2"][4] == "-" and rows["weight"][3:5] == ["-", "-"] and rows["clean x2"][4] == "-"
+
+
 @pytest.mark.timeout(300)
 def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "report"

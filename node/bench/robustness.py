@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -290,6 +291,8 @@ class ScenarioRun:
             "initial_eval": curve[0][1] if curve else None,
             "eval_before": (before.get("eval_curve") or [[0, None]])[-1][1],
             "final_eval": curve[-1][1] if curve else None,
+            "final_clock": curve[-1][0] if curve else None,
+            "eval_curve": curve,
             "phi_finite": all(f.get("phi_norm") is not None and math.isfinite(f["phi_norm"])
                               for f in st.get("fragments", [])),
             "inner_steps": st.get("inner_step", 0) - before.get("inner_step", 0),
@@ -419,28 +422,67 @@ def _one_line(name: str, r: dict) -> str:
 
 def clean_baseline(results: dict[str, dict], r: dict) -> float | None:
     """The final eval of the clean scenario with as many added peers as ``r`` (None if it did not run)."""
+    clean = _clean_of(results, r)
+    return None if clean is None else clean["final_eval"]
+
+
+def _clean_of(results: dict[str, dict], r: dict) -> dict | None:
     for other in results.values():
-        if other["kind"] == "clean" and other["hostile"] == r["hostile"]:
-            return other["final_eval"]
+        if other["kind"] == "clean" and other["hostile"] == r["hostile"] and not other["error"]:
+            return other
     return None
 
 
+def interpolate(curve: list[list[float]], x: float) -> float | None:
+    """The eval loss of ``curve`` ([[clock, loss], ...], clocks ascending) at clock ``x``, linear between its
+    points; None outside the curve's range (no extrapolation)."""
+    points = [(float(c), float(v)) for c, v in curve if v is not None and math.isfinite(v)]
+    for (c0, v0), (c1, v1) in itertools.pairwise(points):
+        if c0 <= x <= c1:
+            return v0 if c1 == c0 else v0 + (v1 - v0) * (x - c0) / (c1 - c0)
+    return points[0][1] if len(points) == 1 and points[0][0] == x else None
+
+
+def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
+    """The clean scenario's eval loss where its honest nodes' swarm clock reached the clock at which ``r``'s
+    honest nodes ended (mean over pairs of nodes): the attack's cost to the model, without the cost of the CPU
+    that the attackers took from the honest nodes on a shared machine (fewer steps in the same seconds). None
+    when the clean run did not get that far, or a curve is missing."""
+    clean = _clean_of(results, r)
+    if clean is None:
+        return None
+    values = []
+    for h in r["honest"]:
+        if h.get("final_clock") is None:
+            return None
+        at = [interpolate(c.get("eval_curve") or [], h["final_clock"]) for c in clean["honest"]]
+        if any(v is None for v in at):
+            return None
+        values.extend(v for v in at if v is not None)
+    return sum(values) / len(values) if values else None
+
+
 def markdown_table(results: dict[str, dict]) -> str:
-    rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | honest steps (mean) | max eval during | "
-            "rounds ok | rounds failed | attacker refused | banned by | RSS growth (MB) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | vs clean at equal progress | "
+            "honest steps (mean) | max eval during | rounds ok | rounds failed | attacker refused | banned by | "
+            "RSS growth (MB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["error"]:
-            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | |")
+            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | |")
             continue
         attack = r["kind"] != "clean"
         clean = clean_baseline(results, r)
         rel = (f"{100 * (r['final_eval'] - clean) / clean:+.1f}%" if clean and r["final_eval"] is not None
                and attack else "-")
+        equal = clean_at_equal_progress(results, r) if attack else None
+        rel_equal = (f"{100 * (r['final_eval'] - equal) / equal:+.1f}%" if equal and r["final_eval"] is not None
+                     else "-")
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r['banned_by']}/{len(r['honest'])}" if attack else "-"
         steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
+                    f"{rel_equal} | "
                     f"{sum(steps) / max(1, len(steps)):.0f} | {_fmt(r['max_eval_during'])} | {r['rounds_ok']} | "
                     f"{r['rounds_failed']} | {refused} | {banned} | {r['rss_growth_mb']:.0f} |")
     return "\n".join(rows)
@@ -459,8 +501,11 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
         "rounds of the honest nodes during it; honest steps: inner steps each honest node made during it (on a shared "
-        "machine, other load shows here first: fewer steps, a higher loss); attacker refused: refusals of the "
-        "attackers' peer ids counted by the honest nodes; banned by: honest nodes that ban an attacker at the end.",
+        "machine, other load shows here first: fewer steps, a higher loss); vs clean at equal progress: against the "
+        "clean run's eval loss where its swarm clock reached the clock at which this scenario's honest nodes ended "
+        "(the attack's cost to the model without the CPU the attackers took; '-' when the clean run did not get that "
+        "far); attacker refused: refusals of the attackers' peer ids counted by the honest nodes; banned by: honest "
+        "nodes that ban an attacker at the end.",
         "", table, "",
         "![eval loss](robustness.png)", ""]
     return "\n".join(lines)
