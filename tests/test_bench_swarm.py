@@ -284,3 +284,27 @@ def test_sigterm_mid_run_cleans_up(tmp_path: Path) -> None:
     assert proc.returncode == 130, output.decode(errors="replace")[-2000:]
     assert netns.bench_namespaces(proc.pid) == []
     assert _our_processes(str(tmp_path)) == []
+
+
+def test_the_hivemind_row_is_predicted_as_a_blocking_fp32_round_without_fixed_cost() -> None:
+    """hivemind.Optimizer (local updates) in the planner's terms: F = 1, tau = 0, fp32, no per-round overhead
+    (it matchmakes in the background before an epoch ends); the locoswarm rows keep their own settings."""
+    from locoswarm.node.bench.swarm.cli import _predict
+    from locoswarm.node.config import SwarmConfig
+    from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, utilization
+
+    base = SwarmConfig()
+    link = spec.LinkSpec(5e6, 5e6)
+    params, step = 1_120_000, 0.27
+    hive = {"settings": {"optimizer": "hivemind.Optimizer"}, "nodes": [{"step_time_s": step}, {"step_time_s": None}]}
+    _predict(hive, spec.config_for("recommended", base), params, link, 4, utilization)
+    blocking = utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h, fragments=1, tau=0, codec="fp32",
+                           workers=4, round_overhead=0.0)
+    assert hive["predicted"] == pytest.approx(blocking) and hive["nodes"][0]["predicted"] == pytest.approx(blocking)
+    assert hive["nodes"][1]["predicted"] is None  # no step time measured: no prediction
+    diloco = {"settings": {"h": base.outer.h}, "nodes": [{"step_time_s": step}]}
+    _predict(diloco, spec.config_for("diloco", base), params, link, 4, utilization)
+    assert diloco["predicted"] == pytest.approx(utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h,
+                                                           fragments=1, tau=0, codec="fp32", workers=4,
+                                                           round_overhead=ROUND_OVERHEAD_S))
+    assert 0 < diloco["predicted"] < hive["predicted"] < 1  # the same bytes, without the fixed cost

@@ -224,26 +224,33 @@ def run_swarm(args: argparse.Namespace) -> int:
 
 def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> None:
     """The planner's utilization for this configuration, with each node's measured step time (and the
-    configuration's mean step time for the configuration row)."""
-    if "optimizer" in (conf.get("settings") or {}):
-        conf["predicted"] = None
-        return
+    configuration's mean step time for the configuration row).
+
+    ``hivemind.Optimizer`` (local updates, ``target_batch_size`` = H steps of every peer) is, in the planner's
+    terms, blocking DiLoCo without the outer optimizer: one fp32 all-reduce of all parameters every H steps
+    (F = 1, tau = 0), and no fixed cost per round, since it starts matchmaking up to ``matchmaking_time``
+    before an epoch ends, in the background. The model leaves out its state loads (a peer that fell an epoch
+    behind downloads parameters and optimizer state before it steps on)."""
     from locoswarm.node.core.late_window import late_window
     from locoswarm.node.core.merge import make_merge_rule
 
     o = cfg.outer
-    # the overlap the node really has: its late window (a slow round is waited for only at its end)
-    overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
-                          merges_late=make_merge_rule(o.method).merges_late)
+    if "optimizer" in (conf.get("settings") or {}):
+        h, fragments, overlap, codec, overhead = o.h, 1, 0, "fp32", 0.0
+    else:
+        # the overlap the node really has: its late window (a slow round is waited for only at its end)
+        h, fragments, codec, overhead = o.h, o.fragments, o.codec, ROUND_OVERHEAD_S
+        overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
+                              merges_late=make_merge_rule(o.method).merges_late)
     rate = link.rate_bps * LINK_EFFICIENCY if link is not None else math.inf  # what a round's transfers get
     latency = link.latency_ms / 1e3 if link is not None else 0.0
 
     def predict(step_time: float | None) -> float | None:
         if not step_time:
             return None
-        return _finite(utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=overlap, codec=o.codec,
+        return _finite(utilization(params, step_time, rate, h=h, fragments=fragments, tau=overlap, codec=codec,
                                    latency=latency, workers=workers, block_size=o.block_size,
-                                   round_overhead=ROUND_OVERHEAD_S))
+                                   round_overhead=overhead))
 
     nodes = conf.get("nodes") or []
     for node in nodes:

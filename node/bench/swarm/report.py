@@ -145,8 +145,9 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "machine whose cores all peers share, that is the ceiling. *Planner predicted* is "
         "`locoswarm.node.plan.utilization` for the configuration's H, F, tau and codec with the measured step time, "
         "the parameter count, the link rate and latency, n = min(nodes, group size) workers and the planner's round "
-        f"overhead ({ROUND_OVERHEAD_S:g} s per sync): compare it with *vs unshaped*. Rounds: merged "
-        "and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
+        f"overhead ({ROUND_OVERHEAD_S:g} s per sync; the hivemind row as one blocking fp32 all-reduce every H steps, "
+        "F = 1, tau = 0, with no overhead: it matchmakes in the background): compare it with *vs unshaped*. Rounds: "
+        "merged and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",
