@@ -348,7 +348,7 @@ class Node:
             is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,
             on_refused=self.reputation.refuse, max_streams_per_peer=cfg.robust.max_streams_per_peer,
             requests_per_minute=cfg.robust.state_requests_per_minute,
-            clock=lambda: (self.clock, self.local_step))
+            clock=lambda: (self.clock, self.local_step), yield_to=self.transport.exchanging)
 
     def _start_control(self) -> None:
         """The control API (``locoswarm status``) and metrics, once there is a status to serve."""

@@ -626,6 +626,33 @@ def test_a_bf16_momentum_download_is_a_quarter_smaller_with_phi_exact(swarm):
         server.close()
 
 
+def test_the_server_holds_chunks_back_while_its_own_round_exchanges_but_not_forever(swarm, monkeypatch):
+    """``yield_to``: while this node's round is exchanging, the next chunk waits (its uplink goes to the round);
+    at most ``YIELD_MAX_S`` per chunk, so a round that never ends cannot starve a download."""
+    monkeypatch.setattr(state_sync, "YIELD_MAX_S", 0.3)
+    book = Book()
+    snaps = _snaps(seed=6)
+    busy_until = [time.monotonic() + 1.0]
+    server = _server(swarm, swarm.good, book, snaps=snaps, yield_to=lambda: time.monotonic() < busy_until[0])
+    good = swarm.id(swarm.good)
+    try:
+        t0 = time.monotonic()
+        got = _client(swarm, book).fetch(0, [good])
+        took = time.monotonic() - t0
+        assert got is not None and _same(got, snaps[0])
+        assert took >= 0.85 and 0.85 <= server.held_back_s <= 2.0, (took, server.held_back_s)  # 3 chunks x 0.3 s
+        busy_until[0] = time.monotonic() + 3600.0  # a round that never ends
+        held = server.held_back_s
+        got = _client(swarm, book).fetch(1, [good])
+        assert got is not None and _same(got, snaps[1])
+        assert 0.85 <= server.held_back_s - held <= 2.0  # 3 chunks, 0.3 s each at most (and a loaded machine)
+        busy_until[0] = 0.0
+        held = server.held_back_s
+        assert _client(swarm, book).fetch(2, [good]) is not None and server.held_back_s - held < 0.1
+    finally:
+        server.close()
+
+
 def test_a_bf16_client_refuses_a_holder_that_sends_fp32_momentum(swarm):
     book = Book()
 

@@ -567,6 +567,7 @@ class SwarmTransport(Transport):
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
+        self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
         # fragment -> (version the group reached in its last successful round, its members): heartbeats
         # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
@@ -889,7 +890,18 @@ class SwarmTransport(Transport):
         bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
         return members, {p: int(entries[p].version) for p in members}, excluded, bases
 
+    def exchanging(self) -> bool:
+        """Whether a round of this node is exchanging its parts now (state downloads it serves wait for it)."""
+        return self._exchanges > 0
+
     async def _exchange(self, req: AverageRequest, group: list[str]) -> AverageResult:
+        self._exchanges += 1
+        try:
+            return await self._exchange_parts(req, group)
+        finally:
+            self._exchanges -= 1
+
+    async def _exchange_parts(self, req: AverageRequest, group: list[str]) -> AverageResult:
         ghash = group_hash(group)
         n = len(group)
         me = group.index(self.peer_id)
