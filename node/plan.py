@@ -430,12 +430,13 @@ class Recommendation:
 
 
 def _grid(h_values: tuple[int, ...], f_values: tuple[int, ...], tau_values: tuple[int, ...],
-          codecs: tuple[str, ...]):
-    """Settings in order of preference: smallest H, widest codec, smallest tau, smallest F."""
+          codecs: tuple[str, ...], *, most_fragments: bool = False):
+    """Settings in order of preference: smallest H, ``codecs`` in order, smallest tau, smallest F (largest
+    first with ``most_fragments``)."""
     for h in sorted(h_values):
         for codec in codecs:
             for tau in sorted(tau_values):
-                for f in sorted(f_values):
+                for f in sorted(f_values, reverse=most_fragments):
                     if f <= h and h % f == 0 and tau <= h // f:
                         yield h, f, tau, codec
 
@@ -486,7 +487,11 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     ``min_round_spacing`` apart (``is_spaced``, module docstring). Preference order: the
     smallest H (more frequent syncs converge better), then the widest codec (less quantization; the
     narrowest instead where the link is the bottleneck, i.e. blocking DiLoCo does not reach the target),
-    then the smallest tau (less staleness), then the smallest F. F must divide H and tau is at most H/F.
+    then the smallest tau (less staleness), then the smallest F, except where the link is the bottleneck: there
+    the largest F that qualifies. A round of the whole model (F = 1) loads the link in bursts twice as large, and
+    a node that missed one catches up the whole model from a holder whose own rounds then wait behind it:
+    at 5 Mbit/s the planner's pick H=50 F=1 measured 0.861, 0.864 and 0.890 of unshaped in three runs against
+    0.949, 0.997 and 0.980 for F = 2 (reports/swarm-matchmaking). F must divide H and tau is at most H/F.
     If nothing qualifies, returns a spaced setting with the highest utilization (an unspaced one only if
     none is spaced; ties broken by the same preference) with ``reached=False``.
     """
@@ -499,7 +504,7 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     order = tuple(sorted(codecs, key=codec_bits)) if diloco < target else codecs
     # Without a qualifying setting: the best-spaced, then highest-utilization one (reached=False).
     best: tuple[bool, float, float, tuple[int, int, int, str]] | None = None
-    for h, f, tau, codec in _grid(h_values, f_values, tau_values, order):
+    for h, f, tau, codec in _grid(h_values, f_values, tau_values, order, most_fragments=diloco < target):
         # the node overlaps a slow round up to its late window (it merges with alpha, which allows it)
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=node_overlap(h, f, tau),
                            codec=codec, **kw)

@@ -308,8 +308,10 @@ def test_table4_orders_of_magnitude() -> None:
 # --------------------------------------------------------------------------------------------------
 
 def _preference_key(h: int, f: int, tau: int, codec: str, link_bound: bool = False) -> tuple:
+    """Smallest H, widest codec, smallest tau, smallest F; on a bottleneck link the narrowest codec and the
+    largest F."""
     codecs = sorted(CODECS, key=plan.codec_bits) if link_bound else list(CODECS)
-    return (h, codecs.index(codec), tau, f)
+    return (h, codecs.index(codec), tau, -f if link_bound else f)
 
 
 @pytest.mark.parametrize(("params", "step", "bandwidth", "latency"), [
