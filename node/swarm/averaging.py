@@ -870,10 +870,7 @@ class SwarmTransport(Transport):
                 cut, first, window_end = decided
                 break
             await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
-        # Every awaited entry seen (also on a grace cut that leaves a late one out): no store of ours raced the
-        # cut. A second read 0.3 s later after each such round slowed a fast swarm by 40% (its rounds come a
-        # few tenths of a second apart, and each then waited past its late window).
-        arrived = {peer_tag(p) for p in entries} >= wanted
+        arrived = cut == "all expected"
         if not arrived:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
