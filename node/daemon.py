@@ -618,26 +618,19 @@ class Node:
 
     def _pace_peers(self) -> list[str]:
         """Live peers that keep the swarm's pace (``membership.pace_set``: the same set on every member),
-        the ones a round waits for; this node among them only when it keeps the pace itself (a straggler
-        judges its own lateness as the others do)."""
+        the ones a round waits for."""
         from locoswarm.node.swarm.membership import pace_set
 
         rates = {p: float(hb.tokens_per_s) for p, hb in self.peer_table.items() if hb.has_state}
         rates[self.peer_id] = self.tokens_per_s  # as our heartbeat announces it
-        return sorted(pace_set(rates))
+        return sorted(pace_set(rates) - {self.peer_id})
 
     def _straggler_grace(self) -> float:
         """How long a round may wait for peers outside the pace set without stalling training: the
-        overlap the node really has, its late window (tau for blocking rules; h / F steps where the merge
-        rule takes a late result), in steps at the swarm's inner-step rate (the median of the announced
-        rates, about the same on every member); this node's own step time while no rate is known.
-
-        Tau alone was far shorter than the matchmaking window on slow links (0.5 s against 5 s at 5 Mbit/s):
-        members whose views of the pace set differed cut a straggler at different moments, some formed the
-        round without it and some with it, and the round failed for all of them ("group mismatch"; 8 of 20
-        rounds in one 5 Mbit/s bench run). Where the late window is longer than the matchmaking window, no
-        member cuts before the window, which every member closes at the same point."""
-        return max(0.05, 0.8 * self.outer.late_window() * self._step_seconds())
+        overlap tau, in steps at the swarm's inner-step rate (the median of the announced rates, about
+        the same on every member, so members cut stragglers at about the same moment); this node's own
+        step time while no rate is known."""
+        return max(0.05, 0.8 * self.cfg.outer.tau * self._step_seconds())
 
     def _step_seconds(self) -> float:
         """Seconds per inner step of the swarm (its clock's rate), this node's own while none is known."""

@@ -26,7 +26,6 @@ from locoswarm.node.swarm.averaging import (
     match_entry,
     peer_tag,
     plausible_version,
-    round_cut,
 )
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.node.transport.groups import form_groups
@@ -365,43 +364,3 @@ def test_members_close_the_round_on_the_longest_trusted_window() -> None:
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB", "QmL"}) == MAX_WINDOW_S  # trusted: capped
     entries["QmB"].window = float("nan")
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 18.0
-
-
-def test_members_that_cut_a_straggler_by_grace_take_the_same_entries_whenever_they_noticed() -> None:
-    """The grace cut is judged on arrival stamps: it closes at first arrival + grace once the pace set (core)
-    arrived by then. Members that noticed 0.1 s and 0.9 s after, and the straggler itself once it arrives
-    (it sees every entry, and used to close "all expected" with itself in), all take the same members."""
-    from locoswarm.protocol import swarm_pb2
-
-    def entries(**arrivals: float) -> dict[str, swarm_pb2.MatchEntry]:
-        return {p: swarm_pb2.MatchEntry(peer_id=p, arrival=t) for p, t in arrivals.items()}
-
-    wanted = {peer_tag(p) for p in ("a", "b", "c", "s")}
-    core = {"a", "b", "c"}  # the pace set, the same on every member; s is slower
-    kw = {"earliest": 90.0, "window": 5.0, "grace": 0.5}
-    seen = entries(a=100.0, b=100.2, c=100.3)
-    assert round_cut(seen, wanted, core, now=100.4, **kw) is None  # within the grace: wait
-    early = round_cut(seen, wanted, core, now=100.6, **kw)
-    late = round_cut({**seen, **entries(s=100.75)}, wanted, core, now=101.4, **kw)
-    straggler = round_cut({**seen, **entries(s=101.2)}, wanted, core, now=101.2, **kw)
-    assert early == late == straggler == ("grace", 100.0, 100.5)  # members: arrived by 100.5, s not among them
-    # A straggler that made it within the grace is in for everyone, however late a member's poll saw it.
-    assert round_cut({**seen, **entries(s=100.45)}, wanted, core, now=102.0, **kw) == ("grace", 100.0, 100.5)
-    # A pace peer later than the grace: no grace cut (judged alike by all); wait for every expected entry.
-    slow_core = {**seen, **entries(c=100.8)}
-    assert round_cut(slow_core, wanted, core, now=101.0, **kw) is None
-    assert round_cut({**slow_core, **entries(s=103.0)}, wanted, core, now=103.1, **kw) == ("all expected", 100.0,
-                                                                                            103.0)
-    # Closed on the last wanted arrival: an entry nobody waited for that landed later is out for every member,
-    # whether its poll saw that entry or not.
-    extra = {**slow_core, **entries(s=103.0, x=103.05)}
-    assert round_cut(extra, wanted, core, now=103.1, **kw) == ("all expected", 100.0, 103.0)
-    # A wanted entry claiming an arrival past the window does not stretch it.
-    assert round_cut({**slow_core, **entries(s=900.0)}, wanted, core, now=101.0, **kw) == ("all expected", 100.0,
-                                                                                           105.0)
-    assert round_cut(slow_core, wanted, core, now=105.0, **kw) == ("window", 100.0, 105.0)
-    # Everyone in before the grace ran out: closed at once. A grace as long as the window never cuts.
-    assert round_cut({**seen, **entries(s=100.35)}, wanted, core, now=100.36, **kw) == ("all expected", 100.0, 100.35)
-    assert round_cut(seen, wanted, core, now=104.0, **{**kw, "grace": 5.0}) is None
-    # An arrival claimed before the earliest credible one counts from there (nobody closes a window early).
-    assert round_cut(entries(a=10.0, b=100.2), wanted, core, now=95.0, **kw) == ("window", 90.0, 95.0)

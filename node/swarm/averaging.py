@@ -248,36 +248,6 @@ def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trust
     return window
 
 
-def round_cut(entries: Mapping[str, swarm_pb2.MatchEntry], wanted: set[int], core: set[str], *, earliest: float,
-              window: float, grace: float, now: float) -> tuple[str, float, float] | None:
-    """Whether this node closes the round's matchmaking now: ``(cut, first, end)`` (members are the entries that
-    arrived by ``end``), or None to keep polling. ``first`` is the earliest arrival (none before
-    ``earliest``: an arrival is its author's word). The cuts:
-
-    - "grace": every ``core`` peer (the pace set: the same on every member) *arrived* by first + grace and that
-      time has passed; end = first + grace. Judged on the entries' arrival stamps, not on when this node's
-      poll saw them, so every member decides alike: a straggler outside the core that arrives later leaves
-      itself out as the others left it out (members cut at the moment they noticed, and a straggler that saw
-      every entry closed "all expected" and counted itself in: "group mismatch" for all of them).
-    - "all expected": every ``wanted`` tag is in (before first + grace, if the core made it by then); end = the
-      last wanted arrival. An entry nobody waited for counts only if it arrived by then: with end = first +
-      window, it counted for the members that polled after it landed and not for one that closed before
-      (a 5 Mbit/s bench run: one member formed a round of three at 4.8 s, the others one of four at 5.3-6.5 s);
-    - "window": first + window has passed; end = first + window.
-    """
-    first = min(max(e.arrival, earliest) for e in entries.values())
-    cutoff = first + grace
-    core_in_time = grace < window and all(p in entries and entries[p].arrival <= cutoff for p in core)
-    if core_in_time and now >= cutoff:
-        return "grace", first, cutoff
-    if {peer_tag(p) for p in entries} >= wanted:
-        last = max((e.arrival for p, e in entries.items() if peer_tag(p) in wanted), default=first)
-        return "all expected", first, min(first + window, max(first, last))
-    if now >= first + window:
-        return "window", first, first + window
-    return None
-
-
 def group_hash(members: list[str]) -> bytes:
     return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
 
@@ -511,9 +481,8 @@ class SwarmTransport(Transport):
             are all in.
         latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
         fetch: downloads a fragment's outer state from given peers (``locoswarm.node.swarm.state_sync``).
-        pace_peers: the peers that keep the swarm's pace (this node included when it does): once they
-            arrived, stragglers get only ``grace()`` seconds (the wait the overlap hides) before the round
-            starts without them (``round_cut``).
+        pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
+            ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         step_time: returns the swarm's seconds per inner step (0 when unknown): the matchmaking window is at
             least ``WINDOW_STEPS`` of them (at most ``MAX_WINDOW_S``).
         ready: whether this node may enter rounds: a joining node waits until every peer has had the
@@ -852,7 +821,7 @@ class SwarmTransport(Transport):
         me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
-        core = set(self.pace_peers()) & own_expected  # not us unless we keep pace: we may be the straggler
+        core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
         trusted = not_banned | {self.peer_id}
         timeout = own_window
         grace = min(self.grace(), timeout)
@@ -864,13 +833,18 @@ class SwarmTransport(Transport):
             entries.setdefault(self.peer_id, me)
             wanted = awaited(own_expected, entries, trusted)
             timeout = agreed_window(own_window, entries, trusted)
+            arrived = {peer_tag(p) for p in entries} >= wanted
+            first = min(max(e.arrival, earliest) for e in entries.values())
+            window_end = first + timeout
             now = get_dht_time()
-            decided = round_cut(entries, wanted, core, earliest=earliest, window=timeout, grace=grace, now=now)
-            if decided is not None:
-                cut, first, window_end = decided
+            if arrived or now >= window_end:
+                cut = "all expected" if arrived else "window"
+                break
+            if set(entries) >= core and now >= first + grace:
+                window_end = now  # stragglers are not waited for beyond the grace
+                cut = "grace"
                 break
             await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
-        arrived = cut == "all expected"
         if not arrived:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
             entries.update(await self._read_entries(key))
