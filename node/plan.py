@@ -501,10 +501,11 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     threshold = max(target, diloco - DILOCO_MARGIN)
     # The link is the bottleneck when blocking DiLoCo cannot reach the target on it: then the narrowest
     # codec comes first (fp4 costs little quality, and a lightly loaded link keeps the fixed cost small).
-    order = tuple(sorted(codecs, key=codec_bits)) if diloco < target else codecs
+    bottleneck = diloco < target
+    order = tuple(sorted(codecs, key=codec_bits)) if bottleneck else codecs
     # Without a qualifying setting: the best-spaced, then highest-utilization one (reached=False).
     best: tuple[bool, float, float, tuple[int, int, int, str]] | None = None
-    for h, f, tau, codec in _grid(h_values, f_values, tau_values, order, most_fragments=diloco < target):
+    for h, f, tau, codec in _grid(h_values, f_values, tau_values, order, most_fragments=bottleneck):
         # the node overlaps a slow round up to its late window (it merges with alpha, which allows it)
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=node_overlap(h, f, tau),
                            codec=codec, **kw)
