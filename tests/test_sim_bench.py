@@ -243,6 +243,35 @@ def test_tuned_bench_sweeps_on_the_tuning_split_and_reports_seeds(corpus_dir, tm
     assert taken["methods"]["naive-delay"]["settings"] == {"lr": 0.7, "momentum": 0.9}
     assert taken["tuning"] == {"eager": doc["tuning"]["eager"]}
     assert f"Tuned by the sweep of `{out}`" in (again / "report.md").read_text()
+    assert taken["setup"]["settings_from"][0]["settings"] == {"eager": doc["methods"]["eager"]["settings"]}
+
+
+def test_settings_from_several_reports_takes_each_method_from_the_first_that_ran_it(tmp_path):
+    from locoswarm.node.bench.convergence import _settings_from
+    from locoswarm.node.bench.convergence_report import _tuning_sentence
+
+    def tuned_report(name: str, tune_steps: int, settings: dict[str, dict]) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        methods = {m: {"settings": s, "final_eval_loss": 2.0, "runs": []} for m, s in settings.items()}
+        tuning = {m: {"trials": [{"settings": s, "tune_loss": 2.5}], "chosen": s} for m, s in settings.items()}
+        doc = {"setup": {"tuned": True, "tune_steps": tune_steps, "search": "lr", "tune_split": "t", "commit": name,
+                         "methods": list(settings)}, "methods": methods, "tuning": tuning, "format": 2}
+        (d / "results.json").write_text(json.dumps(doc))
+        return str(d)
+
+    quick = tuned_report("quick", 240, {"diloco": {"lr": 0.5, "momentum": 0.5}, "eager": {"lr": 0.3}})
+    extra = tuned_report("extra", 120, {"diloco": {"lr": 1.0}, "diloco-x": {"lr": 0.7, "momentum": 0.9}})
+    got = _settings_from([quick, extra], ["diloco", "eager", "diloco-x", "streaming"])
+    assert got["settings"] == {"diloco": {"lr": 0.5, "momentum": 0.5}, "eager": {"lr": 0.3},
+                               "diloco-x": {"lr": 0.7, "momentum": 0.9}}   # diloco from the first that ran it
+    assert got["tuning"]["diloco"]["chosen"] == {"lr": 0.5, "momentum": 0.5} and "streaming" not in got["tuning"]
+    assert [r["settings"] for r in got["report"]] == [{"diloco": {"lr": 0.5, "momentum": 0.5}, "eager": {"lr": 0.3}},
+                                                     {"diloco-x": {"lr": 0.7, "momentum": 0.9}}]
+    text = _tuning_sentence({"settings_from": got["report"], "swept_here": False, "tune_steps": 480})
+    assert "(1) the sweep of `" in text and "methods diloco-x): runs of 120 steps" in text
+    assert "A method not in any of them ran at its presets" in text
+    assert _settings_from([], ["diloco"]) == {"settings": {}, "tuning": {}, "report": None}
 
 
 def test_render_only_reads_a_report_of_the_first_format(tmp_path):

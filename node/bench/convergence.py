@@ -121,10 +121,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="the values swept for lr, momentum, alpha or lambda0 (default lr 0.3,0.5,0.7,1; momentum "
                         "0,0.5,0.9; alpha 0.25,0.5,0.75; lambda0 0.1,0.2,0.5)")
-    p.add_argument("--settings-from", default=None, metavar="DIR",
+    p.add_argument("--settings-from", action="append", default=[], metavar="DIR",
                    help="each method's settings from the sweep of an earlier tuned report (DIR/results.json), e.g. "
                         "the quick profile's for the long one (same model, batch and tuning split; its tuning runs "
-                        "were shorter); methods it lacks are swept here (unless --no-tune); --fix still wins")
+                        "were shorter); repeatable: a method takes the first report that ran it; methods none ran "
+                        "are swept here (unless --no-tune); --fix still wins")
     p.add_argument("--tune-steps", type=int, default=None,
                    help="inner steps of each tuning run (default: the profile's; at most --steps)")
     p.add_argument("--tune-fraction", type=float, default=DEFAULT_TUNE_FRACTION,
@@ -550,21 +551,26 @@ def _read_results(directory: Path, flag: str, hint: str) -> dict:
     return normalize(doc)
 
 
-def _settings_from(directory: str | None, methods: list[str]) -> dict:
-    """``--settings-from DIR``: the settings each method of ``methods`` was run at there, that report's tuning
-    trials, and where they came from (its tune steps, search and tuning split)."""
-    if directory is None:
-        return {"settings": {}, "tuning": {}, "report": None}
-    doc = _read_results(Path(directory), "--settings-from", "give the directory of a tuned report")
-    setup = doc["setup"]
-    if not setup.get("tuned"):
-        raise UserError(f"--settings-from {directory}: that run was not tuned (--no-tune); give a tuned report")
-    settings = {m: {k: float(v) for k, v in doc["methods"][m].get("settings", {}).items() if k in DEFAULT_GRIDS}
-                for m in methods if m in doc["methods"]}
-    return {"settings": settings, "tuning": {m: doc["tuning"][m] for m in settings if m in doc["tuning"]},
-            "report": {"dir": str(directory), "tune_steps": setup.get("tune_steps"), "search": setup.get("search"),
-                       "tune_split": setup.get("tune_split"), "commit": setup.get("commit", ""),
-                       "settings": settings}}
+def _settings_from(directories: list[str], methods: list[str]) -> dict:
+    """``--settings-from DIR`` (repeatable): the settings each method of ``methods`` was run at in the first of
+    those tuned reports that ran it, that report's tuning trials for it, and where they came from (per report:
+    its tune steps, search, tuning split and the settings it gave)."""
+    settings: dict[str, dict[str, float]] = {}
+    tuning: dict[str, dict] = {}
+    reports = []
+    for directory in directories:
+        doc = _read_results(Path(directory), "--settings-from", "give the directory of a tuned report")
+        setup = doc["setup"]
+        if not setup.get("tuned"):
+            raise UserError(f"--settings-from {directory}: that run was not tuned (--no-tune); give a tuned report")
+        given = {m: {k: float(v) for k, v in doc["methods"][m].get("settings", {}).items() if k in DEFAULT_GRIDS}
+                 for m in methods if m in doc["methods"] and m not in settings}
+        settings.update(given)
+        tuning.update({m: doc["tuning"][m] for m in given if m in doc["tuning"]})
+        reports.append({"dir": str(directory), "tune_steps": setup.get("tune_steps"), "search": setup.get("search"),
+                        "tune_split": setup.get("tune_split"), "commit": setup.get("commit", ""),
+                        "settings": given})
+    return {"settings": settings, "tuning": tuning, "report": reports or None}
 
 
 def _commit() -> str:

@@ -335,13 +335,21 @@ def _target_text(target: dict) -> str:
 
 
 def _tuning_sentence(setup: dict) -> str:
-    source = setup.get("settings_from")
-    if source:
-        rest = (f"swept here with runs of {setup.get('tune_steps')} steps" if setup.get("swept_here")
-                else "ran their presets")
-        return (f"Tuned by the sweep of `{source['dir']}` (commit {source.get('commit') or '-'}): runs of "
-                f"{source.get('tune_steps')} steps on its tuning split ({source.get('tune_split')}), coordinate "
-                f"search: {source.get('search')}; its trials are in the tuning table. Methods it did not run {rest}. "
+    sources = setup.get("settings_from")
+    if isinstance(sources, dict):  # reports written before --settings-from was repeatable
+        sources = [sources]
+    if sources:
+        rest = (f"was swept here with runs of {setup.get('tune_steps')} steps" if setup.get("swept_here")
+                else "ran at its presets")
+        parts = []
+        for source in sources:
+            methods = ", ".join(source.get("settings") or {}) or "none"
+            parts.append(f"the sweep of `{source['dir']}` (commit {source.get('commit') or '-'}; methods {methods}): "
+                         f"runs of {source.get('tune_steps')} steps on its tuning split ({source.get('tune_split')}), "
+                         f"coordinate search: {source.get('search')}")
+        what = parts[0] if len(parts) == 1 else "; ".join(f"({i + 1}) {t}" for i, t in enumerate(parts))
+        these, where = ("its", "it") if len(parts) == 1 else ("their", "any of them")
+        return (f"Tuned by {what}; {these} trials are in the tuning table. A method not in {where} {rest}. "
                 "The eval split is used only by the final runs.")
     if not setup.get("tuned"):
         fixed = setup.get("fixed") or {}
