@@ -308,3 +308,41 @@ def test_the_hivemind_row_is_predicted_as_a_blocking_fp32_round_without_fixed_co
                                                            fragments=1, tau=0, codec="fp32", workers=4,
                                                            round_overhead=ROUND_OVERHEAD_S))
     assert 0 < diloco["predicted"] < hive["predicted"] < 1  # the same bytes, without the fixed cost
+
+
+@pytest.mark.timeout(120)
+def test_hivemind_peers_wait_for_each_other_before_their_first_step() -> None:
+    """The hivemind configuration's rendezvous (real DHTs on loopback): a peer alone waits until its timeout and
+    reports one peer; two peers started apart both leave it seeing two, the first only once the second came."""
+    import threading
+
+    import hivemind
+
+    from locoswarm.node.bench.swarm.peers import rendezvous
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = None
+    try:
+        t0 = time.monotonic()
+        assert rendezvous(first, "alone", 2, timeout=1.0) == 1
+        assert 1.0 <= time.monotonic() - t0 < 10.0
+        got: dict[str, float | int] = {}
+
+        def wait_first() -> None:
+            got["first"] = rendezvous(first, "together", 2, timeout=60.0)
+            got["left_at"] = time.monotonic()
+
+        thread = threading.Thread(target=wait_first)
+        thread.start()
+        time.sleep(2.0)
+        assert thread.is_alive()  # still waiting for the second peer
+        second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=[str(a) for a in first.get_visible_maddrs()])
+        came = time.monotonic()
+        assert rendezvous(second, "together", 2, timeout=60.0) == 2
+        thread.join(30.0)
+        assert got["first"] == 2 and got["left_at"] >= came
+    finally:
+        for dht in (first, second):
+            if dht is not None:
+                dht.shutdown()

@@ -24,6 +24,12 @@ optimizer), fp32 payloads (hivemind's 8-bit codecs break under NumPy >= 2.4). Co
 forward + backward + the local AdamW step; a ``step()`` that ran an averaging round counts only
 the median local step time as compute, the rest is the round's stall. Bytes are the namespace's
 ``eth0`` counters (hivemind counts none itself); ``syncs_ok`` counts the epochs the peer took part in.
+
+The peers start their first step together (a rendezvous under a DHT key, up to ``RENDEZVOUS_S``), as a
+hivemind run's peers start at epoch 0: a peer that trained alone while the others were still starting put
+the swarm's epoch ahead of theirs, and hivemind makes a peer more than one epoch behind download the whole
+state (parameters and AdamW statistics, retried until it lands: at 5 Mbit/s most of a window) before it
+steps again.
 """
 
 from __future__ import annotations
@@ -43,6 +49,21 @@ log = logging.getLogger("locoswarm.bench.hivemind")
 
 
 EVAL_MAX_S = 30.0
+RENDEZVOUS_S = 120.0   # the longest the peers wait for each other before their first step
+
+
+def rendezvous(dht, key: str, nodes: int, timeout: float = RENDEZVOUS_S) -> int:
+    """Announce this peer under ``key`` and wait until ``nodes`` peers have (or ``timeout`` passed); how many did."""
+    from hivemind.utils import get_dht_time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        dht.store(key, True, expiration_time=get_dht_time() + 600, subkey=str(dht.peer_id))
+        found = dht.get(key, latest=True)
+        seen = len(found.value) if found is not None and isinstance(found.value, dict) else 0
+        if seen >= nodes or time.monotonic() >= deadline:
+            return seen
+        time.sleep(0.5)
 
 
 def _eth0_bytes() -> tuple[int, int]:
@@ -124,6 +145,9 @@ def run_hivemind(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # hivemind's averager set SIGINT to ignored
         signal.signal(sig, lambda *_: stop.set())
     eval_curve = [[0, evaluate(model, evals, "cpu")]]
+    waited = time.monotonic()
+    seen = rendezvous(dht, f"{cfg.swarm.name}_bench_start", max(1, args.nodes))
+    log.info("rendezvous: %d of %d peers after %.1f s", seen, max(1, args.nodes), time.monotonic() - waited)
     sent0, recv0 = _eth0_bytes()
     status: dict = {"peer_id": str(dht.peer_id), "addrs": addrs, "state": "training", "events": [],
                     "syncs_failed": 0, "catch_ups": 0}
