@@ -346,3 +346,31 @@ def test_hivemind_peers_wait_for_each_other_before_their_first_step() -> None:
         for dht in (first, second):
             if dht is not None:
                 dht.shutdown()
+
+
+def test_hivemind_rounds_are_counted_from_its_own_log_records() -> None:
+    """hivemind has no round counters: the hivemind row's rounds ok/failed and catch-ups come from its log lines
+    (a round that found no other peer is a failed one, not a merged one)."""
+    import logging
+
+    from locoswarm.node.bench.swarm.peers import HivemindRounds
+    from locoswarm.node.bench.swarm.runner import failure_reason
+
+    rounds = HivemindRounds(max_events=3)
+    log = logging.getLogger("hivemind.optim.state_averager.test")
+    level = logging.getLogger("hivemind").level
+    rounds.attach()
+    try:
+        log.info("Averaged parameters with 4 peers")
+        log.info("Averaged parameters with 1 peers")
+        log.info("Averaging failed with <class 'TimeoutError'>")
+        log.info("Peer is out of sync")
+        log.info("Pre-scheduling state averaging round in 1.00 sec")   # not a round's outcome
+        log.debug("Averaged parameters with 3 peers")                    # below the handler's level
+    finally:
+        rounds.detach()
+        logging.getLogger("hivemind").setLevel(level)
+    got = rounds.counts()
+    assert (got["syncs_ok"], got["syncs_failed"], got["catch_ups"]) == (1, 2, 1)
+    assert [e["kind"] for e in got["events"]] == ["failed", "failed", "caught_up"]   # the newest 3 kept
+    assert failure_reason(got["events"][0]).startswith("no peer in group")

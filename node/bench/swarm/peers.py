@@ -23,7 +23,11 @@ its own gradients; parameters and optimizer state are averaged once the swarm ha
 optimizer), fp32 payloads (hivemind's 8-bit codecs break under NumPy >= 2.4). Compute seconds are
 forward + backward + the local AdamW step; a ``step()`` that ran an averaging round counts only
 the median local step time as compute, the rest is the round's stall. Bytes are the namespace's
-``eth0`` counters (hivemind counts none itself); ``syncs_ok`` counts the epochs the peer took part in.
+``eth0`` counters (hivemind counts none itself). hivemind exposes no round counters either, so
+:class:`HivemindRounds` reads its own log records: ``syncs_ok`` counts state averaging rounds with at least
+one other peer ("Averaged parameters with N peers", N >= 2), ``syncs_failed`` the failed ones and those
+that found nobody, ``catch_ups`` the state downloads ("Peer is out of sync"), each a status event; a row
+whose utilization is high because its rounds failed shows it there. ``epoch`` is hivemind's local epoch.
 
 The peers start their first step together (a rendezvous under a DHT key, up to ``RENDEZVOUS_S``), as a
 hivemind run's peers start at epoch 0: a peer that trained alone while the others were still starting put
@@ -50,6 +54,58 @@ log = logging.getLogger("locoswarm.bench.hivemind")
 
 EVAL_MAX_S = 30.0
 RENDEZVOUS_S = 120.0   # the longest the peers wait for each other before their first step
+
+
+class HivemindRounds(logging.Handler):
+    """Counts hivemind's averaging rounds and state downloads from its log records (module doc)."""
+
+    def __init__(self, max_events: int = 200) -> None:
+        super().__init__(logging.INFO)
+        self.ok = self.failed = self.catch_ups = 0
+        self.events: list[dict] = []
+        self.max_events = max_events
+        self._lock_counts = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        kind = None
+        if msg.startswith("Averaged parameters with "):
+            peers = msg.removeprefix("Averaged parameters with ").split(" ", 1)[0]
+            if peers.isdigit() and int(peers) >= 2:
+                kind = "merged"
+            else:
+                kind, msg = "failed", f"no peer in group ({msg})"
+        elif msg.startswith("Averaging failed"):
+            kind = "failed"
+        elif msg.startswith("Peer is out of sync"):
+            kind, msg = "caught_up", "out of sync: downloading the state from peers"
+        if kind is None:
+            return
+        with self._lock_counts:
+            if kind == "merged":
+                self.ok += 1
+            elif kind == "failed":
+                self.failed += 1
+            else:
+                self.catch_ups += 1
+            self.events.append({"time": record.created, "kind": kind, "detail": f"hivemind: {msg}"[:300]})
+            del self.events[:-self.max_events]
+
+    def attach(self) -> None:
+        """Listen on the ``hivemind`` logger, where its loggers stop (they do not propagate to the root), at INFO
+        at least: the outcome of a round is an INFO record."""
+        top = logging.getLogger("hivemind")
+        if top.getEffectiveLevel() > logging.INFO:
+            top.setLevel(logging.INFO)
+        top.addHandler(self)
+
+    def detach(self) -> None:
+        logging.getLogger("hivemind").removeHandler(self)
+
+    def counts(self) -> dict:
+        with self._lock_counts:
+            return {"syncs_ok": self.ok, "syncs_failed": self.failed, "catch_ups": self.catch_ups,
+                    "events": list(self.events)}
 
 
 def rendezvous(dht, key: str, nodes: int, timeout: float = RENDEZVOUS_S) -> int:
@@ -109,6 +165,8 @@ def run_hivemind(argv: list[str]) -> int:
     from locoswarm.node.model import build_model
 
     started = time.time()
+    rounds = HivemindRounds()
+    rounds.attach()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     state_dir = Path(args.state_dir)
@@ -149,8 +207,7 @@ def run_hivemind(argv: list[str]) -> int:
     seen = rendezvous(dht, f"{cfg.swarm.name}_bench_start", max(1, args.nodes))
     log.info("rendezvous: %d of %d peers after %.1f s", seen, max(1, args.nodes), time.monotonic() - waited)
     sent0, recv0 = _eth0_bytes()
-    status: dict = {"peer_id": str(dht.peer_id), "addrs": addrs, "state": "training", "events": [],
-                    "syncs_failed": 0, "catch_ups": 0}
+    status: dict = {"peer_id": str(dht.peer_id), "addrs": addrs, "state": "training"}
     compute, step, epochs, loss = 0.0, 0, 0, float("nan")
     local_times: list[float] = []
     last_write, last_eval = 0.0, time.monotonic()
@@ -187,7 +244,7 @@ def run_hivemind(argv: list[str]) -> int:
             uptime = now - started
             n_peers = max(0, int(getattr(opt.tracker.global_progress, "num_peers", 1)) - 1)
             status.update(uptime_s=uptime, compute_utilization=compute / uptime, inner_step=step,
-                          syncs_ok=epochs, loss=loss, eval_curve=eval_curve,
+                          loss=loss, eval_curve=eval_curve, epochs=epochs, **rounds.counts(),
                           bytes={"sent": sent - sent0, "received": recv - recv0},
                           peers={f"peer{k}": {} for k in range(n_peers)}, epoch=opt.local_epoch)
             atomic_write_text(state_dir / "status.json", json.dumps(status))
