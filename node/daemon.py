@@ -769,7 +769,7 @@ class Node:
             fragments=self._fragments_status({fs.fragment: fs for fs in own}, spread),
             peers=self._peers_status(reputation),
             syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
-            catch_up_loops=stats.catch_up_loops, solo_steps=self.solo_steps,
+            catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=self.solo_steps,
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),
             bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,

@@ -42,7 +42,10 @@ t_s may run for a free window ``W = (tau + o)·S`` without stalling training: ta
 overlap (Streaming DiLoCo's τ) plus the optional ``--backward-overlap`` o, the fraction of a step's
 backward pass that the reduction can hide behind (the paper's simulator overlaps all reductions with
 the backward pass; default 0 = not overlapped). Past W, training waits. The link carries one sync at
-a time, so if syncs come faster than it can carry them, the link sets the pace. Per period::
+a time, so if syncs come faster than it can carry them, the link sets the pace. (A node with a late window
+waits at most max(W, 1 s) past it and then leaves the round in flight, ``locoswarm.node.core.late_window``;
+the model leaves that bound out: it binds only for rounds more than twice their window, a straggling member
+rather than a link the planner would pick.) Per period::
 
     stall = K · max(0, T_sync − W)
     wall  = max(C + stall, K · (T_sync − O))    (steady state)

@@ -401,6 +401,7 @@ class NodeStatus(Record):
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0
+    stalls_cut: int = 0                      # rounds left in flight after their stall budget (late window)
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)

@@ -754,17 +754,52 @@ def test_a_round_slower_than_tau_is_merged_late_while_training_goes_on(base_mode
 
 
 def test_a_round_is_waited_for_at_the_end_of_the_late_window_and_replace_and_compensate_wait_at_tau(
-        base_model) -> None:
+        base_model, monkeypatch) -> None:
+    import threading
+    import time
+
+    from locoswarm.node.core import late_window as lw
+
+    monkeypatch.setattr(lw, "MIN_STALL_S", 0.3)
+    # A round that lands while the node waits at the end of its late window is merged at once.
     swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=3))
-    held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 3)
-    assert held and all(h.waited for h in held) and _kinds(ev[SLOW_H + 3], "merged")
-    assert not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
-    # Blocking DiLoCo; compensate (its correction fed back when merged late); no late window at all.
+    held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 2)
+    assert held and not any(_kinds(ev[t], "merged") for t in range(SLOW_H, SLOW_H + 3))
+    threading.Timer(0.1, lambda: [setattr(h, "released", True) for h in held]).start()
+    t0 = time.monotonic()
+    assert _kinds(swarm.step(SLOW_H + 3)[0], "merged") and time.monotonic() - t0 < 2 * 0.3 + 0.5
+    assert swarm.loops[0].stats.stalls_cut == 0 and [loop.version(0) for loop in swarm.loops] == [1, 1]
+    # One that does not land within the stall budget is left in flight: training goes on (no second wait),
+    # and it is merged when it lands.
+    swarm = Swarm(base_model, 2, _outer(method="alpha", h=SLOW_H, tau=1, max_delay=3))
+    held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 2)
+    t0 = time.monotonic()
+    assert not _kinds(swarm.step(SLOW_H + 3)[0], "merged")
+    assert 2 * 0.3 <= time.monotonic() - t0 < 2 * 0.3 + 1.0  # each of the two workers waited its budget once
+    assert all(loop.stats.stalls_cut == 1 for loop in swarm.loops) and [lp.version(0) for lp in swarm.loops] == [0, 0]
+    t0 = time.monotonic()
+    assert not _kinds(swarm.step(SLOW_H + 4)[0], "merged") and time.monotonic() - t0 < 0.25
+    for h in held:
+        h.released = True
+    merged = _kinds(swarm.step(SLOW_H + 5)[0], "merged")
+    assert len(merged) == 1 and not any(h.waited for h in held)
+    assert [loop.version(0) for loop in swarm.loops] == [1, 1] and torch.equal(swarm.phi(0), swarm.phi(1))
+    # Blocking DiLoCo; compensate (its correction fed back when merged late); no late window at all: they wait
+    # at tau, for as long as the round takes (no stall budget).
     for kw in ({"method": "replace"}, {"method": "compensate"}, {"method": "alpha", "max_delay": 0}):
         swarm = Swarm(base_model, 2, _outer(h=SLOW_H, tau=1, **kw))
         assert swarm.loops[0].late_window() == 1
         held, ev = _slow_round(swarm, release_at=None, until=SLOW_H + 1)
         assert held and all(h.waited for h in held) and _kinds(ev[SLOW_H + 1], "merged")
+        assert swarm.loops[0].stats.stalls_cut == 0
+
+
+def test_the_stall_budget_is_the_late_windows_wall_time_at_least_a_floor() -> None:
+    from locoswarm.node.core.late_window import MIN_STALL_S, has_late_window, stall_budget
+
+    assert stall_budget(0.05) == MIN_STALL_S and stall_budget(7.5) == 7.5
+    assert has_late_window(merges_late=True, max_delay=-1) and has_late_window(merges_late=True, max_delay=3)
+    assert not has_late_window(merges_late=True, max_delay=0) and not has_late_window(merges_late=False, max_delay=-1)
 
 
 def test_two_catch_ups_in_a_row_without_a_merged_round_are_a_catch_up_loop(base_model) -> None:

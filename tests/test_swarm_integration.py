@@ -82,6 +82,9 @@ def wait_until(predicate, timeout: float, what: str, nodes: list[NodeProc]) -> N
     tails = "\n".join(f"--- {n.name}\n{n.tail(15)}" for n in nodes)
     try:
         views = "\n".join(f"{n.name}: {v}" for n, v in zip(nodes, phi_views(nodes), strict=True))
+        counts = ("syncs_ok", "syncs_failed", "solo_steps", "catch_ups", "stalls_cut")
+        views += "\n" + "\n".join(f"{n.name}: " + " ".join(f"{k}={st.get(k)}" for k in counts)
+                                  for n, st in zip(nodes, [n.status() for n in nodes], strict=True))
     except Exception as exc:  # a node that died cannot answer; its tail says why
         views = f"(status unavailable: {exc})"
     raise AssertionError(f"timed out waiting for {what}\nfragment (version, phi hash) per node:\n{views}\n{tails}")

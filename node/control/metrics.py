@@ -84,6 +84,8 @@ def render_metrics(st: NodeStatus) -> str:
     w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.", st.catch_ups)
     w.one("locoswarm_catch_up_loops_total", "counter", "Catch-ups of a fragment with no merged round since its "
           "previous catch-up (a node that keeps arriving after its group).", st.catch_up_loops)
+    w.one("locoswarm_stalls_cut_total", "counter", "Rounds still running after their stall budget at the end of "
+          "the late window, left in flight while training went on (a slow member of the group).", st.stalls_cut)
     w.one("locoswarm_solo_steps_total", "counter", "Outer steps taken with no live peer (a swarm of one).",
           st.solo_steps)
     w.metric("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging) by result.",

@@ -26,6 +26,7 @@ state as it was (a "refused" event; for a sync result, the same as a failed sync
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,7 @@ from locoswarm.node.core.guard import (
     check_snapshot,
     non_finite,
 )
-from locoswarm.node.core.late_window import late_window
+from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import encode_chunks
@@ -88,6 +89,7 @@ class OuterStats:
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
+    stalls_cut: int = 0                   # rounds left in flight after their stall budget (late_window)
     refused: int = 0                      # results or snapshots the guards refused
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
@@ -122,6 +124,8 @@ class _Pending:
     residual_before: torch.Tensor | None
     own: torch.Tensor | None = None
     own_share: float = 0.0
+    sent_at: float = 0.0      # monotonic seconds at the send (the late window's wall time; the stall budget)
+    stalled: bool = False     # waited its stall budget at the end of the late window and left in flight
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
     ticket: object | None = None  # what the compressor needs to read the result (locoswarm.node.core.compress)
@@ -215,11 +219,29 @@ class OuterLoop:
                 continue  # a late rule consumes the result at the next send of the fragment
             if step < pend.deadline_step and not pend.handle.done():
                 continue  # not finished yet: training goes on, and the result is merged when it lands
+            if not pend.handle.done() and not self._stall(pend):
+                continue  # waited its stall budget: left in flight, merged when it lands
             del self.pending[p]
             events.extend(self._merge(self.states[p], pend, self._wait(pend, self.states[p]), step))
         if self._fetches:
             events.extend(self._land_fetches(step))
         return events
+
+    def _stall(self, pend: _Pending) -> bool:
+        """A round still running at the end of its late window: wait for it, at most its stall budget
+        (``locoswarm.node.core.late_window.stall_budget``) and once; whether to take its result now. Without a
+        late window (replace, compensate, ``max_delay = 0``) the node waits for it as blocking DiLoCo does; a
+        round left in flight longer than ``wait_timeout`` is waited for (and fails) like any other."""
+        if not has_late_window(merges_late=self.rule.merges_late, max_delay=self.cfg.max_delay):
+            return True
+        elapsed = time.monotonic() - pend.sent_at
+        if pend.stalled:
+            return self.wait_timeout is not None and elapsed >= self.wait_timeout
+        pend.stalled = True
+        if pend.handle.wait(stall_budget(elapsed)):
+            return True
+        self.stats.stalls_cut += 1
+        return False
 
     def send(self, step: int, only: set[int] | None = None) -> list[SyncEvent]:
         view = self._schedule_view()
@@ -285,7 +307,7 @@ class OuterLoop:
         handle = self._start(st, step, enc)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
                                           st.tokens_since_send, snapshot=theta, residual_before=residual_before,
-                                          own_norm=float(torch.linalg.vector_norm(enc.own)),
+                                          sent_at=time.monotonic(), own_norm=float(torch.linalg.vector_norm(enc.own)),
                                           phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket)
         st.tokens_since_send = 0.0
         st.last_send = step

@@ -7,6 +7,7 @@ member of the group, or a failure, in which case the core keeps its local progre
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,17 @@ class AverageHandle(ABC):
 
     def cancel(self) -> None:  # noqa: B027 - optional for transports that cannot cancel
         """Give up on this round (the node is leaving)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the round to finish without giving up on it (unlike a
+        ``result`` that times out); whether it has finished."""
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.01, left))
+        return True
 
 
 class FetchHandle:

@@ -450,6 +450,10 @@ class _Handle(AverageHandle):
     def cancel(self) -> None:
         self._future.cancel()
 
+    def wait(self, timeout: float) -> bool:
+        concurrent.futures.wait([self._future], timeout=max(0.0, timeout))
+        return self._future.done()
+
 
 class _BackgroundFetch(FetchHandle):
     def __init__(self, future: concurrent.futures.Future) -> None:
