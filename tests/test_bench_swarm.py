@@ -98,7 +98,9 @@ def test_window_metrics_and_failure_reasons() -> None:
     after = _status(30.0, 0.65, 300, 5, 2, 41000, eval_curve=[[0, 5.0], [300, 3.0]])
     events = [{"kind": "failed", "detail": "fragment 0 round v3: peer QmYm6oAYB4NW… sent 3 of 12 reduced chunks"},
               {"kind": "failed", "detail": "fragment 1 round v4: peer QmAbcdefgh12… sent 1 of 12 reduced chunks"},
-              {"kind": "merged", "detail": "fragment 0 round v5 group 2"}]
+              {"kind": "merged", "detail": "fragment 0 round v5 group 2", "matchmaking_s": 0.5, "round_s": 2.0},
+              {"kind": "merged", "detail": "fragment 1 round v5 group 2", "matchmaking_s": 0.1, "round_s": 1.0},
+              {"kind": "merged", "detail": "fragment 0 round v6 group 2"}]  # from a node that does not time
     m = node_metrics(before, after, events)
     # compute: 0.65 * 30 - 0.5 * 10 = 14.5 s over 20 s of wall
     assert m["utilization"] == pytest.approx(14.5 / 20)
@@ -108,6 +110,7 @@ def test_window_metrics_and_failure_reasons() -> None:
     assert m["failure_reasons"] == {"peer <peer> sent <n> of <n> reduced chunks": 2}
     assert m["sent_bytes_per_s"] == pytest.approx(2000.0)
     assert m["eval_loss"] == 3.0
+    assert (m["matchmaking_s"], m["round_s"]) == (pytest.approx(0.3), pytest.approx(1.5))
     assert failure_reason({"kind": "failed", "error": "no peer in group"}) == "no peer in group"
 
 

@@ -58,10 +58,13 @@ def summarize(configs: dict[str, dict]) -> dict[str, dict]:
             "rounds_failed": sum(n.get("rounds_failed", 0) for n in nodes),
             "failure_reasons": dict(reasons.most_common()),
             "catch_ups": sum(n.get("catch_ups", 0) for n in nodes),
+            "standing_rounds": sum(n.get("standing_rounds", 0) for n in nodes),
             "catch_up_loops": sum(n.get("catch_up_loops", 0) for n in nodes),
             "sent_bytes_per_s": _mean([n.get("sent_bytes_per_s") for n in nodes]),
             "received_bytes_per_s": _mean([n.get("received_bytes_per_s") for n in nodes]),
             "eval_loss": _mean([n.get("eval_loss") for n in nodes]),
+            "matchmaking_s": _mean([n.get("matchmaking_s") for n in nodes]),
+            "round_s": _mean([n.get("round_s") for n in nodes]),
         }
     return configs
 
@@ -87,22 +90,24 @@ def _reasons(reasons: dict[str, int], limit: int = 3) -> str:
 def markdown_table(configs: dict[str, dict]) -> str:
     """One row per configuration: means over the nodes (relative: mean and range)."""
     rows = ["| configuration | settings | link | utilization | vs unshaped (min-max) | planner predicted | "
-            "steps/s | rounds ok / failed | failure reasons | sent kB/s per node | catch-ups | eval loss |",
-            "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+            "steps/s | rounds ok / failed | round s (matchmaking s) | failure reasons | sent kB/s per node | "
+            "catch-ups | eval loss |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, conf in configs.items():
         s = conf.get("summary")
         if not s and not conf.get("error"):
-            rows.append(f"| {name} | - | - | not run (yet) | | | | | | | | |")
+            rows.append(f"| {name} | - | - | not run (yet) | | | | | | | | | |")
             continue
         if not s:
             rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | could not run: "
-                        f"{str(conf.get('error', ''))[:160].replace('|', '/')} | | | | | | | | |")
+                        f"{str(conf.get('error', ''))[:160].replace('|', '/')} | | | | | | | | | |")
             continue
         span = f"{_f(s['relative'])} ({_f(s['relative_min'], '.2f')}-{_f(s['relative_max'], '.2f')})"
         sent = _f(None if s["sent_bytes_per_s"] is None else s["sent_bytes_per_s"] / 1e3, ".1f")
         rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | "
                     f"{_f(s['utilization'])} | {span} | {_f(conf.get('predicted'))} | {_f(s['steps_per_s'], '.2f')} | "
-                    f"{s['rounds_ok']} / {s['rounds_failed']} | {_reasons(s['failure_reasons'])} | {sent} | "
+                    f"{s['rounds_ok']} / {s['rounds_failed']} | {_f(s.get('round_s'), '.2f')} "
+                    f"({_f(s.get('matchmaking_s'), '.2f')}) | {_reasons(s['failure_reasons'])} | {sent} | "
                     f"{s['catch_ups']} | {_f(s['eval_loss'])} |")
     return "\n".join(rows)
 
