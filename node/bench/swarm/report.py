@@ -81,6 +81,12 @@ def _settings(s: dict | None) -> str:
     return f"{s['method']} H={s['h']} F={s['fragments']} tau={s['tau']} {s['codec']}"
 
 
+def _standing(s: dict) -> str:
+    """How many of the rounds took standing members (no DHT matchmaking; ``node/swarm/standing.py``)."""
+    n = s.get("standing_rounds")
+    return f" ({n} standing)" if n else ""
+
+
 def _reasons(reasons: dict[str, int], limit: int = 3) -> str:
     items = list(reasons.items())[:limit]
     text = "; ".join(f"{n}x {r}" for r, n in items).replace("|", "/")
@@ -106,7 +112,7 @@ def markdown_table(configs: dict[str, dict]) -> str:
         sent = _f(None if s["sent_bytes_per_s"] is None else s["sent_bytes_per_s"] / 1e3, ".1f")
         rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | "
                     f"{_f(s['utilization'])} | {span} | {_f(conf.get('predicted'))} | {_f(s['steps_per_s'], '.2f')} | "
-                    f"{s['rounds_ok']} / {s['rounds_failed']} | {_f(s.get('round_s'), '.2f')} "
+                    f"{s['rounds_ok']} / {s['rounds_failed']}{_standing(s)} | {_f(s.get('round_s'), '.2f')} "
                     f"({_f(s.get('matchmaking_s'), '.2f')}) | {_reasons(s['failure_reasons'])} | {sent} | "
                     f"{s['catch_ups']} | {_f(s['eval_loss'])} |")
     return "\n".join(rows)
@@ -150,9 +156,12 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "machine whose cores all peers share, that is the ceiling. *Planner predicted* is "
         "`locoswarm.node.plan.utilization` for the configuration's H, F, tau and codec with the measured step time, "
         "the parameter count, the link rate and latency, n = min(nodes, group size) workers and the planner's round "
-        f"overhead ({ROUND_OVERHEAD_S:g} s per sync; the hivemind row as one blocking fp32 all-reduce every H steps, "
-        "F = 1, tau = 0, with no overhead: it matchmakes in the background): compare it with *vs unshaped*. Rounds: "
-        "merged and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
+        f"overhead ({ROUND_OVERHEAD_S:g} s per sync; the hivemind row by `locoswarm.node.plan.hivemind_utilization`: one "
+        "fp32 all-reduce of all parameters per epoch that its local steps wait for while its epoch clock runs on): "
+        "compare it with *vs unshaped*. Rounds: merged and failed syncs over all nodes in the window (*standing*: "
+        "rounds that took the last merged round's members without DHT matchmaking); *round s (matchmaking s)*: the "
+        "mean wall time of a merged round from its start to its result, and to its member list; failure reasons with "
+        "peer ids and numbers replaced.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",
