@@ -22,7 +22,8 @@ queued behind bulk data. Issue 10 measured roughly 1 s per round with 4 real nod
 ``locoswarm bench swarm`` reports it per configuration (*matchmaking s*: from a round's start to its member
 list). A round on standing members (``locoswarm.node.swarm.standing``) skips the DHT, but still waits in its
 exchange for the group's last member to reach the slot: at 5 Mbit/s, blocking DiLoCo's rounds measured
-0.28-0.89 s to their member list with standing members and 0.64 s without (``reports/swarm-standing``). The Table 4 calibration below uses O = 0 (the
+0.28-0.89 s to their member list with standing members and 0.64 s without (``reports/swarm-standing``).
+The Table 4 calibration below uses O = 0 (the
 paper's datacenter all-reduce has no DHT matchmaking). O delays a sync but does not occupy the link.
 
 The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
