@@ -162,6 +162,10 @@ class NetworkSection:
                                   help="precision of the momentum in this node's state downloads (join, "
                                        "catch-up); phi is always exact. bf16: a quarter fewer bytes, phi then "
                                        "agrees with the swarm's to bf16 rounding, not bit for bit")
+    standing_members: bool = setting(True, shared=False,
+                                     help="a merged round's member list stands for the fragment's next round "
+                                          "while this node's view of the swarm is unchanged: that round skips "
+                                          "the DHT matchmaking (false: every round matchmakes)")
 
 
 #: Robust aggregators (``locoswarm.node.core.robust``), declared here once: the schema is their single home.

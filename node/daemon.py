@@ -336,7 +336,8 @@ class Node:
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
             pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
             ready=self._in_rounds,
-            robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight)
+            robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
+            standing_members=cfg.network.standing_members)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -575,7 +576,8 @@ class Node:
                 return
         self._event(ev.kind, detail, fragment=ev.fragment, round=ev.round, bytes_sent=ev.bytes_sent,
                     bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version,
-                    own_weight=ev.own_weight, total_weight=ev.total_weight)
+                    own_weight=ev.own_weight, total_weight=ev.total_weight,
+                    matchmaking_s=ev.matchmaking_s or None, round_s=ev.round_s or None)
 
     def _evaluate(self) -> float:
         from locoswarm.node.data import evaluate
@@ -770,6 +772,7 @@ class Node:
             peers=self._peers_status(reputation),
             syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
             catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=self.solo_steps,
+            standing_rounds=self.transport.standing_rounds(),
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),
             bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,

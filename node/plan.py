@@ -19,7 +19,11 @@ two phases pays the one-way latency L once::
 on top of its bytes: matchmaking through the DHT (entries stored, then polled until every live peer
 arrived or the window closed), group formation, waiting for the group's last member, and DHT messages
 queued behind bulk data. Issue 10 measured roughly 1 s per round with 4 real nodes on 20 Mbit/s links;
-``locoswarm bench swarm`` passes what it measures. The Table 4 calibration below uses O = 0 (the
+``locoswarm bench swarm`` reports it per configuration (*matchmaking s*: from a round's start to its member
+list). A round on standing members (``locoswarm.node.swarm.standing``) skips the DHT, but still waits in its
+exchange for the group's last member to reach the slot: at 5 Mbit/s, blocking DiLoCo's rounds measured
+0.28-0.89 s to their member list with standing members and 0.64 s without (``reports/swarm-standing``).
+The Table 4 calibration below uses O = 0 (the
 paper's datacenter all-reduce has no DHT matchmaking). O delays a sync but does not occupy the link.
 
 The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
@@ -474,6 +478,33 @@ def diloco_utilization(params: float, step_time: float, bandwidth: float, *, lat
     return utilization(params, step_time, bandwidth, h=DEFAULT_H, fragments=1, tau=0, codec="fp32",
                        latency=latency, workers=workers, backward_overlap=backward_overlap,
                        block_size=block_size, round_overhead=round_overhead)
+
+
+def hivemind_utilization(params: float, step_time: float, bandwidth: float, *, h: int, latency: float = 0.0,
+                         workers: int = DEFAULT_WORKERS, block_size: int = BLOCK_SIZE) -> float:
+    """``hivemind.Optimizer`` in local-updates mode with its default delayed state averaging, as ``locoswarm
+    bench swarm`` runs it (``node/bench/swarm/peers.py``): the model of what its logs show.
+
+    An epoch ends when the swarm has made ``target_batch_size`` samples (H steps of every peer) or when the
+    progress tracker's ETA, extrapolated from the peers' stepping rate, has passed: H·S after the epoch began.
+    At the transition every peer starts one fp32 all-reduce of all its parameters in the background
+    (A = ``sync_time`` of them, no fixed cost: it matchmakes before the epoch ends), and with local updates
+    that averaging is a delta rule: every local step waits for it ("Waiting for delayed updates to finish").
+    The ETA runs on meanwhile, so an epoch lasts max(H·S, A + S) and a peer computes in it only outside the
+    wait::
+
+        u = (T - A) / T,   T = max(H·S, A + S)
+
+    A 5 Mbit/s run (4 peers, tiny preset) logged transitions every 19-20 s and waits of 18.3 s on each; its
+    peers made 0.32 steps/s (0.105 of their unshaped utilization; 0.014 by this model: the few steps between
+    a transition and the first wait are left out)."""
+    p = _period(params, step_time, h=h, fragments=1, tau=0, codec="fp32", workers=workers, backward_overlap=0.0,
+                block_size=block_size, round_overhead=0.0)
+    if p.wire_bits == 0:
+        return 1.0
+    wait = sync_time(p.wire_bits, bandwidth, latency)
+    epoch = max(p.compute, wait + step_time)
+    return (epoch - wait) / epoch
 
 
 def recommend(params: float, step_time: float, bandwidth: float, *, target: float = DEFAULT_TARGET,

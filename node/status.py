@@ -368,6 +368,8 @@ class StatusEvent(Record):
     own_weight: float | None = None          # tokens this node contributed to the round
     total_weight: float | None = None        # tokens of the whole group
     peer_id: str = ""
+    matchmaking_s: float | None = None       # merged / failed rounds: seconds until the member list was decided
+    round_s: float | None = None             # ... and until the result was complete
 
     PROTO: ClassVar[Any] = control_pb2.Event
 
@@ -402,6 +404,7 @@ class NodeStatus(Record):
     catch_ups: int = 0
     catch_up_loops: int = 0
     stalls_cut: int = 0                      # rounds left in flight after their stall budget (late window)
+    standing_rounds: int = 0                 # rounds that took the last merged round's members (no matchmaking)
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)

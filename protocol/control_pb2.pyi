@@ -197,7 +197,7 @@ class Bytes(_message.Message):
     def __init__(self, sent: _Optional[int] = ..., received: _Optional[int] = ..., sent_per_s: _Optional[float] = ..., received_per_s: _Optional[float] = ..., sent_by_peer: _Optional[_Mapping[str, int]] = ..., received_by_peer: _Optional[_Mapping[str, int]] = ..., sent_by_fragment: _Optional[_Mapping[int, int]] = ..., received_by_fragment: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "kind", "detail", "clock", "fragment", "round", "bytes_sent", "bytes_received", "group_size", "version", "peer_id", "own_weight", "total_weight")
+    __slots__ = ("time", "kind", "detail", "clock", "fragment", "round", "bytes_sent", "bytes_received", "group_size", "version", "peer_id", "own_weight", "total_weight", "matchmaking_s", "round_s")
     TIME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,8 @@ class Event(_message.Message):
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     OWN_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MATCHMAKING_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_S_FIELD_NUMBER: _ClassVar[int]
     time: float
     kind: str
     detail: str
@@ -224,7 +226,9 @@ class Event(_message.Message):
     peer_id: str
     own_weight: float
     total_weight: float
-    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ..., own_weight: _Optional[float] = ..., total_weight: _Optional[float] = ...) -> None: ...
+    matchmaking_s: float
+    round_s: float
+    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ..., own_weight: _Optional[float] = ..., total_weight: _Optional[float] = ..., matchmaking_s: _Optional[float] = ..., round_s: _Optional[float] = ...) -> None: ...
 
 class PeerReputation(_message.Message):
     __slots__ = ("peer_id", "refused", "offences", "banned", "banned_for_s", "last", "by_kind")
@@ -252,7 +256,7 @@ class PeerReputation(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut")
+    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SWARM_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,7 @@ class Status(_message.Message):
     CONSENSUS_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     CATCH_UP_LOOPS_FIELD_NUMBER: _ClassVar[int]
     STALLS_CUT_FIELD_NUMBER: _ClassVar[int]
+    STANDING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     fingerprint: str
     swarm: str
@@ -325,4 +330,5 @@ class Status(_message.Message):
     consensus_last_error: str
     catch_up_loops: int
     stalls_cut: int
-    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ...) -> None: ...
+    standing_rounds: int
+    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ...) -> None: ...

@@ -364,3 +364,24 @@ def test_members_close_the_round_on_the_longest_trusted_window() -> None:
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB", "QmL"}) == MAX_WINDOW_S  # trusted: capped
     entries["QmB"].window = float("nan")
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 18.0
+
+
+def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view emptied for a moment (a heartbeat read that failed) is not solitude: a solo outer step then, at
+    the version the peers step together, would leave equal versions with different phi. A node that never saw
+    a peer is alone at once (a swarm of one trains from its first round)."""
+    import locoswarm.node.swarm.averaging as averaging
+
+    clock = [100.0]
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
+    view: list[str] = []
+    stub = SimpleNamespace(live_peers=lambda: list(view), _peer_seen_at=float("-inf"))
+    stub._live = lambda: SwarmTransport._live(stub)
+    assert SwarmTransport._alone(stub), "never saw a peer: a swarm of one"
+    view.append("QmPeer")
+    assert not SwarmTransport._alone(stub)
+    view.clear()
+    clock[0] += averaging.ALONE_S / 2
+    assert not SwarmTransport._alone(stub), "the peer vanished a moment ago"
+    clock[0] += averaging.ALONE_S
+    assert SwarmTransport._alone(stub), "no peer for ALONE_S: alone"

@@ -98,7 +98,9 @@ def test_window_metrics_and_failure_reasons() -> None:
     after = _status(30.0, 0.65, 300, 5, 2, 41000, eval_curve=[[0, 5.0], [300, 3.0]])
     events = [{"kind": "failed", "detail": "fragment 0 round v3: peer QmYm6oAYB4NW… sent 3 of 12 reduced chunks"},
               {"kind": "failed", "detail": "fragment 1 round v4: peer QmAbcdefgh12… sent 1 of 12 reduced chunks"},
-              {"kind": "merged", "detail": "fragment 0 round v5 group 2"}]
+              {"kind": "merged", "detail": "fragment 0 round v5 group 2", "matchmaking_s": 0.5, "round_s": 2.0},
+              {"kind": "merged", "detail": "fragment 1 round v5 group 2", "matchmaking_s": 0.1, "round_s": 1.0},
+              {"kind": "merged", "detail": "fragment 0 round v6 group 2"}]  # from a node that does not time
     m = node_metrics(before, after, events)
     # compute: 0.65 * 30 - 0.5 * 10 = 14.5 s over 20 s of wall
     assert m["utilization"] == pytest.approx(14.5 / 20)
@@ -108,6 +110,7 @@ def test_window_metrics_and_failure_reasons() -> None:
     assert m["failure_reasons"] == {"peer <peer> sent <n> of <n> reduced chunks": 2}
     assert m["sent_bytes_per_s"] == pytest.approx(2000.0)
     assert m["eval_loss"] == 3.0
+    assert (m["matchmaking_s"], m["round_s"]) == (pytest.approx(0.3), pytest.approx(1.5))
     assert failure_reason({"kind": "failed", "error": "no peer in group"}) == "no peer in group"
 
 
@@ -286,28 +289,36 @@ def test_sigterm_mid_run_cleans_up(tmp_path: Path) -> None:
     assert _our_processes(str(tmp_path)) == []
 
 
-def test_the_hivemind_row_is_predicted_as_a_blocking_fp32_round_without_fixed_cost() -> None:
-    """hivemind.Optimizer (local updates) in the planner's terms: F = 1, tau = 0, fp32, no per-round overhead
-    (it matchmakes in the background before an epoch ends); the locoswarm rows keep their own settings."""
+def test_the_hivemind_row_is_predicted_by_its_own_model_and_the_locoswarm_rows_by_the_planners() -> None:
+    """hivemind.Optimizer (local updates): one fp32 all-reduce of all parameters per epoch that every local
+    step waits for while the epoch clock runs on (``plan.hivemind_utilization``); the locoswarm rows keep
+    their own settings and the planner's fixed cost."""
     from locoswarm.node.bench.swarm.cli import _predict
     from locoswarm.node.config import SwarmConfig
-    from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, utilization
+    from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization, utilization
 
     base = SwarmConfig()
     link = spec.LinkSpec(5e6, 5e6)
     params, step = 1_120_000, 0.27
     hive = {"settings": {"optimizer": "hivemind.Optimizer"}, "nodes": [{"step_time_s": step}, {"step_time_s": None}]}
     _predict(hive, spec.config_for("recommended", base), params, link, 4, utilization)
-    blocking = utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h, fragments=1, tau=0, codec="fp32",
-                           workers=4, round_overhead=0.0)
-    assert hive["predicted"] == pytest.approx(blocking) and hive["nodes"][0]["predicted"] == pytest.approx(blocking)
+    model = hivemind_utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h, workers=4)
+    assert hive["predicted"] == pytest.approx(model) and hive["nodes"][0]["predicted"] == pytest.approx(model)
     assert hive["nodes"][1]["predicted"] is None  # no step time measured: no prediction
+    # the wait: 1.5 x 32 bits x 1.12M parameters at 2.5 Mbit/s = 21.5 s, longer than the 13.5 s of an
+    # epoch's steps: the epoch lasts the wait and a step, and the peer computes for that one step
+    wait = 1.5 * 32 * params / (5e6 * LINK_EFFICIENCY)
+    assert model == pytest.approx(step / (wait + step))
+    # on a link where the wait is shorter than the epoch's steps, it takes its share of the epoch
+    fast = hivemind_utilization(params, step, 20e6 * LINK_EFFICIENCY, h=base.outer.h, workers=4)
+    assert fast == pytest.approx(1 - wait / 4 / (base.outer.h * step))
     diloco = {"settings": {"h": base.outer.h}, "nodes": [{"step_time_s": step}]}
     _predict(diloco, spec.config_for("diloco", base), params, link, 4, utilization)
     assert diloco["predicted"] == pytest.approx(utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h,
                                                            fragments=1, tau=0, codec="fp32", workers=4,
                                                            round_overhead=ROUND_OVERHEAD_S))
-    assert 0 < diloco["predicted"] < hive["predicted"] < 1  # the same bytes, without the fixed cost
+    # the same bytes; blocking DiLoCo waits for them after its steps, hivemind's epoch clock runs through them
+    assert 0 < hive["predicted"] < diloco["predicted"] < 1
 
 
 @pytest.mark.timeout(120)

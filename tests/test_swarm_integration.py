@@ -82,7 +82,7 @@ def wait_until(predicate, timeout: float, what: str, nodes: list[NodeProc]) -> N
     tails = "\n".join(f"--- {n.name}\n{n.tail(15)}" for n in nodes)
     try:
         views = "\n".join(f"{n.name}: {v}" for n, v in zip(nodes, phi_views(nodes), strict=True))
-        counts = ("syncs_ok", "syncs_failed", "solo_steps", "catch_ups", "stalls_cut")
+        counts = ("syncs_ok", "syncs_failed", "solo_steps", "catch_ups", "stalls_cut", "standing_rounds")
         views += "\n" + "\n".join(f"{n.name}: " + " ".join(f"{k}={st.get(k)}" for k in counts)
                                   for n, st in zip(nodes, [n.status() for n in nodes], strict=True))
     except Exception as exc:  # a node that died cannot answer; its tail says why
@@ -112,6 +112,13 @@ def _three_then_four(swarm: Swarm) -> None:
         node.wait_status(lambda s: fragments_merged(s) == {0, 1} and len(merged(s)) >= 4, 150,
                          "every fragment averaged twice")
     wait_until(lambda: agree(trio), 60, "outer params to agree across peers", trio)
+    # In a swarm that does not change, rounds after the first merged one take its members without
+    # matchmaking through the DHT (node/swarm/standing.py), and every merged round says where its time went.
+    wait_until(lambda: all(n.status().get("standing_rounds", 0) >= 1 for n in trio), 60,
+               "a round on standing members on every node", trio)
+    for node in trio:
+        timed = merged(node.status())
+        assert all(0 <= e["matchmaking_s"] <= e["round_s"] for e in timed), timed
 
     # Bytes of one round, summed over its members, match the codec payload and the exchange pattern:
     # reduce-scatter + all-gather moves 2 (n-1) payloads in all, plus small protocol headers.

@@ -86,6 +86,8 @@ def render_metrics(st: NodeStatus) -> str:
           "previous catch-up (a node that keeps arriving after its group).", st.catch_up_loops)
     w.one("locoswarm_stalls_cut_total", "counter", "Rounds still running after their stall budget at the end of "
           "the late window, left in flight while training went on (a slow member of the group).", st.stalls_cut)
+    w.one("locoswarm_standing_rounds_total", "counter", "Rounds that took the members of the fragment's last merged "
+          "round, the swarm being unchanged, without matchmaking through the DHT.", st.standing_rounds)
     w.one("locoswarm_solo_steps_total", "counter", "Outer steps taken with no live peer (a swarm of one).",
           st.solo_steps)
     w.metric("locoswarm_consensus_rounds_total", "counter", "Consensus rounds (fp32 phi averaging) by result.",

@@ -132,7 +132,7 @@ def _network_panel(st: NodeStatus) -> Panel:
     g.add_row("down", f"{human_bytes(b.received_per_s)}/s   total {human_bytes(b.received)}")
     failed, c_failed = st.syncs_failed, st.consensus.failed
     g.add_row("rounds", Text.assemble(f"{st.syncs_ok} ok   ", (f"{failed} failed", "red" if failed else ""),
-                                      f"   {st.consensus.rounds} consensus",
+                                      f"   {st.standing_rounds} standing   {st.consensus.rounds} consensus",
                                       (f" ({c_failed} failed)" if c_failed else "", "red")))
     loops = st.catch_up_loops
     g.add_row("other", f"{st.catch_ups} catch-ups" + (f" ({loops} in a loop)" if loops else "")

@@ -79,6 +79,8 @@ class SyncEvent:
     round: int = -1            # swarm step at which the sync started (the round id)
     own_weight: float = 0.0
     total_weight: float = 0.0
+    matchmaking_s: float = 0.0  # the transport's timing of the round (AverageResult)
+    round_s: float = 0.0
 
 
 @dataclass
@@ -598,7 +600,7 @@ class OuterLoop:
         self.stats.bytes_by_round[sent_step] += res.bytes_sent
         return SyncEvent(kind, st.index, step, st.version, res.group_size, res.bytes_sent,
                          res.bytes_received, res.error, round=sent_step, own_weight=res.own_weight,
-                         total_weight=res.total_weight)
+                         total_weight=res.total_weight, matchmaking_s=res.matchmaking_s, round_s=res.round_s)
 
     # ---- catching up ----------------------------------------------------------------------------
     def _catch_up(self, st: FragmentState, step: int) -> list[SyncEvent]:

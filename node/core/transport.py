@@ -51,6 +51,11 @@ class AverageResult:
     error: str = ""
     max_version: int = -1                 # newest outer version the group's members hold (corroborated) at send time
     basis: bytes = b""                    # the basis tag the group's payloads used (see AverageRequest.basis)
+    # Where the round's wall time went (0 where a transport does not measure it): from its start until its
+    # member list was decided, and until its result was complete. The fixed cost of a round, next to the
+    # transfer time, is what the planner models and the swarm benchmark reports.
+    matchmaking_s: float = 0.0
+    round_s: float = 0.0
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:

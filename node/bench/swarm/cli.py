@@ -26,7 +26,7 @@ from pathlib import Path
 
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S
+from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization
 
 HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
@@ -226,31 +226,32 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     """The planner's utilization for this configuration, with each node's measured step time (and the
     configuration's mean step time for the configuration row).
 
-    ``hivemind.Optimizer`` (local updates, ``target_batch_size`` = H steps of every peer) is, in the planner's
-    terms, blocking DiLoCo without the outer optimizer: one fp32 all-reduce of all parameters every H steps
-    (F = 1, tau = 0), and no fixed cost per round, since it starts matchmaking up to ``matchmaking_time``
-    before an epoch ends, in the background. The model leaves out its state loads (a peer that fell an epoch
-    behind downloads parameters and optimizer state before it steps on)."""
+    ``hivemind.Optimizer`` (local updates, ``target_batch_size`` = H steps of every peer) has a model of its
+    own, ``locoswarm.node.plan.hivemind_utilization``: one fp32 all-reduce of all parameters per epoch that its
+    local steps wait for while the epoch clock runs on. The model leaves out its state loads (a peer that fell
+    an epoch behind downloads parameters and optimizer state before it steps on)."""
     from locoswarm.node.core.late_window import late_window
     from locoswarm.node.core.merge import make_merge_rule
 
     o = cfg.outer
-    if "optimizer" in (conf.get("settings") or {}):
-        h, fragments, overlap, codec, overhead = o.h, 1, 0, "fp32", 0.0
-    else:
-        # the overlap the node really has: its late window (a slow round is waited for only at its end)
-        h, fragments, codec, overhead = o.h, o.fragments, o.codec, ROUND_OVERHEAD_S
-        overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
-                              merges_late=make_merge_rule(o.method).merges_late)
     rate = link.rate_bps * LINK_EFFICIENCY if link is not None else math.inf  # what a round's transfers get
     latency = link.latency_ms / 1e3 if link is not None else 0.0
+    if "optimizer" in (conf.get("settings") or {}):
+        def model(step_time: float) -> float:
+            return hivemind_utilization(params, step_time, rate, h=o.h, latency=latency, workers=workers,
+                                        block_size=o.block_size)
+    else:
+        # the overlap the node really has: its late window (a slow round is waited for only at its end)
+        overlap = late_window(h=o.h, fragments=o.fragments, tau=o.tau, max_delay=o.max_delay,
+                              merges_late=make_merge_rule(o.method).merges_late)
+
+        def model(step_time: float) -> float:
+            return utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=overlap, codec=o.codec,
+                               latency=latency, workers=workers, block_size=o.block_size,
+                               round_overhead=ROUND_OVERHEAD_S)
 
     def predict(step_time: float | None) -> float | None:
-        if not step_time:
-            return None
-        return _finite(utilization(params, step_time, rate, h=h, fragments=fragments, tau=overlap, codec=codec,
-                                   latency=latency, workers=workers, block_size=o.block_size,
-                                   round_overhead=overhead))
+        return _finite(model(step_time)) if step_time else None
 
     nodes = conf.get("nodes") or []
     for node in nodes:

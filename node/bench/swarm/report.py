@@ -58,10 +58,13 @@ def summarize(configs: dict[str, dict]) -> dict[str, dict]:
             "rounds_failed": sum(n.get("rounds_failed", 0) for n in nodes),
             "failure_reasons": dict(reasons.most_common()),
             "catch_ups": sum(n.get("catch_ups", 0) for n in nodes),
+            "standing_rounds": sum(n.get("standing_rounds", 0) for n in nodes),
             "catch_up_loops": sum(n.get("catch_up_loops", 0) for n in nodes),
             "sent_bytes_per_s": _mean([n.get("sent_bytes_per_s") for n in nodes]),
             "received_bytes_per_s": _mean([n.get("received_bytes_per_s") for n in nodes]),
             "eval_loss": _mean([n.get("eval_loss") for n in nodes]),
+            "matchmaking_s": _mean([n.get("matchmaking_s") for n in nodes]),
+            "round_s": _mean([n.get("round_s") for n in nodes]),
         }
     return configs
 
@@ -78,6 +81,12 @@ def _settings(s: dict | None) -> str:
     return f"{s['method']} H={s['h']} F={s['fragments']} tau={s['tau']} {s['codec']}"
 
 
+def _standing(s: dict) -> str:
+    """How many of the rounds took standing members (no DHT matchmaking; ``node/swarm/standing.py``)."""
+    n = s.get("standing_rounds")
+    return f" ({n} standing)" if n else ""
+
+
 def _reasons(reasons: dict[str, int], limit: int = 3) -> str:
     items = list(reasons.items())[:limit]
     text = "; ".join(f"{n}x {r}" for r, n in items).replace("|", "/")
@@ -87,22 +96,24 @@ def _reasons(reasons: dict[str, int], limit: int = 3) -> str:
 def markdown_table(configs: dict[str, dict]) -> str:
     """One row per configuration: means over the nodes (relative: mean and range)."""
     rows = ["| configuration | settings | link | utilization | vs unshaped (min-max) | planner predicted | "
-            "steps/s | rounds ok / failed | failure reasons | sent kB/s per node | catch-ups | eval loss |",
-            "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+            "steps/s | rounds ok / failed | round s (matchmaking s) | failure reasons | sent kB/s per node | "
+            "catch-ups | eval loss |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, conf in configs.items():
         s = conf.get("summary")
         if not s and not conf.get("error"):
-            rows.append(f"| {name} | - | - | not run (yet) | | | | | | | | |")
+            rows.append(f"| {name} | - | - | not run (yet) | | | | | | | | | |")
             continue
         if not s:
             rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | could not run: "
-                        f"{str(conf.get('error', ''))[:160].replace('|', '/')} | | | | | | | | |")
+                        f"{str(conf.get('error', ''))[:160].replace('|', '/')} | | | | | | | | | |")
             continue
         span = f"{_f(s['relative'])} ({_f(s['relative_min'], '.2f')}-{_f(s['relative_max'], '.2f')})"
         sent = _f(None if s["sent_bytes_per_s"] is None else s["sent_bytes_per_s"] / 1e3, ".1f")
         rows.append(f"| {name} | {_settings(conf.get('settings'))} | {conf.get('link', '-')} | "
                     f"{_f(s['utilization'])} | {span} | {_f(conf.get('predicted'))} | {_f(s['steps_per_s'], '.2f')} | "
-                    f"{s['rounds_ok']} / {s['rounds_failed']} | {_reasons(s['failure_reasons'])} | {sent} | "
+                    f"{s['rounds_ok']} / {s['rounds_failed']}{_standing(s)} | {_f(s.get('round_s'), '.2f')} "
+                    f"({_f(s.get('matchmaking_s'), '.2f')}) | {_reasons(s['failure_reasons'])} | {sent} | "
                     f"{s['catch_ups']} | {_f(s['eval_loss'])} |")
     return "\n".join(rows)
 
@@ -145,9 +156,13 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "machine whose cores all peers share, that is the ceiling. *Planner predicted* is "
         "`locoswarm.node.plan.utilization` for the configuration's H, F, tau and codec with the measured step time, "
         "the parameter count, the link rate and latency, n = min(nodes, group size) workers and the planner's round "
-        f"overhead ({ROUND_OVERHEAD_S:g} s per sync; the hivemind row as one blocking fp32 all-reduce every H steps, "
-        "F = 1, tau = 0, with no overhead: it matchmakes in the background): compare it with *vs unshaped*. Rounds: "
-        "merged and failed syncs over all nodes in the window; failure reasons with peer ids and numbers replaced.", "",
+        f"overhead ({ROUND_OVERHEAD_S:g} s per sync; the hivemind row by "
+        "`locoswarm.node.plan.hivemind_utilization`: one fp32 all-reduce of all parameters per epoch that its "
+        "local steps wait for while its epoch clock runs on): "
+        "compare it with *vs unshaped*. Rounds: merged and failed syncs over all nodes in the window (*standing*: "
+        "rounds that took the last merged round's members without DHT matchmaking); *round s (matchmaking s)*: the "
+        "mean wall time of a merged round from its start to its result, and to its member list; failure reasons with "
+        "peer ids and numbers replaced.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",

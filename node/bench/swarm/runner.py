@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -158,6 +159,11 @@ def failure_reason(event: dict) -> str:
     return _NUM_RE.sub("<n>", text).strip()[:160] or "unknown"
 
 
+def _mean_of(events: list[dict], key: str) -> float | None:
+    vals = [float(e[key]) for e in events if isinstance(e.get(key), int | float) and math.isfinite(e[key])]
+    return sum(vals) / len(vals) if vals else None
+
+
 def _compute_seconds(st: dict) -> float:
     return float(st.get("compute_utilization") or 0.0) * float(st.get("uptime_s") or 0.0)
 
@@ -176,6 +182,7 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         return int((after.get("bytes") or {}).get(key, 0)) - int((before.get("bytes") or {}).get(key, 0))
 
     reasons = Counter(failure_reason(e) for e in events if e.get("kind") == "failed")
+    merged = [e for e in events if e.get("kind") == "merged"]
     kinds = Counter(str(e.get("kind")) for e in events)
     curve = after.get("eval_curve") or []
     ok = wall > 0
@@ -190,10 +197,14 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         "rounds_failed": delta("syncs_failed"),
         "failure_reasons": dict(reasons.most_common()),
         "catch_ups": delta("catch_ups"),
+        "standing_rounds": delta("standing_rounds"),
         "catch_up_loops": kinds.get("catch_up_loop", 0),
         "sent_bytes_per_s": bytes_delta("sent") / wall if ok else None,
         "received_bytes_per_s": bytes_delta("received") / wall if ok else None,
         "event_counts": dict(kinds.most_common()),
+        # A merged round's wall time: until its member list was decided (the fixed cost) and until done.
+        "matchmaking_s": _mean_of(merged, "matchmaking_s"),
+        "round_s": _mean_of(merged, "round_s"),
         "eval_loss": float(curve[-1][1]) if curve else None,
         "initial_eval_loss": float(curve[0][1]) if curve else None,
         "loss": after.get("loss"),

@@ -1,0 +1,70 @@
+"""Standing members: a round without a DHT round trip while the swarm has not changed (issue 10).
+
+Matchmaking through the DHT (``locoswarm.node.swarm.averaging``) costs every round a store and reads until
+the last member's entry shows; on a link full of bulk data the DHT's messages queue behind it ("no answer
+from the DHT in 5 s" at 5 Mbit/s). Yet in a swarm that has not changed, a round's member list is the last
+one's. So after a round of fragment ``p`` merged with member list ``M``, this node's next round of ``p``
+skips the DHT and exchanges at once, in the groups the seeded rule (``form_groups``) cuts from ``M`` for
+that round, when nothing in this node's view of the swarm says ``M`` changed: no live peer outside ``M``,
+no ban of its own changed, and every live member keeping the swarm's pace (matchmaking would leave a
+straggler out after the grace; a standing list would wait for it). A member of ``M`` missing from the live
+view does not decline the list: on a starved link a heartbeat read fails for seconds ("no answer from the DHT
+in 5 s" at 5 Mbit/s), and a node that matchmade on that shrunken view formed another group than its
+partners, which failed the round for all (``reports/swarm-standing``); a member that really left fails one
+round (its streams cannot open), after which the fragment matchmakes again. The node still stores its match
+entry, in the background, so that a member that matchmakes finds it.
+
+Where views differ (a peer joined, or fell behind in one view and not in another), members form different
+groups, the exchange refuses the mismatch and the round fails: the next one goes through the DHT again,
+since a list stands only for the round right after the one that merged with it (``take`` removes it, a
+merged round ``record``s it again). Rounds that need the entries' contents do not stand: consensus rounds
+(digests), the adaptive schedule (the slot leader's pick) and low-rank payloads (basis tags).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Standing:
+    """The member list of a fragment's last merged round, and what this node knew when it formed it."""
+
+    round: int
+    members: tuple[str, ...]
+    excluded: Mapping[str, list[str]]  # each member's ban list from its match entry (the groups avoid them)
+    banned: frozenset[str]             # whom this node banned then
+
+
+class StandingMembers:
+    """Per fragment, the member list a merged round leaves standing for the next (see module docstring)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._by_fragment: dict[int, Standing] = {}
+        self.used = 0       # rounds that took a standing list
+        self.declined = 0   # rounds that had one but found the swarm changed
+
+    def record(self, fragment: int, round_: int, members: Iterable[str], excluded: Mapping[str, list[str]],
+               banned: Iterable[str]) -> None:
+        """Round ``round_`` of ``fragment`` merged with ``members``: they stand for its next round."""
+        if self.enabled:
+            self._by_fragment[fragment] = Standing(round_, tuple(sorted(members)), dict(excluded),
+                                                   frozenset(banned))
+
+    def forget(self, fragment: int) -> None:
+        self._by_fragment.pop(fragment, None)
+
+    def take(self, fragment: int, round_: int, view: set[str], banned: Iterable[str]) -> Standing | None:
+        """The standing list for round ``round_`` of ``fragment``, if this node's ``view`` (itself and the live
+        peers it would wait for) holds no peer outside its members and its own bans are unchanged; else None.
+        Either way the list is used up."""
+        standing = self._by_fragment.pop(fragment, None)
+        if standing is None:
+            return None
+        if round_ <= standing.round or not view <= set(standing.members) or frozenset(banned) != standing.banned:
+            self.declined += 1
+            return None
+        self.used += 1
+        return standing
