@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
+import torch
+
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.payload import encode_chunks
+from locoswarm.node.core.transport import AverageRequest
+from locoswarm.node.swarm.averaging import SwarmTransport
+from locoswarm.node.swarm.dht import start_dht, visible_maddrs
+from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 
 SWARM = {"QmA", "QmB", "QmC"}
@@ -49,3 +60,49 @@ def test_fragments_stand_apart_and_forget_drops_a_list() -> None:
 def test_disabled_never_stands() -> None:
     standing = _recorded(enabled=False)
     assert standing.take(0, 150, set(SWARM), []) is None
+
+
+# ---- a standing round between two real transports (hivemind DHTs and p2pd on loopback) -----------------
+
+@pytest.mark.timeout(180)
+def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_path) -> None:
+    """A round that skips the DHT has no match entries to read versions from. It once took its own version
+    for every member's, so a member one version behind (same phi) stayed behind for good: its group's
+    version was its own, so it never caught up, and the survivors of a CI run never agreed on phi."""
+    dhts, runtimes, transports = [], [], []
+    try:
+        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
+        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / "b.key"))
+        runtimes = [NetworkRuntime(d) for d in dhts]
+        ids = [r.peer_id for r in runtimes]
+        codec = get_codec("fp32", 64)
+        for i, runtime in enumerate(runtimes):
+            other = ids[1 - i]
+            transports.append(SwarmTransport(
+                runtime, swarm_key="locoswarm/standing-test/fp/", fingerprint="fp", codec=codec, group_size=2,
+                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=other: [o],
+                latest_versions=lambda fragment: (-1, []), fetch=lambda fragment, holders, least: None))
+
+        def round_(number: int, versions: list[int]) -> list:
+            handles = [t.start_average(AverageRequest(
+                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((100,), float(i + 1))), numel=100,
+                weight=1.0, version=v)) for i, (t, v) in enumerate(zip(transports, versions, strict=True))]
+            return [h.result(60) for h in handles]
+
+        first = round_(10, [5, 5])
+        assert all(r.ok and r.max_version == 5 for r in first), [(r.ok, r.error, r.max_version) for r in first]
+        assert all(t.standing.used == 0 for t in transports)
+        second = round_(20, [5, 6])  # the first member is a version behind
+        assert all(r.ok for r in second), [r.error for r in second]
+        assert [t.standing.used for t in transports] == [1, 1], "the second round took the standing members"
+        assert [r.max_version for r in second] == [6, 6], "both members know the group's newest version"
+        assert torch.allclose(second[0].average, torch.full((100,), 1.5))
+        assert transports[0].latest_version(0) == 7, "the member behind learns the group's next version"
+    finally:
+        for t in transports:
+            t.close()
+        for r in runtimes:
+            r.stop()
+        for d in dhts:
+            with contextlib.suppress(Exception):
+                d.shutdown()

@@ -344,6 +344,9 @@ class _Reduction:
         self.done.add_done_callback(_retrieve)
         self.replies = 0
         self._replied = asyncio.Condition()
+        # The outer version each member's header claimed (ours included): a round that skipped the DHT
+        # (standing members) learns its members' versions only here.
+        self.versions: dict[str, int] = {}
 
     async def replied(self) -> None:
         """A reply stream of this part has finished."""
@@ -362,6 +365,11 @@ class _Reduction:
 
     def has(self, sender: str) -> bool:
         return sender in self.contributions or sender in self.dropped
+
+    def claim_version(self, member: str, version: int) -> None:
+        """``member``'s header (its authenticated stream) claims ``version`` of the fragment."""
+        if member in self.members:
+            self.versions[member] = version
 
     def add(self, contribution: PartContribution, extras: list[float]) -> None:
         if self.done.done() or self.has(contribution.sender):
@@ -722,7 +730,10 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)  # nobody will send us a part of it
             return AverageResult(ok=True, average=None, group_size=len(group), own_weight=req.weight,
                                  total_weight=req.weight * len(group), max_version=max_version)
-        result = await self._exchange(req, group)
+        claims = {p: versions[p] for p in group if p in versions}
+        result = await self._exchange(req, group, claims)
+        if result.ok:
+            max_version = result.max_version
         result.max_version = max_version
         if not result.ok and "group mismatch" in (result.error or ""):
             await self._explain_mismatch(req)
@@ -761,7 +772,10 @@ class SwarmTransport(Transport):
         while len(self._views) > MAX_VIEWS:
             self._views.popitem(last=False)
         excluded = {p: list(standing.excluded.get(p, ())) for p in members}
-        return members, {p: req.version for p in members}, excluded, {p: b"" for p in members}
+        # Only our own version is known here: the members' come with their headers (``_exchange``). Taking
+        # ours for theirs kept a member a version behind for good with the same phi (its "group version"
+        # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
+        return members, {self.peer_id: req.version}, excluded, {p: b"" for p in members}
 
     async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
         with contextlib.suppress(Exception):
@@ -942,14 +956,16 @@ class SwarmTransport(Transport):
         """Whether a round of this node is exchanging its parts now (state downloads it serves wait for it)."""
         return self._exchanges > 0
 
-    async def _exchange(self, req: AverageRequest, group: list[str]) -> AverageResult:
+    async def _exchange(self, req: AverageRequest, group: list[str], claims: dict[str, int]) -> AverageResult:
+        """The group's average of ``req``; its ``max_version`` is the plausible version of the members'
+        ``claims`` (from their match entries) as their headers in this exchange updated them."""
         self._exchanges += 1
         try:
-            return await self._exchange_parts(req, group)
+            return await self._exchange_parts(req, group, claims)
         finally:
             self._exchanges -= 1
 
-    async def _exchange_parts(self, req: AverageRequest, group: list[str]) -> AverageResult:
+    async def _exchange_parts(self, req: AverageRequest, group: list[str], claims: dict[str, int]) -> AverageResult:
         ghash = group_hash(group)
         n = len(group)
         me = group.index(self.peer_id)
@@ -967,6 +983,7 @@ class SwarmTransport(Transport):
         loop = asyncio.get_running_loop()
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
         session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
+        session.claim_version(self.peer_id, req.version)
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
@@ -1006,7 +1023,7 @@ class SwarmTransport(Transport):
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
-            basis=req.basis)
+            basis=req.basis, max_version=plausible_version({**claims, **session.versions}, own=self.peer_id))
 
     def _end_session(self, key: tuple[int, int, bytes]) -> None:
         session = self._sessions.pop(key, None)
@@ -1145,6 +1162,7 @@ class SwarmTransport(Transport):
         own = self._sessions_own_weight(session)
         max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
         session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
+        session.claim_version(remote, int(h.version))
         try:
             result = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)
         except Exception as exc:
