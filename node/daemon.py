@@ -337,7 +337,8 @@ class Node:
             pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
-            standing_members=cfg.network.standing_members)
+            standing_members=cfg.network.standing_members,
+            joining_peers=lambda: [p for p, hb in self.peer_table.items() if not hb.has_state and not hb.leaving])
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
