@@ -33,6 +33,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +54,9 @@ from locoswarm.node.status import (
     StatusEvent,
 )
 from locoswarm.protocol import swarm_pb2
+
+if TYPE_CHECKING:
+    from locoswarm.node.swarm.state_sync import StateServer
 
 log = logging.getLogger("locoswarm.node")
 
@@ -110,6 +114,7 @@ class Node:
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
         self.published: dict = {}
+        self.state_server: StateServer | None = None  # built with the network (``_start_network``)
         self.state = "starting"              # starting, training, leaving, stopped
         self.loss: float | None = None       # of the last inner step
         self.tokens_per_s = 0.0              # over the last few seconds, as heartbeats announce it
@@ -337,7 +342,8 @@ class Node:
             pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
-            standing_members=cfg.network.standing_members)
+            standing_members=cfg.network.standing_members,
+            joining_peers=self._joining_peers)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -640,6 +646,13 @@ class Node:
         if rate and rate > 0 and math.isfinite(rate):
             return 1.0 / rate
         return self.compute_seconds / max(1, self.local_step) * self.opts.throttle
+
+    def _joining_peers(self) -> list[str]:
+        """Peers joining now: a heartbeat without state, or a download this node serves (it shows before the
+        downloader's heartbeat reaches this node's table). A lone node takes no solo step meanwhile, so the state
+        they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
+        joining = [p for p, hb in self.peer_table.items() if not hb.has_state]
+        return joining + (self.state_server.downloading_peers() if self.state_server is not None else [])
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.

@@ -375,7 +375,7 @@ def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypat
     clock = [100.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
     view: list[str] = []
-    stub = SimpleNamespace(live_peers=lambda: list(view), _peer_seen_at=float("-inf"))
+    stub = SimpleNamespace(live_peers=lambda: list(view), _peer_seen_at=float("-inf"), _joiner_waited_for=lambda: False)
     stub._live = lambda: SwarmTransport._live(stub)
     assert SwarmTransport._alone(stub), "never saw a peer: a swarm of one"
     view.append("QmPeer")
@@ -385,3 +385,28 @@ def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypat
     assert not SwarmTransport._alone(stub), "the peer vanished a moment ago"
     clock[0] += averaging.ALONE_S
     assert SwarmTransport._alone(stub), "no peer for ALONE_S: alone"
+
+
+def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Solo steps while a joiner downloads the state leave it a lineage behind (at 5 Mbit/s the swarm then spent
+    a minute downloading states back and forth); a heartbeat that never gets state stops it only for a while."""
+    import locoswarm.node.swarm.averaging as averaging
+
+    clock = [100.0]
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
+    joining: list[str] = []
+    stub = SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining), _peer_seen_at=float("-inf"),
+                           _joining_since={})
+    stub._live = lambda: SwarmTransport._live(stub)
+    stub._joiner_waited_for = lambda: SwarmTransport._joiner_waited_for(stub)
+    assert SwarmTransport._alone(stub)
+    joining.append("QmJoiner")
+    assert not SwarmTransport._alone(stub), "a peer is downloading the state: no solo step"
+    clock[0] += averaging.JOIN_WAIT_S / 2
+    assert not SwarmTransport._alone(stub)
+    clock[0] += averaging.JOIN_WAIT_S
+    assert SwarmTransport._alone(stub), "joining for longer than JOIN_WAIT_S: it no longer holds the node back"
+    joining[:] = [f"QmFlood{i}" for i in range(2 * averaging.MAX_JOINERS)]
+    assert not SwarmTransport._alone(stub) and len(stub._joining_since) == averaging.MAX_JOINERS
+    joining.clear()
+    assert SwarmTransport._alone(stub) and stub._joining_since == {}, "peers that stopped joining are forgotten"

@@ -632,3 +632,16 @@ def test_a_stream_task_cancelled_at_shutdown_ends_normally() -> None:
 
     task = asyncio.run(main())
     assert task.done() and not task.cancelled() and task.exception() is None
+
+
+def test_the_stream_gate_names_the_peers_it_serves_now() -> None:
+    """A lone node asks the state server's gate who is downloading: those peers are joining (no solo steps)."""
+    gate = wire.StreamGate(max_per_peer=2, max_total=3)
+    assert gate.admit("QmA") is None and gate.admit("QmA") is None and gate.admit("QmB") is None
+    assert sorted(gate.peers()) == ["QmA", "QmB"] and gate.open_streams() == 3
+    assert gate.admit("QmC") is not None, "over the server's cap: refused, not counted"
+    gate.release("QmA")
+    assert sorted(gate.peers()) == ["QmA", "QmB"]
+    gate.release("QmA")
+    gate.release("QmB")
+    assert gate.peers() == [] and gate.open_streams() == 0

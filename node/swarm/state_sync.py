@@ -316,6 +316,10 @@ class StateServer:
         """Downloads being served now, to ``peer`` or to anyone."""
         return self._server.open_streams(peer)
 
+    def downloading_peers(self) -> list[str]:
+        """The peers this node serves a download now."""
+        return self._server.streaming_peers()
+
     async def _handle(self, remote: str,
                       requests: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
         try:

@@ -286,6 +286,10 @@ class StreamGate:
     def open_streams(self, peer: str | None = None) -> int:
         return sum(self._open.values()) if peer is None else self._open.get(peer, 0)
 
+    def peers(self) -> list[str]:
+        """The peers with a stream open now."""
+        return list(self._open)
+
 
 class WireServer:
     """One registered stream handler with bounded requests and capped concurrent streams.
@@ -330,6 +334,10 @@ class WireServer:
     def open_streams(self, peer: str | None = None) -> int:
         """Streams being served now, of ``peer`` or of everyone."""
         return self._gate.open_streams(peer)
+
+    def streaming_peers(self) -> list[str]:
+        """The peers this handler serves a stream now."""
+        return self._gate.peers()
 
     async def _on_stream(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         remote = "?"
