@@ -513,8 +513,9 @@ class SwarmTransport(Transport):
         subkey: this node's owner subkey for its match entries (default: built from the DHT's identity).
         standing_members: a merged round's member list stands for the fragment's next round while this
             node's view of the swarm is unchanged: that round skips the DHT (``locoswarm.node.swarm.standing``).
-        joining_peers: returns the ids of peers whose heartbeat says they are still joining (no state yet):
-            a lone node takes no solo outer steps while one joins (``_joiner_waited_for``).
+        joining_peers: returns the ids of peers still joining (the daemon: a heartbeat without state, or a state
+            download this node serves): a lone node takes no solo outer steps while one joins
+            (``_joiner_waited_for``).
     """
 
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
@@ -796,7 +797,7 @@ class SwarmTransport(Transport):
         return not self._live() and not self._joiner_waited_for() and time.monotonic() - self._peer_seen_at >= ALONE_S
 
     def _joiner_waited_for(self) -> bool:
-        """Whether a peer is joining (a heartbeat without state) since less than ``JOIN_WAIT_S``: a lone node
+        """Whether a peer is joining (``joining_peers``) since less than ``JOIN_WAIT_S``: a lone node
         then takes no solo steps, so the state the joiner is downloading stays the swarm's newest. A bench run at
         5 Mbit/s: the first node took 7 solo outer steps during the joiners' 45 s download of v1, and the
         swarm then spent its first minute downloading states back and forth between the two lineages. The
