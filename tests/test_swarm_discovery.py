@@ -191,6 +191,54 @@ def test_dhts_find_each_other_and_identity_persists(tmp_path, capsys):
     assert not _unbound_new_sockets(before_files)
 
 
+@pytest.mark.timeout(60)
+def test_an_identity_locked_by_another_process_is_refused_at_once_and_freed_when_it_dies(tmp_path):
+    """Two nodes on one machine with one state directory: the second is refused before it starts a p2pd
+    (a lock on the identity file, freed by the kernel when the holder dies), without relying on
+    hivemind's probe of the swarm. A forked child of the holder does not keep the lock."""
+    key = tmp_path / "node.key"
+    first = start_dht([], identity_path=key)  # creates the key; this process holds its lock
+    first.shutdown()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import os, sys, time
+            from pathlib import Path
+            from locoswarm.node.swarm.dht import _lock_identity, _unlock_identity
+            fd = _lock_identity(Path({str(key)!r}))
+            if os.fork() == 0:  # a child forked while the lock is held must not keep it
+                time.sleep(30)
+                os._exit(0)
+            if sys.stdin.readline().strip() == "unlock":
+                _unlock_identity(fd)
+                print("unlocked", flush=True)
+            sys.stdin.readline()
+            """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # wait until the holder has the lock (a refusal), never longer than the deadline
+            before_p2pd = set(_p2pds_of(os.getpid()))
+            t0 = time.monotonic()
+            try:
+                dht = start_dht([], identity_path=key, attempts=1)
+            except UserError as exc:
+                assert "already used by another running node" in str(exc) and str(key) in str(exc)
+                assert time.monotonic() - t0 < 1.0 and set(_p2pds_of(os.getpid())) == before_p2pd
+                break
+            dht.shutdown()
+            assert time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.1)
+        holder.stdin.write("unlock\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "unlocked"
+        # the holder and its forked child still live; the lock is free
+        dht = start_dht([], identity_path=key, attempts=1)
+        dht.shutdown()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+
+
 @pytest.mark.timeout(30)
 def test_unreachable_bootstrap_gives_up_with_clear_lines(tmp_path):
     before_p2pd, before_files = set(_p2pds_of(os.getpid())), set(glob.glob(SOCKETS))

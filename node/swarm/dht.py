@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import ipaddress
 import os
@@ -202,6 +203,55 @@ def _kill_dht(dht: hivemind.DHT, p2pds: dict[int, int], before: set[int], files:
 
 _DHT_CLASS: type | None = None
 
+# Identity files this process holds locked (open fds). Every forked child closes its copies: only this
+# process's fd keeps the lock, so a DHT shut down here frees its identity even while other children of
+# the node (another DHT's process, a data worker) live on.
+_IDENTITY_LOCKS: set[int] = set()
+
+
+def _drop_identity_locks_in_child() -> None:
+    for fd in _IDENTITY_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _IDENTITY_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_identity_locks_in_child)
+
+
+def _identity_in_use(identity_path: Path) -> UserError:
+    return UserError(f"the identity {identity_path} (peer id {_identity_peer_id(identity_path)}) is "
+                     f"already used by another running node; stop that node or give this one its "
+                     f"own state directory")
+
+
+def _lock_identity(identity_path: Path) -> int | None:
+    """Lock the identity file for this process (flock, freed by the kernel when the process dies):
+    two nodes on one machine with one state directory are refused at once, without hivemind's probe,
+    which asks the swarm whether the peer id answers and can miss a peer that just (re)joined. Returns
+    the fd to :func:`_unlock_identity` later; None where the file or its file system has no lock."""
+    try:
+        fd = os.open(identity_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise _identity_in_use(identity_path) from None
+    except OSError:  # no locks here (some network file systems): hivemind's probe is all there is
+        os.close(fd)
+        return None
+    _IDENTITY_LOCKS.add(fd)
+    return fd
+
+
+def _unlock_identity(fd: int | None) -> None:
+    if fd is not None and fd in _IDENTITY_LOCKS:
+        _IDENTITY_LOCKS.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
 
 def _kill_own_group(signum: int, frame: object) -> None:
     """The DHT child's end when the node died: SIGKILL the rest of its group (p2pd), remove the files they
@@ -242,7 +292,20 @@ def _dht_class() -> type:
         class GroupedDHT(hivemind.DHT):
             def __init__(self, *args, **kwargs) -> None:
                 self._node_pid = os.getpid()  # the parent, recorded before the fork
+                self._identity_lock: int | None = None
                 super().__init__(*args, **kwargs)
+
+            def hold_identity_lock(self, fd: int | None) -> None:
+                """Keep the identity file locked (see :func:`_lock_identity`) until this DHT shuts down."""
+                self._identity_lock = fd
+
+            def shutdown(self) -> None:
+                try:
+                    super().shutdown()
+                finally:
+                    if os.getpid() == self._node_pid:
+                        _unlock_identity(self._identity_lock)
+                        self._identity_lock = None
 
             def run(self) -> None:
                 with contextlib.suppress(OSError):
@@ -355,43 +418,47 @@ def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: in
     if attempts is not None and attempts < 1:
         raise ValueError("attempts must be >= 1 or None")
     candidates = [peers] + ([[p] for p in peers] if len(peers) > 1 else [])
-    attempt, delay = 0, lo
-    while True:
-        attempt += 1
-        errors: dict[str, BaseException | None] = {}
-        last: BaseException | None = None
-        for group in candidates:
-            if port:
-                check_port_free(host, port)
-            dht, exc = _try_start(group, host_maddr, identity_path, stop, start_timeout, dht_kwargs)
-            if dht is not None:
-                if attempt > 1 or group is not candidates[0]:
-                    log(f"bootstrap: joined the swarm via {', '.join(group)} (attempt {attempt})")
-                return dht
-            last = exc
-            if _is_identity_error(exc):
-                raise UserError(f"the identity {identity_path} (peer id {_identity_peer_id(identity_path)}) is "
-                                f"already used by another running node; stop that node or give this one its "
-                                f"own state directory") from None
-            if not peers:
-                raise UserError(f"cannot start the DHT on {host_maddr}: {_short(exc)}") from None
-            for addr in group:
-                errors.setdefault(addr, exc)
-        why = ", ".join(f"{addr} ({_reason(addr, err)})" for addr, err in errors.items())
-        if attempts is not None and attempt >= attempts:
-            log(f"bootstrap: no answer from {why}; giving up (attempt {attempt} of {attempts})")
-            raise UserError(
-                f"could not join the swarm: no bootstrap peer answered after {attempt} attempt(s) "
-                f"({_short(last) if last else 'no details'}); check that a peer runs at "
-                f"{', '.join(peers)} and that the address (with its /p2p/ peer id) is the one it prints, "
-                f"or leave --bootstrap out to start a new swarm")
-        log(f"bootstrap: no answer from {why}; retrying in {delay:.1f} s (attempt {attempt})")
-        if stop is not None:
-            if stop.wait(delay):
-                raise UserError("stopped while joining the swarm")
-        else:
-            time.sleep(delay)
-        delay = min(delay * 2, hi)
+    lock = _lock_identity(identity_path)
+    try:
+        attempt, delay = 0, lo
+        while True:
+            attempt += 1
+            errors: dict[str, BaseException | None] = {}
+            last: BaseException | None = None
+            for group in candidates:
+                if port:
+                    check_port_free(host, port)
+                dht, exc = _try_start(group, host_maddr, identity_path, stop, start_timeout, dht_kwargs)
+                if dht is not None:
+                    if attempt > 1 or group is not candidates[0]:
+                        log(f"bootstrap: joined the swarm via {', '.join(group)} (attempt {attempt})")
+                    dht.hold_identity_lock(lock)
+                    return dht
+                last = exc
+                if _is_identity_error(exc):
+                    raise _identity_in_use(identity_path) from None
+                if not peers:
+                    raise UserError(f"cannot start the DHT on {host_maddr}: {_short(exc)}") from None
+                for addr in group:
+                    errors.setdefault(addr, exc)
+            why = ", ".join(f"{addr} ({_reason(addr, err)})" for addr, err in errors.items())
+            if attempts is not None and attempt >= attempts:
+                log(f"bootstrap: no answer from {why}; giving up (attempt {attempt} of {attempts})")
+                raise UserError(
+                    f"could not join the swarm: no bootstrap peer answered after {attempt} attempt(s) "
+                    f"({_short(last) if last else 'no details'}); check that a peer runs at "
+                    f"{', '.join(peers)} and that the address (with its /p2p/ peer id) is the one it prints, "
+                    f"or leave --bootstrap out to start a new swarm")
+            log(f"bootstrap: no answer from {why}; retrying in {delay:.1f} s (attempt {attempt})")
+            if stop is not None:
+                if stop.wait(delay):
+                    raise UserError("stopped while joining the swarm")
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, hi)
+    except BaseException:
+        _unlock_identity(lock)
+        raise
 
 
 # ---- addresses to share ----
