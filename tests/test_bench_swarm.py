@@ -303,22 +303,28 @@ def test_the_hivemind_row_is_predicted_by_its_own_model_and_the_locoswarm_rows_b
     their own settings and the planner's fixed cost."""
     from locoswarm.node.bench.swarm.cli import _predict
     from locoswarm.node.config import SwarmConfig
-    from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization, utilization
+    from locoswarm.node.plan import (
+        HIVEMIND_LINK_EFFICIENCY,
+        LINK_EFFICIENCY,
+        ROUND_OVERHEAD_S,
+        hivemind_utilization,
+        utilization,
+    )
 
     base = SwarmConfig()
     link = spec.LinkSpec(5e6, 5e6)
     params, step = 1_120_000, 0.27
     hive = {"settings": {"optimizer": "hivemind.Optimizer"}, "nodes": [{"step_time_s": step}, {"step_time_s": None}]}
     _predict(hive, spec.config_for("recommended", base), params, link, 4, utilization)
-    model = hivemind_utilization(params, step, 5e6 * LINK_EFFICIENCY, h=base.outer.h, workers=4)
+    model = hivemind_utilization(params, step, 5e6 * HIVEMIND_LINK_EFFICIENCY, h=base.outer.h, workers=4)
     assert hive["predicted"] == pytest.approx(model) and hive["nodes"][0]["predicted"] == pytest.approx(model)
     assert hive["nodes"][1]["predicted"] is None  # no step time measured: no prediction
     # the wait: 1.5 x 32 bits x 1.12M parameters at 2.5 Mbit/s = 21.5 s, longer than the 13.5 s of an
     # epoch's steps: the epoch lasts the wait and a step, and the peer computes for that one step
-    wait = 1.5 * 32 * params / (5e6 * LINK_EFFICIENCY)
+    wait = 1.5 * 32 * params / (5e6 * HIVEMIND_LINK_EFFICIENCY)
     assert model == pytest.approx(step / (wait + step))
     # on a link where the wait is shorter than the epoch's steps, it takes its share of the epoch
-    fast = hivemind_utilization(params, step, 20e6 * LINK_EFFICIENCY, h=base.outer.h, workers=4)
+    fast = hivemind_utilization(params, step, 20e6 * HIVEMIND_LINK_EFFICIENCY, h=base.outer.h, workers=4)
     assert fast == pytest.approx(1 - wait / 4 / (base.outer.h * step))
     diloco = {"settings": {"h": base.outer.h}, "nodes": [{"step_time_s": step}]}
     _predict(diloco, spec.config_for("diloco", base), params, link, 4, utilization)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.plan import LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization
+from locoswarm.node.plan import HIVEMIND_LINK_EFFICIENCY, LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization
 
 HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
@@ -237,8 +237,10 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     rate = link.rate_bps * LINK_EFFICIENCY if link is not None else math.inf  # what a round's transfers get
     latency = link.latency_ms / 1e3 if link is not None else 0.0
     if "optimizer" in (conf.get("settings") or {}):
+        hivemind_rate = link.rate_bps * HIVEMIND_LINK_EFFICIENCY if link is not None else math.inf
+
         def model(step_time: float) -> float:
-            return hivemind_utilization(params, step_time, rate, h=o.h, latency=latency, workers=workers,
+            return hivemind_utilization(params, step_time, hivemind_rate, h=o.h, latency=latency, workers=workers,
                                         block_size=o.block_size)
     else:
         # the overlap the node really has: its late window (a slow round is waited for only at its end)
