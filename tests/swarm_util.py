@@ -70,6 +70,10 @@ class NodeProc:
                                       *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.pgid = self.proc.pid
+        # IPC files of this node's processes recorded before a SIGKILL of its group (which takes its
+        # watchdog too); stop() removes them once every process is dead
+        self._killed_pids: list[int] = []
+        self._killed_files: set[str] = set()
 
     def status(self) -> dict:
         try:
@@ -105,6 +109,12 @@ class NodeProc:
         return pids
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        if sig == signal.SIGKILL and self.proc.poll() is None:
+            from locoswarm.node.swarm.process import ipc_files
+
+            pids = [self.proc.pid, *self.descendants()]
+            self._killed_pids += pids
+            self._killed_files |= ipc_files(pids)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
 
@@ -153,6 +163,7 @@ class NodeProc:
         while self.group_alive() and time.monotonic() < deadline:
             self.kill(signal.SIGKILL)
             time.sleep(0.2)
+        pids, files = pids + self._killed_pids, files | self._killed_files
         if pids:
             cleanup_ipc_files(pids, files, retry_s=2.0)
         self.log.close()

@@ -175,6 +175,85 @@ def test_proxy_delays_each_direction_on_loopback() -> None:
     assert bulk < 2.0
 
 
+@pytest.mark.timeout(60)
+def test_the_proxy_process_stops_on_sigterm_with_connections_open_and_logs_no_traceback() -> None:
+    """The bench stops its proxies with SIGTERM while the nodes' connections are still open: the proxy exits 0
+    and its log (kept with --keep-logs) has no traceback for the connections it closes."""
+    import signal
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        port = upstream.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            pport = probe.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "locoswarm.node.bench.swarm.proxy", "--listen",
+                                 f"127.0.0.1:{pport}", "--target", f"127.0.0.1:{port}", "--delay-ms", "20"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        conns = []
+        try:
+            assert "proxy listening" in proc.stdout.readline()
+            for _ in range(3):
+                c = socket.create_connection(("127.0.0.1", pport), timeout=5)
+                c.sendall(b"x" * 1000)
+                conns.append(c)
+                upstream.settimeout(5)
+                conns.append(upstream.accept()[0])
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=20)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            for c in conns:
+                c.close()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "Exception" not in out, out
+
+
+@pytest.mark.timeout(60)
+def test_the_ipc_files_of_a_process_in_another_network_namespace_are_found_and_removed(tmp_path) -> None:
+    """A bench node lives in a network namespace of its own, so its unix sockets are listed only in that
+    namespace's /proc/net/unix, while their files lie in the shared /tmp. The bench records them through the
+    node's pid and removes them once it is dead (hivemind.Optimizer peers left their p2pclient sockets)."""
+    import shutil
+    import signal
+    import uuid
+
+    from locoswarm.node.swarm.process import cleanup_ipc_files, ipc_files
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    path = f"/tmp/hivemind-p2pclient-test-{uuid.uuid4().hex[:12]}.sock"
+    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+            "print('bound', flush=True); time.sleep(60)")
+    proc = subprocess.Popen(["unshare", "--net", sys.executable, "-c", code, path], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    files: set[str] = set()
+    try:
+        line = proc.stdout.readline()
+        if "bound" not in line:
+            proc.wait(10)
+            pytest.skip(f"cannot make a network namespace here: {line.strip() or proc.returncode}")
+        with open("/proc/net/unix") as fh:
+            assert path not in fh.read()  # not visible from this namespace
+        files = ipc_files([proc.pid])
+        assert path in files
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    try:
+        assert os.path.exists(path)  # a killed process leaves its socket file
+        cleanup_ipc_files([proc.pid], files)
+        assert not os.path.exists(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 # ---- one short real run ----------------------------------------------------------------------------
 
 

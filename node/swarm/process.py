@@ -177,6 +177,7 @@ def ipc_files(pids: Iterable[int]) -> set[str]:
     pids = list(pids)
     files: set[str] = set()
     inodes: set[str] = set()
+    tables: dict[str, list[tuple[str, str]]] = {}  # network namespace -> its bound unix sockets
     for pid in pids:
         for arg in _cmdline(pid):
             if arg.startswith("-listen=/unix/"):
@@ -189,19 +190,27 @@ def ipc_files(pids: Iterable[int]) -> set[str]:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith("socket:["):
                         inodes.add(target[8:-1])
+        # A process in another network namespace (a `bench swarm` node) lists its unix sockets only in its
+        # own namespace's table, though their files lie in the shared /tmp: read the table through the pid.
+        with contextlib.suppress(OSError):
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            if ns not in tables:
+                tables[ns] = _unix_sockets(pid)
         files.update(glob.glob(f"/dev/shm/torch_{pid}_*"))
     if inodes:
-        for inode, path in _unix_sockets():
-            if inode in inodes and path.startswith(_HIVEMIND_SOCKET_PREFIX):
-                files.add(path)
+        for table in tables.values() or [_unix_sockets()]:
+            for inode, path in table:
+                if inode in inodes and path.startswith(_HIVEMIND_SOCKET_PREFIX):
+                    files.add(path)
     return files
 
 
-def _unix_sockets() -> list[tuple[str, str]]:
-    """``(inode, path)`` of bound unix sockets (from /proc/net/unix)."""
+def _unix_sockets(pid: int | None = None) -> list[tuple[str, str]]:
+    """``(inode, path)`` of bound unix sockets in this process's network namespace (/proc/net/unix), or in
+    ``pid``'s (/proc/<pid>/net/unix)."""
     out = []
     try:
-        with open("/proc/net/unix") as fh:
+        with open(f"/proc/{pid}/net/unix" if pid is not None else "/proc/net/unix") as fh:
             next(fh, None)
             for line in fh:
                 parts = line.split()

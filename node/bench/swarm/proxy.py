@@ -135,6 +135,10 @@ class DelayProxy:
                  DelayPipe(upstream_r, client_w, self.delay, self.max_buffer, abort))
         try:
             await asyncio.gather(*(p.run() for p in pipes))
+        except asyncio.CancelledError:
+            # The proxy is shutting down (asyncio.run cancels the connections' tasks). Ending this top-level task
+            # normally keeps asyncio's streams callback from logging a traceback for every open connection.
+            abort()
         finally:
             self.bytes += sum(p.bytes for p in pipes)
             for w in (client_w, upstream_w):
