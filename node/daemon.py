@@ -343,7 +343,7 @@ class Node:
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
             standing_members=cfg.network.standing_members,
-            joining_peers=self._joining_peers)
+            joining_peers=self._joining_peers, serving_peers=self._serving_peers)
         self.transport.counters = self.counters
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
                                expected_group_size=cfg.network.group_size,
@@ -648,11 +648,14 @@ class Node:
         return self.compute_seconds / max(1, self.local_step) * self.opts.throttle
 
     def _joining_peers(self) -> list[str]:
-        """Peers joining now: a heartbeat without state, or a download this node serves (it shows before the
-        downloader's heartbeat reaches this node's table). A lone node takes no solo step meanwhile, so the state
-        they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
-        joining = [p for p, hb in self.peer_table.items() if not hb.has_state]
-        return joining + (self.state_server.downloading_peers() if self.state_server is not None else [])
+        """Peers joining now by their heartbeats: no state yet. A lone node takes no solo step meanwhile, so the
+        state they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
+        return [p for p, hb in self.peer_table.items() if not hb.has_state]
+
+    def _serving_peers(self) -> list[str]:
+        """Peers this node serves a state download now (they show before the downloader's heartbeat reaches
+        this node's table); no solo step while one lasts (``SwarmTransport._joiner_waited_for``)."""
+        return self.state_server.downloading_peers() if self.state_server is not None else []
 
     def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
         """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.

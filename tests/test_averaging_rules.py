@@ -395,8 +395,9 @@ def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(mo
     clock = [100.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
     joining: list[str] = []
+    serving: list[str] = []
     stub = SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining), _peer_seen_at=float("-inf"),
-                           _joining_since={})
+                           _joining_since={}, serving_peers=lambda: list(serving))
     stub._live = lambda: SwarmTransport._live(stub)
     stub._joiner_waited_for = lambda: SwarmTransport._joiner_waited_for(stub)
     assert SwarmTransport._alone(stub)
@@ -410,3 +411,9 @@ def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(mo
     assert not SwarmTransport._alone(stub) and len(stub._joining_since) == averaging.MAX_JOINERS
     joining.clear()
     assert SwarmTransport._alone(stub) and stub._joining_since == {}, "peers that stopped joining are forgotten"
+    # a download this node serves holds it back as long as it lasts (a big state on a slow link takes minutes)
+    serving.append("QmDownloader")
+    clock[0] += 10 * averaging.JOIN_WAIT_S
+    assert not SwarmTransport._alone(stub), "a download served now: no solo step, however long it takes"
+    serving.clear()
+    assert SwarmTransport._alone(stub), "the download ended: solo steps again"

@@ -513,9 +513,10 @@ class SwarmTransport(Transport):
         subkey: this node's owner subkey for its match entries (default: built from the DHT's identity).
         standing_members: a merged round's member list stands for the fragment's next round while this
             node's view of the swarm is unchanged: that round skips the DHT (``locoswarm.node.swarm.standing``).
-        joining_peers: returns the ids of peers still joining (the daemon: a heartbeat without state, or a state
-            download this node serves): a lone node takes no solo outer steps while one joins
-            (``_joiner_waited_for``).
+        joining_peers: returns the ids of peers still joining (the daemon: a heartbeat without state): a lone node
+            takes no solo outer steps while one joins, for at most ``JOIN_WAIT_S`` (``_joiner_waited_for``).
+        serving_peers: returns the ids of peers this node serves a state download now: no solo outer steps while
+            one lasts, however long (the download's own limits end a stalled one).
     """
 
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
@@ -531,7 +532,8 @@ class SwarmTransport(Transport):
                  reputation=None,
                  max_weight: Callable[[str, float], float] | None = None,
                  subkey: str | None = None, standing_members: bool = True,
-                 joining_peers: Callable[[], list[str]] | None = None) -> None:
+                 joining_peers: Callable[[], list[str]] | None = None,
+                 serving_peers: Callable[[], list[str]] | None = None) -> None:
         self.runtime = runtime
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
@@ -570,6 +572,7 @@ class SwarmTransport(Transport):
         self.no_shows = NoShows()
         self._peer_seen_at = -math.inf  # monotonic time a live peer was last seen (see ``_alone``)
         self.joining_peers = joining_peers or (lambda: [])
+        self.serving_peers = serving_peers or (lambda: [])
         self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
         self.standing = StandingMembers(standing_members)
         self._tasks: set[asyncio.Task] = set()
@@ -797,11 +800,19 @@ class SwarmTransport(Transport):
         return not self._live() and not self._joiner_waited_for() and time.monotonic() - self._peer_seen_at >= ALONE_S
 
     def _joiner_waited_for(self) -> bool:
-        """Whether a peer is joining (``joining_peers``) since less than ``JOIN_WAIT_S``: a lone node
-        then takes no solo steps, so the state the joiner is downloading stays the swarm's newest. A bench run at
-        5 Mbit/s: the first node took 7 solo outer steps during the joiners' 45 s download of v1, and the
-        swarm then spent its first minute downloading states back and forth between the two lineages. The
-        bound keeps a heartbeat that never gets state (a stuck or hostile peer) from stopping it for good."""
+        """Whether a peer is joining: this node serves it a state download now (``serving_peers``), or its
+        heartbeat shows no state (``joining_peers``) since less than ``JOIN_WAIT_S``. A lone node then takes no
+        solo steps, so the state the joiner is downloading stays the swarm's newest. A bench run at 5 Mbit/s:
+        the first node took 7 solo outer steps during the joiners' 45 s download of v1, and the swarm then spent
+        its first minute downloading states back and forth between the two lineages. The bound keeps a
+        heartbeat that never gets state (a stuck or hostile peer) from stopping it for good. A download this
+        node serves has no such bound: it lasts as long as the state's size and the link make it (three joiners
+        of the small preset, 208 MB each, took 4 minutes at 20 Mbit/s, and the first node's solo steps after
+        120 s left them a lineage behind: every round of blocking DiLoCo in that bench failed), and a stalled
+        one ends by the stream's own idle timeout. A peer that keeps a download going only delays the lone
+        node's outer steps; its inner steps go on, and their progress is carried to its next outer step."""
+        if self.serving_peers():
+            return True
         now = time.monotonic()
         joining = set(self.joining_peers())
         for peer in [p for p in self._joining_since if p not in joining]:
