@@ -577,3 +577,22 @@ def test_real_daemon_leaves_when_asked_then_status_says_no_node(daemon):
                                                          f"{daemon.control} ")
     with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics}/", timeout=2):
         raise AssertionError("metrics still served after the node left")
+
+
+def test_repeated_failures_and_drops_are_one_row_each_and_a_join_stays_in_sight() -> None:
+    """Beside a silent peer every round fails and every fourth failure drops the carried progress: those repeat
+    with the same reason and are summed up in one row per reason, so the join before them stays among the rows."""
+    from locoswarm.node.control.tui import _event_rows
+
+    events = [StatusEvent(time=1.0, kind="peer_joined", detail="QmPeer joined", clock=1)]
+    for i in range(20):
+        events.append(StatusEvent(time=2.0 + i, kind="failed", detail=f"fragment {i % 2} round v0: no peer in group",
+                                  clock=2 + i, fragment=i % 2, round=i, version=0))
+        if i % 4 == 3:
+            events.append(StatusEvent(time=2.5 + i, kind="dropped", fragment=i // 4 % 2, clock=2 + i, version=0,
+                                      detail=f"fragment {i // 4 % 2} round v0: 4 rounds in a row failed: the local "
+                                             f"progress they carried is dropped (theta <- phi)"))
+    rows = _event_rows(events, limit=8)
+    assert [(kind, count) for _, kind, count, _ in rows] == [("peer_joined", 1), ("failed", 20), ("dropped", 5)]
+    assert rows[1][3] == "no peer in group (fragments 0, 1)"
+    assert rows[2][3].startswith("4 rounds in a row failed") and rows[2][3].endswith("(fragments 0, 1)")

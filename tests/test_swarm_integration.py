@@ -160,9 +160,12 @@ def _three_then_four(swarm: Swarm) -> None:
 def test_a_joiner_with_bf16_momentum_downloads_a_quarter_less_and_stays_with_the_swarm(tmp_path):
     """``network.state_momentum = "bf16"`` on the joiner alone (a per-node setting): its download carries 6 bytes
     per parameter instead of 8, it rounds with the others, and its phi stays within bf16 rounding of theirs."""
-    swarm = Swarm(tmp_path, outer={"h": 16, "tau": 2, "consensus_every": 0})
-    half = write_config(tmp_path / "bf16.toml", outer={"h": 16, "tau": 2, "consensus_every": 0},
-                        network={"state_momentum": "bf16"})
+    # H = 320: a fragment's version then holds for seconds, longer than the 2 s between two status.json writes
+    # of a node (its heartbeat interval), so the three nodes' snapshots meet at equal versions. With H = 16 a CI
+    # run's nodes moved 3-4 versions a second and the check never saw all three at one version in 90 s.
+    outer = {"h": 320, "tau": 2, "consensus_every": 0}
+    swarm = Swarm(tmp_path, outer=outer)
+    half = write_config(tmp_path / "bf16.toml", outer=outer, network={"state_momentum": "bf16"})
     try:
         pair = [swarm.start("n0"), swarm.start("n1")]
         for node in pair:

@@ -277,14 +277,16 @@ class _Failures:
 
 def _event_rows(events: Sequence[StatusEvent], limit: int) -> list[tuple[float, str, int, str]]:
     """``(time, kind, count, detail)`` rows, oldest first: joins, leaves and other news one by one; failed
-    rounds grouped by reason (alone or with a slow swarm they repeat every round and would hide the rest)."""
+    rounds, and the progress dropped after several of them, grouped by reason (alone or with a slow or silent
+    swarm they repeat every round and would hide the rest: in a CI run, `status --once` beside a silent peer
+    no longer showed that peer's join, its last row a "dropped" one)."""
     rows: list[tuple[float, str, int, str]] = []
     failures: dict[tuple[str, str], _Failures] = {}
     for e in events:
         kind = event_kind(e)
         if kind in QUIET_KINDS:
             continue
-        if kind in ("failed", "timed_out"):
+        if kind in ("failed", "timed_out", "dropped"):
             reason = e.detail.split(": ", 1)[1] if ": " in e.detail else e.detail
             group = failures.setdefault((kind, reason), _Failures())
             group.count += 1
