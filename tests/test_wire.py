@@ -191,6 +191,38 @@ def test_round_trip_of_a_stream_and_of_one_message(net):
         net.run(server.stop())
 
 
+def test_the_server_closes_last_and_holds_a_silent_peers_stream_a_bounded_time(net):
+    """After its END the server keeps the stream until the client closes it (a stream p2pd resets on the
+    server's close can lose the last frames), and no longer than LINGER_TIMEOUT when the client never does."""
+    server = _serve(net, _echo)
+
+    async def read_to_end(reader: asyncio.StreamReader) -> list:
+        return [m async for m in wire.RequestStream(reader, swarm_pb2.StateChunk, 4096, 5.0)]
+
+    async def one_stream(close_after: float) -> tuple[list, float, float]:
+        reader, writer = await net.raw_stream(server.name)
+        await wire.write_message(writer, swarm_pb2.StateRequest(fragment=5))
+        await wire.write_end(writer)
+        replies = await read_to_end(reader)  # up to and including the server's END
+        t_end = time.monotonic()
+        await asyncio.sleep(close_after)
+        held = server.open_streams(net.client_id)  # still served while this client keeps its end open
+        writer.close()
+        while server.open_streams(net.client_id) and time.monotonic() - t_end < 10:
+            await asyncio.sleep(0.01)
+        return replies, held, time.monotonic() - t_end
+
+    try:
+        replies, held, gone = net.run(one_stream(close_after=0.5), timeout=30)
+        assert [r.fragment for r in replies] == [5]
+        assert held == 1, "the server closed first"
+        assert gone < 0.5 + 1.0  # released once the client closed, not at the linger bound
+        replies, held, gone = net.run(one_stream(close_after=wire.LINGER_TIMEOUT + 1.0), timeout=30)
+        assert [r.fragment for r in replies] == [5] and held == 0  # a client that never closes: let go
+    finally:
+        net.run(server.stop())
+
+
 def test_frames_are_hivemind_frames(net):
     """The framing is hivemind's: its own writer's frames parse, and its reader parses ours."""
 

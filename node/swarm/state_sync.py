@@ -335,10 +335,7 @@ class StateServer:
             refusal = self._unservable(request, snap)
         if refusal is not None:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
-            # Read to the client's END (or its close) first: a stream closed with unread data is reset, and the
-            # refusal went with it (a loaded CI run: "stream closed without an end marker" instead of "not-live").
-            await _read_to_end(requests, wire.LINGER_TIMEOUT)
-            return
+            return  # the wire writes END and holds the stream until the client has closed it
         assert snap is not None
         # Closed here, not left to the garbage collector: its end gives back the shared credit it holds.
         async with contextlib.aclosing(self._chunks(remote, request, snap, requests)) as chunks:
@@ -777,14 +774,6 @@ class StateClient:
             except Exception as exc:
                 log.debug("state: on_bad failed: %r", exc)
         return f"{kind}: {detail}"
-
-
-async def _read_to_end(requests: AsyncIterator[swarm_pb2.StateRequest], timeout: float) -> None:
-    """Drop what a client still sends on a stream, until its END or close, at most ``timeout`` seconds."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(timeout):
-            async for _ in requests:
-                pass
 
 
 def _loop_deadline(monotonic_deadline: float) -> float:

@@ -53,8 +53,9 @@ MAX_ERROR_FRAME = 4096
 MAX_ERROR_TEXT = 200
 # Writing a refusal to a peer we are dropping must never block us for long.
 REFUSAL_WRITE_TIMEOUT = 5.0
-# After a refusal, what the peer still sends is read and dropped until it closes (bounded): closing a
-# socket with unread data resets the stream, and the reset can overtake the refusal on its way out.
+# After a refusal or the END of a stream, what the peer still sends is read and dropped until it closes
+# (bounded): the server closes last, because a stream that p2pd resets on our close (unread data, or its
+# pipe still reading) can lose the last frames on their way out.
 LINGER_TIMEOUT = 2.0
 # A stream of a peer the gatekeeper refuses (banned) is held this long, unread, before its refusal is
 # written and it is closed: closed at once, a flooder opens the next one at once (measured: ~680 streams/s
@@ -295,7 +296,8 @@ class WireServer:
     """One registered stream handler with bounded requests and capped concurrent streams.
 
     For each incoming stream it calls ``handler(remote, requests)`` (``remote``: the authenticated
-    libp2p peer id) and writes each reply it yields, then an END frame. A :class:`WireError` that
+    libp2p peer id) and writes each reply it yields, then an END frame, and holds the stream until the
+    peer closes it (at most ``LINGER_TIMEOUT``). A :class:`WireError` that
     escapes the handler is sent to the peer as an error frame; any other failure is logged at debug
     and answered with a generic error. The stream is closed in every case and no exception reaches
     hivemind's tasks.
@@ -386,8 +388,18 @@ class WireServer:
         await self._send_refusal(reason, reader, writer)
 
     async def _send_refusal(self, text: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Write an error frame, then linger (bounded, and only while few streams do) so it arrives."""
+        """Write an error frame, then linger so that it arrives."""
         await _try_write_error(writer, text)
+        await self._close_last(reader)
+
+    async def _close_last(self, reader: asyncio.StreamReader) -> None:
+        """Linger until the peer closes (bounded, and only while few streams do), so that this side closes last.
+
+        p2pd resets a stream whose handler socket closes while it still reads from the peer, and the reset
+        can overtake our last frames: the peer saw the stream end with nothing in it (a loaded CI run lost a
+        refusal that way after the request and its END had been read). The client closes as soon as it has
+        read our END or error frame, so the wait is that long.
+        """
         if self._lingering >= self._max_lingering:
             return
         self._lingering += 1
@@ -405,6 +417,7 @@ class WireServer:
                 await self._write_bounded(writer, reply)
             async with asyncio.timeout(self._idle_timeout):
                 await write_end(writer)
+            await self._close_last(reader)
         except WireError as exc:
             log.debug("%s: stream from %s refused: %s", self.name, remote[:16], exc)
             await self._send_refusal(str(exc), reader, writer)
