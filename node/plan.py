@@ -26,15 +26,17 @@ exchange for the group's last member to reach the slot: at 5 Mbit/s, blocking Di
 The Table 4 calibration below uses O = 0 (the
 paper's datacenter all-reduce has no DHT matchmaking). O delays a sync but does not occupy the link.
 
-Catch-up downloads are left out of the model. A node that missed a round downloads phi and momentum of the
-fragment (8 bytes per parameter in fp32, 6 with ``network.state_momentum = "bf16"``) from a holder, in the
-background and behind the holder's own rounds (``locoswarm.node.swarm.state_sync``). They cost where they cascade:
-at 5 Mbit/s, before a lone node stopped taking solo steps while a peer joins, the version lineages of the first
-node and its joiners were reconciled by 4.5 MB downloads again and again, and the recommended stack measured 0.796
-where this model predicts 1.000 (reports/swarm-final/5mbit). Since then the bench counted 0-2 catch-ups per
-configuration and session (four nodes, 60 s), never a loop, and every row of the recommended stack and of the
-planner's pick stayed within 0.01 of its prediction (reports/swarm-final/README.md), so no term for them is
-fitted: one would rest on a miss rate that those runs do not show.
+*Catch-up.* A node that missed a round downloads phi and momentum of the fragment from a holder
+(``CATCH_UP_STATE_BITS`` = 64 bits per parameter: both in fp32, the ``network.state_momentum`` default; 48 with
+bf16), in the background and behind the holder's own rounds (``locoswarm.node.swarm.state_sync``). It does not
+stall training, but it loads the link: on average ``c = m·(N/F)·64`` bits per sync, with ``m``
+(``--catch-up-rate``, default ``CATCH_UP_RATE`` = 0.01) catch-ups per round a node takes part in. ``m`` is
+measured by ``locoswarm bench swarm`` (``catch_ups`` and rounds per node): 5 catch-ups in 529 node-rounds over the
+tiny-preset sessions of reports/swarm-final/*-e329a4a* (0.0095), every configuration but hivemind's. The Table 4
+calibration below uses m = 0. What the term cannot capture is a cascade: at 5 Mbit/s, before a lone node stopped
+taking solo steps while a peer joins, the version lineages of the first node and its joiners were reconciled by
+4.5 MB downloads again and again, and the recommended stack measured 0.796 where this model predicts 1.000
+(reports/swarm-final/5mbit). The bench counts such loops (``catch_up_loops``); there has been none since.
 
 The bandwidth is the per-worker link rate (bit/s, full duplex); links are assumed symmetric and
 uncontended, so a group is as fast as one link. A round's transfers get only a share ``e``
@@ -65,7 +67,7 @@ the model leaves that bound out: it binds only for rounds more than twice their 
 rather than a link the planner would pick.) Per period::
 
     stall = K · max(0, T_sync − W)
-    wall  = max(C + stall, K · (T_sync − O))    (steady state)
+    wall  = max(C + stall, K · (T_sync − O + c / bandwidth))    (steady state)
     utilization = C / wall
 
 Quantization, dequantization and the outer step / merge are assumed free (cost 0); real runs pay a
@@ -73,8 +75,9 @@ little for them (ALGORITHMS.md §8). Steps have a constant duration; no straggle
 groups.
 
 *Required bandwidth* (closed form). ``utilization ≥ u`` holds iff ``T_sync ≤ T_max`` with
-``T_max = min(W + C·(1/u − 1)/K, C/(u·K) + O)``, so ``bandwidth ≥ r·P / (T_max − 2·L − O)``
-(infinite if the latency and overhead alone exceed T_max).
+``T_max = W + C·(1/u − 1)/K`` and the link keeps pace, ``K·(T_sync − O) + K·c/bandwidth ≤ C/u``, so
+``bandwidth ≥ max(r·P / (T_max − 2·L − O), (r·P + c) / (C/(u·K) − 2·L))`` (infinite if the latency and overhead
+alone leave no room).
 
 *Recommendation.* Settings are evaluated as the node runs them: with the alpha rule, whose round may
 run on past tau until its late window ends (``max_delay = -1``, which a pick sets: h / F steps), so the
@@ -141,6 +144,8 @@ CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
 BLOCK_SIZE = 64  # elements per fp32 codec scale (locoswarm.node.core.codecs default)
 PHASES = 2  # reduce-scatter + all-gather, one latency each
 ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
+CATCH_UP_RATE = 0.01  # m: catch-up downloads per round a node takes part in (measured; see the docstring)
+CATCH_UP_STATE_BITS = 64  # bits per parameter of a catch-up: phi and momentum in fp32 (state_momentum default)
 LINK_EFFICIENCY = 0.65  # e: share of a link's rate a round's transfers get (measured; see the docstring)
 # the same for hivemind's averager (its own transport; fitted on its rows of `bench swarm`, hivemind_utilization)
 HIVEMIND_LINK_EFFICIENCY = 0.5
@@ -297,19 +302,21 @@ class _Period:
     wire_bits: float  # r·P, bits each worker sends per sync
     window: float  # W, seconds a sync may run without stalling
     overhead: float  # O, fixed seconds per sync that do not use the link
+    catch_up_bits: float = 0.0  # bits of catch-up downloads the link carries per sync, on average
 
     @property
     def avg_bandwidth(self) -> float:
-        """Bit/s the syncs send on average over the compute time."""
-        return self.syncs * self.wire_bits / self.compute
+        """Bit/s the syncs and their catch-ups send on average over the compute time."""
+        return self.syncs * (self.wire_bits + self.catch_up_bits) / self.compute
 
 
 def _period(params: float, step_time: float, *, h: int, fragments: int, tau: float, codec: str,
             workers: int, backward_overlap: float, block_size: int, round_overhead: float,
-            bits: float | None = None) -> _Period:
+            catch_up_rate: float = 0.0, bits: float | None = None) -> _Period:
     payload = params / fragments * (codec_bits(codec, block_size) if bits is None else bits)
+    catch_up = catch_up_rate * params / fragments * CATCH_UP_STATE_BITS if workers > 1 else 0.0
     return _Period(compute=h * step_time, syncs=fragments, wire_bits=ring_factor(workers) * payload,
-                   window=(tau + backward_overlap) * step_time, overhead=round_overhead)
+                   window=(tau + backward_overlap) * step_time, overhead=round_overhead, catch_up_bits=catch_up)
 
 
 def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0, round_overhead: float = 0.0) -> float:
@@ -320,44 +327,47 @@ def sync_time(wire_bits: float, bandwidth: float, latency: float = 0.0, round_ov
 def utilization(params: float, step_time: float, bandwidth: float, *, h: int = 1, fragments: int = 1,
                 tau: float = 0, codec: str = "fp32", latency: float = 0.0, workers: int = DEFAULT_WORKERS,
                 backward_overlap: float = 0.0, block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
-                bits: float | None = None) -> float:
+                catch_up_rate: float = 0.0, bits: float | None = None) -> float:
     """Compute utilization in [0, 1] of a schedule (see the module docstring for the model).
 
     ``h`` inner steps per period, ``fragments`` syncs of ``params / fragments`` parameters per period,
     each overlapping ``tau`` inner steps; ``bandwidth`` in bit/s, ``latency``, ``step_time`` and
     ``round_overhead`` (O, fixed per sync) in seconds. ``h=1, fragments=1, tau=0`` is data-parallel.
+    ``catch_up_rate`` (m): catch-up downloads per round, which load the link but do not stall training.
     ``bits``: wire bits per parameter where they depend on the model's shapes (``lowrank_bits``).
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead,
+                catch_up_rate=catch_up_rate, bits=bits)
     if p.wire_bits == 0:  # a single worker: nothing to send
         return 1.0
     t_sync = sync_time(p.wire_bits, bandwidth, latency, p.overhead)
-    wall = max(p.compute + p.syncs * max(0.0, t_sync - p.window), p.syncs * (t_sync - p.overhead))
+    link_busy = t_sync - p.overhead + p.catch_up_bits / bandwidth  # seconds of link per sync
+    wall = max(p.compute + p.syncs * max(0.0, t_sync - p.window), p.syncs * link_busy)
     return p.compute / wall
-
-
-def _max_sync_time(p: _Period, target: float) -> float:
-    """Longest sync (seconds, overhead included) that still reaches ``target`` utilization."""
-    budget = p.compute * (1.0 / target - 1.0) / p.syncs
-    return min(p.window + budget, p.compute / (target * p.syncs) + p.overhead)
 
 
 def required_bandwidth(params: float, step_time: float, *, target: float = DEFAULT_TARGET, h: int = 1,
                        fragments: int = 1, tau: float = 0, codec: str = "fp32", latency: float = 0.0,
                        workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, bits: float | None = None) -> float:
+                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, catch_up_rate: float = 0.0,
+                       bits: float | None = None) -> float:
     """Smallest bandwidth (bit/s) at which the schedule reaches ``target`` utilization.
 
-    Closed form of the model: ``r·P / (T_max − 2·L − O)``; ``math.inf`` when latency and overhead alone
-    prevent it.
+    Closed form of the model: the larger of what a sync's stall budget needs, ``r·P / (W + C·(1/u − 1)/K − 2·L
+    − O)``, and what the link's pace needs, ``(r·P + c) / (C/(u·K) − 2·L)`` with ``c`` the catch-up bits per
+    sync; ``math.inf`` when latency and overhead alone prevent it.
     """
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead,
+                catch_up_rate=catch_up_rate, bits=bits)
     if p.wire_bits == 0:
         return 0.0
-    room = _max_sync_time(p, target) - PHASES * latency - p.overhead
-    return p.wire_bits / room if room > 0 else math.inf
+    stall_room = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency - p.overhead
+    pace_room = p.compute / (target * p.syncs) - PHASES * latency
+    if stall_room <= 0 or pace_room <= 0:
+        return math.inf
+    return max(p.wire_bits / stall_room, (p.wire_bits + p.catch_up_bits) / pace_room)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,11 +392,13 @@ class Row:
 
 def _row(method: str, params: float, step_time: float, bandwidth: float, *, h: int, fragments: int,
          tau: int, codec: str, target: float, latency: float, workers: int, backward_overlap: float,
-         block_size: int, round_overhead: float, bits: float | None = None) -> Row:
+         block_size: int, round_overhead: float, catch_up_rate: float, bits: float | None = None) -> Row:
     kw = dict(h=h, fragments=fragments, tau=tau, codec=codec, latency=latency, workers=workers,
-              backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
+              backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead,
+              catch_up_rate=catch_up_rate, bits=bits)
     p = _period(params, step_time, h=h, fragments=fragments, tau=tau, codec=codec, workers=workers,
-                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead, bits=bits)
+                backward_overlap=backward_overlap, block_size=block_size, round_overhead=round_overhead,
+                catch_up_rate=catch_up_rate, bits=bits)
     budget = p.window + p.compute * (1.0 / target - 1.0) / p.syncs - PHASES * latency - p.overhead
     return Row(method=method, h=h, fragments=fragments, tau=tau, codec=codec,
                bytes_per_sync=p.wire_bits / 8.0,
@@ -400,7 +412,7 @@ def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = D
                 fragments: int = DEFAULT_FRAGMENTS, tau: int = DEFAULT_TAU, target: float = DEFAULT_TARGET,
                 latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
                 baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
-                lowrank: Sequence[tuple[str, float]] = ()) -> list[Row]:
+                catch_up_rate: float = 0.0, lowrank: Sequence[tuple[str, float]] = ()) -> list[Row]:
     """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm), and
     a diloco-x row (F = 1, tau = H) per ``lowrank`` entry: (codec label, wire bits per parameter)."""
     specs: list[tuple[str, int, int, int, str, float | None]] = [
@@ -414,7 +426,7 @@ def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = D
     ] + [("diloco-x", h, 1, h, label, bits) for label, bits in lowrank]
     return [_row(name, params, step_time, bandwidth, h=rh, fragments=rf, tau=rt, codec=rc, target=target,
                  latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
-                 round_overhead=round_overhead, bits=bits)
+                 round_overhead=round_overhead, catch_up_rate=catch_up_rate, bits=bits)
             for name, rh, rf, rt, rc, bits in specs]
 
 
@@ -464,10 +476,10 @@ def _grid(h_values: tuple[int, ...], f_values: tuple[int, ...], tau_values: tupl
 
 
 def link_load(params: float, step_time: float, bandwidth: float, *, h: int, fragments: int, codec: str,
-              workers: int = DEFAULT_WORKERS, block_size: int = BLOCK_SIZE) -> float:
-    """Average share of the link a schedule's syncs keep busy over its compute time."""
+              workers: int = DEFAULT_WORKERS, block_size: int = BLOCK_SIZE, catch_up_rate: float = 0.0) -> float:
+    """Average share of the link a schedule's syncs and their catch-ups keep busy over its compute time."""
     p = _period(params, step_time, h=h, fragments=fragments, tau=0, codec=codec, workers=workers,
-                backward_overlap=0.0, block_size=block_size, round_overhead=0.0)
+                backward_overlap=0.0, block_size=block_size, round_overhead=0.0, catch_up_rate=catch_up_rate)
     return p.avg_bandwidth / bandwidth
 
 
@@ -488,11 +500,12 @@ def is_spaced(h: int, fragments: int, step_time: float, min_sync_interval: float
 
 def diloco_utilization(params: float, step_time: float, bandwidth: float, *, latency: float = 0.0,
                        workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0) -> float:
+                       block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
+                       catch_up_rate: float = 0.0) -> float:
     """Blocking DiLoCo's predicted utilization (H = DEFAULT_H, one fp32 sync): the floor of a pick."""
     return utilization(params, step_time, bandwidth, h=DEFAULT_H, fragments=1, tau=0, codec="fp32",
                        latency=latency, workers=workers, backward_overlap=backward_overlap,
-                       block_size=block_size, round_overhead=round_overhead)
+                       block_size=block_size, round_overhead=round_overhead, catch_up_rate=catch_up_rate)
 
 
 def hivemind_utilization(params: float, step_time: float, bandwidth: float, *, h: int, latency: float = 0.0,
@@ -528,7 +541,8 @@ def hivemind_utilization(params: float, step_time: float, bandwidth: float, *, h
 
 def recommend(params: float, step_time: float, bandwidth: float, *, target: float = DEFAULT_TARGET,
               latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
-              block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, h_values: tuple[int, ...] = GRID_H,
+              block_size: int = BLOCK_SIZE, round_overhead: float = 0.0, catch_up_rate: float = 0.0,
+              h_values: tuple[int, ...] = GRID_H,
               f_values: tuple[int, ...] = GRID_F, tau_values: tuple[int, ...] = GRID_TAU,
               codecs: tuple[str, ...] = CODECS, min_sync_interval: float = MIN_SYNC_INTERVAL_S,
               min_round_spacing: float = MIN_ROUND_SPACING_S) -> Recommendation:
@@ -549,7 +563,7 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
     none is spaced; ties broken by the same preference) with ``reached=False``.
     """
     kw = dict(latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
-              round_overhead=round_overhead)
+              round_overhead=round_overhead, catch_up_rate=catch_up_rate)
     diloco = diloco_utilization(params, step_time, bandwidth, **kw)
     threshold = max(target, diloco - DILOCO_MARGIN)
     # The link is the bottleneck when blocking DiLoCo cannot reach the target on it: then the narrowest
@@ -563,7 +577,7 @@ def recommend(params: float, step_time: float, bandwidth: float, *, target: floa
         util = utilization(params, step_time, bandwidth, h=h, fragments=f, tau=node_overlap(h, f, tau),
                            codec=codec, **kw)
         load = link_load(params, step_time, bandwidth, h=h, fragments=f, codec=codec, workers=workers,
-                         block_size=block_size)
+                         block_size=block_size, catch_up_rate=catch_up_rate)
         spaced = is_spaced(h, f, step_time, min_sync_interval, min_round_spacing)
         qualifies = util >= threshold * (1 - 1e-12) and load <= LINK_LOAD_MAX and spaced
         if qualifies or best is None or (spaced, util) > best[:2]:
@@ -658,9 +672,10 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     target = parse_fraction(args.target, "--target")
     overlap = parse_fraction(args.backward_overlap, "--backward-overlap", allow_zero=True)
     overhead = parse_seconds(args.round_overhead, "--round-overhead", allow_zero=True)
+    catch_ups = parse_fraction(args.catch_up_rate, "--catch-up-rate", allow_zero=True)
     efficiency = parse_fraction(args.link_efficiency, "--link-efficiency")
     common = dict(target=target, latency=latency, workers=workers, backward_overlap=overlap,
-                  round_overhead=overhead)
+                  round_overhead=overhead, catch_up_rate=catch_ups)
     # modelled on the rate a round's transfers get; capacities reported back as nominal link rates
     usable = bandwidth * efficiency
     rows = [replace(r, required_bandwidth=r.required_bandwidth / efficiency,
@@ -675,10 +690,12 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "inputs": {"params": params, "step_time_s": step_time, "bandwidth_bit_s": bandwidth,
                    "latency_s": latency, "workers": workers, "h": h, "fragments": fragments, "tau": tau,
                    "target": target, "backward_overlap": overlap, "baseline_codec": args.baseline_codec,
-                   "round_overhead_s": overhead, "link_efficiency": efficiency},
+                   "round_overhead_s": overhead, "catch_up_rate": catch_ups, "link_efficiency": efficiency},
         "model": {"ring_factor": ring_factor(workers), "phases_per_sync": PHASES,
                   "codec_bits": {c: codec_bits(c) for c in CODECS}, "quantize_merge_cost_s": 0.0,
-                  "round_overhead_s": overhead, "link_efficiency": efficiency, "link_load_max": LINK_LOAD_MAX,
+                  "round_overhead_s": overhead, "catch_up_rate": catch_ups,
+                  "catch_up_state_bits": CATCH_UP_STATE_BITS, "link_efficiency": efficiency,
+                  "link_load_max": LINK_LOAD_MAX,
                   "diloco_margin": DILOCO_MARGIN},
         "methods": [{**asdict(r), "required_bandwidth": _finite(r.required_bandwidth),
                      "peak_bandwidth": _finite(r.peak_bandwidth)} for r in rows],
@@ -735,7 +752,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
     console.print(f"B/sync: bytes a worker sends per sync (ring factor {ring:.2f}); rates in bit/s: avg = "
                   "bytes over compute time, peak = one sync within its overlap window and stall budget, "
                   f"need = minimum bandwidth for {target:.0%} utilization. Round overhead "
-                  f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), transfers at "
+                  f"{inp['round_overhead_s']:g} s per sync (matchmaking, group formation), "
+                  f"{inp['catch_up_rate']:g} catch-up downloads per sync, transfers at "
                   f"{inp['link_efficiency']:.0%} of the link rate, quantize/merge "
                   f"cost 0, backward overlap {inp['backward_overlap']:g} step. A recommendation keeps the "
                   f"link's average load within {LINK_LOAD_MAX:.0%}, predicts at least blocking DiLoCo's "
@@ -847,6 +865,9 @@ def register(sub: Any) -> None:
                         help="fixed seconds every sync pays besides its bytes: matchmaking, group formation, "
                              f"the last member (default {ROUND_OVERHEAD_S:g}, as measured on 20 Mbit/s links; "
                              "0 for the paper's datacenter model)")
+    parser.add_argument("--catch-up-rate", default=str(CATCH_UP_RATE), metavar="M",
+                        help="catch-up downloads (phi and momentum of a fragment, in the background) per round a "
+                             f"node takes part in (default {CATCH_UP_RATE:g}, as measured; 0 for the paper's model)")
     parser.add_argument("--link-efficiency", default=str(LINK_EFFICIENCY), metavar="E",
                         help="share of the link rate a round's transfers get (default "
                              f"{LINK_EFFICIENCY:g}, as measured on tc-shaped links; 1 for the paper's datacenter "

@@ -175,6 +175,46 @@ def test_required_bandwidth_hits_target_with_a_round_overhead(target: float, ove
     assert utilization(1e8, 0.5, need * 0.99, **schedule) < target
 
 
+@pytest.mark.parametrize("target", [0.5, 0.9, 0.95])
+@pytest.mark.parametrize("catch_ups", [0.01, 0.5])
+def test_required_bandwidth_hits_target_with_catch_ups(target: float, catch_ups: float) -> None:
+    # h=50 F=2 fp4: the link's pace binds (a large m) or the stall budget does (a small one)
+    schedule = dict(h=50, fragments=2, tau=25, codec="fp4", workers=4, round_overhead=1.0, catch_up_rate=catch_ups)
+    need = required_bandwidth(1e8, 0.5, target=target, **schedule)
+    assert math.isfinite(need) and need > 0
+    assert utilization(1e8, 0.5, need, **schedule) == pytest.approx(target, rel=1e-9)
+    assert utilization(1e8, 0.5, need * 0.99, **schedule) < target
+
+
+def test_catch_ups_load_the_link_but_do_not_stall_a_sync() -> None:
+    """A catch-up (phi + momentum of a fragment, 64 bits per parameter) downloads in the background: it
+    costs utilization only where the link's pace binds, by its bytes, never by a stall."""
+    kw = dict(h=100, fragments=4, tau=25, codec="fp4", workers=2)  # 0.5625 s of bytes per sync at 2e8 bit/s
+    assert utilization(1e8, 0.1, 2e8, **kw, catch_up_rate=0.01) == utilization(1e8, 0.1, 2e8, **kw) == 1.0
+    # at 2e7 bit/s a sync's bytes take 5.625 s of the 2.5 s between syncs: the link sets the pace, and m = 0.1
+    # adds 0.1 · 25e6 · 64 / 2e7 = 8 s of catch-up per sync
+    busy = 25e6 * 4.5 / 2e7
+    assert utilization(1e8, 0.1, 2e7, **kw) == pytest.approx(10 / (4 * busy))
+    assert utilization(1e8, 0.1, 2e7, **kw, catch_up_rate=0.1) == pytest.approx(
+        10 / (4 * (busy + 0.1 * 25e6 * plan.CATCH_UP_STATE_BITS / 2e7)))
+    load = plan.link_load(1e8, 0.1, 5e7, h=100, fragments=4, codec="fp4", catch_up_rate=0.1)
+    assert load == pytest.approx(plan.link_load(1e8, 0.1, 5e7, h=100, fragments=4, codec="fp4") * (1 + 0.1 * 64 / 4.5))
+
+
+def test_the_catch_up_rate_is_what_the_bench_measured() -> None:
+    """CATCH_UP_RATE is the catch-ups per node-round that ``locoswarm bench swarm`` counted in the tiny-preset
+    sessions of reports/swarm-final at e329a4a (every configuration but hivemind.Optimizer's)."""
+    catch_ups = rounds = 0
+    for path in sorted((ROOT / "reports" / "swarm-final").glob("*-e329a4a*/results.json")):
+        for name, conf in json.loads(path.read_text())["configs"].items():
+            if name == "hivemind" or "small" in path.parent.name:
+                continue
+            catch_ups += sum(n.get("catch_ups", 0) for n in conf["nodes"])
+            rounds += sum(n.get("rounds_ok", 0) + n.get("rounds_failed", 0) for n in conf["nodes"])
+    assert rounds > 400, rounds  # four sessions of five configurations
+    assert catch_ups / rounds == pytest.approx(plan.CATCH_UP_RATE, rel=0.2)
+
+
 def test_round_overhead_delays_a_sync() -> None:
     kw = dict(h=100, fragments=4, codec="fp4")  # 0.1125 s of bytes per sync at 1 Gbit/s (see above)
     assert utilization(1e8, 0.1, 1e9, tau=2, round_overhead=0.08, **kw) == 1.0  # 0.1925 s <= 2 steps

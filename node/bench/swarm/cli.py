@@ -26,7 +26,13 @@ from pathlib import Path
 
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.plan import HIVEMIND_LINK_EFFICIENCY, LINK_EFFICIENCY, ROUND_OVERHEAD_S, hivemind_utilization
+from locoswarm.node.plan import (
+    CATCH_UP_RATE,
+    HIVEMIND_LINK_EFFICIENCY,
+    LINK_EFFICIENCY,
+    ROUND_OVERHEAD_S,
+    hivemind_utilization,
+)
 
 HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
@@ -182,7 +188,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                         conf["error"] = "no step time measured before the planner's turn (a configuration ran first?)"
                         continue
                     rec = recommend(params, step_time, link.rate_bps * LINK_EFFICIENCY, workers=workers,
-                                    latency=link.latency_ms / 1e3, round_overhead=ROUND_OVERHEAD_S)
+                                    latency=link.latency_ms / 1e3, round_overhead=ROUND_OVERHEAD_S,
+                                    catch_up_rate=CATCH_UP_RATE)
                     pick = spec.PlannerPick(rec.h, rec.fragments, rec.tau, rec.codec, rec.utilization)
                     setup["planner_pick"] = vars(pick)
                     setup["planner_step_time_s"] = step_time
@@ -250,7 +257,7 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
         def model(step_time: float) -> float:
             return utilization(params, step_time, rate, h=o.h, fragments=o.fragments, tau=overlap, codec=o.codec,
                                latency=latency, workers=workers, block_size=o.block_size,
-                               round_overhead=ROUND_OVERHEAD_S)
+                               round_overhead=ROUND_OVERHEAD_S, catch_up_rate=CATCH_UP_RATE)
 
     def predict(step_time: float | None) -> float | None:
         return _finite(model(step_time)) if step_time else None
