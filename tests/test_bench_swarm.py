@@ -111,6 +111,8 @@ def test_window_metrics_and_failure_reasons() -> None:
     assert m["failure_reasons"] == {"peer <peer> sent <n> of <n> reduced chunks": 2}
     assert m["sent_bytes_per_s"] == pytest.approx(2000.0)
     assert m["eval_loss"] == 3.0
+    # a node that made no evaluation after its initial one (slow steps, eval_every not reached) reports none
+    assert node_metrics(before, {**after, "eval_curve": [[0, 5.0]]}, events)["eval_loss"] is None
     assert (m["matchmaking_s"], m["round_s"]) == (pytest.approx(0.3), pytest.approx(1.5))
     assert failure_reason({"kind": "failed", "error": "no peer in group"}) == "no peer in group"
 

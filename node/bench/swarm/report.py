@@ -162,7 +162,8 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "compare it with *vs unshaped*. Rounds: merged and failed syncs over all nodes in the window (*standing*: "
         "rounds that took the last merged round's members without DHT matchmaking); *round s (matchmaking s)*: the "
         "mean wall time of a merged round from its start to its result, and to its member list; failure reasons with "
-        "peer ids and numbers replaced.", "",
+        "peer ids and numbers replaced. *Eval loss*: a node's last periodic evaluation (every `eval_every` local "
+        "steps), '-' for a node that made none after its initial one.", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",

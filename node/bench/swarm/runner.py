@@ -205,7 +205,8 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         # A merged round's wall time: until its member list was decided (the fixed cost) and until done.
         "matchmaking_s": _mean_of(merged, "matchmaking_s"),
         "round_s": _mean_of(merged, "round_s"),
-        "eval_loss": float(curve[-1][1]) if curve else None,
+        # the curve's first point is the evaluation at start: a node too slow to reach eval_every has no other
+        "eval_loss": float(curve[-1][1]) if len(curve) > 1 else None,
         "initial_eval_loss": float(curve[0][1]) if curve else None,
         "loss": after.get("loss"),
     }
