@@ -381,7 +381,24 @@ def test_recommendation_reaches_target_and_is_preferred(params: float, step: flo
             and plan.link_load(params, step, bandwidth, h=h, fragments=f, codec=c) <= plan.LINK_LOAD_MAX
             and plan.is_spaced(h, f, step)]
     link_bound = plan.diloco_utilization(params, step, bandwidth, latency=latency) < 0.95
-    assert min(hits, key=lambda s: _preference_key(*s, link_bound)) == (rec.h, rec.fragments, rec.tau, rec.codec)
+    h, f, tau, codec = min(hits, key=lambda s: _preference_key(*s, link_bound))
+    round_s = plan.sync_time(plan.ring_factor(2) * params / f * plan.codec_bits(codec), bandwidth, latency)
+    if tau < plan.DEFAULT_TAU <= min(h // f, round_s / step):  # a round that outlasts the default tau
+        tau = plan.DEFAULT_TAU
+    assert (h, f, tau, codec) == (rec.h, rec.fragments, rec.tau, rec.codec)
+
+
+def test_the_pick_keeps_the_default_tau_where_a_smaller_one_is_no_fresher() -> None:
+    """The measured 5 Mbit/s swarm (tiny, 0.26 s steps): an fp4 round of half the model lasts 2.2 s, 8 steps,
+    and is merged when it lands whether tau is 0 or 2; the pick keeps the default tau. On a link where a round
+    lasts less than a step, tau = 0 is fresher and stays."""
+    kw = dict(workers=4, round_overhead=plan.ROUND_OVERHEAD_S, catch_up_rate=plan.CATCH_UP_RATE)
+    slow = recommend(1.115e6, 0.26, 5e6 * plan.LINK_EFFICIENCY, **kw)
+    assert (slow.h, slow.fragments, slow.tau, slow.codec, slow.reached) == (50, 2, plan.DEFAULT_TAU, "fp4", True)
+    without = recommend(1.115e6, 0.26, 5e6 * plan.LINK_EFFICIENCY, **kw, tau_values=(0, 1))
+    assert without.tau == 0 and without.utilization == slow.utilization  # the same late window either way
+    fast = recommend(1.115e6, 0.26, 1e11, workers=4)  # no round overhead: a round of microseconds
+    assert fast.tau == 0
 
 
 def test_recommendation_on_a_fast_link_is_plain_and_frequent() -> None:
