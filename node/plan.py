@@ -542,7 +542,7 @@ def hivemind_utilization(params: float, step_time: float, bandwidth: float, *, h
 def _no_staler_default_tau(tau: int, *, h: int, fragments: int, round_steps: float) -> int:
     """``DEFAULT_TAU`` in place of a smaller tau that is no fresher: a round lasting ``round_steps`` inner steps
     is merged when it lands whatever tau below that is (the late window), so tau = 0 and tau = 2 merge a
-    5 Mbit/s round of 10 steps at the same step. The default is the tau the bench has measured most: the pick
+    5 Mbit/s round of about 8 steps at the same step. The default is the tau the bench has measured most: the pick
     H=50 F=2 tau=0 fp4 measured 0.005, 0.002 and 0.013 below the default stack (tau = 2) in three 5 and
     20 Mbit/s sessions of five (reports/swarm-final), within the noise of 60 s windows, but never above it by
     more than 0.002. Utilization does not change: both overlap the late window of h / F steps."""

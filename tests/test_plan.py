@@ -465,6 +465,7 @@ def test_cli_json() -> None:
     assert rec["reached"] is True and rec["utilization"] >= 0.95
     assert set(rec) >= {"h", "fragments", "tau", "codec", "required_bandwidth"}
     assert data["inputs"]["round_overhead_s"] == plan.ROUND_OVERHEAD_S  # the default: what a swarm pays
+    assert data["inputs"]["catch_up_rate"] == plan.CATCH_UP_RATE
     zero = json.loads(_run([*GOOD, "--json", "--round-overhead", "0"]).stdout)
     assert zero["inputs"]["round_overhead_s"] == 0.0
     locoswarm = [m["utilization"] for d in (data, zero) for m in d["methods"] if m["method"] == "dp"]
@@ -473,7 +474,8 @@ def test_cli_json() -> None:
 
 @pytest.mark.parametrize(("flag", "value"), [("--fragments", "0"), ("--tau", "-1"), ("--workers", "1"),
                                                ("--h", "ten"), ("--target", "150%"), ("--step-time", "0"),
-                                               ("--round-overhead", "-1"), ("--round-overhead", "soon")])
+                                               ("--round-overhead", "-1"), ("--round-overhead", "soon"),
+                                               ("--catch-up-rate", "-0.1"), ("--catch-up-rate", "often")])
 def test_cli_bad_flags(flag: str, value: str) -> None:
     args = [*GOOD, flag, value]
     result = _run(args)
