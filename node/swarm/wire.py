@@ -395,10 +395,11 @@ class WireServer:
     async def _close_last(self, reader: asyncio.StreamReader) -> None:
         """Linger until the peer closes (bounded, and only while few streams do), so that this side closes last.
 
-        p2pd resets a stream whose handler socket closes while it still reads from the peer, and the reset
-        can overtake our last frames: the peer saw the stream end with nothing in it (a loaded CI run lost a
-        refusal that way after the request and its END had been read). The client closes as soon as it has
-        read our END or error frame, so the wait is that long.
+        p2pd can reset a stream whose handler socket closes while its pipe still reads from the peer, and the
+        reset can overtake our last frames. That is the best explanation found (not reproduced) for a loaded CI
+        run whose client saw the stream end with nothing in it, where a refusal was due after the request and its
+        END had been read. The client closes as soon as it has read our END or error frame, so the wait is that
+        long.
         """
         if self._lingering >= self._max_lingering:
             return
