@@ -40,7 +40,7 @@ import torch
 from locoswarm.node.config import SwarmConfig, fingerprint
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.state import outer_state_device
-from locoswarm.node.ranks import Flags, RankFailure, RankGroup, launched
+from locoswarm.node.ranks import Command, RankFailure, RankGroup, ThetaSync, launched
 from locoswarm.node.status import (
     ByteStatus,
     ConsensusStatus,
@@ -105,9 +105,8 @@ class Node:
         self.opts = opts
         self.ranks = ranks
         self.world = ranks.world_size if ranks else 1  # ranks training this node: its batch is world x a rank's
-        self._theta_written = False  # since the last sync with the other ranks (see _continue)
+        self.theta_sync: ThetaSync | None = None  # with ranks: theta between rank 0 and the others (_prepare)
         self._inner_gathered_at = 0   # FSDP: the step of the moments in saved_inner (see _gather_inner)
-        self._inner_reset = False
         self.rank_failed = False
         self.fingerprint = fingerprint(cfg)
         self.stop = threading.Event()
@@ -188,26 +187,23 @@ class Node:
         cfg = self.cfg
         try:
             self._prepare()
+            assert self.theta_sync is not None
             engine = self.ranks.engine
-            seed, step = self.ranks.broadcast_start(0, 0)
+            seed, step = self.ranks.broadcast_start(0, 0, layout=self.theta_sync.layout())
             batches = TrainBatches(self.corpus.train, self.ranks.rank, self.world, cfg.inner.batch_size,
                                    cfg.inner.seq_len, seed)
-            engine.push_params(self.model, self.train_model)
+            self.theta_sync.push_all()
             engine.push_inner(self.inner, self.inner)
-            while True:
-                flags = self.ranks.sync(Flags())
-                if flags.changed:
-                    engine.push_params(self.model, self.train_model)
-                if flags.reset_inner:
+            while (command := self.theta_sync.follow()) is not Command.STOP:
+                if command is Command.STEP:
+                    self._inner_step(batches.get(step))
+                    step += 1
+                elif command is Command.RESET_INNER:
                     self.inner.reset_state()
-                if flags.stop:
-                    self._log_digest(step)
-                    engine.pull_inner(self.inner, self.inner)  # rank 0's leave checkpoint
-                    break
-                self._inner_step(batches.get(step))
-                step += 1
-                if self._checkpoint_due(step):
-                    engine.pull_inner(self.inner, self.inner)
+                elif command is Command.GATHER_INNER:
+                    engine.pull_inner(self.inner, self.inner)  # rank 0's checkpoint
+            self._log_digest(step)
+            engine.pull_inner(self.inner, self.inner)  # rank 0's leave checkpoint
         except RankFailure as exc:
             log.error("%s: stopping", exc)
             self.rank_failed = True
@@ -298,6 +294,8 @@ class Node:
         else:
             self.model, self.train_model = self.ranks.engine.place(model, self.device)
         self.fragments = partition(self.model, cfg.outer.fragments)
+        if self.ranks is not None:
+            self.theta_sync = ThetaSync(self.ranks, self.model, self.train_model, [f.names for f in self.fragments])
         self.inner = InnerOptimizer(self.train_model, cfg.inner)
         # What checkpoints save and load: the inner optimizer itself, unless its state is sharded over the
         # ranks (FSDP): then one over rank 0's full model, filled by the engine before each save.
@@ -349,7 +347,8 @@ class Node:
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=max(cfg.network.matchmaking_timeout, MAX_WINDOW_S)
                                + cfg.network.round_timeout + 5,
-                               state_device=outer_state_device(cfg.outer.offload, self._outer_device()))
+                               state_device=outer_state_device(cfg.outer.offload, self._outer_device()),
+                               theta_access=self.theta_sync)
         self.state_server = StateServer(
             self.runtime, self.fingerprint, self.published.get, self.counters,
             is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,
@@ -452,21 +451,24 @@ class Node:
         """Rank 0's data seed, step, theta and inner optimizer state to the other ranks (after resume/join)."""
         if self.ranks is None:
             return
-        self.ranks.broadcast_start(self.data_seed, self.local_step)
-        self.ranks.engine.push_params(self.model, self.train_model)
+        assert self.theta_sync is not None
+        self.ranks.broadcast_start(self.data_seed, self.local_step, layout=self.theta_sync.layout())
+        self.theta_sync.push_all()
         self.ranks.engine.push_inner(self.saved_inner, self.inner)
 
     def _continue(self) -> bool:
         """Whether to make another inner step. With ranks, collective: rank 0's decision reaches every rank,
-        and so does theta when the outer loop wrote it since the last call (``locoswarm.node.ranks``)."""
+        after the fragments the outer loop wrote since the last call (``locoswarm.node.ranks``)."""
         o = self.opts
         stop = self.stop.is_set() or (o.max_steps is not None and self.local_step >= o.max_steps)
-        if self.ranks is not None:
-            flags = self.ranks.sync(Flags(changed=self._theta_written, stop=stop, reset_inner=self._inner_reset))
-            if flags.changed:
-                self.ranks.engine.push_params(self.model, self.train_model)
-            self._theta_written = self._inner_reset = False
-            if stop:  # before the leave's drain, which may write theta on rank 0 alone
+        if self.theta_sync is not None:
+            if not stop:
+                self.theta_sync.step()
+            else:  # before the leave's drain, which may write theta on rank 0 alone
+                self.theta_sync.stop()
+                sync = self.theta_sync
+                log.info("theta between the ranks: pushed %d and gathered %d parameters in %d steps (model %d)",
+                         sync.pushed, sync.gathered, sync.steps, sum(p.numel() for p in self.model.parameters()))
                 self._log_digest(self.local_step)
                 self._gather_inner()  # for the leave checkpoint
         return not stop
@@ -481,20 +483,14 @@ class Node:
         if self.ranks is None:
             return self.inner.step([batch])
         with self.ranks.guard("an inner step"):  # the gradients' all-reduce: a dead rank fails it
-            loss = self.inner.step([batch])
-        self.ranks.engine.pull_params(self.train_model, self.model)  # FSDP: the new theta into rank 0's copy
-        return loss
-
-    def _checkpoint_due(self, step: int) -> bool:
-        """Whether a periodic checkpoint follows inner step ``step`` (every rank asks: with FSDP the
-        optimizer state is gathered for it, a collective)."""
-        every = self.opts.checkpoint_every
-        return bool(every) and step % every == 0
+            return self.inner.step([batch])
 
     def _gather_inner(self) -> None:
-        """The ranks' optimizer state into ``saved_inner`` before a checkpoint (FSDP; else nothing)."""
-        if self.ranks is not None:
-            self.ranks.engine.pull_inner(self.inner, self.saved_inner)
+        """The ranks' optimizer state and theta into rank 0's copies before a checkpoint (FSDP; else
+        nothing)."""
+        if self.theta_sync is not None:
+            self.theta_sync.refresh()
+            self.theta_sync.gather_inner(self.inner, self.saved_inner)
             self._inner_gathered_at = self.local_step
 
     def _outer_device(self) -> torch.device:
@@ -532,7 +528,7 @@ class Node:
             self.loss = loss
             if o.eval_every and self.local_step % o.eval_every == 0:
                 self.eval_curve.append((self.clock, self._evaluate()))
-            if self._checkpoint_due(self.local_step):
+            if o.checkpoint_every and self.local_step % o.checkpoint_every == 0:
                 self._gather_inner()
                 save_checkpoint(o.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                                 meta=self._checkpoint_meta())
@@ -547,16 +543,14 @@ class Node:
                          self.counters.total_sent)
 
     def _on_sync(self, ev) -> None:
-        # Every write of theta by the outer loop comes with an event: the other ranks get theta before
-        # the next step (a "sent" without a write costs one needless broadcast per send).
-        self._theta_written = True
         if ev.kind in ("merged", "caught_up"):
             self._publish(ev.fragment)
         if ev.kind == "sent":
             return
         if ev.kind == "diverged":
             self.inner.reset_state()
-            self._inner_reset = True
+            if self.theta_sync is not None:
+                self.theta_sync.reset_inner()
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
             # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
@@ -588,6 +582,8 @@ class Node:
     def _evaluate(self) -> float:
         from locoswarm.node.data import evaluate
 
+        if self.theta_sync is not None:
+            self.theta_sync.refresh()
         return evaluate(self.model, self.evals, self._outer_device())
 
     def _publish(self, fragment: int) -> None:
@@ -850,7 +846,8 @@ class Node:
             self._on_sync(ev)
         if self.rank_failed and self.saved_inner is not self.inner:
             log.warning("a rank failed: the leave checkpoint holds the AdamW moments of step %d (the last "
-                        "gathered), theta and the outer state of step %d", self._inner_gathered_at, self.local_step)
+                        "gathered), theta as rank 0 last gathered each fragment, and the outer state of step %d",
+                        self._inner_gathered_at, self.local_step)
         save_checkpoint(self.opts.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                         meta=self._checkpoint_meta())
         self.stop.set()

@@ -8,12 +8,20 @@ rank's parameters bit-identical. The swarm sees one peer: rank 0 alone holds the
 the control server, checkpoints and heartbeats; the node's batch is N times a rank's batch.
 
 The one thing DDP does not replicate is the outer loop: a merge, a catch-up or a join writes theta on
-rank 0 only. The protocol that keeps the ranks equal, all collective, between two inner steps:
+rank 0 only. Between two inner steps the other ranks therefore wait for rank 0's commands
+(:class:`Command`, one small broadcast each) and carry them out together with it:
 
-1. rank 0 broadcasts a small flag tensor ``[changed, stop, reset_inner]``;
-2. if ``changed``, rank 0 broadcasts every parameter (theta was written by the outer loop);
-3. if ``reset_inner``, every rank forgets its AdamW moments (rank 0's outer loop saw theta diverge);
-4. if ``stop``, every rank stops together.
+- ``PUSH p``: rank 0's parameters of fragment ``p`` to every rank (the outer loop wrote them);
+- ``GATHER p``: the ranks' latest parameters of fragment ``p`` into rank 0's outer copy (FSDP, below:
+  the outer loop is about to read them);
+- ``RESET_INNER``: every rank forgets its AdamW moments (rank 0's outer loop saw theta diverge);
+- ``GATHER_INNER``: the sharded AdamW state into rank 0's copy, for a checkpoint (FSDP);
+- ``STEP``: every rank makes one inner step; ``STOP``: every rank stops.
+
+:class:`ThetaSync` is rank 0's side of it: the outer loop reports each read and write of a fragment's
+theta (``locoswarm.node.core.state.ThetaAccess``), and a fragment moves between the ranks only when it
+was written (pushed before the next step) or is read while rank 0's copy lags the ranks (gathered
+then). A step's cost is one command broadcast; the outer loop's syncs move only their own fragment.
 
 At the start rank 0 broadcasts the data seed and step counter (``broadcast_start``), the parameters and
 its inner optimizer state (resumed from its checkpoint or fresh): the ranks start from rank 0's state.
@@ -27,9 +35,9 @@ How the ranks hold the model is an engine chosen once (``--parallel``, :data:`EN
   moments, for a model whose training state does not fit one device. Rank 0 also keeps one full copy
   of theta on the CPU for the outer loop, evaluations and checkpoints. After every inner step the ranks
   gather the new parameters into it, one tensor at a time (peak extra device memory: the largest
-  tensor). A merge scatters it back. For a checkpoint the moments are gathered the same way.
-  Every one of these transfers is a collective, made at points every rank knows: after a step, at a
-  ``changed`` flag, every ``--checkpoint-every`` steps, at the stop.
+  tensor) for the fragments the outer loop reads (``GATHER``), and before an evaluation or a
+  checkpoint for all of them; a merge scatters its fragment back (``PUSH``). For a checkpoint the
+  moments are gathered the same way (``GATHER_INNER``).
 Until then the other ranks wait on the rendezvous store, not in a collective: rank 0 may take as long
 as it needs to join the swarm (bootstrap retries, a state download), yet its death is noticed at once.
 
@@ -43,14 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,13 +81,18 @@ class RankFailure(RuntimeError):
     """A collective of the node's ranks failed: a rank died or hung."""
 
 
-@dataclass(frozen=True)
-class Flags:
-    """What rank 0 tells the other ranks between two inner steps."""
+class Command(enum.IntEnum):
+    """What rank 0 tells the other ranks between two inner steps (see the module docstring)."""
 
-    changed: bool = False      # the outer loop wrote theta: the parameters follow
-    stop: bool = False         # every rank stops after this exchange
-    reset_inner: bool = False  # forget the AdamW moments (theta diverged on rank 0)
+    STEP = 0
+    STOP = 1
+    PUSH = 2          # argument: the fragment (ALL: every parameter)
+    GATHER = 3        # argument: the fragment (ALL: every parameter)
+    RESET_INNER = 4
+    GATHER_INNER = 5
+
+
+ALL = -1  # a PUSH or GATHER of every parameter
 
 
 class RankGroup:
@@ -157,22 +171,22 @@ class RankGroup:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
-    def sync(self, flags: Flags) -> Flags:
-        """Rank 0's ``flags`` on every rank (the other ranks' argument is ignored)."""
+    def command(self, command: Command = Command.STEP, arg: int = 0) -> tuple[Command, int]:
+        """Rank 0's ``(command, arg)`` on every rank (the other ranks' arguments are ignored)."""
         import torch.distributed as dist
 
-        t = torch.tensor([flags.changed, flags.stop, flags.reset_inner], dtype=torch.uint8, device=self.comm_device())
-        with self._collective("exchanging flags"):
+        t = torch.tensor([int(command), arg], dtype=torch.int64, device=self.comm_device())
+        with self._collective("waiting for rank 0's command"):
             dist.broadcast(t, src=0)
-        changed, stop, reset = (bool(v) for v in t.tolist())
-        return Flags(changed=changed, stop=stop, reset_inner=reset)
+        value, arg = (int(v) for v in t.tolist())
+        return Command(value), arg
 
-    def broadcast_params(self, model: torch.nn.Module) -> None:
-        """Rank 0's parameters into every rank's ``model``, flattened per dtype (one broadcast each)."""
+    def broadcast_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Rank 0's ``params`` into every rank's, flattened per dtype (one broadcast each)."""
         import torch.distributed as dist
 
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in model.parameters():
+        for p in params:
             by_dtype.setdefault(p.dtype, []).append(p.data)
         for params in by_dtype.values():
             flat = torch.cat([p.reshape(-1) for p in params]).to(self.comm_device())
@@ -184,9 +198,11 @@ class RankGroup:
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def broadcast_start(self, seed: int, step: int, poll_s: float = 0.2) -> tuple[int, int]:
+    def broadcast_start(self, seed: int, step: int, poll_s: float = 0.2, layout: int = 0) -> tuple[int, int]:
         """Rank 0's data seed and inner step counter on every rank. The other ranks first wait (without a
-        time limit: rank 0 may retry its bootstrap for long) until rank 0 gets here."""
+        time limit: rank 0 may retry its bootstrap for long) until rank 0 gets here. ``layout``: a
+        digest of how this rank names its fragments' parameters (:meth:`ThetaSync.layout`); a rank whose
+        digest differs from rank 0's fails here, not with a wrong fragment moved later."""
         import torch.distributed as dist
 
         with self._collective("waiting for rank 0 to join the swarm"):
@@ -195,10 +211,13 @@ class RankGroup:
             else:
                 while not self._store.check([_START_KEY]):
                     time.sleep(poll_s)
-        t = torch.tensor([seed, step], dtype=torch.int64, device=self.comm_device())
+        t = torch.tensor([seed, step, layout], dtype=torch.int64, device=self.comm_device())
         with self._collective("sharing the start"):
             dist.broadcast(t, src=0)
-        seed, step = (int(v) for v in t.tolist())
+        seed, step, leader_layout = (int(v) for v in t.tolist())
+        if leader_layout != layout:
+            raise RankFailure(f"rank {self.rank}: its fragments name other parameters than rank 0's "
+                              f"(layout {layout:08x} vs {leader_layout:08x}): every rank must run one config")
         return seed, step
 
     def broadcast_object(self, obj: object) -> object:
@@ -271,6 +290,7 @@ class ParallelEngine:
 
     name = ""
     shards_optimizer = False  # the ranks hold 1/N of the AdamW state each (checkpoints gather it)
+    copies_params = False     # rank 0's outer model is a copy of the trained parameters (gathered to read)
 
     def __init__(self, group: RankGroup) -> None:
         self.group = group
@@ -279,12 +299,14 @@ class ParallelEngine:
         """``(outer, train)`` for a freshly built ``model`` (on the CPU); not collective."""
         raise NotImplementedError
 
-    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
-        """Rank 0's ``outer`` parameters into every rank's ``train`` (after a merge, at the start)."""
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module, names: Sequence[str] | None = None) -> None:
+        """Rank 0's ``outer`` parameters (those ``names``, default all) into every rank's ``train`` (after a
+        merge, at the start)."""
         raise NotImplementedError
 
-    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module) -> None:
-        """The trained parameters into rank 0's ``outer`` (after every inner step)."""
+    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module, names: Sequence[str] | None = None) -> None:
+        """The trained parameters (those ``names``, default all) into rank 0's ``outer``, where it is a copy
+        (``copies_params``; before the outer loop reads them)."""
 
     def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
         """Rank 0's ``source`` optimizer state (and step count) into every rank's ``inner``."""
@@ -308,8 +330,8 @@ class DDPEngine(ParallelEngine):
         model = model.to(device)
         return model, self.group.wrap(model)
 
-    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
-        self.group.broadcast_params(outer)
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module, names: Sequence[str] | None = None) -> None:
+        self.group.broadcast_params(_named(outer, names))
 
     def push_inner(self, source: InnerOptimizer, inner: InnerOptimizer) -> None:
         state = self.group.broadcast_object(source.state_dict() if self.group.is_leader else None)
@@ -327,6 +349,7 @@ class FSDPEngine(ParallelEngine):
 
     name = "fsdp"
     shards_optimizer = True
+    copies_params = True
 
     def place(self, model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
         import copy
@@ -346,14 +369,14 @@ class FSDPEngine(ParallelEngine):
         train.to(device)
         return (model if self.group.is_leader else train), train
 
-    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module) -> None:
+    def push_params(self, outer: torch.nn.Module, train: torch.nn.Module, names: Sequence[str] | None = None) -> None:
         with torch.no_grad():
-            for full, param in zip(outer.parameters(), train.parameters(), strict=True):
+            for full, param in zip(_named(outer, names), _named(train, names), strict=True):
                 param.to_local().copy_(self._scatter(full if self.group.is_leader else None, param))
 
-    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module) -> None:
+    def pull_params(self, train: torch.nn.Module, outer: torch.nn.Module, names: Sequence[str] | None = None) -> None:
         with torch.no_grad(), self.group.guard("gathering the parameters"):
-            for param, full in zip(train.parameters(), outer.parameters(), strict=True):
+            for param, full in zip(_named(train, names), _named(outer, names), strict=True):
                 gathered = param.full_tensor()
                 if self.group.is_leader:
                     full.copy_(gathered)
@@ -417,6 +440,14 @@ class FSDPEngine(ParallelEngine):
         return local.to(param.to_local().device)
 
 
+def _named(module: torch.nn.Module, names: Sequence[str] | None) -> list[torch.nn.Parameter]:
+    """``module``'s parameters called ``names`` (in that order), or all of them."""
+    if names is None:
+        return list(module.parameters())
+    named = dict(module.named_parameters())
+    return [named[n] for n in names]
+
+
 def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A DTensor holding ``local`` with ``param``'s mesh and placements (how FSDP keeps AdamW moments)."""
     from torch.distributed.tensor import DTensor
@@ -459,7 +490,7 @@ class RankLauncher:
 
     Each rank runs the same command with torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). The launcher owns the signals: SIGINT/SIGTERM go
-    to rank 0 as SIGTERM (a graceful leave, whose stop flag ends the other ranks, which ignore signals), a
+    to rank 0 as SIGTERM (a graceful leave, whose STOP command ends the other ranks, which ignore signals), a
     third one SIGKILLs every rank. When a rank exits with an error, rank 0 gets a SIGTERM (it leaves the
     swarm cleanly and exits non-zero: the dead rank also breaks its next collective), and is SIGKILLed if
     it is still there after ``leave_s`` (NCCL may hang on a dead peer until its timeout instead of failing;
@@ -543,3 +574,137 @@ def _die_with_parent() -> None:
 def launched() -> bool:
     """Whether this process is a rank started by :class:`RankLauncher` (which owns the signals)."""
     return os.environ.get(LAUNCHED_ENV) == "1"
+
+
+class ThetaSync:
+    """Theta kept one across a node's ranks, lazily and a fragment at a time (the commands of the module
+    docstring).
+
+    Rank 0 drives it. It is the outer loop's :class:`~locoswarm.node.core.state.ThetaAccess`: a fragment
+    the outer loop writes is pushed to the ranks before the next inner step (:meth:`step`), and one it
+    reads while rank 0's copy lags the ranks' steps (FSDP) is gathered first. :meth:`refresh` brings the
+    whole copy up to date (an evaluation, a checkpoint), :meth:`gather_inner` the optimizer state, and
+    :meth:`stop` ends the ranks. The other ranks call :meth:`follow` between their steps: it carries out
+    the transfers and returns rank 0's next other command.
+
+    A failed transfer inside the outer loop's read is not raised there (the outer loop would be left
+    between two writes): rank 0 goes on with its last copy of that fragment, and the failure is raised
+    at the next :meth:`step` or :meth:`stop`.
+
+    Args:
+        group: the node's ranks.
+        outer, train: the engine's two models (:meth:`ParallelEngine.place`).
+        fragments: each fragment's parameter names, by index (``locoswarm.node.partition``); together
+            every parameter of the model.
+    """
+
+    def __init__(self, group: RankGroup, outer: torch.nn.Module, train: torch.nn.Module,
+                 fragments: Sequence[Sequence[str]]) -> None:
+        self.group = group
+        self.engine = group.engine
+        self.outer, self.train = outer, train
+        self.fragments = [tuple(names) for names in fragments]
+        covered = sorted(n for names in self.fragments for n in names)
+        if covered != sorted(n for n, _ in outer.named_parameters()):
+            raise ValueError("the fragments must hold every parameter of the model exactly once")
+        self._numel = [sum(p.numel() for p in _named(outer, names)) for names in self.fragments]
+        self._stale: set[int] = set()    # fragments whose copy on rank 0 lacks the ranks' latest steps
+        self._written: set[int] = set()  # fragments rank 0's outer loop wrote since the last step
+        self._reset = False
+        self._stopped = False
+        self.failure: RankFailure | None = None
+        # What moved, in parameters: the node logs it as it stops, tests read it.
+        self.pushed = self.gathered = 0
+        self.steps = 0
+
+    def layout(self) -> int:
+        """A digest of the fragments' parameter names: equal on every rank of one config."""
+        return zlib.crc32("\n".join("\t".join(names) for names in self.fragments).encode())
+
+    # ---- rank 0: the outer loop's ThetaAccess -------------------------------------------------------
+    def before_read(self, fragment: int) -> None:
+        if fragment not in self._stale or self.failure is not None:
+            return
+        if self._stopped:
+            raise RuntimeError(f"fragment {fragment} read after the ranks stopped, without its last steps")
+        try:
+            self.group.command(Command.GATHER, fragment)
+            self.engine.pull_params(self.train, self.outer, self.fragments[fragment])
+        except RankFailure as exc:
+            self.failure = exc
+            return
+        self._stale.discard(fragment)
+        self.gathered += self._numel[fragment]
+
+    def after_write(self, fragment: int) -> None:
+        self._stale.discard(fragment)  # rank 0's copy is now the newest
+        self._written.add(fragment)
+
+    # ---- rank 0: between two inner steps ------------------------------------------------------------
+    def reset_inner(self) -> None:
+        """The ranks forget their AdamW moments before the next step (rank 0 has reset its own)."""
+        self._reset = True
+
+    def refresh(self) -> None:
+        """Rank 0's copy of every fragment up to date (before an evaluation or a checkpoint)."""
+        for fragment in sorted(self._stale):
+            self.before_read(fragment)
+        self._raise_failure()
+
+    def step(self) -> None:
+        """The outer loop's writes to every rank, then one inner step on every rank."""
+        self._push_written()
+        self.group.command(Command.STEP)
+        self.steps += 1
+        if self.engine.copies_params:
+            self._stale = set(range(len(self.fragments)))
+
+    def stop(self) -> None:
+        """The outer loop's writes to every rank, rank 0's copy up to date (the leave reads and saves it),
+        then every rank stops. Transfers after this are the fixed sequence of the stop (digest, moments)."""
+        self._push_written()
+        self.refresh()
+        self.group.command(Command.STOP)
+        self._stopped = True
+
+    def gather_inner(self, inner: InnerOptimizer, target: InnerOptimizer) -> None:
+        """The ranks' optimizer state into rank 0's ``target`` (for a checkpoint)."""
+        if not self.engine.shards_optimizer:
+            return  # every rank holds the whole state: rank 0's is the node's
+        if not self._stopped:
+            self.group.command(Command.GATHER_INNER)
+        self.engine.pull_inner(inner, target)
+
+    def push_all(self) -> None:
+        """Rank 0's whole outer model to every rank (collective: at the start, after a resume or a join)."""
+        self.engine.push_params(self.outer, self.train)
+        self._stale.clear()
+        self._written.clear()
+
+    def _push_written(self) -> None:
+        self._raise_failure()
+        if self._reset:
+            self.group.command(Command.RESET_INNER)
+            self._reset = False
+        for fragment in sorted(self._written):
+            self.group.command(Command.PUSH, fragment)
+            self.engine.push_params(self.outer, self.train, self.fragments[fragment])
+            self.pushed += self._numel[fragment]
+        self._written.clear()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ---- the other ranks ------------------------------------------------------------------------------
+    def follow(self) -> Command:
+        """Carry out rank 0's transfers until its next STEP, STOP, RESET_INNER or GATHER_INNER; return it."""
+        while True:
+            command, arg = self.group.command()
+            if command not in (Command.PUSH, Command.GATHER):
+                return command
+            names = None if arg == ALL else self.fragments[arg]
+            if command is Command.PUSH:
+                self.engine.push_params(self.outer, self.train, names)
+            else:
+                self.engine.pull_params(self.train, self.outer, names)

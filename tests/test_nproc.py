@@ -26,7 +26,7 @@ from swarm_util import REPO, NodeProc, write_config, write_corpus
 from test_run_cli import refused_before_start, run
 from test_swarm_integration import Swarm, agree, fragments_merged, merged, swarm, wait_until  # noqa: F401
 
-from locoswarm.node.ranks import Flags, RankGroup, free_port
+from locoswarm.node.ranks import Command, RankFailure, RankGroup, ThetaSync, free_port
 from locoswarm.node.swarm.process import children, descendants, is_alive, p2pd_pids
 
 GLOO = dist.is_available() and dist.is_gloo_available()
@@ -36,14 +36,16 @@ NPROC = ("--nproc", "2", "--device", "cpu")
 
 # ---- the protocol, two gloo ranks in spawned processes ------------------------------------------------
 def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel: str = "ddp") -> None:
-    """One rank, through its engine as the node drives it: 3 steps, rank 0 writes theta (+1, as a merge
-    would) and pushes it, 2 more steps; then the optimizer state's round trip (what a checkpoint gathers
-    and a resume scatters). Saves rank 0's full theta after each phase, every rank's digest of it, and the
-    first batch it trained on."""
+    """One rank, driven as the node drives it (rank 0 through ``ThetaSync``, the others following its
+    commands): 3 steps; rank 0 writes fragment 0 (+1, as a merge would) and 2 more steps push it first;
+    then the optimizer state's round trip (what a checkpoint gathers and a resume scatters). Saves rank
+    0's full theta after each phase (refreshed from the ranks), what moved, every rank's digest at the stop
+    and the first batch it trained on."""
     from locoswarm.node.config import load_config
     from locoswarm.node.data import TrainBatches, load_corpus, load_tokenizer
     from locoswarm.node.inner import InnerOptimizer
     from locoswarm.node.model import build_model
+    from locoswarm.node.partition import partition
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -56,35 +58,41 @@ def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel:
     # Different initial weights per rank: the start push (as the node does it) must make them equal.
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.data.seed + rank)
     outer, train = engine.place(model, torch.device("cpu"))
-    engine.push_params(outer, train)
+    fragments = partition(outer, cfg.outer.fragments)
+    sync = ThetaSync(group, outer, train, [f.names for f in fragments])
+    group.broadcast_start(7, 0, layout=sync.layout())
+    sync.push_all()
     inner = InnerOptimizer(train, cfg.inner)
     batches = TrainBatches(corpus.train, rank, 2, cfg.inner.batch_size, cfg.inner.seq_len, seed=7)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in train.parameters()]
     snapshots: dict[str, object] = {"batch": batches.get(0), "numel": sum(p.numel() for p in train.parameters()),
-                                    "local_numel": sum(t.numel() for t in local)}
+                                    "local_numel": sum(t.numel() for t in local),
+                                    "fragment0": set(fragments[0].names),
+                                    "names": [n for n, _ in outer.named_parameters()]}
 
-    def theta() -> list[torch.Tensor] | None:
-        return [p.detach().clone() for p in outer.parameters()] if group.is_leader else None
+    def theta() -> list[torch.Tensor]:
+        sync.refresh()
+        return [p.detach().clone() for p in outer.parameters()]
 
     step = 0
     for phase, steps in (("trained", 3), ("after_merge", 2)):
-        if phase == "after_merge":
-            if group.is_leader:
-                with torch.no_grad():
-                    for p in outer.parameters():
+        if phase == "after_merge" and group.is_leader:
+            with torch.no_grad():
+                for name, p in outer.named_parameters():
+                    if name in snapshots["fragment0"]:
                         p.add_(1.0)
-            flags = group.sync(Flags(changed=group.is_leader))
-            if flags.changed:
-                engine.push_params(outer, train)
-            engine.pull_params(train, outer)  # FSDP: the pushed shards gathered back must be what was written
+            sync.after_write(0)  # what FragmentState.set_theta tells it
             snapshots["merged"] = theta()
-            snapshots["merged_digest"] = engine.digest(outer, train)
         for _ in range(steps):
+            if group.is_leader:
+                sync.step()
+            else:
+                assert sync.follow() is Command.STEP
             inner.step([batches.get(step)])
-            engine.pull_params(train, outer)
             step += 1
-        snapshots[phase] = theta()
-        snapshots[f"{phase}_digest"] = engine.digest(outer, train)
+        if group.is_leader:
+            snapshots[phase] = theta()
+            snapshots[f"{phase}_moved"] = (sync.pushed, sync.gathered)
 
     def moments(opt: InnerOptimizer) -> list[dict]:
         return [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.param_state(i).items()}
@@ -92,13 +100,24 @@ def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel:
 
     def gathered(source: InnerOptimizer) -> InnerOptimizer:
         target = InnerOptimizer(outer, cfg.inner) if engine.shards_optimizer and group.is_leader else source
-        engine.pull_inner(source, target)
+        if group.is_leader:
+            sync.gather_inner(source, target)
+        elif engine.shards_optimizer:
+            assert sync.follow() is Command.GATHER_INNER
+            engine.pull_inner(source, target)
         return target
 
     saved = gathered(inner)
+    if group.is_leader:
+        sync.stop()
+    else:
+        assert sync.follow() is Command.STOP
+    snapshots["digest"] = engine.digest(outer, train)  # after the stop, as the node logs it
+    # The start of a resume (not through commands): the fixed sequence of push_inner on every rank.
     fresh = InnerOptimizer(train, cfg.inner)
     engine.push_inner(saved, fresh)
-    again = gathered(fresh)
+    again = InnerOptimizer(outer, cfg.inner) if engine.shards_optimizer and group.is_leader else fresh
+    engine.pull_inner(fresh, again)
     if group.is_leader:
         snapshots["moments"], snapshots["moments_again"] = moments(saved), moments(again)
         snapshots["steps_done"] = (saved.steps_done, again.steps_done)
@@ -107,10 +126,9 @@ def _rank_main(rank: int, port: int, config: str, data: str, out: str, parallel:
         inner.reset_state()
     engine.push_inner(saved if group.is_leader else inner, inner)
     snapshots["own_moments"] = moments(inner) if not engine.shards_optimizer else None
-    resumed = gathered(inner)  # collective: every rank
+    resumed = InnerOptimizer(outer, cfg.inner) if engine.shards_optimizer and group.is_leader else inner
+    engine.pull_inner(inner, resumed)  # collective: every rank
     snapshots["moments_resumed"] = moments(resumed) if group.is_leader else None
-    stop = group.sync(Flags(stop=True))
-    snapshots["stop"] = stop.stop
     torch.save(snapshots, out)
     group.close()
 
@@ -136,13 +154,18 @@ def _run_ranks(tmp_path: Path, parallel: str) -> tuple[dict, dict]:
                 p.join(10)
     r0, r1 = (torch.load(o, weights_only=False) for o in outs)
     assert not torch.equal(r0["batch"], r1["batch"]), "each rank must read its own shard"
-    for phase in ("trained", "merged", "after_merge"):
-        assert r0[f"{phase}_digest"] == r1[f"{phase}_digest"], f"ranks differ after {phase}"
-    # The write happened on rank 0 only, and every rank got it: +1 on every parameter.
-    for trained, after in zip(r0["trained"], r0["merged"], strict=True):
-        assert torch.allclose(after, trained + 1.0)
+    assert r0["digest"] == r1["digest"], "the ranks stopped with different parameters"
+    # The write happened on rank 0 only, to fragment 0 only: +1 there, nothing elsewhere.
+    in_fragment = [name in r0["fragment0"] for name in r0["names"]]
+    assert any(in_fragment) and not all(in_fragment)
+    for trained, after, written in zip(r0["trained"], r0["merged"], in_fragment, strict=True):
+        assert torch.allclose(after, trained + 1.0) if written else torch.equal(after, trained)
     assert not torch.equal(r0["merged"][0], r0["after_merge"][0]), "training after the merge changed nothing"
-    assert r0["stop"] and r1["stop"]
+    # What moved: at the merge, fragment 0 alone was pushed; FSDP gathered the whole model once per read of
+    # it (the phase ends), never after every step; DDP never gathers (rank 0 trains the outer model itself).
+    fragment0 = sum(t.numel() for t, w in zip(r0["trained"], in_fragment, strict=True) if w)
+    assert r0["trained_moved"] == (0, r0["numel"] if parallel == "fsdp" else 0)
+    assert r0["after_merge_moved"] == (fragment0, (2 if parallel == "fsdp" else 0) * r0["numel"])
     # The optimizer state survives a gather, a scatter into a fresh optimizer and a gather again.
     assert r0["steps_done"] == (5, 5)
     assert any(m for m in r0["moments"]), "no AdamW state after 5 steps"
@@ -180,6 +203,67 @@ def test_fsdp_ranks_train_as_ddp_does_and_round_trip_their_state(tmp_path: Path)
     for a, b in zip(ddp["moments"], fsdp["moments"], strict=True):
         for key in a:
             assert torch.allclose(torch.as_tensor(a[key]), torch.as_tensor(b[key]), atol=1e-6, rtol=1e-3), key
+
+
+class _FakeGroup:
+    """A rank 0 whose commands are recorded, not broadcast, and whose engine records what it moves."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Command, int]] = []
+        self.moved: list[tuple[str, tuple[str, ...] | None]] = []
+        self.fail = False
+        group = self
+
+        class Engine:
+            copies_params = shards_optimizer = True
+
+            def pull_params(self, train, outer, names=None) -> None:
+                group.moved.append(("gather", None if names is None else tuple(names)))
+
+            def push_params(self, outer, train, names=None) -> None:
+                group.moved.append(("push", None if names is None else tuple(names)))
+
+        self.engine = Engine()
+
+    def command(self, command: Command = Command.STEP, arg: int = 0) -> tuple[Command, int]:
+        if self.fail:
+            raise RankFailure("rank 0: waiting for rank 0's command failed (a rank died or hung)")
+        self.sent.append((command, arg))
+        return command, arg
+
+
+@pytest.mark.timeout(30)
+def test_rank0_moves_a_fragment_only_when_the_outer_loop_touches_it_and_a_failure_waits_for_the_step() -> None:
+    """ThetaSync on rank 0: nothing moves until a step; then a read gathers that fragment once, a write
+    marks it for the push before the next step, and a refresh gathers the rest. A failed gather inside
+    the outer loop's read is not raised there (the outer loop would stop between two writes), but at the
+    next step."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    fragments = [("0.weight", "0.bias"), ("1.weight", "1.bias")]
+    group = _FakeGroup()
+    sync = ThetaSync(group, model, model, fragments)
+    sync.before_read(0)
+    sync.after_write(1)
+    assert group.sent == [] and group.moved == []  # before any step rank 0's copy is the newest
+    sync.step()
+    assert group.sent == [(Command.PUSH, 1), (Command.STEP, 0)] and group.moved == [("push", fragments[1])]
+    group.sent.clear(), group.moved.clear()
+    sync.before_read(1)
+    sync.before_read(1)  # gathered once until the next step
+    assert group.sent == [(Command.GATHER, 1)] and group.moved == [("gather", fragments[1])]
+    sync.after_write(0)  # a whole fragment written: nothing to gather, a push to make
+    sync.refresh()
+    assert group.sent == [(Command.GATHER, 1)], "a written fragment was gathered over rank 0's write"
+    sync.step()
+    assert group.sent[1:] == [(Command.PUSH, 0), (Command.STEP, 0)]
+    assert (sync.pushed, sync.gathered, sync.steps) == (3 * 3 + 3 + 3 * 2 + 2, 3 * 2 + 2, 2)
+    group.fail = True
+    sync.before_read(0)  # not raised inside the outer loop
+    assert isinstance(sync.failure, RankFailure)
+    with pytest.raises(RankFailure):
+        sync.step()
+    with pytest.raises(ValueError, match="every parameter"):
+        ThetaSync(_FakeGroup(), model, model, fragments[:1])
 
 
 @pytest.mark.timeout(60)
@@ -353,6 +437,13 @@ def test_an_fsdp_node_averages_with_a_plain_node_and_resumes(swarm: Swarm) -> No
     assert nodes[0].terminate(90) == 0, nodes[0].tail()
     first = stops(nodes[0])
     assert len(first) == 2 and len({(step, crc) for _, step, crc in first}) == 1, f"ranks differ: {first}"
+    # Rank 0 gathered a fragment only when the outer loop read it (a sync, an evaluation, a checkpoint
+    # every 10 steps), not the whole model after every step.
+    moved = re.search(r"pushed (\d+) and gathered (\d+) parameters in (\d+) steps \(model (\d+)\)",
+                      nodes[0].log_path.read_text(errors="replace"))
+    assert moved, nodes[0].tail()
+    pushed, gathered, steps, numel = map(int, moved.groups())
+    assert steps >= 20 and 0 < gathered < 0.7 * steps * numel and 0 < pushed < steps * numel, moved.group(0)
     assert nodes[0].state_dir.joinpath("checkpoint.json").exists()
     restarted = swarm.start("n0", *fsdp)
     restarted.wait_status(lambda s: any(e["kind"] == "resumed" for e in s.get("events", [])), 120, "resume")

@@ -1395,3 +1395,59 @@ def test_advance_takes_each_crossed_slot_once_at_its_latest_and_merges_what_is_d
     assert sorted((e.kind, e.fragment, e.round) for e in events if e.kind == "merged") == [
         ("merged", 0, 20), ("merged", 1, 16)]
     assert [loop.version(p) for p in range(2)] == [2, 1]
+
+
+class _ThetaLog:
+    """A ``ThetaAccess`` that records which fragment's theta the outer loop reads or writes at which step."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.log: list[tuple[int, str, int]] = []
+
+    def before_read(self, fragment: int) -> None:
+        self.log.append((self.step, "read", fragment))
+
+    def after_write(self, fragment: int) -> None:
+        self.log.append((self.step, "write", fragment))
+
+
+@pytest.mark.parametrize("method", ["compensate", "eager"])
+def test_the_outer_loop_touches_theta_only_of_the_fragment_it_syncs(base_model, method: str) -> None:
+    """A node over several ranks moves a fragment between them only when the outer loop reads or writes its
+    theta (``locoswarm.node.ranks.ThetaSync``): between syncs the outer loop touches none, and a send or a
+    merge touches its own fragment only. Told or not, the outer steps are the same."""
+    phis = {}
+    for told in (False, True):
+        hub = InProcessHub(get_codec("fp32"), 2, seed=0)
+        models = [copy.deepcopy(base_model) for _ in range(2)]
+        logs = [_ThetaLog() for _ in range(2)]
+        outer = _outer(method=method, h=8, fragments=2, tau=2)  # fragment 0 sent at 4, 12; 1 at 8, 16
+        loops = [OuterLoop(m, partition(base_model, 2), outer, hub.transport(i), expected_group_size=2,
+                           theta_access=logs[i] if told else None) for i, m in enumerate(models)]
+        for i, loop in enumerate(loops):
+            hub.register_state(i, loop.version, loop.snapshot)
+        gens = [torch.Generator().manual_seed(70 + i) for i in range(2)]
+        syncs: list[set[tuple[int, int]]] = [set(), set()]
+        for t in range(1, 19):
+            for i, (model, loop) in enumerate(zip(models, loops, strict=True)):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gens[i]), alpha=1e-3)
+                loop.add_tokens(10.0)
+                logs[i].step = t
+            events: list[list] = [loop.collect(t) for loop in loops]
+            for i, loop in enumerate(loops):
+                events[i] += loop.send(t)
+            hub.flush()
+            for i, loop in enumerate(loops):
+                events[i] += loop.collect(t)
+                syncs[i] |= {(t, e.fragment) for e in events[i] if e.kind in ("sent", "merged")}
+        phis[told] = [st.phi.clone() for loop in loops for st in loop.states]
+        assert all(loop.stats.syncs_ok >= 2 for loop in loops), [loop.stats.syncs_ok for loop in loops]
+    for i, log in enumerate(logs):
+        touched = {(t, p) for t, _, p in log.log if t > 0}
+        assert touched == syncs[i], f"worker {i}: theta touched at {sorted(touched)}, syncs at {sorted(syncs[i])}"
+        assert {t for t, kind, _ in log.log if kind == "write" and t > 0}, "no merge wrote theta"
+        assert {(0, "read", 0), (0, "read", 1)} == {e for e in log.log if e[0] == 0}  # phi's start
+    for a, b in zip(phis[False], phis[True], strict=True):
+        assert torch.equal(a, b)

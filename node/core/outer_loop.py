@@ -51,7 +51,7 @@ from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import encode_chunks
 from locoswarm.node.core.schedule import ScheduleState, ScheduleView, make_schedule
-from locoswarm.node.core.state import FragmentState
+from locoswarm.node.core.state import FragmentState, ThetaAccess
 from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
@@ -146,11 +146,14 @@ class OuterLoop:
         wait_timeout: seconds to wait for a due result before counting the round as failed.
         state_device: where phi, momentum and the residual live (default: the model's device); all outer
             arithmetic happens there, the model only sees theta copied in and out.
+        theta_access: told of every read and write of a fragment's theta (a node over several ranks moves
+            that fragment between them: ``locoswarm.node.ranks.ThetaSync``); None: the model is theta.
     """
 
     def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
                  *, expected_group_size: int = 2, wait_timeout: float | None = None,
-                 limits: GuardLimits | None = None, state_device: torch.device | None = None) -> None:
+                 limits: GuardLimits | None = None, state_device: torch.device | None = None,
+                 theta_access: ThetaAccess | None = None) -> None:
         self.cfg = outer
         self.rule = make_merge_rule(outer.method, alpha=outer.alpha, lambda0=outer.lambda0)
         self.transport = transport
@@ -158,7 +161,7 @@ class OuterLoop:
         self.schedule = make_schedule(outer.schedule, outer.h, len(fragments), outer.sends_per_h)
         named = dict(model.named_parameters())
         self.states = [FragmentState.create(f.index, [named[n] for n in f.names], outer.error_feedback,
-                                            device=state_device) for f in fragments]
+                                            device=state_device, access=theta_access) for f in fragments]
         # How a Delta becomes the vector the group averages, and back (chosen once from [outer] codec).
         self.compressor = make_compressor(outer, [(f.index, [tuple(named[n].shape) for n in f.names])
                                                   for f in fragments])

@@ -3,15 +3,28 @@
 For fragment p the worker keeps phi_p (outer params as last agreed with peers, fp32), b_p (outer
 Nesterov momentum), optionally e_p (error-feedback residual), the version (outer steps applied) and
 bookkeeping of the last send. The live parameters theta_p are the model's own tensors; this class
-reads and writes them as one flat fp32 vector.
+reads and writes them as one flat fp32 vector, and nothing else does. A node whose outer model is a copy
+of what its ranks train (``locoswarm.node.ranks``) passes a :class:`ThetaAccess` that hears of each read
+and write, so that it moves a fragment between the ranks only when the outer loop touches it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class ThetaAccess(Protocol):
+    """Told of every read and write of a fragment's theta (``FragmentState.theta``/``set_theta``)."""
+
+    def before_read(self, fragment: int) -> None:
+        """The live parameters of ``fragment`` are about to be read: bring them up to date."""
+
+    def after_write(self, fragment: int) -> None:
+        """The live parameters of ``fragment`` were overwritten (every element of them)."""
 
 
 @dataclass
@@ -28,14 +41,16 @@ class FragmentState:
     last_quant_error: float = 0.0
     failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
+    access: ThetaAccess | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def create(cls, index: int, params: Sequence[torch.nn.Parameter], error_feedback: bool,
-               device: torch.device | None = None) -> FragmentState:
+               device: torch.device | None = None, access: ThetaAccess | None = None) -> FragmentState:
         """The fragment's outer state, initialised from the live parameters. ``device``: where the outer
         state lives (default: the parameters' device). On a CUDA model a CPU ``device`` holds it in
         pinned host memory, so the GPU keeps only the model and its optimizer: theta is copied over
-        parameter by parameter, never as one more fragment-sized tensor on the GPU."""
+        parameter by parameter, never as one more fragment-sized tensor on the GPU. ``access``: told of
+        each read and write of theta (see :class:`ThetaAccess`)."""
         bounds, start = [], 0
         for p in params:
             bounds.append((start, start + p.numel()))
@@ -47,7 +62,7 @@ class FragmentState:
             return torch.zeros(start, dtype=torch.float32, device=device, pin_memory=pin)
 
         state = cls(index=index, params=list(params), bounds=bounds, phi=zeros(), momentum=zeros(),
-                    residual=zeros() if error_feedback else None)
+                    residual=zeros() if error_feedback else None, access=access)
         state.phi.copy_(state.theta())
         return state
 
@@ -63,6 +78,8 @@ class FragmentState:
     @torch.no_grad()
     def theta(self) -> torch.Tensor:
         """A flat fp32 copy of the live parameters, on the outer state's device."""
+        if self.access is not None:
+            self.access.before_read(self.index)
         out = torch.empty(self.numel, dtype=torch.float32, device=self.phi.device)
         for p, (a, b) in zip(self.params, self.bounds, strict=True):
             out[a:b].copy_(p.detach().reshape(-1))
@@ -72,6 +89,8 @@ class FragmentState:
     def set_theta(self, flat: torch.Tensor) -> None:
         for p, (a, b) in zip(self.params, self.bounds, strict=True):
             p.copy_(flat[a:b].view_as(p))
+        if self.access is not None:
+            self.access.after_write(self.index)
 
 
 def outer_state_device(offload: str, train_device: torch.device) -> torch.device:
