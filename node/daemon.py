@@ -46,6 +46,7 @@ from locoswarm.node.status import (
     ConsensusStatus,
     EvalPoint,
     FragmentStatus,
+    MemoryStatus,
     NodePeerStatus,
     NodeStatus,
     PeerReputation,
@@ -787,6 +788,7 @@ class Node:
             standing_rounds=self.transport.standing_rounds(),
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),
+            memory=self._memory(),
             bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,
                              sent_by_peer=dict(counters.sent_by_peer),
                              received_by_peer=dict(counters.received_by_peer),
@@ -796,6 +798,23 @@ class Node:
             reputation=reputation,
             events=self.events[-50:], now=now, control_port=self.opts.control_port,
             metrics_port=self.opts.metrics_port)
+
+    def _memory(self) -> MemoryStatus:
+        """This process's memory now (``/proc/self/statm``), its peak (``getrusage``), and PyTorch's allocator
+        on a CUDA training device: what a user sizes a preset and ``[outer] offload`` by."""
+        import resource
+
+        rss = 0
+        with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        device = getattr(self, "device", None)
+        out = MemoryStatus(rss=rss, peak_rss=max(peak, rss), device="" if device is None else str(device))
+        if device is not None and device.type == "cuda":
+            out = dataclasses.replace(out, device_allocated=int(torch.cuda.memory_allocated(device)),
+                                      device_peak=int(torch.cuda.max_memory_allocated(device)),
+                                      device_total=int(torch.cuda.get_device_properties(device).total_memory))
+        return out
 
     def _fragments_status(self, own: dict[int, swarm_pb2.FragmentStatus],
                           spread: dict[int, dict]) -> list[FragmentStatus]:

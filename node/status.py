@@ -297,6 +297,28 @@ class ConsensusStatus(Record):
 
 
 @dataclass(frozen=True)
+class MemoryStatus(Record):
+    """Memory of the node's process (rank 0's, with several ranks) and of its training device, in bytes: what
+    a user sizes a preset by. On the wire: the ``memory_*`` fields of ``Status``."""
+
+    rss: int = 0                              # resident now
+    peak_rss: int = 0                         # the most resident since the process started
+    device: str = ""                          # the training device ("cpu", "cuda:0")
+    device_allocated: int | None = None       # held by PyTorch on an accelerator now (None on the CPU)
+    device_peak: int | None = None            # the most PyTorch held there since the start
+    device_total: int | None = None           # the accelerator's capacity
+
+    PREFIX: ClassVar[str] = "memory_"
+
+    def into_proto(self, msg: control_pb2.Status) -> None:
+        _copy_plain(self, msg, self.PREFIX)
+
+    @classmethod
+    def from_proto(cls, msg: control_pb2.Status) -> Self:
+        return cls(**_plain_from(cls, msg, cls.PREFIX))
+
+
+@dataclass(frozen=True)
 class ByteStatus(Record):
     """Bytes on the wire: totals, recent rates (sampled by the control server; 0 in ``status.json``), per
     peer and per fragment."""
@@ -407,6 +429,7 @@ class NodeStatus(Record):
     standing_rounds: int = 0                 # rounds that took the last merged round's members (no matchmaking)
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
+    memory: MemoryStatus = field(default_factory=MemoryStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)
     refusals: list[str] = field(default_factory=list)
     reputation: ReputationStatus = field(default_factory=ReputationStatus)
@@ -432,6 +455,7 @@ class NodeStatus(Record):
         msg.fragments.extend(f.to_proto() for f in self.fragments)
         msg.peers.extend(p.to_proto(pid) for pid, p in self.peers.items())
         self.consensus.into_proto(msg)
+        self.memory.into_proto(msg)
         msg.bytes.CopyFrom(self.bytes.to_proto())
         self.reputation.into_proto(msg)
         msg.events.extend(e.to_proto() for e in self.events)
@@ -444,7 +468,7 @@ class NodeStatus(Record):
                    loss_history=[LossSample.from_proto(s) for s in msg.loss_history],
                    fragments=[FragmentStatus.from_proto(f) for f in msg.fragments],
                    peers={p.peer_id: NodePeerStatus.from_proto(p) for p in msg.peers},
-                   consensus=ConsensusStatus.from_proto(msg),
+                   consensus=ConsensusStatus.from_proto(msg), memory=MemoryStatus.from_proto(msg),
                    bytes=ByteStatus.from_proto(msg.bytes),
                    reputation=ReputationStatus.from_proto(msg),
                    events=[StatusEvent.from_proto(e) for e in msg.events])

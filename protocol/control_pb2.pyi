@@ -256,7 +256,7 @@ class PeerReputation(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds")
+    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds", "memory_rss", "memory_peak_rss", "memory_device", "memory_device_allocated", "memory_device_peak", "memory_device_total")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SWARM_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,12 @@ class Status(_message.Message):
     CATCH_UP_LOOPS_FIELD_NUMBER: _ClassVar[int]
     STALLS_CUT_FIELD_NUMBER: _ClassVar[int]
     STANDING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RSS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DEVICE_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DEVICE_PEAK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DEVICE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     fingerprint: str
     swarm: str
@@ -331,4 +337,10 @@ class Status(_message.Message):
     catch_up_loops: int
     stalls_cut: int
     standing_rounds: int
-    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ...) -> None: ...
+    memory_rss: int
+    memory_peak_rss: int
+    memory_device: str
+    memory_device_allocated: int
+    memory_device_peak: int
+    memory_device_total: int
+    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ..., memory_rss: _Optional[int] = ..., memory_peak_rss: _Optional[int] = ..., memory_device: _Optional[str] = ..., memory_device_allocated: _Optional[int] = ..., memory_device_peak: _Optional[int] = ..., memory_device_total: _Optional[int] = ...) -> None: ...

@@ -37,6 +37,7 @@ from locoswarm.node.status import (
     ConsensusStatus,
     EvalPoint,
     FragmentStatus,
+    MemoryStatus,
     NodePeerStatus,
     NodeStatus,
     ReputationStatus,
@@ -133,6 +134,9 @@ class FakeNode:
                                       spread=Spread(max_version=6, max_lag=1))],
             peers=peers, syncs_ok=5, syncs_failed=1, solo_steps=3,
             consensus=ConsensusStatus(rounds=4, failed=3, last_error="no peer in group"),
+            memory=MemoryStatus(rss=1_500_000_000, peak_rss=2_000_000_000, device="cuda:0",
+                                device_allocated=3_200_000_000, device_peak=5_100_000_000,
+                                device_total=80_000_000_000),
             bytes=ByteStatus(sent=c.total_sent, received=c.total_received, sent_by_peer=dict(c.sent_by_peer),
                              received_by_peer=dict(c.received_by_peer), sent_by_fragment=dict(c.sent_by_fragment),
                              received_by_fragment=dict(c.received_by_fragment)),
@@ -204,7 +208,8 @@ def test_tui_frame_at_fixed_widths(fake, width):
     for needle in ("test-swarm", SELF, "training", "1.0k tok/s", "83%", "fragments", "last sync", "staleness",
                    "quant err", "3.4%", "2 at v7 agree", "3 outer steps with no peer", "swarm (1 peer in the DHT)",
                    "(this node)", "recent events",
-                   "joined", "timed out", "60.0 kB", "eval 3.400"):
+                   "joined", "timed out", "60.0 kB", "eval 3.400", "1.5 GB (peak 2.0 GB)",
+                   "cuda:0", "3.2 GB (peak 5.1 GB) of 80.0 GB"):
         assert needle in text, (needle, text)
     assert short_id(PEER, 16 if width < 110 else 24 if width < 130 else 52) in text
     assert "4 steps" in text  # staleness: clock 124 - merged at 120
@@ -284,6 +289,9 @@ def test_metrics_text_format(fake):
     assert f'locoswarm_peer_banned{{peer="{OUTSIDER}"}} 1' in text
     assert f'locoswarm_peer_banned{{peer="{PEER}"}} 0' in text
     assert "locoswarm_banned_peers 1" in text
+    assert "locoswarm_memory_rss_bytes 1500000000" in text and "locoswarm_memory_peak_rss_bytes 2000000000" in text
+    assert 'locoswarm_device_memory_bytes{device="cuda:0",kind="peak"} 5100000000' in text
+    assert "locoswarm_device_memory_bytes" not in render_metrics(NodeStatus())  # none on the CPU
     assert names.get("locoswarm_refused_total") == "counter" and names.get("locoswarm_peer_banned") == "gauge"
     tricky = render_metrics(NodeStatus(peer_id='a"b\\c\nd'))
     assert 'peer_id="a\\"b\\\\c\\nd"' in tricky
@@ -408,6 +416,9 @@ def test_real_daemon_status_over_grpc(daemon):
         assert [f.fragment for f in st.fragments] == [0, 1] and all(f.numel > 0 for f in st.fragments)
         assert all(f.phi_norm is not None and f.phi_norm > 0 for f in st.fragments)
         assert 0 < st.compute_utilization < 1 and st.uptime_s > 0
+        # Its own process, measured: the model and torch alone take tens of MB; no accelerator here.
+        assert 30e6 < st.memory.rss <= st.memory.peak_rss < 20e9 and st.memory.device == "cpu"
+        assert st.memory.device_allocated is None and st.memory.device_peak is None
         assert st.eval_curve and st.peers == {}
         assert st.reputation == ReputationStatus()
         on_disk = json.loads((daemon.proc.state_dir / "status.json").read_text())

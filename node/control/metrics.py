@@ -77,6 +77,16 @@ def render_metrics(st: NodeStatus) -> str:
           st.eval_curve[-1].loss if st.eval_curve else None)
     w.one("locoswarm_compute_utilization_ratio", "gauge", "Share of wall time spent in inner steps (0..1).",
           st.compute_utilization)
+    m = st.memory
+    w.one("locoswarm_memory_rss_bytes", "gauge", "Resident memory of the node's process (rank 0's with --nproc).",
+          m.rss)
+    w.one("locoswarm_memory_peak_rss_bytes", "gauge", "The most resident memory of the node's process since it "
+          "started.", m.peak_rss)
+    if m.device_allocated is not None:
+        w.metric("locoswarm_device_memory_bytes", "gauge", "Memory PyTorch holds on the training device: now, "
+                 "its peak since the start, and the device's capacity.",
+                 [({"device": m.device, "kind": kind}, value) for kind, value in
+                  (("allocated", m.device_allocated), ("peak", m.device_peak), ("total", m.device_total))])
     peers = sorted(st.peers.items())
     w.one("locoswarm_peers", "gauge", "Live peers of the swarm seen in the DHT (this node excluded).", len(peers))
     w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",

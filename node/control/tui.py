@@ -20,7 +20,15 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from locoswarm.node.status import NodePeerStatus, NodeStatus, PeerReputation, PeerStatus, Spread, StatusEvent, SwarmView
+from locoswarm.node.status import (
+    NodePeerStatus,
+    NodeStatus,
+    PeerReputation,
+    PeerStatus,
+    Spread,
+    StatusEvent,
+    SwarmView,
+)
 
 SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
@@ -122,6 +130,11 @@ def _node_panel(st: NodeStatus, width: int) -> Panel:
     spark = sparkline([s.loss for s in st.loss_history], max(10, min(40, width // 2 - 36)))
     eval_text = f"   eval {st.eval_curve[-1].loss:.3f}" if st.eval_curve else ""
     g.add_row("loss", Text.assemble((_loss_text(st.loss), "bold"), " ", (spark, "cyan"), eval_text))
+    m = st.memory
+    g.add_row("memory", f"{human_bytes(m.rss)} (peak {human_bytes(m.peak_rss)})" if m.rss else "—")
+    if m.device_allocated is not None:  # an accelerator: what PyTorch holds on it
+        total = f" of {human_bytes(m.device_total)}" if m.device_total else ""
+        g.add_row(m.device, f"{human_bytes(m.device_allocated)} (peak {human_bytes(m.device_peak or 0)}){total}")
     return Panel(g, title="node", title_align="left", box=box.ROUNDED)
 
 
