@@ -445,6 +445,8 @@ class Node:
             self._train()
         except RankFailure as exc:
             self.rank_failed = True
+            if self.theta_sync is not None:
+                self.theta_sync.broken(exc)  # the leave's drain moves nothing between the ranks any more
             log.error("%s", exc)
             self._event("rank_failed", "a rank of this node failed: leaving the swarm")
 

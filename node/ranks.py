@@ -57,6 +57,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -589,7 +590,9 @@ class ThetaSync:
 
     A failed transfer inside the outer loop's read is not raised there (the outer loop would be left
     between two writes): rank 0 goes on with its last copy of that fragment, and the failure is raised
-    at the next :meth:`step` or :meth:`stop`.
+    at the next :meth:`step` or :meth:`stop`. After any failure of the ranks (:meth:`broken`) no transfer
+    is tried again: a hung rank would hold each one for the whole rank timeout while rank 0 leaves.
+    Every call comes from the thread that trains (the commands of two threads would interleave).
 
     Args:
         group: the node's ranks.
@@ -612,6 +615,7 @@ class ThetaSync:
         self._written: set[int] = set()  # fragments rank 0's outer loop wrote since the last step
         self._reset = False
         self._stopped = False
+        self._thread = threading.get_ident()
         self.failure: RankFailure | None = None
         # What moved, in parameters: the node logs it as it stops, tests read it.
         self.pushed = self.gathered = 0
@@ -628,10 +632,10 @@ class ThetaSync:
         if self._stopped:
             raise RuntimeError(f"fragment {fragment} read after the ranks stopped, without its last steps")
         try:
-            self.group.command(Command.GATHER, fragment)
+            self._command(Command.GATHER, fragment)
             self.engine.pull_params(self.train, self.outer, self.fragments[fragment])
         except RankFailure as exc:
-            self.failure = exc
+            self.broken(exc)
             return
         self._stale.discard(fragment)
         self.gathered += self._numel[fragment]
@@ -641,6 +645,11 @@ class ThetaSync:
         self._written.add(fragment)
 
     # ---- rank 0: between two inner steps ------------------------------------------------------------
+    def broken(self, failure: RankFailure) -> None:
+        """The ranks failed (here or in an inner step): no transfer is tried again."""
+        if self.failure is None:
+            self.failure = failure
+
     def reset_inner(self) -> None:
         """The ranks forget their AdamW moments before the next step (rank 0 has reset its own)."""
         self._reset = True
@@ -654,7 +663,7 @@ class ThetaSync:
     def step(self) -> None:
         """The outer loop's writes to every rank, then one inner step on every rank."""
         self._push_written()
-        self.group.command(Command.STEP)
+        self._command(Command.STEP)
         self.steps += 1
         if self.engine.copies_params:
             self._stale = set(range(len(self.fragments)))
@@ -664,16 +673,21 @@ class ThetaSync:
         then every rank stops. Transfers after this are the fixed sequence of the stop (digest, moments)."""
         self._push_written()
         self.refresh()
-        self.group.command(Command.STOP)
+        self._command(Command.STOP)
         self._stopped = True
 
     def gather_inner(self, inner: InnerOptimizer, target: InnerOptimizer) -> None:
         """The ranks' optimizer state into rank 0's ``target`` (for a checkpoint)."""
         if not self.engine.shards_optimizer:
             return  # every rank holds the whole state: rank 0's is the node's
+        self._raise_failure()
         if not self._stopped:
-            self.group.command(Command.GATHER_INNER)
-        self.engine.pull_inner(inner, target)
+            self._command(Command.GATHER_INNER)
+        try:
+            self.engine.pull_inner(inner, target)
+        except RankFailure as exc:
+            self.broken(exc)
+            raise
 
     def push_all(self) -> None:
         """Rank 0's whole outer model to every rank (collective: at the start, after a resume or a join)."""
@@ -684,13 +698,27 @@ class ThetaSync:
     def _push_written(self) -> None:
         self._raise_failure()
         if self._reset:
-            self.group.command(Command.RESET_INNER)
+            self._command(Command.RESET_INNER)
             self._reset = False
         for fragment in sorted(self._written):
-            self.group.command(Command.PUSH, fragment)
-            self.engine.push_params(self.outer, self.train, self.fragments[fragment])
+            self._command(Command.PUSH, fragment)
+            try:
+                self.engine.push_params(self.outer, self.train, self.fragments[fragment])
+            except RankFailure as exc:
+                self.broken(exc)
+                raise
             self.pushed += self._numel[fragment]
         self._written.clear()
+
+    def _command(self, command: Command, arg: int = 0) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(f"{command.name} sent off the training thread: the ranks' commands must come "
+                               "from one thread")
+        try:
+            self.group.command(command, arg)
+        except RankFailure as exc:
+            self.broken(exc)
+            raise
 
     def _raise_failure(self) -> None:
         if self.failure is not None:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -212,6 +213,7 @@ class _FakeGroup:
         self.sent: list[tuple[Command, int]] = []
         self.moved: list[tuple[str, tuple[str, ...] | None]] = []
         self.fail = False
+        self.tries = 0
         group = self
 
         class Engine:
@@ -226,10 +228,19 @@ class _FakeGroup:
         self.engine = Engine()
 
     def command(self, command: Command = Command.STEP, arg: int = 0) -> tuple[Command, int]:
+        self.tries += 1
         if self.fail:
             raise RankFailure("rank 0: waiting for rank 0's command failed (a rank died or hung)")
         self.sent.append((command, arg))
         return command, arg
+
+
+def _raises(call) -> list[BaseException]:
+    try:
+        call()
+    except BaseException as exc:  # handed to the test's thread
+        return [exc]
+    return []
 
 
 @pytest.mark.timeout(30)
@@ -257,9 +268,16 @@ def test_rank0_moves_a_fragment_only_when_the_outer_loop_touches_it_and_a_failur
     sync.step()
     assert group.sent[1:] == [(Command.PUSH, 0), (Command.STEP, 0)]
     assert (sync.pushed, sync.gathered, sync.steps) == (3 * 3 + 3 + 3 * 2 + 2, 3 * 2 + 2, 2)
+    other = threading.Thread(target=lambda: errors.extend(_raises(sync.step)))
+    errors: list[BaseException] = []
+    other.start(), other.join(10)
+    assert len(errors) == 1 and "off the training thread" in str(errors[0])
     group.fail = True
     sync.before_read(0)  # not raised inside the outer loop
     assert isinstance(sync.failure, RankFailure)
+    tries = group.tries
+    sync.before_read(1)  # the ranks failed: nothing is tried again (a hung rank would hold each try)
+    assert group.tries == tries
     with pytest.raises(RankFailure):
         sync.step()
     with pytest.raises(ValueError, match="every parameter"):
