@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.bench import codecs, convergence, robustness
+    from locoswarm.node.bench import codecs, convergence, memory, robustness
     from locoswarm.node.bench import swarm as swarm_bench
 
     p = sub.add_parser("bench", help="benchmarks that write a report (JSON + markdown + PNG)")
@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                  parser_class=type(p))
     codecs.register(bench_sub)
     convergence.register(bench_sub)
+    memory.register(bench_sub)
     robustness.register(bench_sub)
     swarm_bench.register(bench_sub)
 

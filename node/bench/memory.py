@@ -1,0 +1,300 @@
+"""``locoswarm bench memory``: the peak memory of real nodes per model preset and ``[outer] offload``.
+
+For every preset of ``--presets`` and every setting of ``--offload``, ``--nodes`` real nodes
+(``locoswarm run`` processes on loopback, a DHT and p2pd each, all on ``--device``) form a swarm and
+train until every node has merged ``--rounds`` rounds with a peer. Then each node's own report of its
+memory is read from its ``status.json`` (``memory``: the resident memory of its process and its peak,
+and on a CUDA device what PyTorch holds there now, its peak and the device's capacity), with its
+speed. The nodes share the machine (and its GPU), but each figure is one process's own.
+
+Beside each measurement stands the planner's estimate of the training device's memory for the same
+preset (its standard shape), batch and offload setting (``locoswarm.node.sizing``: weights, gradients, AdamW, the outer state
+when it stays on the device, activations), so that a GPU run checks the estimate. On the CPU the device
+columns are empty and offload changes nothing (the outer state lives in host memory either way).
+
+Writes ``results.json``, ``report.md`` and ``memory.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from locoswarm.node.bench.robustness import LocalProc
+from locoswarm.node.errors import UserError
+from locoswarm.node.helptext import describe
+
+OFFLOADS = ("off", "cpu", "auto")
+MB = 1e6
+
+# Fast rounds (as the multi-process tests use) on any preset; --config replaces it.
+BASE_SWARM: dict[str, dict] = {
+    "swarm": {"name": "memory-bench"},
+    "inner": {"batch_size": 8, "seq_len": 128, "warmup": 5},
+    "outer": {"method": "compensate", "h": 20, "fragments": 2, "tau": 2, "codec": "fp4"},
+    "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 30.0, "heartbeat_interval": 0.5},
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from locoswarm.node.sim import add_data_args
+
+    p = sub.add_parser("memory", help="peak memory of real nodes per preset and offload setting (JSON + md + PNG)",
+                       description=describe(__doc__))
+    add_data_args(p)
+    p.add_argument("--out", required=True,
+                   help="report directory (results.json, report.md, memory.png; the nodes' logs under logs/)")
+    p.add_argument("--presets", default="tiny,small", help="comma-separated model presets (default tiny,small)")
+    p.add_argument("--offload", default="off,cpu",
+                   help=f"comma-separated [outer] offload settings (default off,cpu; known: {','.join(OFFLOADS)})")
+    p.add_argument("--nodes", type=int, default=2, help="nodes per configuration (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds each node merges with a peer before it is "
+                                                         "measured (default 2)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds a configuration may take to start and merge its rounds (default 900)")
+    p.add_argument("--config", default=None,
+                   help="the swarm's peers.toml; its preset and offload are set per configuration (default: "
+                        "a swarm with fast rounds, batch 8 x 128 tokens)")
+    p.set_defaults(func=run_memory)
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise UserError(f"{flag} {text!r} is not allowed; use a comma-separated list of {', '.join(allowed)}")
+    return values
+
+
+def _base_config(path: str | None) -> dict[str, dict]:
+    if path is None:
+        return json.loads(json.dumps(BASE_SWARM))
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"--config {path}: cannot read it ({exc.strerror}); give an existing peers.toml") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"--config {path} is not valid TOML ({exc}); fix the file") from None
+
+
+def _write_config(path: Path, base: dict[str, dict], preset: str, offload: str) -> Path:
+    doc = json.loads(json.dumps(base))
+    doc.setdefault("model", {})["preset"] = preset
+    doc.setdefault("outer", {})["offload"] = offload
+    lines = []
+    for name, values in doc.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _predicted_gib(preset: str, offload: str, device: str, inner: dict) -> float:
+    """The planner's device memory for this preset, batch and offload (``locoswarm.node.sizing``)."""
+    from locoswarm.node.config import InnerSection
+    from locoswarm.node.sizing import estimate
+
+    defaults = InnerSection()
+    batch, seq = int(inner.get("batch_size", defaults.batch_size)), int(inner.get("seq_len", defaults.seq_len))
+    on_device = offload == "off" or (offload == "auto" and not device.startswith("cuda"))
+    # The GPU class only sets the step time and whether it fits; memory is the same on every class.
+    return estimate(preset, "h100", tokens_per_step=batch * seq, seq_len=seq, outer_on_device=on_device).total_gib
+
+
+class Configuration:
+    """One preset and offload setting: start the nodes, wait for their rounds, read their memory, stop."""
+
+    def __init__(self, preset: str, offload: str, root: Path, base: dict, args: argparse.Namespace,
+                 data: list[str]) -> None:
+        self.preset, self.offload = preset, offload
+        self.name = f"{preset} offload={offload}"
+        self.root = root
+        self.config = _write_config(root / "peers.toml", base, preset, offload)
+        self.args = args
+        self.data = data
+        self.procs: list[LocalProc] = []
+
+    def node_args(self) -> list[str]:
+        args = ["--config", str(self.config), "--device", self.args.device, "--eval-every", "1000000"]
+        if not self.args.device.startswith("cuda"):
+            args += ["--threads", "1"]  # the nodes share the cores
+        return args + (["--data", *self.data] if self.data else [])
+
+    def spawn(self, i: int, extra: list[str]) -> LocalProc:
+        name = f"node{i}"
+        proc = LocalProc(name, ["locoswarm.node.cli", "run"], [*self.node_args(), *extra,
+                                                                "--state-dir", str(self.root / name)],
+                         self.root / name, self.root / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def run(self, progress=None) -> dict:
+        result: dict = {"preset": self.preset, "offload": self.offload, "nodes": [], "error": None}
+        started = time.monotonic()
+        try:
+            first = self.spawn(0, [])
+            addrs = first.wait_for(lambda s: s.get("addrs"), self.args.timeout, "addresses")["addrs"]
+            boot = next((a for a in addrs if "/127.0.0.1/" in a), addrs[0])
+            for i in range(1, self.args.nodes):
+                self.spawn(i, ["--bootstrap", boot])
+            task = progress.add_task(f"  {self.name}", total=self.args.rounds * len(self.procs)) if progress else None
+            statuses: list[dict] = []
+            for proc in self.procs:
+                left = max(1.0, self.args.timeout - (time.monotonic() - started))
+                statuses.append(proc.wait_for(lambda s: s.get("syncs_ok", 0) >= self.args.rounds, left,
+                                              f"{self.args.rounds} merged rounds"))
+                if task is not None:
+                    progress.update(task, advance=self.args.rounds)
+            statuses = [proc.status() or st for proc, st in zip(self.procs, statuses, strict=True)]
+            result["nodes"] = [_node_row(st) for st in statuses]
+        except Exception as exc:  # a configuration that could not run is reported; the others still run
+            result["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        finally:
+            for proc in self.procs:
+                proc.stop()
+        result["seconds"] = round(time.monotonic() - started, 1)
+        return result
+
+
+def _node_row(st: dict) -> dict:
+    m = st.get("memory") or {}
+
+    def mb(key: str) -> float | None:
+        return None if m.get(key) is None else round(m[key] / MB, 1)
+
+    return {"rss_mb": mb("rss"), "peak_rss_mb": mb("peak_rss"), "device": m.get("device", ""),
+            "device_allocated_mb": mb("device_allocated"), "device_peak_mb": mb("device_peak"),
+            "device_total_mb": mb("device_total"), "rounds": int(st.get("syncs_ok", 0)),
+            "inner_steps": int(st.get("inner_step", 0)),
+            "tokens_per_s": round(float(st.get("tokens_per_s", 0.0)), 1)}
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from locoswarm.node.bench.robustness import _interrupt, _keep_logs
+    from locoswarm.node.config import PRESET_NAMES
+    from locoswarm.node.model import resolve_device
+    from locoswarm.node.sim import data_paths
+    from locoswarm.node.sizing import preset_params
+
+    presets = _choices(args.presets, PRESET_NAMES, "--presets")
+    offloads = _choices(args.offload, OFFLOADS, "--offload")
+    if not 2 <= args.nodes <= 8:
+        raise UserError(f"--nodes {args.nodes} is not allowed; use 2..8 (the nodes must merge rounds together)")
+    if not 1 <= args.rounds <= 100:
+        raise UserError(f"--rounds {args.rounds} is not allowed; use 1..100")
+    if not 10 <= args.timeout <= 7200:
+        raise UserError(f"--timeout {args.timeout} is not allowed; use 10..7200 seconds")
+    args.device = str(resolve_device(args.device))  # auto -> cuda or cpu, once for every node
+    base = _base_config(args.config)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM still stops every node this benchmark started
+    console = Console(stderr=True)
+    data = [str(Path(d).resolve()) for d in data_paths(args)]
+    setup = {"presets": presets, "offload": offloads, "nodes": args.nodes, "rounds": args.rounds,
+             "device": args.device, "config": args.config or BASE_SWARM, "data": data or "the node's default corpus"}
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+               TimeElapsedColumn()]
+    with tempfile.TemporaryDirectory(prefix="locoswarm-memory-") as tmp, \
+            Progress(*columns, console=console) as progress:
+        overall = progress.add_task("configurations", total=len(presets) * len(offloads))
+        for i, (preset, offload) in enumerate((p, o) for p in presets for o in offloads):
+            root = Path(tmp) / f"c{i}"
+            root.mkdir()
+            run = Configuration(preset, offload, root, base, args, data)
+            r = run.run(progress)
+            r["params"] = preset_params(preset)
+            r["predicted_device_gib"] = round(_predicted_gib(preset, offload, args.device, base.get("inner", {})), 3)
+            results[run.name] = r
+            _keep_logs(root, out / "logs" / f"{preset}-{offload}")
+            progress.console.print(_one_line(run.name, r))
+            progress.update(overall, advance=1)
+            write_report(out, setup, results, time.perf_counter() - started)
+    report = write_report(out, setup, results, time.perf_counter() - started)
+    Console().print(report["table_md"])
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'memory.png'}")
+    return 0 if all(r["error"] is None for r in results.values()) else 1
+
+
+def _peak(r: dict, key: str) -> float | None:
+    values = [n[key] for n in r["nodes"] if n.get(key) is not None]
+    return max(values) if values else None
+
+
+def _fmt(x: float | None, spec: str = ".0f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _one_line(name: str, r: dict) -> str:
+    if r["error"]:
+        return f"{name}: failed: {r['error']}"
+    return (f"{name}: peak RSS {_fmt(_peak(r, 'peak_rss_mb'))} MB, device peak {_fmt(_peak(r, 'device_peak_mb'))} MB "
+            f"(predicted {r['predicted_device_gib'] * 1024:.0f} MiB), {r['seconds']:.0f} s")
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    rows = ["| configuration | parameters | peak RSS per node (MB) | device peak per node (MB) | predicted device "
+            "(MiB) | rounds | tokens/s per node |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if r["error"]:
+            rows.append(f"| {name} | {r['params']:,} | failed: {r['error'][:80]} | | | | |")
+            continue
+        nodes = r["nodes"]
+        rows.append(f"| {name} | {r['params']:,} | {', '.join(_fmt(n['peak_rss_mb']) for n in nodes)} | "
+                    f"{', '.join(_fmt(n['device_peak_mb']) for n in nodes)} | "
+                    f"{r['predicted_device_gib'] * 1024:.0f} | {', '.join(str(n['rounds']) for n in nodes)} | "
+                    f"{', '.join(_fmt(n['tokens_per_s']) for n in nodes)} |")
+    return "\n".join(rows)
+
+
+def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
+    from locoswarm.node.fsutil import atomic_write_text
+
+    doc = {"setup": setup, "configurations": results, "wall_seconds": round(wall, 1)}
+    atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
+    table = markdown_table(results)
+    atomic_write_text(out / "report.md", "\n".join([
+        "# Peak memory of real nodes per preset and offload setting (`locoswarm bench memory`)", "",
+        f"{setup['nodes']} nodes per configuration on `{setup['device']}`, measured after each merged "
+        f"{setup['rounds']} rounds with a peer; each figure is one node process's own (`status.json` `memory`). "
+        "The predicted column is the planner's estimate of the training device's memory "
+        "(`locoswarm plan --sizes`); on the CPU there is no device column to compare it with.", "",
+        table, "", "![peak memory per configuration](memory.png)", "", f"Wall time: {wall:.0f} s.", ""]))
+    plot(out / "memory.png", results)
+    return {"table_md": table, **doc}
+
+
+def plot(path: Path, results: dict[str, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from locoswarm.node.bench import write_png
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) + 2), 4.5))
+    xs = range(len(names))
+    series = [("peak RSS", [_peak(results[n], "peak_rss_mb") for n in names]),
+              ("device peak", [_peak(results[n], "device_peak_mb") for n in names]),
+              ("predicted device", [results[n]["predicted_device_gib"] * 1024**3 / MB for n in names])]
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series):
+        ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], [v or 0 for v in values], width=width, label=label)
+    ax.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("MB (largest node)")
+    ax.set_title("node memory per preset and offload setting")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    write_png(fig, path)
