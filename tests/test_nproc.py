@@ -471,3 +471,39 @@ def test_an_fsdp_node_averages_with_a_plain_node_and_resumes(swarm: Swarm) -> No
     again = stops(restarted)[len(first):]
     assert len(again) == 2 and len({(step, crc) for _, step, crc in again}) == 1, f"ranks differ: {again}"
     assert int(again[0][1]) > int(first[0][1]), "the resumed node did not continue from its checkpoint"
+
+
+@needs_gloo
+@pytest.mark.timeout(300)
+def test_a_node_under_torchrun_averages_with_a_plain_node_and_stops_on_sigterm(swarm: Swarm) -> None:  # noqa: F811
+    """``torchrun --nproc-per-node 2 -m locoswarm.node.cli run``: torchrun's own launcher instead of ``--nproc``.
+    The node merges rounds with a one-process node; a SIGTERM to torchrun reaches the ranks, rank 0 leaves
+    the swarm cleanly, both ranks stop with one model, and no process of the node is left."""
+    plain = swarm.start("n1", "--device", "cpu")
+    args = ["--config", str(swarm.config), "--data", str(swarm.data), "--eval-every", "25", "--device", "cpu",
+            "--bootstrap", swarm.boot]
+    node = NodeProc("t0", swarm.root / "t0", args, swarm.root / "t0.log",
+                    command=["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "locoswarm.node.cli", "run"])
+    swarm.nodes.append(node)  # the fixture stops it and checks its process group
+    for n in (node, plain):
+        n.wait_status(lambda s: [e for e in merged(s) if e["group_size"] == 2], 180, "a round merged with the other")
+    family = [node.proc.pid, *node.descendants()]
+    ranks = [p for p in children(node.proc.pid) if "locoswarm.node.cli" in _cmdline(p)]
+    assert len(ranks) == 2, f"not two ranks under torchrun: {[_cmdline(p) for p in children(node.proc.pid)]}"
+    assert node.terminate(90) == 1, node.tail()  # torchrun's own code after a SIGTERM to its workers
+    stops = re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})",
+                       node.log_path.read_text(errors="replace"))
+    assert {r for r, _, _ in stops} == {"0", "1"} and len({(s, c) for _, s, c in stops}) == 1, node.tail()
+    assert node.status()["state"] == "stopped", node.tail()
+    deadline = time.monotonic() + 15  # torchrun may exit while a rank still tears its process group down
+    while [p for p in family if is_alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [(p, _cmdline(p)) for p in family if is_alive(p)], "processes of the torchrun node are left"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:
+        return ""

@@ -8,9 +8,10 @@ and on a CUDA device what PyTorch holds there now, its peak and the device's cap
 speed. The nodes share the machine (and its GPU), but each figure is one process's own.
 
 Beside each measurement stands the planner's estimate of the training device's memory for the same
-preset (its standard shape), batch and offload setting (``locoswarm.node.sizing``: weights, gradients, AdamW, the outer state
-when it stays on the device, activations), so that a GPU run checks the estimate. On the CPU the device
-columns are empty and offload changes nothing (the outer state lives in host memory either way).
+preset (its standard shape), batch and offload setting (``locoswarm.node.sizing``: weights, gradients,
+AdamW, the outer state when it stays on the device, activations), so that a GPU run checks the estimate.
+On the CPU the device columns are empty and offload changes nothing (the outer state lives in host
+memory either way).
 
 Writes ``results.json``, ``report.md`` and ``memory.png`` to ``--out``.
 """
@@ -171,7 +172,8 @@ def _node_row(st: dict) -> dict:
             "device_allocated_mb": mb("device_allocated"), "device_peak_mb": mb("device_peak"),
             "device_total_mb": mb("device_total"), "rounds": int(st.get("syncs_ok", 0)),
             "inner_steps": int(st.get("inner_step", 0)),
-            "tokens_per_s": round(float(st.get("tokens_per_s", 0.0)), 1)}
+            # over the node's last 5 s (none yet: a node that reached its rounds sooner)
+            "tokens_per_s": round(float(st["tokens_per_s"]), 1) if st.get("tokens_per_s") else None}
 
 
 def run_memory(args: argparse.Namespace) -> int:
@@ -266,7 +268,7 @@ def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) 
     table = markdown_table(results)
     atomic_write_text(out / "report.md", "\n".join([
         "# Peak memory of real nodes per preset and offload setting (`locoswarm bench memory`)", "",
-        f"{setup['nodes']} nodes per configuration on `{setup['device']}`, measured after each merged "
+        f"{setup['nodes']} nodes per configuration on `{setup['device']}`, each measured once it had merged "
         f"{setup['rounds']} rounds with a peer; each figure is one node process's own (`status.json` `memory`). "
         "The predicted column is the planner's estimate of the training device's memory "
         "(`locoswarm plan --sizes`); on the CPU there is no device column to compare it with.", "",
