@@ -4,11 +4,12 @@ Everything here is deterministic and offline: every worker of a swarm derives th
 the same files and ``[data]`` settings, draws its training windows only from its own shard, and
 evaluates on the same fixed windows, so losses of workers and methods are comparable.
 
-Token tensors of a ``Corpus`` are 1-D **int16** when the vocabulary fits (the byte tokenizer's 257 ids: the
-default 64 MB byte budget is 128 MB of tokens, a quarter of int64's 512 MB; a simulation shares them
-between workers), else int32 (not uint16: most torch operations do not take it); batches handed to the model are int64 (``torch.long``), as embeddings and
-the loss require. Documents are tokenized into large blocks (:class:`_TokenBlocks`), so that the many
-small per-document arrays do not stay behind in the heap after the corpus is joined.
+Token tensors of a ``Corpus`` are 1-D **int16** when the vocabulary fits (the byte tokenizer's 257 ids:
+the default 64 MB byte budget is 128 MB of tokens, a quarter of int64's 512 MB; a simulation shares them
+between workers), else int32 (not uint16: most torch operations do not take it). Batches handed to the
+model are int64 (``torch.long``), as embeddings and the loss require. Documents are tokenized into large
+blocks (:class:`_TokenBlocks`), so that the many small per-document arrays do not stay behind in the heap
+after the corpus is joined.
 """
 
 from __future__ import annotations

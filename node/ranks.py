@@ -683,11 +683,8 @@ class ThetaSync:
         self._raise_failure()
         if not self._stopped:
             self._command(Command.GATHER_INNER)
-        try:
+        with self._breaking():
             self.engine.pull_inner(inner, target)
-        except RankFailure as exc:
-            self.broken(exc)
-            raise
 
     def push_all(self) -> None:
         """Rank 0's whole outer model to every rank (collective: at the start, after a resume or a join)."""
@@ -702,11 +699,8 @@ class ThetaSync:
             self._reset = False
         for fragment in sorted(self._written):
             self._command(Command.PUSH, fragment)
-            try:
+            with self._breaking():
                 self.engine.push_params(self.outer, self.train, self.fragments[fragment])
-            except RankFailure as exc:
-                self.broken(exc)
-                raise
             self.pushed += self._numel[fragment]
         self._written.clear()
 
@@ -714,8 +708,14 @@ class ThetaSync:
         if threading.get_ident() != self._thread:
             raise RuntimeError(f"{command.name} sent off the training thread: the ranks' commands must come "
                                "from one thread")
-        try:
+        with self._breaking():
             self.group.command(command, arg)
+
+    @contextlib.contextmanager
+    def _breaking(self) -> Iterator[None]:
+        """A transfer whose failure marks the ranks :meth:`broken` (and is raised)."""
+        try:
+            yield
         except RankFailure as exc:
             self.broken(exc)
             raise

@@ -276,17 +276,10 @@ class NodePeerStatus(PeerStatus):
     banned: bool = False
 
 
-@dataclass(frozen=True)
-class ConsensusStatus(Record):
-    """Consensus rounds (fp32 averaging of phi and momentum): done, failed, the last one's shift and error.
-    On the wire: the ``consensus_*`` fields of ``Status``."""
+class FlatRecord(Record):
+    """A record whose fields live in the parent's ``Status`` message under ``PREFIX`` (no message of its own)."""
 
-    rounds: int = 0
-    last_shift: float | None = None          # |phi_bar - phi| / |phi| of the last consensus round
-    failed: int = 0
-    last_error: str = ""
-
-    PREFIX: ClassVar[str] = "consensus_"
+    PREFIX: ClassVar[str] = ""
 
     def into_proto(self, msg: control_pb2.Status) -> None:
         _copy_plain(self, msg, self.PREFIX)
@@ -297,7 +290,20 @@ class ConsensusStatus(Record):
 
 
 @dataclass(frozen=True)
-class MemoryStatus(Record):
+class ConsensusStatus(FlatRecord):
+    """Consensus rounds (fp32 averaging of phi and momentum): done, failed, the last one's shift and error.
+    On the wire: the ``consensus_*`` fields of ``Status``."""
+
+    rounds: int = 0
+    last_shift: float | None = None          # |phi_bar - phi| / |phi| of the last consensus round
+    failed: int = 0
+    last_error: str = ""
+
+    PREFIX: ClassVar[str] = "consensus_"
+
+
+@dataclass(frozen=True)
+class MemoryStatus(FlatRecord):
     """Memory of the node's process (rank 0's, with several ranks) and of its training device, in bytes: what
     a user sizes a preset by. On the wire: the ``memory_*`` fields of ``Status``."""
 
@@ -309,13 +315,6 @@ class MemoryStatus(Record):
     device_total: int | None = None           # the accelerator's capacity
 
     PREFIX: ClassVar[str] = "memory_"
-
-    def into_proto(self, msg: control_pb2.Status) -> None:
-        _copy_plain(self, msg, self.PREFIX)
-
-    @classmethod
-    def from_proto(cls, msg: control_pb2.Status) -> Self:
-        return cls(**_plain_from(cls, msg, cls.PREFIX))
 
 
 @dataclass(frozen=True)
