@@ -173,3 +173,19 @@ def bootstrap_addr(status: dict) -> str:
     addrs = [a for a in status.get("addrs", []) if "/127.0.0.1/" in a]
     assert addrs, f"no loopback address in {status.get('addrs')}"
     return addrs[0]
+
+
+def run_bench(args: list[str], tmp_path: Path, timeout: float) -> str:
+    """``locoswarm bench ARGS`` with its scratch swarms under ``tmp_path``; its output. A bench that outlasts
+    ``timeout`` gets a SIGTERM (it stops the nodes it started) and fails the test."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-m", "locoswarm.node.cli", "bench", *args], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = bench.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGTERM)
+        output, _ = bench.communicate(timeout=25)
+        raise AssertionError(f"bench {args[0]} did not finish:\n{output[-3000:]}") from None
+    assert bench.returncode == 0, output[-3000:]
+    return output

@@ -14,14 +14,13 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from swarm_util import REPO, NodeProc, bootstrap_addr, write_config, write_corpus
+from swarm_util import REPO, NodeProc, bootstrap_addr, run_bench, write_config, write_corpus
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -295,17 +294,7 @@ def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> No
 def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "report"
     data = write_corpus(tmp_path / "data")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the benchmark's scratch swarm lives under tmp_path too
-    bench = subprocess.Popen([sys.executable, "-m", "locoswarm.node.cli", "bench", "robustness", "--out", str(out),
-                              "--kinds", "nan", "--seconds", "5", "--data", str(data)], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = bench.communicate(timeout=270)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)  # the benchmark stops the nodes it started
-        output, _ = bench.communicate(timeout=25)
-        raise AssertionError(f"bench robustness did not finish:\n{output[-3000:]}") from None
-    assert bench.returncode == 0, output[-3000:]
+    run_bench(["robustness", "--out", str(out), "--kinds", "nan", "--seconds", "5", "--data", str(data)], tmp_path, 270)
     doc = json.loads((out / "results.json").read_text())
     r = doc["scenarios"]["nan"]
     assert not r["error"], r["error"]

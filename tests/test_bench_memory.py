@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from swarm_util import REPO, write_config, write_corpus
+from swarm_util import REPO, run_bench, write_config, write_corpus
 from test_adversarial import _cmdline_has
 
 
@@ -24,18 +22,8 @@ def test_bench_memory_measures_two_real_nodes_and_writes_json_markdown_and_png(t
     out = tmp_path / "report"
     config = write_config(tmp_path / "peers.toml")
     data = write_corpus(tmp_path / "data")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the benchmark's scratch swarm lives under tmp_path too
-    bench = subprocess.Popen([sys.executable, "-m", "locoswarm.node.cli", "bench", "memory", "--out", str(out),
-                              "--presets", "tiny", "--offload", "off,cpu", "--rounds", "1", "--timeout", "150",
-                              "--config", str(config), "--device", "cpu", "--data", str(data)],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = bench.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGTERM)  # the benchmark stops the nodes it started
-        output, _ = bench.communicate(timeout=25)
-        raise AssertionError(f"bench memory did not finish:\n{output[-3000:]}") from None
-    assert bench.returncode == 0, output[-3000:]
+    run_bench(["memory", "--out", str(out), "--presets", "tiny", "--offload", "off,cpu", "--rounds", "1", "--timeout",
+               "150", "--config", str(config), "--device", "cpu", "--data", str(data)], tmp_path, 360)
     doc = json.loads((out / "results.json").read_text())
     assert list(doc["configurations"]) == ["tiny offload=off", "tiny offload=cpu"]
     for r in doc["configurations"].values():

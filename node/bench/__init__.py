@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -34,3 +39,30 @@ def write_png(fig, path: Path) -> None:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+@contextlib.contextmanager
+def local_swarm_runs(what: str, total: int, console) -> Iterator[tuple[Path, object, object]]:
+    """What a benchmark of local node processes runs its items (scenarios, configurations) in: a scratch
+    directory (removed afterwards), a rich progress display with a task counting ``total`` items of
+    ``what``, and a SIGTERM handler that turns the signal into ``KeyboardInterrupt``, so that the ``finally``
+    of every item still stops the nodes it started. Yields ``(scratch, progress, task)``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+               TimeElapsedColumn()]
+    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, \
+            Progress(*columns, console=console) as progress:
+        yield Path(tmp), progress, progress.add_task(what, total=total)
+
+
+def keep_logs(root: Path, dest: Path) -> None:
+    """An item's node logs, kept next to the report (the item's scratch folder is temporary)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log_file in root.glob("*.log"):
+        shutil.copyfile(log_file, dest / log_file.name)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

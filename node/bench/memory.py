@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -178,9 +176,8 @@ def _node_row(st: dict) -> dict:
 
 def run_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from locoswarm.node.bench.robustness import _interrupt, _keep_logs
+    from locoswarm.node.bench import keep_logs, local_swarm_runs
     from locoswarm.node.config import PRESET_NAMES
     from locoswarm.node.model import resolve_device
     from locoswarm.node.sim import data_paths
@@ -198,27 +195,22 @@ def run_memory(args: argparse.Namespace) -> int:
     base = _base_config(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM still stops every node this benchmark started
     console = Console(stderr=True)
     data = [str(Path(d).resolve()) for d in data_paths(args)]
     setup = {"presets": presets, "offload": offloads, "nodes": args.nodes, "rounds": args.rounds,
              "device": args.device, "config": args.config or BASE_SWARM, "data": data or "the node's default corpus"}
     results: dict[str, dict] = {}
     started = time.perf_counter()
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
-               TimeElapsedColumn()]
-    with tempfile.TemporaryDirectory(prefix="locoswarm-memory-") as tmp, \
-            Progress(*columns, console=console) as progress:
-        overall = progress.add_task("configurations", total=len(presets) * len(offloads))
+    with local_swarm_runs("memory", len(presets) * len(offloads), console) as (tmp, progress, overall):
         for i, (preset, offload) in enumerate((p, o) for p in presets for o in offloads):
-            root = Path(tmp) / f"c{i}"
+            root = tmp / f"c{i}"
             root.mkdir()
             run = Configuration(preset, offload, root, base, args, data)
             r = run.run(progress)
             r["params"] = preset_params(preset)
             r["predicted_device_gib"] = round(_predicted_gib(preset, offload, args.device, base.get("inner", {})), 3)
             results[run.name] = r
-            _keep_logs(root, out / "logs" / f"{preset}-{offload}")
+            keep_logs(root, out / "logs" / f"{preset}-{offload}")
             progress.console.print(_one_line(run.name, r))
             progress.update(overall, advance=1)
             write_report(out, setup, results, time.perf_counter() - started)

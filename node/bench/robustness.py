@@ -21,11 +21,8 @@ import itertools
 import json
 import math
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,8 +349,8 @@ def _scenarios(kinds_text: str, counts_text: str) -> list[Scenario]:
 
 def run_robustness(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from locoswarm.node.bench import keep_logs, local_swarm_runs
     from locoswarm.node.sim import data_paths
 
     scenarios = _scenarios(args.kinds, args.counts)
@@ -367,7 +364,6 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise UserError(f"--config {args.config}: no such file")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM still stops every node this benchmark started
     console = Console(stderr=True)
     data = [str(Path(d).resolve()) for d in data_paths(args)]
     setup = {"honest": args.honest, "seconds": args.seconds, "nice_others": args.nice_others,
@@ -375,19 +371,15 @@ def run_robustness(args: argparse.Namespace) -> int:
              "data": data or "the node's default corpus", "scenarios": [s.name for s in scenarios]}
     results: dict[str, dict] = {}
     started = time.perf_counter()
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
-               TimeElapsedColumn()]
-    with tempfile.TemporaryDirectory(prefix="locoswarm-robustness-") as tmp, \
-            Progress(*columns, console=console) as progress:
-        overall = progress.add_task("scenarios", total=len(scenarios))
+    with local_swarm_runs("robustness", len(scenarios), console) as (tmp, progress, overall):
         for i, scenario in enumerate(scenarios):
-            root = Path(tmp) / f"s{i}"
+            root = tmp / f"s{i}"
             root.mkdir()
             config = Path(args.config).resolve() if args.config else write_tiny_config(root / "peers.toml")
             outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress,
                                   nice_others=args.nice_others).run()
             results[scenario.name] = outcome.summary()
-            _keep_logs(root, out / "logs" / scenario.name)
+            keep_logs(root, out / "logs" / scenario.name)
             progress.console.print(_one_line(scenario.name, results[scenario.name]))
             progress.update(overall, advance=1)
             write_report(out, setup, results, time.perf_counter() - started)
@@ -395,17 +387,6 @@ def run_robustness(args: argparse.Namespace) -> int:
     Console().print(report["table_md"])
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'robustness.png'}")
     return 0
-
-
-def _keep_logs(root: Path, dest: Path) -> None:
-    """The scenario's node logs, kept next to the report (the scenario's folder is temporary)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for log_file in root.glob("*.log"):
-        shutil.copyfile(log_file, dest / log_file.name)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
