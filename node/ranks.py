@@ -74,8 +74,9 @@ from locoswarm.node.errors import UserError
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
-_START_KEY = "locoswarm/start"  # set in the rendezvous store by rank 0 when it has joined the swarm
-_CLOSED_KEY = "locoswarm/closed"  # counts the ranks > 0 that left the process group (see RankGroup.close)
+# Keys of the rendezvous store, per torchrun restart (its agent's store outlives a restart of the ranks):
+_START_KEY = "locoswarm/{restart}/start"    # set by rank 0 when it has joined the swarm
+_CLOSED_KEY = "locoswarm/{restart}/closed"  # counts the ranks > 0 that left the process group (see close)
 
 
 class RankFailure(RuntimeError):
@@ -116,6 +117,7 @@ class RankGroup:
         self.device = torch.device("cpu")
         self._started = False
         self._store: TCPStore | None = None
+        self._start_key = self._closed_key = ""  # set by start()
 
     @classmethod
     def from_env(cls, timeout_s: float = DEFAULT_TIMEOUT_S, parallel: str = "ddp") -> RankGroup | None:
@@ -157,9 +159,14 @@ class RankGroup:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         with self._collective("joining the process group"):
             # Our own handle on the rendezvous store: the other ranks wait on it for rank 0's start.
+            # Under torchrun its agent serves the store at MASTER_ADDR:MASTER_PORT and every rank is a client
+            # (what torch's own rendezvous does); under --nproc rank 0 serves it.
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             self._store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                         int(os.environ.get("MASTER_PORT", "29500")), self.world_size,
-                                        self.is_leader, timeout=timeout)
+                                        self.is_leader and not agent, timeout=timeout)
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._start_key, self._closed_key = _START_KEY.format(restart=restart), _CLOSED_KEY.format(restart=restart)
             dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
                                     timeout=timeout)
         self._started = True
@@ -208,9 +215,9 @@ class RankGroup:
 
         with self._collective("waiting for rank 0 to join the swarm"):
             if self.is_leader:
-                self._store.set(_START_KEY, "1")
+                self._store.set(self._start_key, "1")
             else:
-                while not self._store.check([_START_KEY]):
+                while not self._store.check([self._start_key]):
                     time.sleep(poll_s)
         t = torch.tensor([seed, step, layout], dtype=torch.int64, device=self.comm_device())
         with self._collective("sharing the start"):
@@ -233,7 +240,7 @@ class RankGroup:
     def close(self, failed: bool = False, wait_s: float = 30.0) -> None:
         """Leave the process group (skipped after a failure: a broken group may block its teardown).
 
-        Rank 0 goes last: it serves the rendezvous store, and a rank whose teardown still talked to it
+        Rank 0 goes last: it serves the rendezvous store (under --nproc), and a rank whose teardown still talked to it
         when rank 0's process ended aborted ("terminate called without an active exception", SIGABRT;
         1 run in 4 of the two-rank protocol test, and once in CI). The others say on the store that they
         are done, and rank 0 waits for that (at most ``wait_s``) before its own teardown."""
@@ -244,11 +251,11 @@ class RankGroup:
                 if not self.is_leader:
                     dist.destroy_process_group()
                     if self._store is not None:
-                        self._store.add(_CLOSED_KEY, 1)
+                        self._store.add(self._closed_key, 1)
                 else:
                     deadline = time.monotonic() + wait_s
                     while self._store is not None and time.monotonic() < deadline \
-                            and self._store.add(_CLOSED_KEY, 0) < self.world_size - 1:
+                            and self._store.add(self._closed_key, 0) < self.world_size - 1:
                         time.sleep(0.02)
                     dist.destroy_process_group()
         self._started = False
