@@ -507,3 +507,34 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
     except OSError:
         return ""
+
+
+@needs_gloo
+@pytest.mark.timeout(240)
+def test_a_node_over_two_torchrun_agents_trains_as_one(swarm: Swarm) -> None:  # noqa: F811
+    """A node over several machines: two torchrun agents (``--nnodes 2``, as two machines would run them, here
+    on loopback) rendezvous through c10d and run one rank each. Rank 0 joins the swarm alone and
+    takes its solo outer steps; the other agent's rank only follows. Both stop at ``--max-steps`` with one
+    model, both agents exit 0, and nothing of either is left."""
+    port = free_port()
+    agents = []
+    for node_rank in (0, 1):
+        command = ["torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "locoswarm-test",
+                   "-m", "locoswarm.node.cli", "run"]
+        args = ["--config", str(swarm.config), "--data", str(swarm.data), "--device", "cpu", "--max-steps", "40",
+                "--eval-every", "20"]
+        agents.append(NodeProc(f"agent{node_rank}", swarm.root / f"agent{node_rank}", args,
+                               swarm.root / f"agent{node_rank}.log", command=command))
+    swarm.nodes.extend(agents)  # the fixture stops them and checks their process groups
+    assert [a.proc.wait(180) for a in agents] == [0, 0], "\n".join(a.tail() for a in agents)
+    logs = "\n".join(a.log_path.read_text(errors="replace") for a in agents)
+    stops = re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})", logs)
+    assert sorted(r for r, _, _ in stops) == ["0", "1"] and len({(s, c) for _, s, c in stops}) == 1, stops
+    assert stops[0][1] == "40"
+    # Rank 0 is on the agent the rendezvous made node 0 (c10d: not always the first started); only its state
+    # dir holds the node's state.
+    statuses = [a.status() for a in agents if a.state_dir.joinpath("status.json").exists()]
+    assert len(statuses) == 1, "not exactly one rank wrote the node's state"
+    st = statuses[0]
+    assert st["state"] == "stopped" and st["solo_steps"] > 0 and st["inner_step"] == 40, st.get("state")
