@@ -71,6 +71,15 @@ class HonestPair:
         for node in self.nodes:
             node.wait_status(lambda s: len(s.get("eval_curve") or []) >= 2
                              and s["eval_curve"][-1][1] < 0.4 * untrained, 180, "a trained model")
+        # ... and settled: right after b joined, a burst of rounds (a's clock jumping to b's) once set a's
+        # model back to the untrained loss for some seconds, inside the first attack's window (a fresh-clone
+        # run and a module run, 2026-11-27). Attacks start once each node has merged 10 rounds with the other
+        # and its last 5 evaluations are trained.
+        for node in self.nodes:
+            node.wait_status(lambda s: len([e for e in s.get("events", []) if e["kind"] == "merged"
+                                            and e.get("group_size", 0) >= 2]) >= 10
+                             and len(s["eval_curve"]) >= 5
+                             and all(v < 0.4 * untrained for _, v in s["eval_curve"][-5:]), 180, "a settled pair")
 
     def ids(self) -> set[str]:
         return {n.status()["peer_id"] for n in self.nodes}
