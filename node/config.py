@@ -177,22 +177,43 @@ class RobustSection:
     """How reducers screen and combine contributions, and how this node polices peers."""
 
     aggregator: str = setting("clipped_mean", shared=True, choices=AGGREGATORS,
-                              help="how a reducer combines screened contributions: clipped_mean (norm-clipped "
-                                   "weighted mean), trimmed_mean, median (coordinate-wise) or mean (no clipping)")
-    clip_factor: float = setting(3.0, shared=True, min=1.0, max=1e6,
-                                 help="clipped_mean: a contribution's chunk is scaled down to at most this many "
-                                      "times the group's median norm")
+                              help="how a reducer combines screened contributions: clipped_mean (mean of deviations "
+                                   "from the group's centre, each clipped), trimmed_mean, median (coordinate-wise) "
+                                   "or mean (no clipping)")
+    clip_factor: float = setting(2.0, shared=True, min=1.0, max=1e6,
+                                 help="clipped_mean: a contribution's deviation from the group's centre (the "
+                                      "coordinate-wise median) is clipped to this many times the median deviation")
     reject_factor: float = setting(8.0, shared=True, min=1.0, max=1e6,
                                    help="a contribution whose norm exceeds this many times the group's median is "
                                         "refused (dropped from the round, counted as an offence)")
-    weight_factor: float = setting(4.0, shared=True, min=1.0, max=1e6,
-                                   help="token weights are clamped at this many times the group's median weight")
+    weight_factor: float = setting(1.0, shared=True, min=1.0, max=1e6,
+                                   help="a token weight enters with at most this many times the group's median "
+                                        "weight: a larger claim buys no more pull")
+    agreement_floor: float = setting(-0.1, shared=True, min=-1.0, max=1.0,
+                                     help="a contribution whose direction agrees with the group's (cosine with the "
+                                          "others' median or the reducer's own) at or below this has no pull")
+    agreement_full: float = setting(0.1, shared=True, min=-1.0, max=1.0,
+                                    help="... and full pull from this agreement on (linear in between)")
     trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
                                    help="trimmed_mean: share of members dropped from each side per coordinate")
     consensus_tolerance: float = setting(0.1, shared=True, min=0.0, max=1.0,
                                          help="rounds averaging phi itself: deviations below this share of |phi| "
                                               "are normal drift, never clipped or refused (a pair refuses a phi "
                                               "reject_factor times further: 80% of |phi| by default)")
+    agreement_ban: float = setting(-0.1, shared=False, min=-1.0, max=1.0,
+                                   help="a peer whose mean agreement over its last agreement_window judged "
+                                        "contributions is below this is banned (a direction flip, not bad luck)")
+    agreement_window: int = setting(4, shared=False, min=1, max=1000,
+                                    help="judged contributions the agreement ban averages over")
+    effect_check: bool = setting(True, shared=False,
+                                 help="before applying a round's average, compare its effect on a held-out batch "
+                                      "with this node's own contribution's; refuse it when it is worse")
+    effect_tolerance: float = setting(0.05, shared=False, min=0.0, max=10.0,
+                                      help="a round's average may raise the held-out loss by this share over what "
+                                           "this node's own contribution gives before it is refused")
+    judge_sequences: int = setting(4, shared=False, min=1, max=4096,
+                                   help="held-out sequences of the effect check's batch (one forward pass each "
+                                        "for the average and the own contribution)")
     ban_threshold: int = setting(3, shared=False, min=1, max=1_000_000,
                                  help="offences within ban_window before this node bans a peer")
     ban_window: float = setting(600.0, shared=False, min=1.0, max=1e7,
@@ -203,6 +224,9 @@ class RobustSection:
                                         help="concurrent incoming streams one peer may hold open")
     state_requests_per_minute: int = setting(60, shared=False, min=1, max=1_000_000,
                                              help="state downloads (fragment requests) served to one peer per minute")
+    state_serve_mbit: float = setting(100.0, shared=False, min=0.01, max=1e6,
+                                      help="megabits per second this node serves state downloads at, over all of "
+                                           "them (members that train first, then joiners)")
 
 
 @dataclass
@@ -224,7 +248,7 @@ SECTIONS: dict[str, type] = {
 # ---- loading, validation and fingerprint below (owned by the config module) ----
 
 #: Bumped whenever the meaning of the fingerprinted settings changes (not when a value changes).
-FINGERPRINT_FORMAT = 1
+FINGERPRINT_FORMAT = 2  # 2: payload chunking by size (core.payload), centred clipping, direction screening
 
 _INIT_HINT = "create one with 'locoswarm config --init > peers.toml'"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -531,6 +555,13 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
         raise _fail(f"{w.source}: {w.assign('inner', 'seq_len', i.seq_len)} is longer than "
                     f"{w.assign('model', 'max_seq_len', m.max_seq_len)}; set seq_len <= max_seq_len "
                     f"or raise max_seq_len")
+
+    r = cfg.robust
+    w = where("robust.agreement_floor", "robust.agreement_full")
+    if r.agreement_full < r.agreement_floor:
+        raise _fail(f"{w.source}: {w.assign('robust', 'agreement_full', r.agreement_full)} is below "
+                    f"{w.assign('robust', 'agreement_floor', r.agreement_floor)}; full pull must start at or above "
+                    f"the floor of no pull")
 
     w = where("outer.tau", "outer.h")
     if o.tau > o.h:

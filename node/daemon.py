@@ -58,6 +58,7 @@ from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:
     from locoswarm.node.swarm.state_sync import StateServer
+    from locoswarm.node.swarm.versions import Belief
 
 log = logging.getLogger("locoswarm.node")
 
@@ -114,6 +115,7 @@ class Node:
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
         self.published: dict = {}
+        self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
         self.state = "starting"              # starting, training, leaving, stopped
         self.loss: float | None = None       # of the last inner step
@@ -308,8 +310,9 @@ class Node:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
         from locoswarm.node.core.compress import wire_codec
+        from locoswarm.node.core.judge import LossJudge
         from locoswarm.node.core.outer_loop import OuterLoop
-        from locoswarm.node.data import TrainBatches
+        from locoswarm.node.data import TrainBatches, judge_batches
         from locoswarm.node.swarm.averaging import MAX_WINDOW_S, ByteCounters, SwarmTransport
         from locoswarm.node.swarm.clock import SwarmClock
         from locoswarm.node.swarm.reputation import Reputation
@@ -342,9 +345,13 @@ class Node:
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
             standing_members=cfg.network.standing_members,
-            joining_peers=self._joining_peers, serving_peers=self._serving_peers)
+            joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound)
         self.transport.counters = self.counters
-        self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport,
+        judge = None
+        if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
+            judge = LossJudge(self.model, judge_batches(self.corpus.eval, rb.judge_sequences, cfg.inner.seq_len),
+                              self._outer_device(), relative_tolerance=rb.effect_tolerance)
+        self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport, judge=judge,
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=max(cfg.network.matchmaking_timeout, MAX_WINDOW_S)
                                + cfg.network.round_timeout + 5,
@@ -355,7 +362,9 @@ class Node:
             is_live=lambda peer: peer in self.peer_table, is_banned=self.reputation.is_banned,
             on_refused=self.reputation.refuse, max_streams_per_peer=cfg.robust.max_streams_per_peer,
             requests_per_minute=cfg.robust.state_requests_per_minute,
-            clock=lambda: (self.clock, self.local_step), yield_to=self.transport.exchanging)
+            clock=lambda: (self.clock, self.local_step), yield_to=self.transport.exchanging,
+            confirm_live=self.membership.heard, is_member=self._trains,
+            serve_bytes_per_s=cfg.robust.state_serve_mbit * 1e6 / 8)
 
     def _start_control(self) -> None:
         """The control API (``locoswarm status``) and metrics, once there is a status to serve."""
@@ -392,10 +401,12 @@ class Node:
     def _join_or_resume(self, meta: dict | None) -> None:
         self.peer_table = self._wait_for_peers()
         self.swarm_clock.observe_table(self.peer_table)
-        holders = [p for p, hb in self.peer_table.items() if hb.has_state]
+        plans = {f.index: self._latest_versions(f.index) for f in self.fragments}
+        holders = sorted({p for belief in plans.values() for p in belief.holders})
         if holders:
             before = self.counters.total_received
-            fetched = self.state_client.fetch_many([f.index for f in self.fragments], holders)
+            fetched = self.state_client.fetch_many({p: (b.holders, max(0, b.version), b.digest)
+                                                    for p, b in plans.items()})
             got = self.counters.total_received - before  # the download's bytes (and a heartbeat's, if any)
             for p, snap in list(fetched.items()):
                 reason = self.outer.adopt(snap, keep_progress=bool(meta))  # a resumed node keeps its progress
@@ -590,8 +601,13 @@ class Node:
         return evaluate(self.model, self.evals, self._outer_device())
 
     def _publish(self, fragment: int) -> None:
-        """An immutable snapshot for the state server (read from the network thread)."""
-        self.published[fragment] = self.outer.snapshot(fragment)
+        """An immutable snapshot for the state server (read from the network thread), and its digest for the
+        heartbeats (``locoswarm.node.swarm.versions.state_digest``)."""
+        from locoswarm.node.swarm.versions import state_digest
+
+        snap = self.outer.snapshot(fragment)
+        self._digests[fragment] = state_digest(snap.phi, snap.momentum)
+        self.published[fragment] = snap
 
     def _adopt_schedule_state(self) -> None:
         """When joining, start the adaptive schedule from a peer's state (last sends, the summed R),
@@ -646,6 +662,11 @@ class Node:
             return 1.0 / rate
         return self.compute_seconds / max(1, self.local_step) * self.opts.throttle
 
+    def _trains(self, peer: str) -> bool:
+        """Whether ``peer`` is a member that trains (its heartbeat has state): served state first."""
+        hb = self.peer_table.get(peer)
+        return hb is not None and hb.has_state
+
     def _joining_peers(self) -> list[str]:
         """Peers joining now by their heartbeats: no state yet. A lone node takes no solo step meanwhile, so the
         state they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
@@ -656,23 +677,36 @@ class Node:
         this node's table); no solo step while one lasts (``SwarmTransport._joiner_waited_for``)."""
         return self.state_server.downloading_peers() if self.state_server is not None else []
 
-    def _latest_versions(self, fragment: int) -> tuple[int, list[str]]:
-        """The newest corroborated version of ``fragment`` among the peers' heartbeats, and who holds it.
-        One peer claiming a far newer version is not believed while others say otherwise
-        (``plausible_version``): a liar cannot lure the swarm into catching up from it. Nor is a peer that
-        served this node a state it refused lately (``Reputation.offended``): colluding liars corroborate
-        each other's claims."""
-        from locoswarm.node.swarm.averaging import plausible_version
+    def _version_bound(self) -> int:
+        """The most outer versions a fragment can hold at the swarm's clock (``locoswarm.node.swarm.versions``)."""
+        from locoswarm.node.swarm.versions import version_bound
 
-        claims: dict[str, int] = {}
+        o = self.cfg.outer
+        sends = 1 if o.schedule == "fixed" else (o.sends_per_h or o.fragments)
+        return version_bound(max(self.clock, self.swarm_clock.estimate()), o.h, sends)
+
+    def _latest_versions(self, fragment: int) -> Belief:
+        """The version of ``fragment`` to believe among the peers' heartbeats, and the holders to take it from
+        (``locoswarm.node.swarm.versions``): at most what the swarm clock allows (a claim far above it is an
+        offence), corroborated by a second claimant, from the holders that announce the digest most of them
+        do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
+        lately (``Reputation.offended``: colluding liars corroborate each other's claims)."""
+        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
+
+        bound = self._version_bound()
+        claims: dict[str, Claim] = {}
         for pid, hb in self.peer_table.items():
             if not hb.has_state or self.reputation.is_banned(pid) or self.reputation.offended(pid, "bad_state"):
                 continue
             for fs in hb.fragments:
-                if fs.fragment == fragment:
-                    claims[pid] = int(fs.version)
-        best = plausible_version(claims)
-        return best, [p for p, v in claims.items() if v == best]
+                if fs.fragment != fragment:
+                    continue
+                if absurd_version(int(fs.version), bound):
+                    self.reputation.refuse(pid, "version_lie", f"heartbeat claims version {fs.version} of fragment "
+                                                               f"{fragment}; the swarm clock allows {bound}")
+                    continue
+                claims[pid] = Claim(int(fs.version), bytes(fs.digest))
+        return believe(claims, bound=bound)
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
@@ -713,7 +747,8 @@ class Node:
         last_send = self.outer.schedule_state().last_send
         return [swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
                                          phi_norm=float(snap.phi.norm()),
-                                         last_send=-1 if last_send[p] is None else last_send[p])
+                                         last_send=-1 if last_send[p] is None else last_send[p],
+                                         digest=self._digests.get(p, b""))
                 for p, snap in sorted(self.published.items())]
 
     def _heartbeats(self) -> None:
@@ -787,6 +822,7 @@ class Node:
             peers=self._peers_status(reputation),
             syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
             catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=self.solo_steps,
+            effect_checks=stats.effect_checks, effect_refused=stats.effect_refused,
             standing_rounds=self.transport.standing_rounds(),
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),

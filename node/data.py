@@ -625,6 +625,23 @@ def eval_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, n_batches:
     return list(windows.split(batch_size))
 
 
+def judge_batches(tokens: torch.Tensor, sequences: int, seq_len: int, n_batches: int = 8) -> list[torch.Tensor]:
+    """Held-out batches of the effect check (``locoswarm.node.core.judge``): ``n_batches`` of ``sequences``
+    windows each, spread over the eval split halfway between the starts :func:`eval_batches` uses, so the
+    batches a node judges results on are not the ones it reports its eval loss on."""
+    if len(tokens) < seq_len:
+        raise UserError(f"the eval split has {len(tokens)} tokens, fewer than inner.seq_len = {seq_len}; "
+                        "raise data.eval_fraction, add data or lower inner.seq_len")
+    n_windows = sequences * n_batches
+    span = len(tokens) - seq_len
+    starts = ((torch.arange(n_windows, dtype=torch.float64) + 0.5) * span / n_windows).round().long()
+    starts = starts.clamp(min=0, max=span)
+    # interleave, so each batch holds windows from all over the split
+    order = torch.arange(n_windows).reshape(sequences, n_batches).t().reshape(-1)
+    windows = tokens[starts[order][:, None] + torch.arange(seq_len)].long()
+    return list(windows.split(sequences))
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Sequence[torch.Tensor], device: torch.device | str) -> float:
     """Mean loss over ``batches`` in eval mode; the model's train/eval mode is restored afterwards."""

@@ -344,6 +344,9 @@ class PeerReputation(Record):
     banned: bool = False
     banned_for_s: float = 0.0                # cool-down left (0: not banned)
     last: str = ""                           # the last refusal, "kind: detail"
+    first_banned: float | None = None        # wall time of this node's first ban of it (None: never)
+    scores: dict[str, float] = field(default_factory=dict)  # judged kind -> mean of its last scores
+    forgiven: int = 0                        # offences good behaviour took back
 
     PROTO: ClassVar[Any] = control_pb2.PeerReputation
 
@@ -427,6 +430,8 @@ class NodeStatus(Record):
     stalls_cut: int = 0                      # rounds left in flight after their stall budget (late window)
     standing_rounds: int = 0                 # rounds that took the last merged round's members (no matchmaking)
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
+    effect_checks: int = 0                   # results and snapshots the effect check compared (core.judge)
+    effect_refused: int = 0                  # ... of which it refused
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     memory: MemoryStatus = field(default_factory=MemoryStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)

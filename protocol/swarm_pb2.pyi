@@ -15,18 +15,20 @@ MOMENTUM_FP32: MomentumPrecision
 MOMENTUM_BF16: MomentumPrecision
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment", "version", "phi_hash", "phi_norm", "last_send")
+    __slots__ = ("fragment", "version", "phi_hash", "phi_norm", "last_send", "digest")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PHI_HASH_FIELD_NUMBER: _ClassVar[int]
     PHI_NORM_FIELD_NUMBER: _ClassVar[int]
     LAST_SEND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     phi_hash: int
     phi_norm: float
     last_send: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ..., last_send: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ..., last_send: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r")

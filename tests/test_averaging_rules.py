@@ -166,8 +166,13 @@ def _session(members: list[str], settings: RobustSection | None = None) -> _Redu
                       settings or RobustSection(), consensus=False)
 
 
+COMMON = torch.randn(NUMEL, generator=torch.Generator().manual_seed(12345))
+
+
 def _honest(seed: int) -> torch.Tensor:
-    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * 0.01
+    """An honest member's progress: the swarm's common direction plus its own noise (they agree, as the
+    pseudo-gradients of members training one model do: agreement about +0.3 on the tiny presets)."""
+    return (COMMON + torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))) * 0.01
 
 
 def _reduced(session: _Reduction) -> torch.Tensor:
@@ -329,18 +334,20 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     """A liar that averaged honestly in our last group but serves NaN states: after one refused download
     it is neither a holder of the group's version nor of the heartbeats' (no ban needed for that)."""
     from locoswarm.node.swarm.reputation import Reputation
+    from locoswarm.node.swarm.versions import Belief
 
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
-                           _latest_versions=lambda fragment: (11, ["QmLiar", "QmOther"]))
+                           _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
+                           _refused_sources={})
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-    assert SwarmTransport._newest(stub, 0) == (12, ["QmHonest", "QmLiar"])
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
     rep.refuse("QmLiar", "bad_state", "phi at 0 has 9 non-finite value(s)")
     assert not rep.is_banned("QmLiar")
-    assert SwarmTransport._newest(stub, 0) == (12, ["QmHonest"])
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmLiar"])}
-    assert SwarmTransport._newest(stub, 0) == (11, ["QmOther"])
+    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
 
 
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:

@@ -63,7 +63,7 @@ class PoisoningTransport(Transport):
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         return self.snapshot if self.snapshot is not None else self.inner.fetch_fragment(fragment)
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:
         self.rejected.append((snapshot.source, reason))
 
 

@@ -25,6 +25,8 @@ from locoswarm.node.core.outer_loop import OuterLoop
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import (
     CHUNK_TARGET_ELEMS,
+    MIN_CHUNK_ELEMS,
+    MIN_CHUNKS,
     chunk_bounds,
     chunk_elems,
     decode_chunks,
@@ -284,10 +286,23 @@ def test_chunk_bounds_cover_numel_block_aligned(numel: int, block: int) -> None:
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
     assert all(a_end == b_start for (_, a_end), (b_start, _) in itertools.pairwise(bounds))
     assert all(a % block == 0 for a, _ in bounds)
-    assert all(b - a == chunk_elems(block) for a, b in bounds[:-1])
-    assert chunk_elems(block) % block == 0 and chunk_elems(block) <= max(block, CHUNK_TARGET_ELEMS)
+    assert all(b - a == chunk_elems(block, numel) for a, b in bounds[:-1])
+    assert chunk_elems(block, numel) % block == 0 and chunk_elems(block, numel) <= max(block, CHUNK_TARGET_ELEMS)
     if numel:
         assert all(b > a for a, b in bounds)
+
+
+@pytest.mark.parametrize("numel", [20_000, 55_000, 300_000, 2_000_000])
+def test_a_payload_has_enough_chunks_for_every_member_of_a_group_to_reduce_a_share(numel: int) -> None:
+    """Small payloads are cut finer (at least MIN_CHUNKS chunks where chunks of MIN_CHUNK_ELEMS allow it), so
+    that in a group of up to MIN_CHUNKS members every one reduces part of every fragment; large ones keep
+    chunks of CHUNK_TARGET_ELEMS."""
+    bounds = chunk_bounds(numel, 64)
+    assert len(bounds) >= min(MIN_CHUNKS, numel // MIN_CHUNK_ELEMS)
+    assert all(b - a >= MIN_CHUNK_ELEMS for a, b in bounds[:-1])
+    assert all(b - a <= CHUNK_TARGET_ELEMS for a, b in bounds)
+    if numel >= MIN_CHUNKS * CHUNK_TARGET_ELEMS:
+        assert all(b - a == CHUNK_TARGET_ELEMS for a, b in bounds[:-1])
 
 
 @pytest.mark.parametrize("codec_name", ["int8", "fp4", "fp32"])
@@ -348,7 +363,7 @@ def test_part_ranges_partition_chunk_indices(n_chunks: int, n_members: int) -> N
 
 def reduce_group(codec, payloads, weights, numel, aggregator: str = "clipped_mean"):
     """The group reduction under the default robust settings (honest inputs: nothing is clipped)."""
-    settings = RobustSection(aggregator=aggregator)
+    settings = RobustSection(aggregator=aggregator, agreement_floor=-1.0, agreement_full=-1.0, weight_factor=1e6)
     reduced, sent, received, _ = _reduce_group(codec, payloads, weights, numel, settings, make_aggregator(settings))
     return reduced, sent, received
 
@@ -491,6 +506,13 @@ class _HeldFetch(FetchHandle):
         return self.released
 
 
+# The outer-loop mechanics tested here average random, unrelated changes (and the quadratics' workers pull
+# toward minima of their own): the reducers' direction judgement and median weight cap are
+# locoswarm.node.core.robust's business (tests/test_robust.py), so these hubs average plainly, token-weighted,
+# unclipped.
+PLAIN = RobustSection(aggregator="mean", agreement_floor=-1.0, agreement_full=-1.0, weight_factor=1e6)
+
+
 def _outer(**kw) -> OuterSection:
     cfg = {"method": "replace", "h": 2, "fragments": 1, "tau": 0, "codec": "fp32", "error_feedback": False,
            "lr": 0.7, "momentum": 0.9, "schedule": "fixed", "consensus_every": 0}
@@ -505,7 +527,7 @@ class Swarm:
                  seed: int = 0, drops: dict[int, set[int]] | None = None,
                  expected_group_size: int | None = None, group_size: int | None = None) -> None:
         self.hub = InProcessHub(get_codec(outer.codec, outer.block_size), group_size or n, seed=seed,
-                                drop_prob=drop_prob)
+                                drop_prob=drop_prob, robust=PLAIN)
         self.fragments = partition(base, outer.fragments)
         self.models = [copy.deepcopy(base) for _ in range(n)]
         self.transports = [RecordingTransport(self.hub.transport(i), (drops or {}).get(i)) for i in range(n)]
@@ -1027,7 +1049,7 @@ def _quadratic_swarm(method: str, centers: list[torch.Tensor], *, h: int, gamma:
     n, dim = len(centers), centers[0].numel()
     outer = _outer(method=method, h=h, tau=h if method in ("eager", "delay", "rebase") else 0, lr=lr,
                    momentum=momentum)
-    hub = InProcessHub(get_codec("fp32"), n)
+    hub = InProcessHub(get_codec("fp32"), n, robust=PLAIN)
     models = [_Quadratic(torch.zeros(dim)) for _ in range(n)]
     loops = [OuterLoop(m, [Fragment(0, ("w",), (), dim)], outer, hub.transport(i), expected_group_size=n)
              for i, m in enumerate(models)]
@@ -1163,7 +1185,7 @@ def test_the_side_vector_r_is_summed_over_the_group_not_averaged() -> None:
     """CoCoDC all-reduces R with a sum (its public restatement): with unequal token weights a weighted
     mean would rank the fragments differently from the sum."""
     codec = get_codec("fp32")
-    hub = InProcessHub(codec, 4, seed=0)
+    hub = InProcessHub(codec, 4, seed=0, robust=PLAIN)
     chunks = encode_chunks(codec, torch.ones(8))
     handles = [hub.transport(i).start_average(AverageRequest(0, 5, chunks, 8, weight, 1, extras=_t(*r)))
                for i, (weight, r) in enumerate([(1.0, (0.9, 0.0)), (9.0, (0.0, 0.2))])]
@@ -1320,7 +1342,7 @@ def test_outer_steps_are_the_same_wherever_the_outer_state_lives(base_model, off
     train = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     phis = {}
     for where in ("off", offload):
-        hub = InProcessHub(get_codec("fp32"), 2, seed=0)
+        hub = InProcessHub(get_codec("fp32"), 2, seed=0, robust=PLAIN)
         models = [copy.deepcopy(base_model).to(train) for _ in range(2)]
         outer = _outer(method="alpha", h=2, fragments=2, tau=1)
         device = outer_state_device(where, train)
@@ -1418,7 +1440,7 @@ def test_the_outer_loop_touches_theta_only_of_the_fragment_it_syncs(base_model, 
     merge touches its own fragment only. Told or not, the outer steps are the same."""
     phis = {}
     for told in (False, True):
-        hub = InProcessHub(get_codec("fp32"), 2, seed=0)
+        hub = InProcessHub(get_codec("fp32"), 2, seed=0, robust=PLAIN)
         models = [copy.deepcopy(base_model) for _ in range(2)]
         logs = [_ThetaLog() for _ in range(2)]
         outer = _outer(method=method, h=8, fragments=2, tau=2)  # fragment 0 sent at 4, 12; 1 at 8, 16

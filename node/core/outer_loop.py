@@ -18,9 +18,11 @@ previous round (and, for eager, a share of the fresh Delta) forms the outer grad
 ``locoswarm.node.core.merge``), theta_p <- phi_p, and the fresh Delta is sent.
 
 Whatever peers sent passes ``locoswarm.node.core.guard`` before it changes phi, momentum or theta: a group
-average, the outer step it makes, a consensus shift, a downloaded snapshot. A refused one leaves the
-state as it was (a "refused" event; for a sync result, the same as a failed sync). A local divergence
-(non-finite theta, e.g. an inner lr far too high) resets theta to phi instead of sending it.
+average, the outer step it makes, a consensus shift, a downloaded snapshot. With an effect judge
+(``locoswarm.node.core.judge``) a group average and a downloaded snapshot must also not do worse on a
+held-out batch than what this node holds on its own. A refused one leaves the state as it was (a "refused"
+event; for a sync result, the same as a failed sync), and the transport is told whom to blame. A local
+divergence (non-finite theta, e.g. an inner lr far too high) resets theta to phi instead of sending it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from locoswarm.node.core.guard import (
     check_snapshot,
     non_finite,
 )
+from locoswarm.node.core.judge import EffectJudge
 from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
@@ -58,11 +61,16 @@ from locoswarm.node.core.transport import (
     AverageResult,
     FetchHandle,
     FragmentSnapshot,
+    PartOrigin,
     Transport,
 )
 
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
+# A downloaded phi whose held-out loss is more than this share above the node's own is no honest holder's
+# (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss, an honest phi a few percent more
+# at most where it went another way.
+ABSURD_WORSE = 0.25
 
 
 @dataclass
@@ -93,6 +101,8 @@ class OuterStats:
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
     stalls_cut: int = 0                   # rounds left in flight after their stall budget (late_window)
     refused: int = 0                      # results or snapshots the guards refused
+    effect_checks: int = 0                # results and snapshots the effect judge compared
+    effect_refused: int = 0               # ... of which it refused (counted in ``refused`` too)
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
     last_consensus_error: str = ""
@@ -131,6 +141,7 @@ class _Pending:
     own_norm: float = 0.0     # norm of this node's decoded contribution (the guard's yardstick)
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
     ticket: object | None = None  # what the compressor needs to read the result (locoswarm.node.core.compress)
+    wire_numel: int = 0       # elements of the vector the group averaged (the fragment's, unless low-rank)
 
 
 class OuterLoop:
@@ -148,12 +159,14 @@ class OuterLoop:
             arithmetic happens there, the model only sees theta copied in and out.
         theta_access: told of every read and write of a fragment's theta (a node over several ranks moves
             that fragment between them: ``locoswarm.node.ranks.ThetaSync``); None: the model is theta.
+        judge: compares what a round's average or a downloaded snapshot would do to the model on a held-out
+            batch with what this node holds (``locoswarm.node.core.judge``); None: no effect check.
     """
 
     def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
                  *, expected_group_size: int = 2, wait_timeout: float | None = None,
                  limits: GuardLimits | None = None, state_device: torch.device | None = None,
-                 theta_access: ThetaAccess | None = None) -> None:
+                 theta_access: ThetaAccess | None = None, judge: EffectJudge | None = None) -> None:
         self.cfg = outer
         self.rule = make_merge_rule(outer.method, alpha=outer.alpha, lambda0=outer.lambda0)
         self.transport = transport
@@ -177,6 +190,7 @@ class OuterLoop:
         self.expected_share = 1.0 / max(1, expected_group_size)
         self.wait_timeout = wait_timeout
         self.limits = limits or GuardLimits()
+        self.judge = judge
 
     # ---- the driver's calls -------------------------------------------------------------------
     def add_tokens(self, tokens: float) -> None:
@@ -312,8 +326,10 @@ class OuterLoop:
         handle = self._start(st, step, enc)
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
                                           st.tokens_since_send, snapshot=theta, residual_before=residual_before,
+                                          own=enc.own if self.judge is not None else None,
                                           sent_at=time.monotonic(), own_norm=float(torch.linalg.vector_norm(enc.own)),
-                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket)
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket,
+                                          wire_numel=enc.numel)
         st.tokens_since_send = 0.0
         st.last_send = step
         if self.consensus.due(step, self.cfg.h):
@@ -397,7 +413,8 @@ class OuterLoop:
         self.pending[st.index] = _Pending(handle, step, step + self.cfg.tau, step + self.late_window(),
                                           st.tokens_since_send, snapshot=None, residual_before=None, own=own_now,
                                           own_share=share_now, own_norm=float(torch.linalg.vector_norm(own_now)),
-                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket)
+                                          phi_norm=float(torch.linalg.vector_norm(st.phi)), ticket=enc.ticket,
+                                          wire_numel=enc.numel)
         st.tokens_since_send = 0.0
         st.last_send = step
         events.append(SyncEvent("sent", st.index, step, st.version))
@@ -418,7 +435,7 @@ class OuterLoop:
         token share in the group that averaged it (0 when its contribution was not in it), and the event.
         A failed or refused round is a group of one: nobody else's progress arrived, and this node's own
         contribution is its average (share 1), so the rest of it is applied."""
-        reason = self._check_result(res, late)
+        reason = self._check_result(st, res, late)
         if not res.ok:
             return late.own, 1.0, [self._event("failed", st, step, res, late.sent_step)]
         if reason is not None:
@@ -494,7 +511,7 @@ class OuterLoop:
         return replace(res, average=dense.to(st.device), extras=extras[:n_r])
 
     def _merge(self, st: FragmentState, pend: _Pending, res: AverageResult, step: int) -> list[SyncEvent]:
-        reason = self._check_result(res, pend) if res.ok else None
+        reason = self._check_result(st, res, pend) if res.ok else None
         # The consensus sent with this round first (see _apply_consensus); the send's snapshot of theta
         # moves with phi and theta, so the merge rule below sees the same local geometry.
         shift = self._apply_consensus(st)
@@ -563,10 +580,52 @@ class OuterLoop:
             st.version = res.max_version + 1
             self._resync.add(st.index)
 
-    def _check_result(self, res: AverageResult, pend: _Pending) -> str | None:
+    def _check_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         if not res.ok or res.average is None:
             return None
-        return check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
+        return (check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
+                or self._judge_result(st, res, pend))
+
+    def _stepped(self, st: FragmentState, delta: torch.Tensor) -> torch.Tensor:
+        """Phi after an outer step on ``delta`` (on copies: nothing changes)."""
+        phi, momentum = st.phi.clone(), st.momentum.clone()
+        self.optimizer.step(phi, momentum, delta)
+        return phi
+
+    def _judge_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
+        """The effect check of a round's average (``locoswarm.node.core.judge``): None when its outer step does
+        no worse on a held-out batch than the step on this node's own contribution; else the reason, after
+        blaming each part whose own effect is that bad on its reducer (``Transport.reject_part``)."""
+        if self.judge is None or pend.own is None or res.average is None or res.group_size < 2:
+            return None
+        own = pend.own.to(st.device)
+        average = res.average.to(st.device)
+        self.stats.effect_checks += 1
+        group_loss, own_loss = self.judge.losses(st, [self._stepped(st, average), self._stepped(st, own)])
+        if not self.judge.harmful(group_loss, own_loss):
+            return None
+        self.stats.effect_refused += 1
+        reason = (f"effect: the group's average would raise the held-out loss to {group_loss:.4f}, where this "
+                  f"node's own progress gives {own_loss:.4f}")
+        if res.parts and pend.wire_numel == st.numel == average.numel():
+            self._blame_parts(st, res, own, average, reason)
+        return reason
+
+    def _blame_parts(self, st: FragmentState, res: AverageResult, own: torch.Tensor, average: torch.Tensor,
+                     reason: str) -> None:
+        """Which reducers' parts make a refused average harmful: each part alone (this node's own progress
+        elsewhere) on one held-out batch; a part that is harmful alone is its reducer's doing."""
+        parts: list[PartOrigin] = [p for p in res.parts if 0 <= p.start < p.end <= st.numel]
+        candidates = [self._stepped(st, own)]
+        for part in parts:
+            mixed = own.clone()
+            mixed[part.start:part.end] = average[part.start:part.end]
+            candidates.append(self._stepped(st, mixed))
+        losses = self.judge.losses(st, candidates)
+        for part, loss in zip(parts, losses[1:], strict=True):
+            if self.judge.harmful(loss, losses[0]):
+                self.transport.reject_part(res, part, f"{reason}; its part alone gives {loss:.4f} against "
+                                                      f"{losses[0]:.4f}")
 
     def _refused(self, st: FragmentState, step: int, res: AverageResult, sent_step: int, reason: str) -> SyncEvent:
         """A complete result the guard refused: counted as a failed sync, reported as "refused"."""
@@ -644,8 +703,11 @@ class OuterLoop:
         # it (seen: 1228% after one node trained alone for 115 outer steps), like a joiner's; it gets the
         # joiner's absolute checks, or it would refuse and ban every honest peer it could catch up from.
         reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=st.version > 0)
+        offence = True
+        if reason is None:
+            reason, offence = self._judge_snapshot(st, snap)
         if reason is not None:
-            self.transport.reject_snapshot(snap, reason)
+            self.transport.reject_snapshot(snap, reason, offence=offence)
             self.stats.refused += 1
             return [SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {reason}")]
         theta = st.theta()
@@ -669,6 +731,21 @@ class OuterLoop:
                                     error=f"{st.catch_ups_in_row} catch-ups in a row without a merged round"))
         return events
 
+    def _judge_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> tuple[str | None, bool]:
+        """The effect check of a downloaded outer state: ``(None, _)`` when its phi does no worse on a held-out
+        batch than this node's own; else the reason and whether the gap is so large (``ABSURD_WORSE``) that
+        no honest holder could have served it (an offence). A catch-up never replaces a healthy model with a
+        worse one; an honest holder whose phi merely went another way than ours is refused without blame."""
+        if self.judge is None:
+            return None, False
+        self.stats.effect_checks += 1
+        theirs, ours = self.judge.losses(st, [snap.phi.to(st.device), st.phi])
+        if not self.judge.harmful(theirs, ours):
+            return None, False
+        self.stats.effect_refused += 1
+        absurd = not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE)
+        return (f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"), absurd
+
     def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
         """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
         ``keep_progress`` (a node resumed from its checkpoint) its own local progress rides on the new phi;
@@ -678,6 +755,8 @@ class OuterLoop:
         if snap.version < st.version:
             return None
         reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
+        if reason is None:
+            reason, _ = self._judge_snapshot(st, snap)
         if reason is not None:
             self.stats.refused += 1
             return reason

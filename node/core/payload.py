@@ -1,9 +1,15 @@
 """Chunked payloads: the unit the transport moves and the reducers split.
 
-A pseudo-gradient of ``numel`` elements is encoded as independent chunks of ``chunk_elems(block)``
+A pseudo-gradient of ``numel`` elements is encoded as independent chunks of ``chunk_elems(block, numel)``
 elements (a multiple of the codec's block size), so that a group's reduce-scatter can hand whole
 chunks to each reducer, and a chunk that arrives can be decoded on its own. Encoding by chunks gives
 the same values as encoding the whole tensor, because chunk boundaries fall on block boundaries.
+
+A payload has at least ``MIN_CHUNKS`` chunks where chunks of ``MIN_CHUNK_ELEMS`` allow it: every member of
+a group of up to that many reduces a share of every fragment, and so judges every other member's
+contribution to it (``locoswarm.node.core.robust``). With 16 Ki elements per chunk alone, a fragment of the
+robustness bench's model (55 Ki elements) had 4 chunks: in a group of 6 two members reduced nothing and
+could never see, let alone refuse, what a hostile member sent.
 """
 
 from __future__ import annotations
@@ -13,16 +19,25 @@ import torch
 from locoswarm.node.core.codecs import Codec
 
 CHUNK_TARGET_ELEMS = 1 << 14  # 16 Ki elements: 9 KiB of fp4, 64 KiB of fp32; small enough to balance reducers
+MIN_CHUNKS = 16               # chunks a payload is cut into at least (module docstring) ...
+MIN_CHUNK_ELEMS = 1 << 10     # ... unless its chunks would be smaller than this (a direction needs elements)
 
 
-def chunk_elems(block_size: int) -> int:
-    """Elements per chunk: the largest multiple of ``block_size`` not above 64 Ki (at least one block)."""
-    return max(block_size, (CHUNK_TARGET_ELEMS // block_size) * block_size)
+def chunk_elems(block_size: int, numel: int | None = None) -> int:
+    """Elements per chunk of a payload of ``numel`` elements: the largest multiple of ``block_size`` not above
+    ``CHUNK_TARGET_ELEMS`` (at least one block), smaller for small payloads so that they have ``MIN_CHUNKS``
+    chunks, but not below ``MIN_CHUNK_ELEMS``. Without ``numel``: the largest a chunk can be (message bounds)."""
+    largest = max(block_size, (CHUNK_TARGET_ELEMS // block_size) * block_size)
+    if numel is None or numel <= 0:
+        return largest
+    wanted = max(MIN_CHUNK_ELEMS, -(-numel // MIN_CHUNKS))
+    wanted = -(-wanted // block_size) * block_size  # whole blocks: chunk boundaries fall on block boundaries
+    return max(block_size, min(largest, wanted))
 
 
 def chunk_bounds(numel: int, block_size: int) -> list[tuple[int, int]]:
     """[start, end) element ranges of each chunk."""
-    step = chunk_elems(block_size)
+    step = chunk_elems(block_size, numel)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
 
 
@@ -36,7 +51,7 @@ def decode_chunks(codec: Codec, chunks: list[bytes], numel: int) -> torch.Tensor
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"impossible element count {numel!r}")
     # ``numel`` may come from a peer: count its chunks by arithmetic before building any list or tensor.
-    expected = max(1, -(-numel // chunk_elems(codec.block_size)))
+    expected = max(1, -(-numel // chunk_elems(codec.block_size, numel)))
     if len(chunks) != expected:
         raise ValueError(f"payload has {len(chunks)} chunks, expected {expected} for {numel} elements")
     bounds = chunk_bounds(numel, codec.block_size)

@@ -10,7 +10,8 @@ and write, so that it moves a fragment between the ranks only when the outer loo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,6 +85,21 @@ class FragmentState:
         for p, (a, b) in zip(self.params, self.bounds, strict=True):
             out[a:b].copy_(p.detach().reshape(-1))
         return out
+
+    @contextlib.contextmanager
+    def swapped(self, flat: torch.Tensor) -> Iterator[None]:
+        """Hold ``flat`` in the live parameters for the duration of the block, then put back exactly what
+        they held (a forward pass on a candidate: ``locoswarm.node.core.judge``). Nobody is told: the
+        parameters end as they were, and what they held is not brought up to date first."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.params]
+            try:
+                for p, (a, b) in zip(self.params, self.bounds, strict=True):
+                    p.copy_(flat[a:b].view_as(p))
+                yield
+            finally:
+                for p, old in zip(self.params, saved, strict=True):
+                    p.copy_(old)
 
     @torch.no_grad()
     def set_theta(self, flat: torch.Tensor) -> None:

@@ -38,6 +38,16 @@ class AverageRequest:
     reencode: Callable[[bytes], AverageRequest | None] | None = None
 
 
+@dataclass(frozen=True)
+class PartOrigin:
+    """Who reduced which elements of a round's average: ``[start, end)`` of the payload vector came from
+    ``reducer``. The outer loop blames a part that would harm its model on it (:meth:`Transport.reject_part`)."""
+
+    reducer: str
+    start: int
+    end: int
+
+
 @dataclass
 class AverageResult:
     ok: bool
@@ -56,6 +66,7 @@ class AverageResult:
     # transfer time, is what the planner models and the swarm benchmark reports.
     matchmaking_s: float = 0.0
     round_s: float = 0.0
+    parts: list[PartOrigin] = field(default_factory=list)  # who reduced what (empty: not known)
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:
@@ -136,9 +147,14 @@ class Transport(ABC):
         node keeps training meanwhile."""
         return FetchHandle(self.fetch_fragment(fragment))
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:  # noqa: B027
-        """The core refused a snapshot this transport fetched (the guard found it absurd): a transport
-        that knows where it came from holds it against that peer. Nothing to do by default."""
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:  # noqa: B027
+        """The core refused a snapshot this transport fetched (the guard found it absurd, or the effect check
+        worse than what this node holds): a transport that knows where it came from does not fetch from that
+        peer again for a while and, for an ``offence``, holds it against it. Nothing to do by default."""
+
+    def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:  # noqa: B027
+        """The core refused a round's result because of ``part`` (its effect on the held-out loss): a transport
+        holds it against the part's reducer. Nothing to do by default."""
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release resources."""

@@ -19,9 +19,10 @@ import torch
 
 from locoswarm.node.config import SwarmConfig
 from locoswarm.node.core.compress import wire_codec
+from locoswarm.node.core.judge import LossJudge
 from locoswarm.node.core.outer_loop import OuterLoop
 from locoswarm.node.core.state import outer_state_device
-from locoswarm.node.data import Corpus, TrainBatches, eval_batches, evaluate
+from locoswarm.node.data import Corpus, TrainBatches, eval_batches, evaluate, judge_batches
 from locoswarm.node.inner import InnerOptimizer
 from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
@@ -120,10 +121,14 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     fragments = partition(workers[0].model, cfg.outer.fragments)
     codec = wire_codec(cfg.outer)
     hub = InProcessHub(codec, cfg.network.group_size, seed=spec.seed, drop_prob=spec.drop_prob, robust=cfg.robust)
+    held_out = (judge_batches(corpus.eval, cfg.robust.judge_sequences, cfg.inner.seq_len)
+                if cfg.robust.effect_check else None)
     for w in workers:
+        judge = (LossJudge(w.model, held_out, device, relative_tolerance=cfg.robust.effect_tolerance)
+                 if held_out is not None else None)
         w.outer = OuterLoop(w.model, fragments, cfg.outer, hub.transport(w.rank),
                             expected_group_size=min(cfg.network.group_size, spec.workers),
-                            state_device=outer_state_device(cfg.outer.offload, device))
+                            state_device=outer_state_device(cfg.outer.offload, device), judge=judge)
         hub.register_state(w.rank, w.outer.version, w.outer.snapshot)
     evals = eval_batches(corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, spec.eval_batches)
     eval_curve = [(0, evaluate(workers[0].model, evals, device))]

@@ -58,11 +58,14 @@ from locoswarm.node.core.transport import (
     AverageResult,
     FetchHandle,
     FragmentSnapshot,
+    PartOrigin,
     Transport,
 )
+from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
+from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
 from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import form_groups, group_basis
 from locoswarm.node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
@@ -89,6 +92,10 @@ RELATIVE_REFUSALS = 4        # contributions refused for their norm relative to 
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
+# A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
+# member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
+# mostly noise (it has little pull anyway).
+JUDGED_WEIGHT = 0.25
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
@@ -101,6 +108,7 @@ MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain 
 ALONE_S = 10.0               # seconds without any live peer before a node takes outer steps alone (``_alone``)
 JOIN_WAIT_S = 120.0          # how long a peer that is still joining (no state yet) keeps a lone node from solo steps
 MAX_JOINERS = 256            # joining peers tracked for that (first come; a flood of heartbeats cannot grow it)
+REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused is not asked for state again for this long
 
 
 @dataclass
@@ -256,18 +264,6 @@ def group_hash(members: list[str]) -> bytes:
     return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
 
 
-def plausible_version(claims: Mapping[str, int], own: str | None = None) -> int:
-    """The newest version that is corroborated: claimed (or exceeded) by at least two peers, one of
-    which may be this node (``own``). With a single other claimant its claim stands: a pair cannot outvote
-    a liar, and the snapshot guards bound what a liar can do. -1 without claims."""
-    if not claims:
-        return -1
-    values = sorted(claims.values(), reverse=True)
-    if sum(1 for p in claims if p != own) < 2:
-        return values[0]
-    return values[1]
-
-
 def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
                        bounds: list[tuple[int, int]], own_norm: float) -> str | None:
     """Why a reducer's part cannot be an honest result (None if it can): not finite, or larger than the
@@ -309,6 +305,16 @@ def _norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x.to(torch.float64)))
 
 
+def _nonzero(codec: Codec, data: bytes, numel: int) -> bool:
+    """Whether a chunk decodes to anything but zeros (a chunk of no progress is the same every round)."""
+    values = codec.decode(data, numel)
+    return bool(values.numel()) and bool((values != 0).any())
+
+
+def _nonzero_chunks(codec: Codec, chunks: Mapping[int, bytes], sizes: Mapping[int, int]) -> list[bytes]:
+    return [data for c, data in sorted(chunks.items()) if _nonzero(codec, data, sizes[c])]
+
+
 @dataclass
 class _Reduced:
     chunks: dict[int, bytes]
@@ -318,6 +324,9 @@ class _Reduced:
     # a ban, whether it was judged against the group (a norm far above the others') rather than absolutely,
     # and whether it bans at once (see Reputation)
     refused: dict[str, tuple[str, str, bool, bool, bool]]
+    # sender -> (agreement, its weight over the reducer's own): the direction judgement of each accepted
+    # contribution (``locoswarm.node.core.robust``), for the reputation's agreement evidence
+    scores: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class _Reduction:
@@ -424,14 +433,19 @@ class _Reduction:
         total = screening.total_weight
         # The side vector (CoCoDC's R) is summed over the accepted members, as CoCoDC all-reduces it.
         extras = [0.0] * self.n_extras
-        for i in screening.accepted:
+        for i, pull in zip(screening.accepted, screening.pulls, strict=True):
+            if pull <= 0:
+                continue  # no pull in the average: none in the side vector either
             for k, x in enumerate(self.contributions[senders[i]][1]):
                 extras[k] += x
         # In a pair the reference is this node's own contribution: a partner far larger may be honest
         # (this node may have made little progress), so a relative refusal there is not an offence.
         refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2), r.relative, r.conclusive)
                    for r in screening.refusals}
-        return _Reduced(reduced, total, extras, refused)
+        own_weight = cons[trusted].weight
+        scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
+                  for i, score in zip(screening.accepted, screening.scores, strict=True) if score is not None}
+        return _Reduced(reduced, total, extras, refused, scores)
 
     def fail(self, error: str) -> None:
         if not self.done.done():
@@ -495,8 +509,12 @@ class SwarmTransport(Transport):
         group_size, matchmaking_timeout, round_timeout: from ``[network]``.
         live_peers: returns the ids of live peers (from heartbeats): matchmaking closes as soon as they
             are all in.
-        latest_versions: returns {fragment: (version, [peer ids holding it])} from heartbeats.
-        fetch: downloads a fragment's outer state from given peers (``locoswarm.node.swarm.state_sync``).
+        latest_versions: ``latest_versions(fragment)``: the version to believe from heartbeats and its holders
+            (``locoswarm.node.swarm.versions.Belief``).
+        fetch: ``fetch(fragment, peers, version, digest)`` downloads a fragment's outer state from given peers
+            (``locoswarm.node.swarm.state_sync``).
+        version_bound: the most outer versions a fragment can hold at the swarm's clock now (None: no bound):
+            members' claims above it are not believed, and far above it are offences.
         pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
             ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         step_time: returns the swarm's seconds per inner step (0 when unknown): the matchmaking window is at
@@ -522,8 +540,8 @@ class SwarmTransport(Transport):
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
                  group_size: int, matchmaking_timeout: float, round_timeout: float,
                  live_peers: Callable[[], list[str]],
-                 latest_versions: Callable[[int], tuple[int, list[str]]],
-                 fetch: Callable[[int, list[str], int], FragmentSnapshot | None],
+                 latest_versions: Callable[[int], Belief],
+                 fetch: Callable[[int, list[str], int, bytes], FragmentSnapshot | None],
                  pace_peers: Callable[[], list[str]] | None = None,
                  grace: Callable[[], float] | None = None,
                  step_time: Callable[[], float] | None = None,
@@ -533,8 +551,10 @@ class SwarmTransport(Transport):
                  max_weight: Callable[[str, float], float] | None = None,
                  subkey: str | None = None, standing_members: bool = True,
                  joining_peers: Callable[[], list[str]] | None = None,
-                 serving_peers: Callable[[], list[str]] | None = None) -> None:
+                 serving_peers: Callable[[], list[str]] | None = None,
+                 version_bound: Callable[[], int | None] | None = None) -> None:
         self.runtime = runtime
+        self.version_bound = version_bound or (lambda: None)
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
         self.swarm_key = swarm_key
@@ -575,6 +595,8 @@ class SwarmTransport(Transport):
         self.serving_peers = serving_peers or (lambda: [])
         self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
         self.standing = StandingMembers(standing_members)
+        self._refused_sources: dict[str, float] = {}  # peer -> when a state it served was refused (monotonic)
+        self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
@@ -624,12 +646,28 @@ class SwarmTransport(Transport):
         and it harms nobody meanwhile (refused, i.e. dropped from the average)."""
         return self._relative_refused.offence(peer)
 
+    def _plausible(self, claims: dict[str, int]) -> int:
+        """The group's corroborated version of members' ``claims`` within the swarm clock's bound
+        (``locoswarm.node.swarm.versions``); a claim far above the bound is an offence of its member."""
+        bound = self.version_bound()
+        if bound is not None:
+            for peer, version in claims.items():
+                if peer != self.peer_id and absurd_version(version, bound):
+                    self._offence(peer, "version_lie", f"claims version {version} in a round; the swarm clock "
+                                                       f"allows {bound}")
+        return plausible_version(claims, own=self.peer_id, bound=bound)
+
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
 
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, and no state of its refused lately
-        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version)."""
+        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version; a state
+        the effect check found worse than ours, within ``REFUSED_SOURCE_S``: else a node would download it
+        again at every send)."""
+        refused = self._refused_sources.get(peer)
+        if refused is not None and time.monotonic() - refused < REFUSED_SOURCE_S:
+            return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
                                                or self.reputation.offended(peer, "bad_state"))
 
@@ -655,25 +693,28 @@ class SwarmTransport(Transport):
             return self.matchmaking_timeout
         return max(self.matchmaking_timeout, min(WINDOW_STEPS * step, MAX_WINDOW_S))
 
-    def _newest(self, fragment: int) -> tuple[int, list[str]]:
-        version, holders = self._latest_versions(fragment)
+    def _newest(self, fragment: int) -> Belief:
+        """The version of ``fragment`` to catch up to and whom to ask: the heartbeats' belief
+        (``locoswarm.node.swarm.versions``), or the version the group of its last merged round reached when
+        that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet)."""
+        belief = self._latest_versions(fragment)
         recent_version, members = self.recent.get(fragment, (-1, []))
         others = [m for m in members if m != self.peer_id and self._state_source(m)]
-        holders = [h for h in holders if self._state_source(h)]
-        if recent_version > version and others:
-            return recent_version, others
-        if recent_version == version:
+        holders = [h for h in belief.holders if self._state_source(h)]
+        if recent_version > belief.version and others:
+            return Belief(recent_version, b"", others)
+        if recent_version == belief.version and not belief.digest:
             holders = holders + [m for m in others if m not in holders]
-        return version, holders
+        return Belief(belief.version, belief.digest, holders)
 
     def latest_version(self, fragment: int) -> int:
-        return self._newest(fragment)[0]
+        return self._newest(fragment).version
 
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
-        version, holders = self._newest(fragment)
-        if not holders:
+        belief = self._newest(fragment)
+        if not belief.holders:
             return None
-        return self._fetch(fragment, holders, version)
+        return self._fetch(fragment, belief.holders, belief.version, belief.digest)
 
     def start_fetch(self, fragment: int) -> FetchHandle:
         """Download in a background thread (one at a time: they share the link): a catch-up of a few MB
@@ -683,9 +724,12 @@ class SwarmTransport(Transport):
             self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="locoswarm-fetch")
         return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment))
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str) -> None:
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:
         if snapshot.source:
-            self._offence(snapshot.source, "bad_state", reason)
+            self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence)
+            self._refused_sources[snapshot.source] = time.monotonic()
+            while len(self._refused_sources) > MAX_JOINERS:
+                self._refused_sources.pop(next(iter(self._refused_sources)))
 
     def close(self) -> None:
         async def stop() -> None:
@@ -735,7 +779,7 @@ class SwarmTransport(Transport):
             log.info("fragment %d round %d: the group's low-rank bases differ; re-encoded on the round's seeded "
                      "basis", req.fragment, req.round)
         req = agreed
-        max_version = plausible_version({p: versions.get(p, req.version) for p in group}, own=self.peer_id)
+        max_version = self._plausible({p: versions.get(p, req.version) for p in group})
         digests = self._digests.pop((req.fragment, req.round), {})
         if req.digest and all(digests.get(p) == req.digest for p in group):
             self._not_in_round(req.fragment, req.round)  # nobody will send us a part of it
@@ -1018,6 +1062,7 @@ class SwarmTransport(Transport):
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
         session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
         session.claim_version(self.peer_id, req.version)
+        self._remember_payload(req, enumerate(req.chunks))
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
@@ -1048,7 +1093,10 @@ class SwarmTransport(Transport):
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):
             return AverageResult.failed("incomplete group result", own_weight=req.weight)
+        self._remember_payload(req, reduced.items())
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
+        origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1])
+                   for j in range(n) if len(parts[j])]
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
         with contextlib.suppress(asyncio.TimeoutError):
@@ -1057,7 +1105,8 @@ class SwarmTransport(Transport):
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
-            basis=req.basis, max_version=plausible_version({**claims, **session.versions}, own=self.peer_id))
+            basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
+            parts=origins)
 
     def _end_session(self, key: tuple[int, int, bytes]) -> None:
         session = self._sessions.pop(key, None)
@@ -1118,6 +1167,7 @@ class SwarmTransport(Transport):
         if reason:
             self._offence(peer, "bad_reduction", reason)
             raise RuntimeError(f"peer {peer[:12]} sent a bad reduced part: {reason}")
+        self._remember_payload(req, chunks.items())
         return part, chunks, h.total_weight, list(h.extras)
 
     def _codec(self, name: str) -> Codec:
@@ -1193,6 +1243,7 @@ class SwarmTransport(Transport):
         session = self._check_membership(session, remote, h)
         self.counters.received(remote, h.fragment, h.round, first.ByteSize())
         chunks = await self._read_part(session, remote, h, requests)
+        self._refuse_replay(session, remote, chunks)
         own = self._sessions_own_weight(session)
         max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
         session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
@@ -1207,6 +1258,8 @@ class SwarmTransport(Transport):
                 offence = self._relative_offence(remote)
             self._offence(remote, kind, detail, offence=offence, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
+        if remote in result.scores:
+            self._judge_direction(remote, *result.scores[remote])
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
         self.counters.sent(remote, h.fragment, h.round, header.ByteSize())
@@ -1216,6 +1269,46 @@ class SwarmTransport(Transport):
             self.counters.sent(remote, h.fragment, h.round, msg.ByteSize())
             yield msg
         await session.replied()
+
+    def _refuse_replay(self, session: _Reduction, remote: str, chunks: dict[int, bytes]) -> None:
+        """Refuse (an offence) a contribution whose payload was seen in an earlier round; else remember it
+        (``locoswarm.node.swarm.replay``). Consensus rounds carry phi, which members may hold alike."""
+        if session.consensus:
+            return
+        fragment, round_ = session.key[0], session.key[1]
+        payload = _nonzero_chunks(session.codec, chunks, session.sizes)
+        seen = self.replays.replayed(fragment, round_, payload)
+        if payload and 2 * len(seen) >= len(payload):
+            detail = (f"{len(seen)} of its {len(payload)} chunks for fragment {fragment} round {round_} were seen "
+                      f"in round {seen[0][1]} of fragment {seen[0][0]}")
+            self._offence(remote, "replay", detail)
+            session.drop(remote, "it replayed an earlier round's payload")
+            raise WireError(f"refused: replayed payload ({detail})")
+        self.replays.remember(fragment, round_, payload)
+
+    def _remember_payload(self, req: AverageRequest, chunks: Iterable[bytes]) -> None:
+        """Chunks this node sent or received in ``req``'s round: a later replay of them is refused."""
+        if not req.digest:
+            codec = self._codec(req.codec)
+            bounds = chunk_bounds(req.numel, codec.block_size)
+            self.replays.remember(req.fragment, req.round, [
+                data for c, data in chunks if _nonzero(codec, data, bounds[c][1] - bounds[c][0])])
+
+    def _judge_direction(self, peer: str, score: float, weight_ratio: float) -> None:
+        """One judged agreement of ``peer``'s contribution (``locoswarm.node.core.robust``): evidence for the
+        agreement ban (``Reputation.judge``). A light contribution (a member that just joined or caught up) is
+        not judged."""
+        if self.reputation is None or weight_ratio < JUDGED_WEIGHT:
+            return
+        r = self.robust
+        self.reputation.judge(peer, "direction", score, window=r.agreement_window, ban_below=r.agreement_ban,
+                              good_from=r.agreement_full, detail="agreement of its contributions with the group's")
+
+    def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
+        """The outer loop refused ``result`` for ``part``'s effect on its held-out loss: an offence of its
+        reducer (this node's own part is never blamed: it screened that one itself)."""
+        if part.reducer and part.reducer != self.peer_id:
+            self._offence(part.reducer, "bad_effect", reason)
 
     def _drop_from_round(self, remote: str, fragment: int, round_: int) -> None:
         """``remote``'s stream for a round was refused, so its part will not come: a reducer that has it

@@ -249,6 +249,19 @@ class SwarmClock:
         self._report(reports)
         return clock
 
+    def estimate(self) -> int:
+        """The swarm's clock as this node sees it now, changing nothing: the median of the accepted live peers'
+        clocks (extrapolated) and this node's own once it has joined; its own without peers. A joiner bounds
+        the versions it believes by it before it has a clock of its own (``locoswarm.node.swarm.versions``)."""
+        now = self._now()
+        with self._lock:
+            live = self._live(now)
+            rate = self._bounds(live).rate or 0.0
+            lines = [p.line(now, rate, self.max_ahead) for p in live.values()]
+            if self._established or not lines:
+                lines.append(float(self._clock))
+            return max(self._clock, int(statistics.median(lines)))
+
     def join(self, own_clock: int) -> int:
         """Entering the swarm (after the state download): take the median of the accepted peers' clocks,
         or ``own_clock`` when no peer trains. From here on this node's clock is also a witness."""

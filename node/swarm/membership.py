@@ -210,6 +210,29 @@ class Membership:
             table.pop(self.peer_id, None)
         return table
 
+    async def heard(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has a live heartbeat of this swarm in the DHT now, published by itself: read on
+        the caller's loop (the network runtime's), for a requester this node's table does not know yet (a state
+        server, ``locoswarm.node.swarm.state_sync``)."""
+        from locoswarm.node.swarm.records import subkey_peer
+
+        found = await self.dht.get(self.peers_key, latest=True, return_future=True)
+        value = getattr(found, "value", None)
+        if not isinstance(value, dict):
+            return False
+        now = _dht_time()
+        for subkey, item in value.items():
+            data, exp = getattr(item, "value", None), getattr(item, "expiration_time", None)
+            if subkey_peer(subkey) != peer_id or not isinstance(data, bytes) or exp is None or exp < now:
+                continue
+            try:
+                hb = swarm_pb2.Heartbeat.FromString(data)
+            except Exception:
+                continue
+            if hb.peer_id == peer_id and hb.fingerprint == self.fingerprint and not hb.leaving:
+                return True
+        return False
+
     # ---- fingerprints ----
 
     def announce_fingerprint(self) -> bool:

@@ -18,6 +18,17 @@ conclusive yet. Banning its source at once made the bench's two honest nodes ban
 different times. Their groups then disagreed, one caught up from the other in a loop, and their
 eval loss rose to 2-3x the clean run's in both runs tried (cause not found; see issue 9's note).
 
+Some evidence is statistical, not one event: the direction a peer's contributions take (their agreement
+with the group, ``locoswarm.node.core.robust``). An honest contribution disagrees now and then, a direction
+flip always. :meth:`Reputation.judge` keeps the last scores of a peer per kind, and when their mean over a
+full window falls below a bound, that is a conclusive offence: one round weighs nothing, a pattern bans.
+
+Reputation also learns from good behaviour, and forgets: each ``FORGIVE_AFTER`` good judgements in a row
+(contributions that agreed, results that helped) take back the oldest offence that was not conclusive, and
+offences leave the window after ``window_s``. Good behaviour never buys slack for later: no bound is
+widened for a peer with a good record, so a sleeper that turns is judged on what it sends from then on, like
+a stranger, and banned as fast.
+
 A banned peer is left out of this node's groups, its version claims are not believed and its state
 requests are refused until the cool-down ends. A repeat offender's cool-down doubles each time
 (capped); the doubling is forgotten after a clean ``max_cooldown_s``.
@@ -43,6 +54,8 @@ MAX_KIND = 32
 MAX_KINDS = 32          # distinct kinds counted per peer; more fold into "other"
 MAX_OFFENCES = 4096     # offence times kept per peer (the ban decision needs only ``threshold`` of them)
 MAX_COOLDOWN_S = 24 * 3600.0
+FORGIVE_AFTER = 16      # good judgements in a row that take back one non-conclusive offence
+MAX_SCORES = 64         # judged scores kept per peer and kind
 
 
 def peer_key(peer: str) -> str:
@@ -82,10 +95,14 @@ class _PeerRecord:
     def __init__(self) -> None:
         self.refused = 0
         self.by_kind: Counter[str] = Counter()
-        self.offences: deque[tuple[float, str]] = deque(maxlen=MAX_OFFENCES)  # (time, kind), oldest first
+        self.offences: deque[tuple[float, str, bool]] = deque(maxlen=MAX_OFFENCES)  # (time, kind, conclusive)
         self.last = ""
         self.banned_until: float | None = None   # end of the current or last ban
         self.bans = 0                            # bans so far (the next cool-down doubles with each)
+        self.first_banned: float | None = None   # wall time of its first ban (reports: time to the first ban)
+        self.scores: dict[str, deque[float]] = {}  # kind -> the last judged scores (``Reputation.judge``)
+        self.good = 0                            # good judgements since its last offence (or forgiveness)
+        self.forgiven = 0
 
     def banned(self, now: float) -> bool:
         return self.banned_until is not None and now < self.banned_until
@@ -98,7 +115,16 @@ class _PeerRecord:
         """Offences since the last ban ended: a ban is earned anew, never by the offences that earned the last."""
         if self.banned_until is None:
             return len(self.offences)
-        return sum(1 for t, _ in self.offences if t >= self.banned_until)
+        return sum(1 for t, _, _ in self.offences if t >= self.banned_until)
+
+    def forgive_one(self) -> bool:
+        """Take back the oldest offence that was not conclusive (True if there was one)."""
+        for k, (_, _, conclusive) in enumerate(self.offences):
+            if not conclusive:
+                del self.offences[k]
+                self.forgiven += 1
+                return True
+        return False
 
 
 class Reputation:
@@ -138,11 +164,12 @@ class Reputation:
             rec.expire(now, self.window_s)
             if not offence:
                 return False
-            rec.offences.append((now, kind))
+            rec.offences.append((now, kind, conclusive))
+            rec.good = 0
             if rec.banned(now) or (not conclusive and rec.fresh_offences() < self.threshold):
                 return False
             cooldown = self._ban(rec, now)
-            kinds = Counter(k for _, k in rec.offences)
+            kinds = Counter(k for _, k, _ in rec.offences)
             offences, last = len(rec.offences), rec.last
         # logged outside the lock: a slow log handler must not stall the network thread
         self._log.warning("banned peer %s for %.0f s: %d offences in %.0f s (%s); last: %s", peer, cooldown,
@@ -156,7 +183,49 @@ class Reputation:
         cooldown = min(self.cooldown_s * 2 ** min(rec.bans, 64), self.max_cooldown_s)
         rec.bans += 1
         rec.banned_until = now + cooldown
+        if rec.first_banned is None:
+            rec.first_banned = time.time()
         return cooldown
+
+    def judge(self, peer: str, kind: str, score: float, *, window: int, ban_below: float, good_from: float,
+              detail: str = "") -> bool:
+        """One judged score of something ``peer`` sent (e.g. its contribution's agreement with the group).
+        When its last ``window`` scores of ``kind`` average below ``ban_below``, that is a conclusive offence
+        (module docstring); a score of at least ``good_from`` is a good judgement. Returns True when this call
+        banned the peer."""
+        key = peer_key(peer)
+        kind = one_line(kind, MAX_KIND) or "other"
+        with self._lock:
+            rec = self._touch(key)
+            scores = rec.scores.get(kind)
+            if scores is None:
+                if len(rec.scores) >= MAX_KINDS:
+                    return False
+                scores = rec.scores[kind] = deque(maxlen=MAX_SCORES)
+            scores.append(float(score))
+            recent = list(scores)[-window:]
+            mean = sum(recent) / len(recent)
+            if len(recent) < window or mean >= ban_below:
+                if score >= good_from:
+                    self._good(rec)
+                return False
+            scores.clear()  # the evidence is spent on this offence: a later ban needs a full window anew
+        return self.refuse(peer, kind, f"mean {mean:+.3f} over its last {window} ({detail})" if detail
+                           else f"mean {mean:+.3f} over its last {window}", conclusive=True)
+
+    def good(self, peer: str) -> None:
+        """A good judgement of something ``peer`` sent (module docstring: forgiveness)."""
+        with self._lock:
+            rec = self._peers.get(peer_key(peer))
+            if rec is not None:
+                self._good(rec)
+
+    @staticmethod
+    def _good(rec: _PeerRecord) -> None:
+        rec.good += 1
+        if rec.good >= FORGIVE_AFTER:
+            rec.good = 0
+            rec.forgive_one()
 
     def _touch(self, peer: str) -> _PeerRecord:
         """The peer's record, now the most recently seen; makes room by forgetting the least recently
@@ -189,7 +258,7 @@ class Reputation:
             if rec is None:
                 return False
             rec.expire(self._now(), self.window_s)
-            return any(k == kind for _, k in rec.offences)
+            return any(k == kind for _, k, _ in rec.offences)
 
     def banned(self) -> list[str]:
         """The peers banned now, sorted (matchmaking leaves them out of this node's groups)."""
@@ -199,7 +268,8 @@ class Reputation:
 
     def snapshot(self) -> dict:
         """JSON-able: ``{"peers": {peer: {"refused", "offences" (in the window), "by_kind", "banned",
-        "banned_for_s", "last"}}, "refused": total refusals, "banned": peers banned now}``."""
+        "banned_for_s", "last", "first_banned" (wall time or None), "scores" (kind -> mean of the last
+        judged scores), "forgiven"}}, "refused": total refusals, "banned": peers banned now}``."""
         with self._lock:
             now = self._now()
             peers = {}
@@ -209,7 +279,9 @@ class Reputation:
                 peers[peer] = {"refused": rec.refused, "offences": len(rec.offences), "by_kind": dict(rec.by_kind),
                                "banned": banned,
                                "banned_for_s": max(0.0, rec.banned_until - now) if banned else 0.0,
-                               "last": rec.last}
+                               "last": rec.last, "first_banned": rec.first_banned,
+                               "scores": {k: sum(v) / len(v) for k, v in rec.scores.items() if v},
+                               "forgiven": rec.forgiven}
             return {"peers": peers, "refused": self._refused, "banned": sum(p["banned"] for p in peers.values())}
 
 

@@ -38,13 +38,18 @@ Both ends use the bounded framing of ``locoswarm.node.swarm.wire``: a request is
 chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
 concurrent downloads per peer and in total.
 
-The state is served only to a peer that is not banned, has a live heartbeat in this swarm (checked on
-the authenticated libp2p id of the stream, never on a field of the request) and stays within a per-peer
-rate (``StateRateLimiter``). The heartbeat is the one in this node's peer table (read from the DHT), or
-the one the request presents: bound to the stream's peer id, of this swarm's fingerprint, not leaving and
-at most ``PRESENTED_MAX_AGE_S`` old. Both are the peer's own claim bound to its identity (a DHT record
-is no stronger), and at 5 Mbit/s a holder serving a download could not read the joiners' DHT heartbeats
-for 30 s: every joiner was refused "not-live" until its time ran out, and started from scratch.
+The state is served only to a peer that is not banned, has a live heartbeat in this swarm's DHT (checked
+on the authenticated libp2p id of the stream, never on a field of the request) and stays within a per-peer
+rate (``StateRateLimiter``). The heartbeat is the one in this node's peer table, or, for a peer not in it
+yet (a joiner whose heartbeat this node has not read: at 5 Mbit/s a holder serving a download could not
+refresh its table for 30 s), one found by reading the swarm's peers key in the DHT at the request
+(``confirm_live``; at most ``LOOKUPS`` at once, a peer's answer kept ``LIVE_CACHE_S``). A heartbeat the
+requester presents in its request is no proof: anyone can make one, and a stranger downloaded the full state
+96 times that way. A heartbeat in the DHT is signed under the peer's owner subkey and seen by every member.
+
+Serving is bounded by a bandwidth budget over all downloads (``ServeBudget``, ``[robust] state_serve_mbit``),
+and members that train (a heartbeat with state) are served before peers that do not (joiners, and anyone
+who merely publishes a heartbeat); rounds come first anyway (above).
 A refusal is one line, ``"<code>: <why>"`` in ``StateChunk.error``, and is reported to
 ``on_refused``; only the refusals a peer earned (a flood of requests far past the rate, a
 malformed request) count as offences.
@@ -64,7 +69,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -89,7 +94,10 @@ DRAIN_S = 5.0  # how long a server reads a client's trailing acknowledgements af
 YIELD_MAX_S = 2.0  # longest a chunk is held back for this node's own round exchange (module docstring)
 YIELD_POLL_S = 0.05
 MAX_REQUEST_BYTES = 2048  # a StateRequest is a fingerprint, three integers and a small heartbeat
-PRESENTED_MAX_AGE_S = 30.0  # a heartbeat presented in a request older (or newer) than this is no proof
+LOOKUPS = 4               # DHT reads of unknown requesters' heartbeats at once (more wait their turn, briefly)
+LOOKUP_TIMEOUT_S = 5.0
+LIVE_CACHE_S = 10.0       # a requester found (or not) in the DHT is not looked up again for this long
+MAX_LIVE_CACHE = 4096
 MAX_CHUNK_BYTES = 2 * 4 * CHUNK_ELEMS + 4096  # phi and momentum in fp32 (the widest), plus the small fields
 IDLE_TIMEOUT = 20.0  # seconds for any one message (a chunk is at most 128 KiB)
 MAX_STREAMS_PER_PEER = 8
@@ -274,12 +282,54 @@ class _StreamWindow:
         self._unacked = 0
 
 
+class ServeBudget:
+    """The bytes per second a server spends on state downloads, over all of them: a token bucket of one second's
+    worth, where a member that trains is served before anyone else waits (module docstring). Used on the
+    network loop only. ``waited_s``: the seconds chunks waited for it."""
+
+    def __init__(self, bytes_per_s: float, *, now: Callable[[], float] = time.monotonic) -> None:
+        if not bytes_per_s > 0:
+            raise ValueError(f"a serve budget needs a positive rate, got {bytes_per_s}")
+        self.rate = float(bytes_per_s)
+        self.capacity = self.rate  # one second's worth
+        self._tokens = self.capacity
+        self._at = now()
+        self._now = now
+        self._members_waiting = 0
+        self.waited_s = 0.0
+
+    def _refill(self) -> None:
+        now = self._now()
+        self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+
+    async def take(self, n: int, member: bool) -> None:
+        """Spend ``n`` bytes, waiting for them; a non-member waits while a member does."""
+        need = min(float(n), self.capacity)  # a chunk larger than the bucket waits for a full one
+        started = self._now()
+        if member:
+            self._members_waiting += 1
+        try:
+            while True:
+                self._refill()
+                if (member or self._members_waiting == 0) and self._tokens >= need:
+                    self._tokens -= n
+                    return
+                await asyncio.sleep(min(0.5, max(0.005, (need - self._tokens) / self.rate)))
+        finally:
+            if member:
+                self._members_waiting -= 1
+            self.waited_s += self._now() - started
+
+
 class StateServer:
     """Serves snapshots of this node's outer state (``snapshot(fragment)`` must be thread-safe) to the
     live, unbanned peers of this swarm, each within ``requests_per_minute`` (see the module docstring).
 
-    ``is_live(peer)`` and ``is_banned(peer)`` run on the network loop: they must be quick (a table look-up,
-    no network call). ``on_refused(peer, kind, detail, offence=...)`` is told of every refusal.
+    ``is_live(peer)``, ``is_member(peer)`` and ``is_banned(peer)`` run on the network loop: they must be quick
+    (a table look-up, no network call); ``confirm_live(peer)`` is awaited there for a peer ``is_live`` does not
+    know (a DHT read; None: unknown peers are refused). ``on_refused(peer, kind, detail, offence=...)`` is told
+    of every refusal. ``serve_bytes_per_s``: the budget of all downloads (None: unbounded).
     """
 
     def __init__(self, runtime: NetworkRuntime, fingerprint: str,
@@ -288,8 +338,15 @@ class StateServer:
                  on_refused: RefusalCallback | None = None, max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
                  requests_per_minute: int = REQUESTS_PER_MINUTE, now: Callable[[], float] = time.monotonic,
                  clock: Callable[[], tuple[int, int]] | None = None,
-                 server_credit: int = SERVER_CREDIT_CHUNKS, yield_to: Callable[[], bool] | None = None) -> None:
+                 server_credit: int = SERVER_CREDIT_CHUNKS, yield_to: Callable[[], bool] | None = None,
+                 confirm_live: Callable[[str], Awaitable[bool]] | None = None,
+                 is_member: Callable[[str], bool] | None = None, serve_bytes_per_s: float | None = None) -> None:
         self.fingerprint = fingerprint
+        self._confirm_live = confirm_live
+        self._is_member = is_member or (lambda peer: False)
+        self.budget = ServeBudget(serve_bytes_per_s) if serve_bytes_per_s else None
+        self._lookups: asyncio.Semaphore | None = None  # made on the network loop, at the first lookup
+        self._live_cache: OrderedDict[str, tuple[bool, float]] = OrderedDict()  # peer -> (live, monotonic time)
         self._yield_to = yield_to
         self.held_back_s = 0.0  # seconds chunks were held back for this node's rounds (module docstring)
         self.credit = SharedCredit(server_credit)
@@ -329,7 +386,7 @@ class StateServer:
             raise
         if request is None:
             return
-        refusal = self._admit(remote, request)
+        refusal = self._admit(remote, request, await self._live(remote))
         if refusal is None:
             snap = self.snapshot(request.fragment)
             refusal = self._unservable(request, snap)
@@ -343,14 +400,41 @@ class StateServer:
                 yield chunk
         self.served += 1
 
-    def _admit(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
+    async def _live(self, remote: str) -> bool:
+        """Whether ``remote`` has a live heartbeat in this swarm: in this node's table, or in the DHT now
+        (module docstring); answers are cached for ``LIVE_CACHE_S``, and lookups beyond ``LOOKUPS`` at once
+        are answered no (a stranger's flood of requests must not turn into DHT traffic)."""
+        if self._is_live(remote):
+            return True
+        if self._confirm_live is None or self._is_banned(remote):
+            return False
+        cached = self._live_cache.get(remote)
+        if cached is not None and time.monotonic() - cached[1] < LIVE_CACHE_S:
+            return cached[0]
+        if self._lookups is None:
+            self._lookups = asyncio.Semaphore(LOOKUPS)
+        if self._lookups.locked():
+            return False
+        async with self._lookups:
+            try:
+                live = bool(await asyncio.wait_for(self._confirm_live(remote), LOOKUP_TIMEOUT_S))
+            except Exception as exc:  # a DHT failure is no proof either way: refused for now (passing)
+                log.debug("state: looking up %s failed: %r", remote[:16], exc)
+                live = False
+        self._live_cache.pop(remote, None)
+        self._live_cache[remote] = (live, time.monotonic())
+        while len(self._live_cache) > MAX_LIVE_CACHE:
+            self._live_cache.popitem(last=False)
+        return live
+
+    def _admit(self, remote: str, request: swarm_pb2.StateRequest, live: bool) -> str | None:
         """None when ``remote`` may download now, else the refusal (reported)."""
         if self._is_banned(remote):
             return self._refuse(remote, BANNED, "state requests from this peer are refused for a while",
                                 kind="state_banned", offence=False)
-        if not (self._is_live(remote) or self._presents_heartbeat(remote, request)):
-            # a stranger, or a joiner whose heartbeat we have not seen yet and that presents none
-            return self._refuse(remote, NOT_LIVE, "no live heartbeat from this peer in this swarm",
+        if not live:
+            # a stranger (counted: no offence, but seen), or a joiner whose heartbeat is not in the DHT yet
+            return self._refuse(remote, NOT_LIVE, "no live heartbeat from this peer in this swarm's DHT",
                                 kind="state_not_live", offence=False)
         if not self._limiter.take(remote):
             return self._refuse(remote, RATE_LIMITED, f"more than {self._limiter.per_minute} state requests "
@@ -364,14 +448,6 @@ class StateServer:
                                                      f"of {sorted(_BYTES_PER_ELEM)}", kind="state_request",
                                 offence=True)
         return None
-
-    def _presents_heartbeat(self, remote: str, request: swarm_pb2.StateRequest) -> bool:
-        """Whether the request carries a live heartbeat of ``remote`` in this swarm (module docstring)."""
-        if not request.HasField("heartbeat"):
-            return False
-        hb = request.heartbeat
-        return (hb.peer_id == remote and hb.fingerprint == self.fingerprint and not hb.leaving
-                and abs(time.time() - hb.time) <= PRESENTED_MAX_AGE_S)
 
     @staticmethod
     def _unservable(request: swarm_pb2.StateRequest, snap: FragmentSnapshot | None) -> str | None:
@@ -402,6 +478,8 @@ class StateServer:
                                            momentum=_to_bytes(snap.momentum[a:b], precision),
                                            momentum_precision=precision)
                 self._stamp(msg)
+                if self.budget is not None:
+                    await self.budget.take(msg.ByteSize(), self._is_member(remote))
                 self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
                 yield msg
                 await asyncio.sleep(0)
@@ -513,9 +591,10 @@ class _Download:
     """One fragment's download, resumable across peers: each chunk is checked against the stream so far."""
 
     def __init__(self, fragment: int, min_version: int, numel: int,
-                 precision: int = swarm_pb2.MOMENTUM_FP32) -> None:
+                 precision: int = swarm_pb2.MOMENTUM_FP32, digest: bytes = b"") -> None:
         self.fragment = fragment
         self._min_version = min_version
+        self._digest = digest  # what the state of ``min_version`` must hash to (``versions.state_digest``)
         self._numel = numel
         self._precision = precision  # of the momentum, asked for and required of every chunk
         self._phi: torch.Tensor | None = None
@@ -524,15 +603,12 @@ class _Download:
         self._version: int | None = None
         self._claim: tuple[int, int, float] | None = None  # the last chunk's (clock, inner step, wall time seen)
 
-    def request(self, fingerprint: str, peer_id: str = "") -> swarm_pb2.StateRequest:
-        """The request resuming at the next element (of the version started, if any), presenting this
-        node's heartbeat as ``peer_id`` (none when empty: the server must know us from the DHT)."""
+    def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
+        """The request resuming at the next element (of the version started, if any). The server knows us
+        from our heartbeat in the DHT (a heartbeat in the request proves nothing: see ``StateServer``)."""
         version = self._version if self._version is not None else self._min_version
-        req = swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
-                                     min_version=version, momentum_precision=self._precision)
-        if peer_id:
-            req.heartbeat.CopyFrom(swarm_pb2.Heartbeat(peer_id=peer_id, fingerprint=fingerprint, time=time.time()))
-        return req
+        return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
+                                      min_version=version, momentum_precision=self._precision)
 
     def reset(self) -> None:
         """Forget what was received (it came from a source found bad)."""
@@ -589,6 +665,17 @@ class _Download:
     def complete(self) -> bool:
         return self._version is not None and self._offset == self._numel
 
+    def check_digest(self) -> None:
+        """A complete download of the version asked for must be the state its holders announced: raise
+        ``BadSource`` otherwise (a newer version than asked for has no announced digest to match)."""
+        if not self._digest or self._version != self._min_version or self._phi is None or self._mom is None:
+            return
+        from locoswarm.node.swarm.versions import state_digest
+
+        if state_digest(self._phi, self._mom) != self._digest:
+            raise BadSource(f"version {self._version} of fragment {self.fragment} does not match the digest its "
+                            "holders announce")
+
     def progress(self) -> str:
         return f"{self._offset}/{self._numel}"
 
@@ -627,20 +714,18 @@ class StateClient:
         self._is_banned = is_banned
         self._backoff = backoff or HolderBackoff()
 
-    def _peer_id(self) -> str:
-        """This node's peer id, presented with a heartbeat in each request (see ``StateServer``)."""
-        return str(self.runtime.p2p.peer_id)
-
     def budget(self, numel: int | None) -> float:
         """Seconds a download of ``numel`` elements may take: the timeout, plus its bytes at
         ``MIN_DOWNLOAD_RATE``. A fixed 30 s failed every join of a 9 MB state that three joiners pulled from
         one holder at 5 Mbit/s (43 s): they started from scratch at clock 0 instead."""
         return self.timeout + max(0, numel or 0) * 8 / MIN_DOWNLOAD_RATE
 
-    def fetch(self, fragment: int, peers: list[str], min_version: int = 0) -> FragmentSnapshot | None:
-        """Blocking download of one fragment (for the training thread)."""
+    def fetch(self, fragment: int, peers: list[str], min_version: int = 0,
+              digest: bytes = b"") -> FragmentSnapshot | None:
+        """Blocking download of one fragment (for the training thread); ``digest``: what ``min_version`` must
+        hash to (``locoswarm.node.swarm.versions``)."""
         try:
-            return self.runtime.call(self.fetch_async(fragment, peers, min_version),
+            return self.runtime.call(self.fetch_async(fragment, peers, min_version, digest=digest),
                                      timeout=self.budget(self._expected_numel(fragment)) + 5)
         except _AllWaiting as exc:  # every holder refused us lately: nothing was asked, nothing to report
             log.debug("state download of fragment %d: %s", fragment, exc)
@@ -649,18 +734,21 @@ class StateClient:
             log.warning("state download of fragment %d failed: %s", fragment, _describe(exc))
             return None
 
-    def fetch_many(self, fragments: list[int], peers: list[str], min_version: int = 0) -> dict[int, FragmentSnapshot]:
-        """Download several fragments at once, spread over ``peers`` (a joining node)."""
+    def fetch_many(self, plans: Mapping[int, tuple[list[str], int, bytes]]) -> dict[int, FragmentSnapshot]:
+        """Download several fragments at once (a joining node): ``plans`` maps a fragment to the peers to ask,
+        the least version and its digest (``locoswarm.node.swarm.versions.Belief``); spread over the peers."""
+        fragments = sorted(f for f, (peers, _, _) in plans.items() if peers)
 
         async def run() -> dict[int, FragmentSnapshot]:
             slots = asyncio.Semaphore(PARALLEL_DOWNLOADS)
 
             async def one(frag: int, order: list[str]) -> FragmentSnapshot:
                 async with slots:
-                    return await self.fetch_async(frag, order, min_version)
+                    return await self.fetch_async(frag, order, plans[frag][1], digest=plans[frag][2])
 
             jobs = []
             for i, frag in enumerate(fragments):
+                peers = plans[frag][0]
                 rotated = peers[i % len(peers):] + peers[:i % len(peers)]  # a different first peer each
                 jobs.append(one(frag, rotated))
             got = await asyncio.gather(*jobs, return_exceptions=True)
@@ -669,21 +757,21 @@ class StateClient:
                     log.warning("state download of fragment %d failed: %s", frag, _describe(g))
             return {f: g for f, g in zip(fragments, got, strict=True) if isinstance(g, FragmentSnapshot)}
 
-        if not peers:
+        if not fragments:
             return {}
         waves = -(-max(1, len(fragments)) // PARALLEL_DOWNLOADS)
         slowest = max((self.budget(self._expected_numel(f)) for f in fragments), default=self.timeout)
         return self.runtime.call(run(), timeout=(slowest + 5) * waves)
 
     async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0, *,
-                          expected_numel: int | None = None) -> FragmentSnapshot:
+                          expected_numel: int | None = None, digest: bytes = b"") -> FragmentSnapshot:
         """Download ``fragment`` at ``min_version`` or newer from the first of ``peers`` that serves it
         whole and valid; the returned snapshot's ``source`` is the peer that served its last part.
         Raises RuntimeError when none did within ``timeout``."""
         numel = expected_numel if expected_numel is not None else self._expected_numel(fragment)
         if numel is None or numel < 0:
             raise RuntimeError(f"fragment {fragment}: its size on this node is unknown")
-        download = _Download(fragment, min_version, int(numel), self._precision)
+        download = _Download(fragment, min_version, int(numel), self._precision, digest)
         deadline = time.monotonic() + self.budget(numel)
         errors: list[str] = []
         order, wait = list(peers), RETRY_FIRST_S
@@ -717,7 +805,7 @@ class StateClient:
 
         async def requests() -> AsyncIterator[swarm_pb2.StateRequest]:
             # the request, then one acknowledgement per chunk received (the server's flow control)
-            yield download.request(self.fingerprint, self._peer_id())
+            yield download.request(self.fingerprint)
             while (ack := await acks.get()) is not None:
                 yield ack
 
@@ -731,6 +819,7 @@ class StateClient:
                         # one more chunk, or END once complete (the server then ends the stream)
                         acks.put_nowait(None if download.complete() else download.request(self.fingerprint))
             if download.complete():
+                download.check_digest()
                 self._backoff.served(peer)
                 return download.snapshot(peer)
             raise BadSource(f"the stream ended at {download.progress()}")

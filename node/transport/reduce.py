@@ -1,21 +1,22 @@
 """The group reduction every transport performs: reduce-scatter then all-gather of codec chunks.
 
 Members are ordered (by peer id); the payload's chunks are split into ``n`` contiguous parts and
-member ``j`` reduces part ``j``: it screens every member's chunks of that part, combines the accepted
-ones in fp32 with the swarm's robust aggregator (``locoswarm.node.core.robust``), and re-encodes the reduced
-chunks with the same codec. The reduced chunks are then all-gathered. Every member decodes the *same*
-reduced bytes, so the group's result is bit-identical on all members. Per member and sync this moves
-about ``2 (n-1)/n`` payloads each way, the exchange pattern of a ring/butterfly all-reduce.
+member ``j`` reduces part ``j``: it screens every member's chunks of that part, judges their directions,
+combines the accepted ones in fp32 around the group's centre with the swarm's robust aggregator
+(``locoswarm.node.core.robust``), and re-encodes the reduced chunks with the same codec. The reduced
+chunks are then all-gathered. Every member decodes the *same* reduced bytes, so the group's result is
+bit-identical on all members. Per member and sync this moves about ``2 (n-1)/n`` payloads each way, the
+exchange pattern of a ring/butterfly all-reduce.
 
-A part is reduced in two passes over the (already size-checked) codec bytes, one chunk at a time, so
-memory stays at members x one chunk: the first pass measures each contribution's chunk norms for
-screening, the second combines the accepted ones.
+A part is reduced in passes over the (already size-checked) codec bytes, one chunk at a time, so memory
+stays at members x one chunk: norms for screening, directions (pull factors), deviations from the centre
+(clip scales), then the combination of the accepted ones.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,17 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import Codec
 from locoswarm.node.core.payload import chunk_bounds
-from locoswarm.node.core.robust import Aggregator, ContributionStats, Screening, chunk_norm, screen
+from locoswarm.node.core.robust import (
+    Aggregator,
+    ContributionStats,
+    Screening,
+    agreement_scores,
+    chunk_norm,
+    clip_scales,
+    median_rows,
+    pull_factor,
+    screen,
+)
 
 
 def part_ranges(n_chunks: int, n_members: int) -> list[range]:
@@ -50,10 +61,12 @@ class PartContribution:
 def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: Mapping[int, int],
                 settings: RobustSection, *, trusted: int | None = None,
                 centers: Mapping[int, torch.Tensor] | None = None) -> Screening:
-    """First pass: per-chunk norms (of deviations from ``centers``), finiteness, then screening.
+    """Screen a part's contributions, judge their directions and clip scales (``locoswarm.node.core.robust``).
 
-    With ``centers`` (rounds that average phi itself) the norms below ``consensus_tolerance`` times the
-    center's own norm are normal drift (the floors of the screening)."""
+    With ``centers`` (rounds that average phi itself) deviations are measured from them and directions are
+    not judged (phi's deviations between honest members are drift with no direction to agree on); norms
+    below ``consensus_tolerance`` times the center's own norm are normal drift (the floor of the screening and
+    of the clipping radius)."""
     part = sorted(sizes)
     stats = []
     for con in contributions:
@@ -66,28 +79,53 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
                 break
             norms[k] = chunk_norm(values, None if centers is None else centers[c])
         stats.append(ContributionStats(con.sender, con.weight, norms, finite=finite, max_weight=con.max_weight))
-    floors, part_floor = None, 0.0
+    part_floor = 0.0
     if centers is not None and part:
-        floors = torch.tensor([settings.consensus_tolerance * chunk_norm(centers[c]) for c in part],
-                              dtype=torch.float64)
-        part_floor = float(torch.linalg.vector_norm(floors))
-    return screen(stats, settings, trusted=trusted, part_floor=part_floor, chunk_floors=floors)
+        part_floor = settings.consensus_tolerance * math.sqrt(sum(chunk_norm(centers[c]) ** 2 for c in part))
+    screening = screen(stats, settings, trusted=trusted, part_floor=part_floor)
+    accepted = screening.accepted
+    if not accepted or not part:
+        return screening
+    t_acc = accepted.index(trusted) if trusted in accepted else None
+
+    def rows(k: int) -> torch.Tensor:
+        c = part[k]
+        return torch.stack([codec.decode(contributions[i].chunks[c], sizes[c]) for i in accepted])
+
+    if centers is None and len(accepted) >= 2:
+        screening.scores = agreement_scores(rows, len(part), trusted=t_acc)
+        screening.factors = [pull_factor(sc, settings) for sc in screening.scores]
+        if not any(screening.factors):  # nobody agrees with anybody (no trusted member): judge nobody
+            screening.factors = [1.0] * len(accepted)
+    live = [f > 0 for f in screening.factors]
+    screening.scales = clip_scales(rows, len(part), _centre(part, centers, live), live, settings.clip_factor,
+                                   floor=part_floor)
+    return screening
+
+
+def _centre(part: Sequence[int], centers: Mapping[int, torch.Tensor] | None,
+            live: Sequence[bool]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """Chunk k's centre: the given one (consensus rounds), else the coordinate-wise median of the live rows."""
+    if centers is not None:
+        return lambda k, rows: centers[part[k]]
+    mask = torch.tensor(list(live), dtype=torch.bool)
+    return lambda k, rows: median_rows(rows[mask])
 
 
 def combine_part(codec: Codec, contributions: Sequence[PartContribution], screening: Screening,
                  sizes: Mapping[int, int], aggregator: Aggregator, *,
                  centers: Mapping[int, torch.Tensor] | None = None) -> dict[int, bytes]:
-    """Second pass: each chunk of the part combined from the accepted contributions, re-encoded."""
-    if not screening.accepted:
+    """Last pass: each chunk of the part combined from the accepted contributions, re-encoded."""
+    if not screening.accepted or screening.total_weight <= 0:
         raise ValueError("no contribution to this part was accepted")
-    weights = torch.tensor(screening.weights, dtype=torch.float32)
-    allowances = torch.tensor(screening.allowances, dtype=torch.float64) if screening.allowances else None
+    part = sorted(sizes)
+    weights = torch.tensor(screening.pulls, dtype=torch.float32)
+    scales = torch.tensor(screening.scales, dtype=torch.float64)
+    centre = _centre(part, centers, [f > 0 for f in screening.factors])
     reduced = {}
-    for k, c in enumerate(sorted(sizes)):
+    for k, c in enumerate(part):
         rows = torch.stack([codec.decode(contributions[i].chunks[c], sizes[c]) for i in screening.accepted])
-        center = None if centers is None else centers[c]
-        reduced[c] = codec.encode(aggregator.combine(rows, weights, float(screening.chunk_refs[k]), center,
-                                                     allowances))
+        reduced[c] = codec.encode(aggregator.combine(rows, weights, centre(k, rows), scales))
     return reduced
 
 
@@ -98,7 +136,7 @@ def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Seq
 
     Returns the reduced chunks (what every member decodes), per member the bytes it sent and received
     under the reduce-scatter + all-gather pattern, and per member the weight it entered the reduction
-    with (0 where some reducer refused it; what screening clamped otherwise).
+    with (0 where some reducer refused it or gave it no pull; what screening clamped otherwise).
     """
     n = len(payloads)
     bounds = chunk_bounds(numel, codec.block_size)
@@ -115,11 +153,12 @@ def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Seq
         screening = screen_part(codec, cons, sizes, settings)
         for c, data in combine_part(codec, cons, screening, sizes, aggregator).items():
             reduced[c] = data
+        pulls = screening.pulls
         for i in range(n):
             if i not in screening.accepted:
                 entered[i] = 0.0
             else:
-                entered[i] = min(entered[i], screening.weights[screening.accepted.index(i)])
+                entered[i] = min(entered[i], pulls[screening.accepted.index(i)])
         for c in part:
             for i in range(n):
                 if i != j:

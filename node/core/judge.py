@@ -1,0 +1,86 @@
+"""The effect check: what a round's result would do to this node's model, measured before it is applied.
+
+Screening bounds what one contribution can do (``locoswarm.node.core.robust``), but what a node finally
+applies is an average of parts reduced by its group's members, and a hostile reducer decides what every
+member receives for its part. So before the outer step of a round, the node compares two candidates of the
+fragment on a held-out batch of its own choosing: the outer step on the group's average, and the outer
+step on its own contribution alone (what one worker's DiLoCo would do). The group's average brings other
+members' progress on other data and should not do worse; when its loss exceeds the own step's by more than
+``[robust] effect_tolerance`` (relative), the result is refused like a failed round (the node keeps its
+local progress), and each part whose own effect is that bad is blamed on its reducer.
+
+This is the Gauntlet validator's measure (Templar, arXiv 2505.21684: a peer's update judged by the loss
+before and after applying it) without a validator: every node judges what it is about to apply, at the
+cost of two forward passes of ``[robust] judge_sequences`` sequences per merged round (about 1% of the
+inner steps between two rounds of the tiny preset), and a forward pass per part only when it refuses.
+
+The held-out batches rotate over a pool drawn from the node's evaluation split at other offsets than the
+batches it reports its eval loss on; the candidates are written into the live parameters of the fragment
+for the forward pass and the parameters restored afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from locoswarm.node.core.state import FragmentState
+
+
+class EffectJudge(ABC):
+    """Held-out losses of candidate values of one fragment (see the module docstring)."""
+
+    @abstractmethod
+    def losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> list[float]:
+        """The held-out loss of the model with ``state``'s fragment set to each candidate (flat fp32, the
+        fragment's layout), every other parameter as it is now; all on the same batch."""
+
+    def tolerance(self, reference: float) -> float:
+        """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
+        return 0.0
+
+    def harmful(self, loss: float, reference: float) -> bool:
+        """Whether ``loss`` is worse than ``reference`` by more than the tolerance (or not finite)."""
+        return not math.isfinite(loss) or loss > reference + self.tolerance(reference)
+
+
+class LossJudge(EffectJudge):
+    """The language-model loss on a rotating pool of held-out batches (``batches``: token id tensors of
+    shape (sequences, seq_len)); ``relative_tolerance``: the share of the reference loss a candidate may
+    exceed it by."""
+
+    def __init__(self, model: torch.nn.Module, batches: Sequence[torch.Tensor], device: torch.device | str, *,
+                 relative_tolerance: float) -> None:
+        if not batches:
+            raise ValueError("the effect check needs at least one held-out batch")
+        self.model = model
+        self.batches = list(batches)
+        self.device = torch.device(device)
+        self.relative_tolerance = float(relative_tolerance)
+        self.calls = 0
+        self.forwards = 0
+
+    def tolerance(self, reference: float) -> float:
+        return self.relative_tolerance * abs(reference)
+
+    @torch.no_grad()
+    def losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> list[float]:
+        batch = self.batches[self.calls % len(self.batches)].to(self.device)
+        self.calls += 1
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        try:
+            for candidate in candidates:
+                with state.swapped(candidate):
+                    out.append(float(self.model(input_ids=batch, labels=batch).loss))
+                self.forwards += 1
+        finally:
+            self.model.train(was_training)
+        return out
+
+
+__all__ = ["EffectJudge", "LossJudge"]
