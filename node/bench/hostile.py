@@ -13,6 +13,24 @@ is the ordinary ``locoswarm run`` with monkeypatches applied in its own process 
 - ``clock``:   its heartbeat clock claims +10000 more every ``--attack-period`` seconds;
 - ``forge``:   its contribution headers name another member as the sender.
 
+In-bound node attacks: each stays inside every bound a reducer can check by size (finite values, norms
+within the reject factor, weights within the bounds heartbeats allow), so only direction, effect, replay
+memory and the version rules can tell:
+
+- ``flip``:        its contributions are its own progress negated and scaled by 5 (inside the reject factor of 8),
+  claiming 4x its token weight;
+- ``ipm``:         inner-product manipulation (Xie, Koyejo, Gupta 2019): it sends the negative of the last group
+  average it received for the fragment (its own progress negated before it has one);
+- ``drift``:       its own progress plus 2x its rms times a fixed sign pattern per fragment, every round (a small,
+  consistent drift in one direction: ALIE-like, Baruch et al. 2019);
+- ``sleeper``:     honest for ``--attack-period`` seconds, then ``flip``;
+- ``replay``:      sends, as its contribution, the reduced chunks its group agreed on two rounds before (honest
+  members' averages, byte for byte);
+- ``badreduce``:   as a reducer, returns its part of the average negated and scaled by 3;
+- ``stateliar``:   heartbeats claim version +2 of every fragment (inside the swarm clock's bound), with the
+  digest of what its state server serves at that version: its phi negated (finite, ordinary norm);
+- ``versionliar``: the same with version +1000 (far beyond the swarm clock's bound).
+
 A hostile *client* never publishes a heartbeat nor enters matchmaking; it joins the DHT with its own
 libp2p identity (``--state-dir``) and:
 
@@ -261,8 +279,227 @@ class ForgeAttack(NodeAttack):
         averaging.open_stream = open_stream
 
 
+# ---- in-bound node attacks --------------------------------------------------------------------------
+
+
+class _RequestAttack(NodeAttack):
+    """Rewrites every contribution this node starts (``SwarmTransport.start_average``, the transport's public
+    entry) as the attack's values of its own progress; consensus rounds (phi itself) stay honest."""
+
+    claimed_weight = 1.0  # times the node's own token weight
+
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.started = time.monotonic()
+
+    def apply(self) -> None:
+        from locoswarm.node.swarm.averaging import SwarmTransport
+
+        original = SwarmTransport.start_average
+        attack = self
+
+        @functools.wraps(original)
+        def start_average(transport, request):
+            if request.digest or not attack.active():
+                return attack.watch(transport, request, original(transport, request))
+            return attack.watch(transport, request, original(transport, attack.rewrite(transport, request)))
+
+        SwarmTransport.start_average = start_average
+
+    def active(self) -> bool:
+        return True
+
+    def watch(self, transport, request, handle):
+        """The handle of a round this node started (an attack that learns from results wraps it)."""
+        return handle
+
+    def rewrite(self, transport, req):
+        import torch
+
+        from locoswarm.node.core.payload import decode_chunks, encode_chunks
+
+        codec = transport._codec(req.codec)
+        own = decode_chunks(codec, req.chunks, req.numel)
+        values = self.values(req, own)
+        if values is None:
+            return req
+        return dataclasses.replace(req, chunks=encode_chunks(codec, values.to(torch.float32)),
+                                   weight=req.weight * self.claimed_weight)
+
+    @abstractmethod
+    def values(self, req, own):
+        """The contribution to send instead of ``own`` (None: send ``req`` unchanged)."""
+
+
+class FlipAttack(_RequestAttack):
+    name = "flip"
+    help = "its own progress negated and scaled by 5 (inside the reject factor), claiming 4x its weight"
+    claimed_weight = 4.0
+
+    def values(self, req, own):
+        return -5.0 * own
+
+
+class SleeperAttack(FlipAttack):
+    name = "sleeper"
+    help = "honest for --attack-period seconds, then flip"
+
+    def active(self) -> bool:
+        if getattr(self, "_first", None) is None:
+            self._first = time.monotonic()  # its first round: it trains from here (joining takes a while)
+        turned = time.monotonic() - self._first >= self.period
+        if turned and not getattr(self, "_announced", False):
+            self._announced = True
+            log.warning("sleeper: turning hostile now")
+        return turned
+
+
+class IpmAttack(_RequestAttack):
+    name = "ipm"
+    help = "inner-product manipulation: the negative of the last group average it received"
+
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.last: dict[int, object] = {}
+
+    def watch(self, transport, request, handle):
+        attack = self
+
+        class Watched:
+            def __getattr__(self, name):
+                return getattr(handle, name)
+
+            def result(self, timeout=None):
+                res = handle.result(timeout)
+                if res.ok and res.average is not None and not request.digest:
+                    attack.last[request.fragment] = res.average.clone()
+                return res
+
+        return Watched()
+
+    def values(self, req, own):
+        last = self.last.get(req.fragment)
+        if last is None or last.numel() != own.numel():
+            return -own
+        return -last * (float(own.norm()) / max(float(last.norm()), 1e-12))
+
+
+class DriftAttack(_RequestAttack):
+    name = "drift"
+    help = "its own progress plus 2x its rms times a fixed sign pattern, every round"
+
+    def values(self, req, own):
+        import torch
+
+        gen = torch.Generator().manual_seed(1000 + req.fragment)
+        pattern = torch.randint(0, 2, (own.numel(),), generator=gen).float() * 2 - 1
+        rms = float(own.norm()) / max(1, own.numel()) ** 0.5
+        return own + 2.0 * rms * pattern
+
+
+class ReplayAttack(NodeAttack):
+    name = "replay"
+    help = "sends the reduced chunks its group agreed on two rounds before as its contribution"
+
+    def apply(self) -> None:
+        from locoswarm.node.swarm import averaging
+
+        seen: dict[int, list[dict[int, bytes]]] = {}  # fragment -> reduced chunks of its last rounds, oldest first
+        original_send, original_reduce = averaging.SwarmTransport._send_part, averaging._Reduction._reduce
+        original_start = averaging.SwarmTransport.start_average
+        current: dict[tuple[int, int], dict[int, bytes]] = {}
+
+        def keep(fragment: int, round_: int, chunks: dict[int, bytes]) -> None:
+            rounds = current.setdefault((fragment, round_), {})
+            rounds.update(chunks)
+            history = seen.setdefault(fragment, [])
+            if not history or history[-1] is not rounds:
+                history.append(rounds)
+                del history[:-4]
+
+        @functools.wraps(original_send)
+        async def send_part(transport, peer, req, *rest):
+            part, chunks, total, extras = await original_send(transport, peer, req, *rest)
+            if not req.digest:
+                keep(req.fragment, req.round, chunks)
+            return part, chunks, total, extras
+
+        @functools.wraps(original_reduce)
+        def reduce(session):
+            result = original_reduce(session)
+            if not session.consensus:
+                keep(session.key[0], session.key[1], dict(result.chunks))
+            return result
+
+        @functools.wraps(original_start)
+        def start_average(transport, req):
+            history = seen.get(req.fragment, [])
+            old = history[-3] if len(history) >= 3 else None
+            if req.digest or old is None:
+                return original_start(transport, req)
+            chunks = [old.get(c, data) if len(old.get(c, b"")) == len(data) else data
+                      for c, data in enumerate(req.chunks)]
+            return original_start(transport, dataclasses.replace(req, chunks=chunks))
+
+        averaging.SwarmTransport._send_part = send_part
+        averaging._Reduction._reduce = reduce
+        averaging.SwarmTransport.start_average = start_average
+
+
+class BadReduceAttack(NodeAttack):
+    name = "badreduce"
+    help = "as a reducer, returns its part of the average negated and scaled by 3"
+
+    def apply(self) -> None:
+        from locoswarm.node.swarm import averaging
+
+        original = averaging._Reduction._reduce
+
+        @functools.wraps(original)
+        def reduce(session):
+            result = original(session)
+            if not session.consensus:
+                result.chunks = {c: session.codec.encode(-3.0 * session.codec.decode(data, session.sizes[c]))
+                                 for c, data in result.chunks.items()}
+            return result
+
+        averaging._Reduction._reduce = reduce
+
+
+class StateLiarAttack(NodeAttack):
+    name = "stateliar"
+    help = "heartbeats claim version +2 (inside the clock's bound) and its state server serves its phi negated"
+    lie = 2
+
+    def apply(self) -> None:
+        from locoswarm.node.core.transport import FragmentSnapshot
+        from locoswarm.node.daemon import Node
+        from locoswarm.node.swarm.versions import state_digest
+
+        publish = Node._publish
+        lie = self.lie
+
+        @functools.wraps(publish)
+        def poisoned_publish(node, fragment: int) -> None:
+            publish(node, fragment)
+            snap = node.published[fragment]
+            poisoned = FragmentSnapshot(fragment, snap.version + lie, -snap.phi, snap.momentum.clone())
+            node._digests[fragment] = state_digest(poisoned.phi, poisoned.momentum)
+            node.published[fragment] = poisoned
+
+        Node._publish = poisoned_publish
+
+
+class VersionLiarAttack(StateLiarAttack):
+    name = "versionliar"
+    help = "heartbeats claim version +1000 and its state server serves its phi negated"
+    lie = VERSION_LIE
+
+
 NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (WeightAttack, ValuesAttack, NanAttack, ReducerAttack,
-                                                                   StateAttack, ClockAttack, ForgeAttack)}
+                                                                   StateAttack, ClockAttack, ForgeAttack, FlipAttack,
+                                                                   IpmAttack, DriftAttack, SleeperAttack, ReplayAttack,
+                                                                   BadReduceAttack, StateLiarAttack, VersionLiarAttack)}
 
 
 # ---- client attacks: a peer that never joins matchmaking --------------------------------------------
@@ -565,7 +802,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attack", default=os.environ.get(ATTACK_ENV), metavar="KIND",
                    help=f"the attack (env {ATTACK_ENV}): one of {', '.join(ALL_ATTACKS)}")
     p.add_argument("--attack-period", type=float, default=5.0,
-                   help="clock: seconds between two further jumps of the claimed clock (default 5)")
+                   help="clock: seconds between two further jumps of the claimed clock; sleeper: seconds it behaves "
+                        "before it turns (default 5)")
     client = p.add_argument_group("client attacks (inject, flood, download)")
     client.add_argument("--config", default=None, help="the swarm's peers.toml")
     client.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",

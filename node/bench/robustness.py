@@ -30,8 +30,11 @@ from pathlib import Path
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 
-KINDS = ("clean", "weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
+OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
+IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "stateliar", "versionliar")
+KINDS = ("clean", *OUT_OF_BOUND, *IN_BOUND)
 CLIENT_KINDS = ("inject", "flood", "download")
+SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
 REPO = Path(__file__).resolve().parents[2]
 
 # A tiny, fast swarm (as in the multi-process tests): rounds every few hundred milliseconds.
@@ -131,6 +134,9 @@ class Sample:
     rounds_ok: int            # merged rounds, summed over the honest nodes
     rounds_failed: int
     rss_mb: float             # largest honest node
+    clocks: list[int] = field(default_factory=list)          # each honest node's swarm clock
+    banned: list[list[str]] = field(default_factory=list)    # each honest node's banned peers
+    attacker_rounds: int = 0  # rounds the hostile nodes took part in so far (merged, failed or refused)
 
 
 @dataclass
@@ -155,9 +161,34 @@ class Outcome:
             "rounds_failed": sum(h["rounds_failed"] for h in self.honest),
             "attacker_refused": refused,
             "banned_by": sum(1 for h in self.honest if h["attacker_banned"]),
+            "banned_by_all": sum(1 for h in self.honest if h.get("all_attackers_banned")),
+            "max_rounds_to_ban": _max_to_ban(self.honest, "rounds"),
+            "max_seconds_to_ban": _max_to_ban(self.honest, "seconds"),
+            "honest_refusals": honest_refusals(self.honest),
             "rss_growth_mb": max((h["rss_growth_mb"] for h in self.honest), default=0.0),
             "samples": [vars(s) for s in self.samples],
         }
+
+
+def _max_to_ban(honest: list[dict], what: str) -> float | None:
+    """The longest any honest node took to ban any attacker (None when one was never banned, or none ran)."""
+    values = [b.get(what) if b else None for h in honest for b in (h.get("bans") or {}).values()]
+    if not values or any(v is None for v in values):
+        return None
+    return max(values)
+
+
+def honest_refusals(honest: list[dict]) -> dict[str, int]:
+    """Refusals the honest nodes counted of each other, by kind (``offences``: those that count toward a ban)."""
+    out: dict[str, int] = {}
+    for h in honest:
+        rep = h.get("reputation") or {}
+        for other in h.get("honest_ids") or []:
+            r = rep.get(other) or {}
+            for kind, n in (r.get("by_kind") or {}).items():
+                out[kind] = out.get(kind, 0) + int(n)
+            out["offences"] = out.get("offences", 0) + int(r.get("offences") or 0)
+    return out
 
 
 class ScenarioRun:
@@ -197,14 +228,28 @@ class ScenarioRun:
             started = time.time()
             outcome.samples = self.sample(started)
             outcome.attackers = self.attacker_ids()
+            honest_ids = [st0.get("peer_id", "") for st0 in before]
+            slots = self.slots_per_step()
             outcome.honest = [self.collect(p, st0, r0, started, outcome.attackers, outcome.samples)
-                              for p, st0, r0 in zip(self.honest, before, rss0, strict=True)]
+                              | judged(i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots)
+                              for i, (p, st0, r0) in enumerate(zip(self.honest, before, rss0, strict=True))]
         except Exception as exc:  # a scenario that could not run is reported, the others still run
             outcome.error = f"{type(exc).__name__}: {exc}"[:400]
         finally:
             for proc in self.procs:
                 proc.stop()
         return outcome
+
+    def slots_per_step(self) -> float:
+        """Rounds a node takes part in per step of the swarm clock: F fragments, each every H steps."""
+        from locoswarm.node.config import load_config
+
+        try:
+            outer = load_config(self.config).outer
+        except Exception:
+            return 0.0
+        return outer.fragments / max(1, outer.h) if outer.schedule == "fixed" else (
+            (outer.sends_per_h or outer.fragments) / max(1, outer.h))
 
     def start_honest(self) -> str:
         first = self.spawn("honest0", ["locoswarm.node.cli", "run"], self.node_args())
@@ -235,12 +280,17 @@ class ScenarioRun:
                 self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind], args,
                                              self.nice_others))
         else:
+            period = ["--attack-period", f"{self.turn_after():.1f}"] if kind == "sleeper" else []
             for i in range(n):
-                self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind],
+                self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind, *period],
                                              [*self.node_args(), "--bootstrap", boot], self.nice_others))
         if kind not in CLIENT_KINDS:
             for proc in self.extra:
                 proc.wait_for(lambda s: s.get("state") == "training", 120, "training")
+
+    def turn_after(self) -> float:
+        """Seconds after the attack window opens at which the attack itself begins (a sleeper's turn)."""
+        return SLEEPER_SHARE * self.seconds if self.scenario.kind == "sleeper" else 0.0
 
     def sample(self, started: float) -> list[Sample]:
         task = self.progress.add_task(f"  {self.scenario.name}", total=self.seconds) if self.progress else None
@@ -253,7 +303,12 @@ class ScenarioRun:
                 evals=[(st.get("eval_curve") or [[0, None]])[-1][1] for st in statuses],
                 rounds_ok=sum(st.get("syncs_ok", 0) for st in statuses),
                 rounds_failed=sum(st.get("syncs_failed", 0) for st in statuses),
-                rss_mb=max(p.rss_mb() for p in self.honest)))
+                rss_mb=max(p.rss_mb() for p in self.honest),
+                clocks=[int(st.get("clock", 0)) for st in statuses],
+                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0)
+                                    for st in (p.status() for p in self.extra) if self.scenario.kind != "clean"),
+                banned=[sorted(p for p, r in ((st.get("reputation") or {}).get("peers") or {}).items()
+                               if r.get("banned")) for st in statuses]))
             if task is not None:
                 self.progress.update(task, completed=min(elapsed, self.seconds))
             time.sleep(min(2.0, max(0.0, self.seconds - elapsed)))
@@ -298,9 +353,42 @@ class ScenarioRun:
             "merged_with_peers": sum(1 for e in merged if e.get("group_size", 0) >= 2),
             "attacker_refused": sum(peers.get(a, {}).get("refused", 0) for a in attackers),
             "attacker_banned": any(peers.get(a, {}).get("banned") for a in attackers),
+            "all_attackers_banned": bool(attackers) and all(peers.get(a, {}).get("banned") for a in attackers),
             "refused_by_kind": {a[:12]: peers.get(a, {}).get("by_kind", {}) for a in attackers},
+            "effect_checks": st.get("effect_checks", 0), "effect_refused": st.get("effect_refused", 0),
+            "reputation": {p: {k: r.get(k) for k in ("refused", "offences", "by_kind", "banned", "first_banned")}
+                           for p, r in peers.items()},
             "rss_mb_before": rss0, "rss_growth_mb": rss_max - rss0,
         }
+
+
+def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,
+           slots_per_step: float) -> dict:
+    """What honest node ``i`` did about its peers during the window, from the samples: per attacker the seconds
+    and rounds from the attack's start to its first ban by this node (None: not banned), and the ids of the
+    other honest nodes (whose refusals by this node the summary counts). The attack starts at the first sample,
+    ``turn_after`` s or more into the window, at which the hostile nodes have taken part in a round (a node
+    attack acts through rounds; a client's from the window's start)."""
+    first: dict[str, tuple[float, int]] = {}
+    start_clock = start_t = None
+    rounds0 = samples[0].attacker_rounds if samples else 0
+    for s in samples:
+        if i >= len(s.banned) or i >= len(s.clocks):
+            continue
+        if start_clock is None and s.t >= turn_after and (s.attacker_rounds > rounds0 or not rounds0):
+            start_clock, start_t = s.clocks[i], s.t
+        for a in attackers:
+            if a in s.banned[i] and a not in first:
+                first[a] = (s.t, s.clocks[i])
+    bans = {}
+    for a in attackers:
+        if a not in first:
+            bans[a[:12]] = None
+            continue
+        t, clock = first[a]
+        rounds = None if start_clock is None else max(0.0, (clock - start_clock) * slots_per_step)
+        bans[a[:12]] = {"seconds": max(0.0, t - (turn_after if start_t is None else start_t)), "rounds": rounds}
+    return {"bans": bans, "honest_ids": [h for j, h in enumerate(honest_ids) if j != i]}
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -446,11 +534,11 @@ def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
 def markdown_table(results: dict[str, dict]) -> str:
     rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | vs clean at equal progress | "
             "honest steps (mean) | max eval during | rounds ok | rounds failed | attacker refused | banned by | "
-            "RSS growth (MB) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "to ban: s / rounds (max) | honest refused by honest | RSS growth (MB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["error"]:
-            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | |")
+            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | | | |")
             continue
         attack = r["kind"] != "clean"
         clean = clean_baseline(results, r)
@@ -460,12 +548,21 @@ def markdown_table(results: dict[str, dict]) -> str:
         rel_equal = (f"{100 * (r['final_eval'] - equal) / equal:+.1f}%" if equal and r["final_eval"] is not None
                      else "-")
         refused = str(r["attacker_refused"]) if attack else "-"
-        banned = f"{r['banned_by']}/{len(r['honest'])}" if attack else "-"
+        banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
+        to_ban = "-"
+        if attack and r.get("max_seconds_to_ban") is not None:
+            rounds = r.get("max_rounds_to_ban")
+            to_ban = f"{r['max_seconds_to_ban']:.0f} / " + ("-" if rounds is None else f"{rounds:.0f}")
+        elif attack:
+            to_ban = "not all"
+        hh = r.get("honest_refusals") or {}
+        honest_hh = f"{sum(v for k, v in hh.items() if k != 'offences')} ({hh.get('offences', 0)} offences)"
         steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
                     f"{rel_equal} | "
                     f"{sum(steps) / max(1, len(steps)):.0f} | {_fmt(r['max_eval_during'])} | {r['rounds_ok']} | "
-                    f"{r['rounds_failed']} | {refused} | {banned} | {r['rss_growth_mb']:.0f} |")
+                    f"{r['rounds_failed']} | {refused} | {banned} | {to_ban} | {honest_hh} | "
+                    f"{r['rss_growth_mb']:.0f} |")
     return "\n".join(rows)
 
 
@@ -486,7 +583,12 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "clean run's eval loss where its swarm clock reached the clock at which this scenario's honest nodes ended "
         "(the attack's cost to the model without the CPU the attackers took; '-' when the clean run did not get that "
         "far); attacker refused: refusals of the attackers' peer ids counted by the honest nodes; banned by: honest "
-        "nodes that ban an attacker at the end.",
+        "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
+        "the attack began (a sleeper turns a third into the window), in seconds and in the rounds the node took "
+        "part in meanwhile (its swarm clock's advance x F / H; 'not all': some attacker was never banned by some "
+        "honest node); honest refused by honest: refusals the honest nodes counted of each other (of which "
+        "offences, which count toward a ban). Who banned whom, and when: `results.json` (each honest node's "
+        "`bans`).",
         "", table, "",
         "![eval loss](robustness.png)", ""]
     return "\n".join(lines)

@@ -15,9 +15,14 @@ liar, but the reducer trusts itself):
   else clamped to ``weight_factor * ref weight`` (default 1: a claim above the group's median buys no pull,
   however many tokens it names) and the sender's own bound;
 - norm of the whole part (of its deviation from ``center``, for rounds that average phi itself): above
-  ``reject_factor * ref norm`` (times its weight over the reference's, where that is above 1), refused.
+  ``NORM_ABSURD * ref norm``, refused (conclusive); above ``reject_factor * ref norm`` (times its claimed tokens
+  over the reference's, where that is above 1: progress grows at most linearly with steps), it has no pull.
 
-A refused contribution is dropped from the round; the round completes with the others.
+A refused contribution is dropped from the round and its sender told so (its round fails); the round
+completes with the others. A contribution without pull is not refused: its sender gets the group's average
+like everyone. An honest member can be far larger than its group now and then (it carried failed rounds'
+progress while the others had just caught up): a robustness-bench run saw one refused for its norm twelve
+times, banned by an honest peer, and kept out of that peer's rounds.
 
 Direction (rounds of pseudo-gradients, :func:`agreement_scores`): a contribution's *agreement* is the larger
 of its cosine with the coordinate-wise median of the *other* contributions and its cosine with the reducer's
@@ -90,7 +95,6 @@ class Refusal:
     sender: str
     kind: str       # "bad_contribution" | "bad_weight"
     detail: str
-    relative: bool = False   # judged against the group's reference (not absolute: non-finite, absurd weight/norm)
     conclusive: bool = False  # this project's code never sends it (non-finite values, an absurd norm): a ban at once
 
 
@@ -103,16 +107,19 @@ class Screening:
     allowances: list[float] = field(default_factory=list)  # per accepted: max(1, weight / reference weight)
     refusals: list[Refusal] = field(default_factory=list)
     clamped: list[str] = field(default_factory=list)   # senders whose weight was clamped
-    # per accepted: the direction judgement (None: not judged: the reducer's own, a consensus round, no
-    # progress) and the pull factor in [0, 1] it gives; the clip scale of its deviation from the centre
+    # per accepted: why it has no pull for its norm (None: it may have pull); the direction judgement (None:
+    # not judged: the reducer's own, a consensus round, no progress) and the pull factor in [0, 1] it gives;
+    # the clip scale of its deviation from the centre
+    muted: list[str | None] = field(default_factory=list)
     scores: list[float | None] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.accepted)
+        self.muted = self.muted or [None] * n
         self.scores = self.scores or [None] * n
-        self.factors = self.factors or [1.0] * n
+        self.factors = self.factors or [0.0 if m else 1.0 for m in self.muted]
         self.scales = self.scales or [1.0] * n
 
     @property
@@ -185,31 +192,34 @@ def screen(stats: Sequence[ContributionStats], settings: RobustSection, *, trust
     t_live = live.index(trusted) if trusted in live else None
 
     # Norms of the whole part against the group's reference. A contribution of more tokens than the
-    # reference's (its clamped weight) may be larger in proportion: progress grows at most linearly with
-    # steps. Without that, a member that just caught up (a step or two of its own) refused its partner's
-    # whole round as "23x the reference", and a node faster than its pair never got a round through.
+    # reference's may be larger in proportion: progress grows at most linearly with steps. The claim counts
+    # here (within the sender's own bound), not its clamped weight: a member that carried failed rounds'
+    # progress claims their tokens, and its norm is theirs.
     norms = [stats[i].norm for i in live]
     ref_norm = max(_reference(norms, t_live), part_floor)
     ref_w = _reference([weights[i] for i in live], t_live)
-    accepted = []
-    allowance = {i: max(1.0, weights[i] / ref_w if ref_w > 0 else 1.0) for i in live}
+    accepted, muted = [], []
+    allowance = {i: max(1.0, min(stats[i].weight, stats[i].max_weight) / ref_w if ref_w > 0 else 1.0)
+                 for i in live}
     for i, norm in zip(live, norms, strict=True):
         limit = settings.reject_factor * allowance[i]
-        if i != trusted and ref_norm > 0 and norm > limit * ref_norm:
+        if i != trusted and ref_norm > 0 and norm > NORM_ABSURD * ref_norm:
             refusals.append(Refusal(stats[i].sender, "bad_contribution",
-                                    f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference "
-                                    f"{ref_norm:.3g} (limit {limit:.3g}x for its token weight)",
-                                    relative=norm <= NORM_ABSURD * ref_norm,
-                                    conclusive=norm > NORM_ABSURD * ref_norm))
+                                    f"norm {norm:.3g} is {norm / ref_norm:.3g}x the group's reference "
+                                    f"{ref_norm:.3g}", conclusive=True))
+            continue
+        accepted.append(i)
+        if i != trusted and ref_norm > 0 and norm > limit * ref_norm:
+            muted.append(f"norm {norm:.3g} is {norm / ref_norm:.1f}x the group's reference {ref_norm:.3g} (limit "
+                         f"{limit:.3g}x for its tokens)")
         elif i != trusted and ref_norm == 0 and norm > 0 and len(live) > 2:
             # Every other member changed nothing here: a lone large change is not believable.
-            refusals.append(Refusal(stats[i].sender, "bad_contribution",
-                                    f"norm {norm:.3g} where the group's reference is 0", relative=True))
+            muted.append(f"norm {norm:.3g} where the group's reference is 0")
         else:
-            accepted.append(i)
+            muted.append(None)
     return Screening(accepted=accepted, weights=[weights[i] for i in accepted],
                      allowances=[allowance[i] for i in accepted], refusals=refusals,
-                     clamped=[s for s in clamped if any(stats[i].sender == s for i in accepted)])
+                     clamped=[s for s in clamped if any(stats[i].sender == s for i in accepted)], muted=muted)
 
 
 def chunk_norm(values: torch.Tensor, center: torch.Tensor | None = None) -> float:

@@ -84,8 +84,7 @@ MAX_EXPECTED = 64            # awaited peers one match entry may name (4-byte ta
 MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a fragment + a hash)
 MAX_HEADER_BYTES = 64 * 1024
 FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
-MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams (or norm refusals) are counted at once
-RELATIVE_REFUSALS = 4        # contributions refused for their norm relative to the group's per offence
+MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # A reduced part far larger than the member's own share is a reducer's offence. Honest parts can be
 # several times larger (a member that just caught up made little progress of its own, its partners a
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
@@ -320,10 +319,9 @@ class _Reduced:
     chunks: dict[int, bytes]
     total_weight: float
     extras: list[float]
-    # sender -> (kind, detail, offence, relative, conclusive): why it was dropped, whether that counts toward
-    # a ban, whether it was judged against the group (a norm far above the others') rather than absolutely,
-    # and whether it bans at once (see Reputation)
-    refused: dict[str, tuple[str, str, bool, bool, bool]]
+    # sender -> (kind, detail, conclusive): why it was dropped (every refusal is an offence; a conclusive one
+    # bans at once, see Reputation)
+    refused: dict[str, tuple[str, str, bool]]
     # sender -> (agreement, its weight over the reducer's own): the direction judgement of each accepted
     # contribution (``locoswarm.node.core.robust``), for the reputation's agreement evidence
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -438,10 +436,10 @@ class _Reduction:
                 continue  # no pull in the average: none in the side vector either
             for k, x in enumerate(self.contributions[senders[i]][1]):
                 extras[k] += x
-        # In a pair the reference is this node's own contribution: a partner far larger may be honest
-        # (this node may have made little progress), so a relative refusal there is not an offence.
-        refused = {r.sender: (r.kind, r.detail, not (r.relative and len(cons) <= 2), r.relative, r.conclusive)
-                   for r in screening.refusals}
+        refused = {r.sender: (r.kind, r.detail, r.conclusive) for r in screening.refusals}
+        for i, why in zip(screening.accepted, screening.muted, strict=True):
+            if why:
+                log.info("fragment %d round %d: %s has no pull: %s", self.key[0], self.key[1], senders[i][:12], why)
         own_weight = cons[trusted].weight
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
                   for i, score in zip(screening.accepted, screening.scores, strict=True) if score is not None}
@@ -604,7 +602,6 @@ class SwarmTransport(Transport):
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
         self._stream_timeout = max(matchmaking_timeout, MAX_WINDOW_S) + round_timeout + 5.0
         self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap
-        self._relative_refused = EveryNth(RELATIVE_REFUSALS, MAX_TRACKED_FLOODERS)  # contributions refused by norm
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
@@ -636,15 +633,6 @@ class SwarmTransport(Transport):
         if self._server.open_streams(peer) >= self.robust.max_streams_per_peer:
             offence = self._over_cap.offence(peer)
         self._offence(peer, "streams", why, offence=offence)
-
-    def _relative_offence(self, peer: str) -> bool:
-        """A contribution refused for a norm far above the group's: every ``RELATIVE_REFUSALS``-th of a
-        peer is an offence. An honest member can be that far off for a few rounds (a joiner carrying the
-        progress of its first failed rounds on a fresh inner optimizer, one that just caught up): a CI
-        run saw such a joiner banned by both its peers and kept out of every round. A hostile one is
-        refused every round, so it is still banned within ``RELATIVE_REFUSALS * ban_threshold`` rounds;
-        and it harms nobody meanwhile (refused, i.e. dropped from the average)."""
-        return self._relative_refused.offence(peer)
 
     def _plausible(self, claims: dict[str, int]) -> int:
         """The group's corroborated version of members' ``claims`` within the swarm clock's bound
@@ -1253,10 +1241,8 @@ class SwarmTransport(Transport):
         except Exception as exc:
             raise WireError(f"round failed at reducer: {exc or type(exc).__name__}") from None
         if remote in result.refused:
-            kind, detail, offence, relative, conclusive = result.refused[remote]
-            if offence and relative:
-                offence = self._relative_offence(remote)
-            self._offence(remote, kind, detail, offence=offence, conclusive=conclusive)
+            kind, detail, conclusive = result.refused[remote]
+            self._offence(remote, kind, detail, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
         if remote in result.scores:
             self._judge_direction(remote, *result.scores[remote])

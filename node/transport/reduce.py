@@ -94,8 +94,13 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
 
     if centers is None and len(accepted) >= 2:
         screening.scores = agreement_scores(rows, len(part), trusted=t_acc)
-        screening.factors = [pull_factor(sc, settings) for sc in screening.scores]
-        if not any(screening.factors):  # nobody agrees with anybody (no trusted member): judge nobody
+        factors = [0.0 if muted else pull_factor(sc, settings)
+                   for sc, muted in zip(screening.scores, screening.muted, strict=True)]
+        if any(factors):
+            screening.factors = factors
+        else:  # nobody agrees with anybody (no trusted member): judge nobody's direction
+            screening.factors = [0.0 if muted else 1.0 for muted in screening.muted]
+        if not any(screening.factors):
             screening.factors = [1.0] * len(accepted)
     live = [f > 0 for f in screening.factors]
     screening.scales = clip_scales(rows, len(part), _centre(part, centers, live), live, settings.clip_factor,
