@@ -13,8 +13,17 @@ import torch
 from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
+from locoswarm.node.core.judge import EffectJudge
 from locoswarm.node.core.outer_loop import OuterLoop
-from locoswarm.node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from locoswarm.node.core.state import FragmentState
+from locoswarm.node.core.transport import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    FragmentSnapshot,
+    PartOrigin,
+    Transport,
+)
 from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
 from locoswarm.node.transport.inprocess import InProcessHub
@@ -49,6 +58,8 @@ class PoisoningTransport(Transport):
         self.poison: dict[int, object] = {}
         self.snapshot: FragmentSnapshot | None = None
         self.rejected: list[tuple[str, str]] = []
+        self.offences: list[bool] = []
+        self.blamed: list[PartOrigin] = []
         self.group_version: int | None = None
         self.latest: int | None = None
 
@@ -65,9 +76,30 @@ class PoisoningTransport(Transport):
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:
         self.rejected.append((snapshot.source, reason))
+        self.offences.append(offence)
+
+    def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
+        self.blamed.append(part)
 
 
-def _pair(method: str = "replace"):
+class QuadraticJudge(EffectJudge):
+    """A held-out "loss" every worker's training lowers: the squared distance of the fragment from ``target``
+    (every other parameter ignored), with the LossJudge's tolerance rule."""
+
+    def __init__(self, target: torch.Tensor, relative_tolerance: float = 0.05) -> None:
+        self.target = target
+        self.relative_tolerance = relative_tolerance
+        self.calls = 0
+
+    def tolerance(self, reference: float) -> float:
+        return self.relative_tolerance * abs(reference)
+
+    def losses(self, state: FragmentState, candidates) -> list[float]:
+        self.calls += 1
+        return [float(((c.to(self.target.device) - self.target) ** 2).sum()) for c in candidates]
+
+
+def _pair(method: str = "replace", judge_target: torch.Tensor | None = None):
     outer = OuterSection(method=method, h=2, fragments=1, tau=0, codec="fp32", error_feedback=False, lr=0.7,
                          momentum=0.9, schedule="fixed", consensus_every=0)
     base = build_model(ModelSection(), VOCAB)
@@ -75,7 +107,8 @@ def _pair(method: str = "replace"):
     fragments = partition(base, 1)
     models = [copy.deepcopy(base) for _ in range(2)]
     transports = [PoisoningTransport(hub.transport(i)) for i in range(2)]
-    loops = [OuterLoop(m, fragments, outer, t) for m, t in zip(models, transports, strict=True)]
+    judges = [QuadraticJudge(judge_target) if judge_target is not None else None for _ in models]
+    loops = [OuterLoop(m, fragments, outer, t, judge=j) for m, t, j in zip(models, transports, judges, strict=True)]
     for i, loop in enumerate(loops):
         hub.register_state(i, loop.version, loop.snapshot)
     gens = [torch.Generator().manual_seed(7 + i) for i in range(2)]
@@ -83,8 +116,13 @@ def _pair(method: str = "replace"):
     def step(t: int) -> list[list]:
         for model, loop, gen in zip(models, loops, gens, strict=True):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)
+                if judge_target is None:
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)
+                else:  # training lowers the judge's loss: a step toward the target, plus noise
+                    st = loop.states[0]
+                    theta = st.theta()
+                    st.set_theta(theta + 0.1 * (judge_target - theta) + 1e-4 * torch.randn(theta.shape, generator=gen))
             loop.add_tokens(10.0)
         events: list[list] = [[] for _ in loops]
         for i, loop in enumerate(loops):
@@ -221,3 +259,66 @@ def test_a_member_a_version_ahead_of_its_group_takes_the_groups_phi_and_version(
     assert torch.equal(loops[0].states[0].momentum, loops[1].states[0].momentum)
     events = step(8)
     assert not any(e.kind == "caught_up" for e in events[0])  # once: the phis agree again
+
+
+def _trained_target() -> torch.Tensor:
+    base = build_model(ModelSection(), VOCAB)
+    phi = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
+    return phi + 0.05 * torch.randn(phi.shape, generator=torch.Generator().manual_seed(3))
+
+
+def test_the_effect_check_passes_an_honest_average_and_refuses_a_harmful_one_blaming_its_part() -> None:
+    """An average whose outer step would do worse on the held-out check than the node's own progress alone is
+    refused (a failed round: phi and version unchanged), and the reducer of the part that is harmful on its own
+    is blamed; honest rounds pass, and the next one merges."""
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    step(1)
+    events = step(2)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert loops[0].stats.effect_checks >= 1 and loops[0].stats.effect_refused == 0
+    st = loops[0].states[0]
+    n = st.numel
+
+    def poison(avg: torch.Tensor) -> torch.Tensor:  # the second reducer's part, negated and scaled
+        out = avg.clone()
+        out[n // 2:] *= -3.0
+        return out
+
+    transports[0].poison[4] = poison
+    phi, version = st.phi.clone(), loops[0].version(0)
+    step(3)
+    events = step(4)
+    refused = [e for e in events[0] if e.kind == "refused"]
+    assert len(refused) == 1 and refused[0].error.startswith("effect:")
+    assert torch.equal(st.phi, phi) and loops[0].version(0) == version
+    assert loops[0].stats.effect_refused == 1
+    assert transports[0].blamed and all(p.end > n // 2 for p in transports[0].blamed)
+    assert all(p.start >= n // 2 - 1 or p.end > n // 2 for p in transports[0].blamed)
+    step(5)
+    events = step(6)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+
+
+def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
+    """A downloaded phi that does worse on the held-out check than the node's own is refused: far worse (a
+    negated phi) is an offence of its source; a little worse (an honest holder whose phi went another way) is not."""
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    phi = st.phi.detach().cpu().clone()
+    for t, (snap_phi, offence) in zip((8, 10), [(-phi, True), (phi + 0.05 * (phi - target), False)], strict=True):
+        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, snap_phi, torch.zeros_like(phi), source="QmX")
+        before = st.phi.clone()
+        loops[0].pending.clear()  # the round sent at the previous step would hold the download back
+        events = [e for e in loops[0].send(t) if e.kind == "refused"]
+        assert events and "effect" in events[0].error
+        assert torch.equal(st.phi, before)
+        assert transports[0].offences[-1] is offence
+    # a better one is taken
+    transports[0].snapshot = FragmentSnapshot(0, st.version + 3, target.clone(), torch.zeros_like(phi), source="QmY")
+    loops[0].pending.clear()
+    events = loops[0].send(12)
+    assert any(e.kind == "caught_up" for e in events)

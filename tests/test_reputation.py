@@ -229,3 +229,36 @@ def test_threads_share_one_reputation():
     snap = rep.snapshot()
     assert snap["refused"] == 8000 and sum(p["refused"] for p in snap["peers"].values()) == 8000
     assert sorted(bans) == sorted(f"Qm{i}" for i in range(40)) and snap["banned"] == 40
+
+
+def test_a_mean_agreement_below_the_bound_over_a_full_window_bans_at_once() -> None:
+    """Statistical evidence: one bad score weighs nothing, four with a mean below the bound are a conclusive
+    offence; the evidence is spent on that ban (a later one needs a full window anew)."""
+    rep = Reputation(threshold=3)
+    kw = {"window": 4, "ban_below": -0.1, "good_from": 0.1}
+    assert not any(rep.judge("honest", "direction", s, **kw) for s in (0.3, -0.26, 0.1, 0.02, 0.4, -0.05))
+    assert not rep.is_banned("honest")
+    banned = [rep.judge("flip", "direction", s, **kw) for s in (-0.3, -0.2, -0.35, -0.25)]
+    assert banned == [False, False, False, True] and rep.is_banned("flip")
+    snap = rep.snapshot()["peers"]
+    assert snap["flip"]["first_banned"] is not None and snap["honest"]["first_banned"] is None
+    assert snap["honest"]["scores"]["direction"] > 0
+
+
+def test_good_judgements_forgive_old_offences_but_buy_no_slack() -> None:
+    """Every FORGIVE_AFTER good judgements in a row take back one old non-conclusive offence; a sleeper with a
+    long good record is banned as fast as a stranger once its offences come (forgiveness never pre-pays)."""
+    from locoswarm.node.swarm.reputation import FORGIVE_AFTER
+
+    rep = Reputation(threshold=3)
+    rep.refuse("unlucky", "bad_reduction", "once")
+    rep.refuse("unlucky", "bad_reduction", "twice")
+    for _ in range(FORGIVE_AFTER):
+        rep.good("unlucky")
+    assert rep.snapshot()["peers"]["unlucky"]["offences"] == 1
+    assert not rep.refuse("unlucky", "bad_reduction", "again")  # 2 of 3: not banned
+    sleeper = Reputation(threshold=3)
+    sleeper.refuse("s", "other", "to create its record")
+    for _ in range(10 * FORGIVE_AFTER):
+        sleeper.good("s")
+    assert [sleeper.refuse("s", "bad_effect", "turned") for _ in range(3)] == [False, False, True]

@@ -18,11 +18,18 @@ import torch
 
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import Codec, get_codec
-from locoswarm.node.core.payload import decode_chunks
+from locoswarm.node.core.payload import chunk_bounds, decode_chunks
 from locoswarm.node.core.robust import make_aggregator
-from locoswarm.node.core.transport import AverageHandle, AverageRequest, AverageResult, FragmentSnapshot, Transport
+from locoswarm.node.core.transport import (
+    AverageHandle,
+    AverageRequest,
+    AverageResult,
+    FragmentSnapshot,
+    PartOrigin,
+    Transport,
+)
 from locoswarm.node.transport.groups import form_groups, group_basis
-from locoswarm.node.transport.reduce import reduce_group
+from locoswarm.node.transport.reduce import part_ranges, reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
 # basis tag of low-rank payloads.
@@ -135,12 +142,15 @@ class InProcessHub:
         extras = sum(m.request.extras.float() for w, m in zip(weights, group, strict=True) if w > 0)
         n = len(group)
         header = HEADER_BYTES + 4 * group[0].request.extras.numel() + len(group[0].request.basis)
+        bounds = chunk_bounds(numel, codec.block_size)
+        origins = [PartOrigin(f"w{group[j].worker:06d}", bounds[r.start][0], bounds[r.stop - 1][1])
+                   for j, r in enumerate(part_ranges(len(bounds), n)) if len(r)]
         for i, m in enumerate(group):
             m.handle._result = AverageResult(
                 ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
                 group_size=n, total_weight=total, own_weight=weights[i],
                 bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header,
-                max_version=max(m.request.version for m in group), basis=m.request.basis)
+                max_version=max(m.request.version for m in group), basis=m.request.basis, parts=origins)
 
     @staticmethod
     def _agree_on_basis(group: list[_Pending]) -> list[_Pending]:

@@ -1,0 +1,77 @@
+"""Which versions a node believes (locoswarm.node.swarm.versions) and which payloads are replays
+(locoswarm.node.swarm.replay): pure functions and small classes, no network."""
+
+from __future__ import annotations
+
+import torch
+
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.swarm.replay import ReplayMemory
+from locoswarm.node.swarm.versions import (
+    VERSION_SLACK,
+    Claim,
+    absurd_version,
+    believe,
+    plausible_version,
+    state_digest,
+    version_bound,
+)
+
+
+def test_the_clock_bounds_the_versions_any_fragment_can_hold() -> None:
+    # fixed schedule, H = 8: one slot per 8 steps, plus the slot at clock 0, plus the slack
+    assert version_bound(0, 8) == 1 + VERSION_SLACK
+    assert version_bound(80, 8) == 11 + VERSION_SLACK
+    assert version_bound(80, 8, sends_per_h=2) == 21 + VERSION_SLACK  # adaptive: a fragment in every slot
+    assert version_bound(-5, 8) == 1 + VERSION_SLACK
+    bound = version_bound(800, 8)
+    assert not absurd_version(bound + 1, bound) and not absurd_version(2 * bound, bound)
+    assert absurd_version(bound + 1000, bound)  # the +1000 liar
+
+
+def test_two_liars_above_the_clock_are_not_believed_and_the_majority_digest_picks_the_holders() -> None:
+    honest = {f"h{i}": Claim(40, b"good") for i in range(3)}
+    liars = {"x": Claim(1040, b"bad"), "y": Claim(1040, b"bad")}
+    belief = believe({**honest, **liars}, bound=version_bound(320, 8))
+    assert (belief.version, belief.digest, belief.holders) == (40, b"good", ["h0", "h1", "h2"])
+    # without the bound, two corroborating liars would have been believed (the old rule)
+    assert believe({**honest, **liars}).version == 1040
+    # liars at the honest majority's version announce another digest: they are not asked
+    belief = believe({**honest, "x": Claim(40, b"bad"), "y": Claim(40, b"bad")}, bound=1000)
+    assert belief.digest == b"good" and set(belief.holders) == {"h0", "h1", "h2"}
+
+
+def test_belief_needs_a_second_claimant_unless_there_is_only_one() -> None:
+    assert believe({}).version == -1 and believe({}).holders == []
+    assert believe({"a": Claim(7, b"d")}).version == 7   # a pair: its partner's claim stands
+    belief = believe({"a": Claim(9, b"d"), "b": Claim(5, b"e"), "c": Claim(5, b"e")})
+    assert belief.version == 5 and belief.holders == ["b", "c"]
+    # a tie of digests is broken the same way on every node
+    assert believe({"a": Claim(5, b"1"), "b": Claim(5, b"2")}).digest == b"2"
+
+
+def test_plausible_version_of_a_groups_claims_drops_those_above_the_bound() -> None:
+    claims = {"me": 10, "h": 10, "x": 1010, "y": 1010}
+    assert plausible_version(claims, own="me") == 1010
+    assert plausible_version(claims, own="me", bound=20) == 10
+
+
+def test_the_state_digest_covers_phi_exactly_and_momentum_as_bf16() -> None:
+    phi, momentum = torch.randn(1000), torch.randn(1000)
+    d = state_digest(phi, momentum)
+    assert len(d) == 16 and d == state_digest(phi.clone(), momentum.to(torch.bfloat16).float())
+    assert d != state_digest(-phi, momentum)
+    assert d != state_digest(phi, momentum * 2)
+
+
+def test_a_chunk_seen_in_another_round_is_a_replay_the_same_round_is_not() -> None:
+    codec = get_codec("fp4", 64)
+    memory = ReplayMemory(max_entries=4)
+    a, b = codec.encode(torch.randn(256)), codec.encode(torch.randn(256))
+    memory.remember(0, 10, [a])
+    assert memory.replayed(0, 10, [a]) == []           # two members' identical bytes in one round
+    assert memory.replayed(0, 12, [a, b]) == [(0, 10)]  # round 10's payload back in round 12
+    assert memory.replayed(1, 10, [a]) == [(0, 10)]     # or in another fragment
+    for k in range(5):                                  # bounded: the oldest is forgotten
+        memory.remember(0, 20 + k, [codec.encode(torch.randn(256))])
+    assert len(memory) == 4 and memory.replayed(0, 30, [a]) == []
