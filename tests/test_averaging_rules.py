@@ -423,3 +423,19 @@ def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(mo
     assert not SwarmTransport._alone(stub), "a download served now: no solo step, however long it takes"
     serving.clear()
     assert SwarmTransport._alone(stub), "the download ended: solo steps again"
+
+
+def test_a_peer_every_other_member_excludes_is_dropped_from_the_round_whoever_saw_its_entry() -> None:
+    """Three honest members ban X; X still enters the round. Whether a member read X's entry before it closed
+    its window or not, every member forms the round without it; X's own exclusions drop nobody, and a peer
+    only some members exclude stays (grouping keeps it apart from those)."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import shunned_dropped
+
+    req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
+    honest = {p: match_entry(p, req, 1.0, excluded=["QmX"]) for p in ("QmA", "QmB", "QmC")}
+    x = match_entry("QmX", req, 1.5, excluded=["QmA", "QmB", "QmC"])
+    assert shunned_dropped(["QmA", "QmB", "QmC", "QmX"], {**honest, "QmX": x}) == ["QmA", "QmB", "QmC"]
+    assert shunned_dropped(["QmA", "QmB", "QmC"], honest) == ["QmA", "QmB", "QmC"]
+    partial = {**honest, "QmB": match_entry("QmB", req, 1.0)}
+    assert shunned_dropped(["QmA", "QmB", "QmC", "QmX"], {**partial, "QmX": x}) == ["QmA", "QmB", "QmC", "QmX"]

@@ -259,6 +259,22 @@ def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trust
     return window
 
 
+def shunned_dropped(members: list[str], entries: Mapping[str, swarm_pb2.MatchEntry]) -> list[str]:
+    """``members`` without those that every other member's entry excludes (a peer the whole round bans).
+
+    Such a peer ends up alone anyway, but it still enters rounds, and no member waits for it: a member that
+    closed its window before the peer's entry arrived formed the round without it, one that read the key a
+    moment later with it, and the two shuffled different lists into different groups ("group mismatch", every
+    round after three honest nodes had banned a hostile one). Dropped by every member, it cannot split them.
+    A peer's own exclusions cannot drop anyone the others do not ban, so a liar cannot push out an honest member."""
+    out = list(members)
+    for peer in members:
+        others = [m for m in members if m != peer]
+        if others and all(peer in entries[m].excluded for m in others if m in entries):
+            out.remove(peer)
+    return out
+
+
 def group_hash(members: list[str]) -> bytes:
     return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
 
@@ -1002,7 +1018,7 @@ class SwarmTransport(Transport):
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
-        members = sorted(p for p, e in entries.items() if e.arrival <= window_end)
+        members = shunned_dropped(sorted(p for p, e in entries.items() if e.arrival <= window_end), entries)
         expected = own_expected | {p for p in live | set(entries) if peer_tag(p) in wanted}
         self._views[(req.fragment, req.round)] = MatchView(members, expected, first, window_end, now, cut)
         while len(self._views) > MAX_VIEWS:
