@@ -46,6 +46,11 @@ class SwarmSection:
                         help="swarm name; part of every DHT key so swarms never mix")
     bootstrap: list[str] = setting([], shared=False, item_type=str,  # noqa: RUF009 (default_factory)
                                    help="bootstrap multiaddrs, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+    owner_key: str = setting("", shared=True,
+                             help="a closed swarm: the owner's public key (locoswarm admit keygen); only nodes with "
+                                  "a certificate it signed are members (empty: an open swarm)")
+    certificate: str = setting("", shared=False,
+                               help="a closed swarm: this node's certificate file (locoswarm admit sign)")
 
 
 #: The model size presets (their shapes: ``locoswarm.node.model.PRESETS``, which has exactly these keys).
@@ -531,6 +536,21 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
         bad = "".join(sorted({c for c in s.name if not _NAME_RE.fullmatch(c)}))
         raise _fail(f"{w.source}: {w.assign('swarm', 'name', s.name)} contains {_toml_value(bad)}; use only "
                     f"letters, digits, '.', '_' and '-'")
+
+    w = where("swarm.owner_key")
+    if s.owner_key:
+        from locoswarm.node.swarm.admission import AdmissionError, load_public_key
+
+        try:
+            load_public_key(s.owner_key)
+        except AdmissionError as exc:
+            raise _fail(f"{w.source}: {w.key('swarm', 'owner_key')}: {exc}") from None
+        if not s.certificate:
+            raise _fail(f"{w.source}: a closed swarm ({w.key('swarm', 'owner_key')} is set) needs this node's "
+                        f"certificate: set [swarm] certificate = \"FILE\" (locoswarm admit sign makes one)")
+        if not os.path.isfile(s.certificate):
+            raise _fail(f"{where('swarm.certificate').source}: {w.assign('swarm', 'certificate', s.certificate)} "
+                        f"is not a file; use the path of the certificate 'locoswarm admit sign' wrote")
 
     w = where("swarm.bootstrap")
     for addr in s.bootstrap:

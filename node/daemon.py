@@ -57,6 +57,7 @@ from locoswarm.node.status import (
 from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:
+    from locoswarm.node.swarm.admission import Admission
     from locoswarm.node.swarm.state_sync import StateServer
     from locoswarm.node.swarm.versions import Belief
 
@@ -116,6 +117,8 @@ class Node:
         self.peer_table: dict = {}
         self.published: dict = {}
         self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
+        self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
+        self.certificate = b""
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
         self.state = "starting"              # starting, training, leaving, stopped
         self.loss: float | None = None       # of the last inner step
@@ -229,7 +232,8 @@ class Node:
                              log=lambda line: log.warning(line), stop=self.stop, **extra)
         self.runtime = NetworkRuntime(self.dht)
         self.peer_id = self.runtime.peer_id
-        self.membership = Membership(self.dht, self.cfg, self.peer_id)
+        self.membership = Membership(self.dht, self.cfg, self.peer_id, admission=self.admission,
+                                     certificate=self.certificate)
         self.membership.check_fingerprint()
         self.membership.announce_fingerprint()
         self.swarm_key = swarm_key(self.cfg.swarm.name, self.fingerprint, "")
@@ -278,6 +282,7 @@ class Node:
         o, cfg = self.opts, self.cfg
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
             self._state_lock = prepare_state_dir(o.state_dir)
+            self._admit_self()
         if o.threads:
             torch.set_num_threads(o.threads)
         self.device = self.ranks.resolve_device(o.device) if self.ranks else resolve_device(o.device)
@@ -305,6 +310,27 @@ class Node:
         sharded = self.ranks is not None and self.ranks.engine.shards_optimizer
         self.saved_inner = InnerOptimizer(self.model, cfg.inner) if sharded and self.ranks.is_leader else self.inner
         self.evals = eval_batches(self.corpus.eval, cfg.inner.batch_size, cfg.inner.seq_len, o.eval_batches)
+
+    def _admit_self(self) -> None:
+        """A closed swarm (``[swarm] owner_key``): this node's certificate must admit its own peer id, checked
+        before anything starts (``locoswarm.node.swarm.admission``)."""
+        from locoswarm.node.errors import UserError
+        from locoswarm.node.swarm.admission import Admission
+        from locoswarm.node.swarm.records import identity_key, peer_id_of
+
+        s = self.cfg.swarm
+        if not s.owner_key:
+            return
+        self.admission = Admission(s.owner_key, s.name)
+        try:
+            self.certificate = Path(s.certificate).read_bytes()
+        except OSError as exc:
+            raise UserError(f"[swarm] certificate {s.certificate}: {exc.strerror or exc}") from None
+        me = peer_id_of(identity_key(self.opts.state_dir / "identity.key").get_public_key())
+        why = self.admission.why_not(me, self.certificate)
+        if why is not None:
+            raise UserError(f"[swarm] certificate {s.certificate} is {why} for this node (peer {me}) in swarm "
+                            f"{s.name!r}; ask the swarm's owner for one: locoswarm admit sign --peer-id {me} ...")
 
     def _build(self) -> None:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
@@ -345,7 +371,8 @@ class Node:
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
             standing_members=cfg.network.standing_members,
-            joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound)
+            joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound,
+            admission=self.admission, certificate=self.certificate)
         self.transport.counters = self.counters
         judge = None
         if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
@@ -823,6 +850,7 @@ class Node:
             syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
             catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=self.solo_steps,
             effect_checks=stats.effect_checks, effect_refused=stats.effect_refused,
+            strangers=self.admission.strangers if self.admission is not None else 0,
             standing_rounds=self.transport.standing_rounds(),
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),

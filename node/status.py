@@ -432,6 +432,7 @@ class NodeStatus(Record):
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
     effect_checks: int = 0                   # results and snapshots the effect check compared (core.judge)
     effect_refused: int = 0                  # ... of which it refused
+    strangers: int = 0                       # a closed swarm: peers without a certificate it refused
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     memory: MemoryStatus = field(default_factory=MemoryStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)

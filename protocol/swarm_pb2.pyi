@@ -31,7 +31,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ..., last_send: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r")
+    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r", "certificate")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Heartbeat(_message.Message):
     HAS_STATE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     SHARED_R_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     addrs: _containers.RepeatedScalarFieldContainer[str]
     fingerprint: str
@@ -60,10 +61,11 @@ class Heartbeat(_message.Message):
     has_state: bool
     control_port: int
     shared_r: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class MatchEntry(_message.Message):
-    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window")
+    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window", "certificate")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class MatchEntry(_message.Message):
     BASIS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     arrival: float
     weight: float
@@ -90,7 +93,8 @@ class MatchEntry(_message.Message):
     basis: bytes
     expected: _containers.RepeatedScalarFieldContainer[int]
     window: float
-    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ...) -> None: ...
+    certificate: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
     __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis")

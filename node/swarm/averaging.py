@@ -44,6 +44,7 @@ import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -70,6 +71,9 @@ from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, ope
 from locoswarm.node.transport.groups import form_groups, group_basis
 from locoswarm.node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from locoswarm.protocol import swarm_pb2
+
+if TYPE_CHECKING:  # pragma: no cover
+    from locoswarm.node.swarm.admission import Admission
 
 log = logging.getLogger("locoswarm.averaging")
 
@@ -211,10 +215,11 @@ class ScheduleHint:
 
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
                 excluded: Iterable[str] = (), expected: Iterable[str] = (),
-                window: float = 0.0) -> swarm_pb2.MatchEntry:
+                window: float = 0.0, certificate: bytes = b"") -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
-                                 digest=req.digest, fragment=req.fragment, basis=req.basis, window=window)
+                                 digest=req.digest, fragment=req.fragment, basis=req.basis, window=window,
+                                 certificate=certificate)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
     if req.schedule is not None:
@@ -529,6 +534,9 @@ class SwarmTransport(Transport):
             (``locoswarm.node.swarm.state_sync``).
         version_bound: the most outer versions a fragment can hold at the swarm's clock now (None: no bound):
             members' claims above it are not believed, and far above it are offences.
+        admission: a closed swarm's rule (``locoswarm.node.swarm.admission``; None: an open swarm): match entries
+            without a valid certificate are ignored, and streams from peers that are not live members refused.
+        certificate: this node's, carried in its match entries (a closed swarm).
         pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
             ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
         step_time: returns the swarm's seconds per inner step (0 when unknown): the matchmaking window is at
@@ -566,8 +574,11 @@ class SwarmTransport(Transport):
                  subkey: str | None = None, standing_members: bool = True,
                  joining_peers: Callable[[], list[str]] | None = None,
                  serving_peers: Callable[[], list[str]] | None = None,
-                 version_bound: Callable[[], int | None] | None = None) -> None:
+                 version_bound: Callable[[], int | None] | None = None,
+                 admission: Admission | None = None, certificate: bytes = b"") -> None:
         self.runtime = runtime
+        self.admission = admission
+        self.certificate = certificate
         self.version_bound = version_bound or (lambda: None)
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
@@ -677,7 +688,12 @@ class SwarmTransport(Transport):
 
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is
-        read (counted, no new offence)."""
+        read (counted, no new offence); in a closed swarm, so is a peer that is not a live member."""
+        if self.admission is not None and peer not in set(self.live_peers()):
+            self.admission.stranger(peer)
+            self._offence(peer, "stranger", "stream from a peer that is not a member of this closed swarm",
+                          offence=False)
+            return "refused: this is a closed swarm, and your peer id is not a member of it"
         if not self._banned(peer):
             return None
         self._offence(peer, "banned", "stream from a banned peer", offence=False)
@@ -823,7 +839,7 @@ class SwarmTransport(Transport):
         if standing is None:
             return None
         now = get_dht_time()
-        me = match_entry(self.peer_id, req, now, banned, expected, self.window())
+        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate)
         key = self._match_key(req.fragment, req.round)
         self._background(self._store_quietly(key, me.SerializeToString(), now + 300))
         members = list(standing.members)
@@ -938,8 +954,12 @@ class SwarmTransport(Transport):
                 entry = swarm_pb2.MatchEntry.FromString(item.value)
             except Exception:
                 continue
-            if entry.peer_id == peer and math.isfinite(entry.arrival):
-                entries[peer] = entry
+            if entry.peer_id != peer or not math.isfinite(entry.arrival):
+                continue
+            if self.admission is not None and peer != self.peer_id and not self.admission.admits(
+                    peer, bytes(entry.certificate)):
+                continue  # a stranger in a closed swarm's round: not a member, whatever it writes
+            entries[peer] = entry
         return entries
 
     def _background(self, coro) -> None:
@@ -984,7 +1004,7 @@ class SwarmTransport(Transport):
         not_banned = live - set(banned)
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
-        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window)
+        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate)
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected

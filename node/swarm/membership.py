@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import hivemind
     from hivemind.utils.crypto import RSAPrivateKey
 
+    from locoswarm.node.swarm.admission import Admission
+
 log = logging.getLogger("locoswarm.membership")
 
 MAX_HEARTBEAT_BYTES = 4096
@@ -69,7 +71,8 @@ class Membership:
     """
 
     def __init__(self, dht: hivemind.DHT, cfg: SwarmConfig, peer_id: str, expiry: float | None = None, *,
-                 timeout: float = 5.0, identity: RSAPrivateKey | None = None):
+                 timeout: float = 5.0, identity: RSAPrivateKey | None = None,
+                 admission: Admission | None = None, certificate: bytes = b""):
         self.dht = dht
         self.cfg = cfg
         self.peer_id = str(peer_id)
@@ -83,6 +86,8 @@ class Membership:
         self._settings_json = json.dumps(self.settings, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         assert len(self._settings_json.encode()) < MAX_SETTINGS_BYTES, "shared settings too large for the DHT"
         self._identity = identity
+        self.admission = admission      # a closed swarm: who may be a member (None: anyone)
+        self.certificate = certificate  # this node's, published with its heartbeats
         self._subkey: str | None = None  # this node's owner subkey, built on first publish
         self._announced_at: float | None = None
         self._known: dict[str, tuple[swarm_pb2.Heartbeat, float]] = {}  # peer id -> (heartbeat, expiration)
@@ -155,6 +160,8 @@ class Membership:
             return False
         if not msg.time:
             msg.time = _dht_time()
+        if self.certificate and not msg.certificate:
+            msg.certificate = self.certificate
         data = msg.SerializeToString()
         assert len(data) < MAX_HEARTBEAT_BYTES, f"heartbeat record of {len(data)} bytes is too large for the DHT"
         subkey = self._owner_subkey()
@@ -201,7 +208,7 @@ class Membership:
                 except Exception:
                     continue
                 if (hb.fingerprint != self.fingerprint or hb.leaving or not hb.peer_id
-                        or subkey_peer(subkey) != hb.peer_id):
+                        or subkey_peer(subkey) != hb.peer_id or not self._admitted(hb)):
                     continue
                 known[hb.peer_id] = (hb, exp)
             self._known = known
@@ -229,9 +236,15 @@ class Membership:
                 hb = swarm_pb2.Heartbeat.FromString(data)
             except Exception:
                 continue
-            if hb.peer_id == peer_id and hb.fingerprint == self.fingerprint and not hb.leaving:
+            if hb.peer_id == peer_id and hb.fingerprint == self.fingerprint and not hb.leaving and self._admitted(hb):
                 return True
         return False
+
+    def _admitted(self, hb: swarm_pb2.Heartbeat) -> bool:
+        """Whether the heartbeat's peer may be a member: anyone in an open swarm; in a closed one, a peer whose
+        heartbeat carries a valid certificate for its id (``locoswarm.node.swarm.admission``)."""
+        return (self.admission is None or hb.peer_id == self.peer_id
+                or self.admission.admits(hb.peer_id, bytes(hb.certificate)))
 
     # ---- fingerprints ----
 
