@@ -439,3 +439,27 @@ def test_a_peer_every_other_member_excludes_is_dropped_from_the_round_whoever_sa
     assert shunned_dropped(["QmA", "QmB", "QmC"], honest) == ["QmA", "QmB", "QmC"]
     partial = {**honest, "QmB": match_entry("QmB", req, 1.0)}
     assert shunned_dropped(["QmA", "QmB", "QmC", "QmX"], {**partial, "QmX": x}) == ["QmA", "QmB", "QmC", "QmX"]
+
+
+def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_counted() -> None:
+    """A member checks each reducer's part against its own contribution to it: an honest mean includes ours
+    and agrees with it; a part a reducer negated does not (REDUCED_AGREEMENT), and three such parts ban it."""
+    from locoswarm.node.core.payload import chunk_bounds, encode_chunks
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, reduced_agreement
+    from locoswarm.node.swarm.reputation import Reputation
+
+    own, other = _honest(0), _honest(1)
+    req = AverageRequest(fragment=0, round=4, chunks=encode_chunks(CODEC, own), numel=NUMEL, weight=1.0, version=1)
+    bounds = chunk_bounds(NUMEL, CODEC.block_size)
+    part = range(len(bounds))
+    honest_part = dict(enumerate(encode_chunks(CODEC, (own + other) / 2)))
+    turned = dict(enumerate(encode_chunks(CODEC, -3.0 * (own + other) / 2)))
+    assert reduced_agreement(CODEC, req, {c: honest_part[c] for c in part}, bounds) > 0.5
+    assert reduced_agreement(CODEC, req, {c: turned[c] for c in part}, bounds) < REDUCED_AGREEMENT
+    rep = Reputation()
+    stub = SimpleNamespace(reputation=rep)
+    for _ in range(REDUCED_WINDOW):
+        SwarmTransport._judge_reduction(stub, "QmBad", reduced_agreement(CODEC, req, turned, bounds))
+        SwarmTransport._judge_reduction(stub, "QmGood", reduced_agreement(CODEC, req, honest_part, bounds))
+    assert rep.is_banned("QmBad") and not rep.is_banned("QmGood")

@@ -231,7 +231,8 @@ class ScenarioRun:
             honest_ids = [st0.get("peer_id", "") for st0 in before]
             slots = self.slots_per_step()
             outcome.honest = [self.collect(p, st0, r0, started, outcome.attackers, outcome.samples)
-                              | judged(i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots)
+                              | judged(i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots,
+                                       in_rounds=self.scenario.kind not in CLIENT_KINDS)
                               for i, (p, st0, r0) in enumerate(zip(self.honest, before, rss0, strict=True))]
         except Exception as exc:  # a scenario that could not run is reported, the others still run
             outcome.error = f"{type(exc).__name__}: {exc}"[:400]
@@ -363,7 +364,7 @@ class ScenarioRun:
 
 
 def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,
-           slots_per_step: float) -> dict:
+           slots_per_step: float, in_rounds: bool = True) -> dict:
     """What honest node ``i`` did about its peers during the window, from the samples: per attacker the seconds
     and rounds from the attack's start to its first ban by this node (None: not banned), and the ids of the
     other honest nodes (whose refusals by this node the summary counts). The attack starts at the first sample,
@@ -376,7 +377,7 @@ def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sa
     for s in samples:
         if i >= len(s.banned) or i >= len(s.clocks):
             continue
-        if start_clock is None and s.t >= turn_after and (s.attacker_rounds > rounds0 or not rounds0):
+        if start_clock is None and s.t >= turn_after and (s.attacker_rounds > rounds0 or not in_rounds):
             start_clock, start_t = s.clocks[i], s.t
         for a in attackers:
             if a in s.banned[i] and a not in first:

@@ -42,9 +42,9 @@ class EffectJudge(ABC):
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
         return 0.0
 
-    def harmful(self, loss: float, reference: float) -> bool:
-        """Whether ``loss`` is worse than ``reference`` by more than the tolerance (or not finite)."""
-        return not math.isfinite(loss) or loss > reference + self.tolerance(reference)
+    def harmful(self, loss: float, reference: float, slack: float = 1.0) -> bool:
+        """Whether ``loss`` is worse than ``reference`` by more than ``slack`` times the tolerance (or not finite)."""
+        return not math.isfinite(loss) or loss > reference + slack * self.tolerance(reference)
 
 
 class LossJudge(EffectJudge):

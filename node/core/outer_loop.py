@@ -71,6 +71,10 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss, an honest phi a few percent more
 # at most where it went another way.
 ABSURD_WORSE = 0.25
+# A downloaded phi is refused for its effect only past this many times the effect tolerance: the swarm's phi is
+# the lineage a node must follow, even where it does a little worse on this node's held-out batch (a node that
+# refused it stayed behind, on a phi of its own, and its contributions no longer agreed with anyone's).
+SNAPSHOT_SLACK = 2.0
 
 
 @dataclass
@@ -740,7 +744,7 @@ class OuterLoop:
             return None, False
         self.stats.effect_checks += 1
         theirs, ours = self.judge.losses(st, [snap.phi.to(st.device), st.phi])
-        if not self.judge.harmful(theirs, ours):
+        if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
             return None, False
         self.stats.effect_refused += 1
         absurd = not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE)

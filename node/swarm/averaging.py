@@ -95,6 +95,10 @@ MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
+# A reduced part whose agreement with this member's own contribution (``reduced_agreement``) is below this is
+# not applied (the round fails), and reducers whose last REDUCED_WINDOW parts average below it are banned.
+REDUCED_AGREEMENT = -0.3
+REDUCED_WINDOW = 3
 # A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
 # member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
 # mostly noise (it has little pull anyway).
@@ -315,6 +319,24 @@ def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, byte
     if math.sqrt(diff_sq) > limit:
         return f"reduced part norm {math.sqrt(diff_sq):.3g} exceeds {limit:.3g}"
     return None
+
+
+def reduced_agreement(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
+                      bounds: list[tuple[int, int]]) -> float | None:
+    """The cosine of a reducer's part with this member's own contribution to it (None: ours is zero there). The
+    honest mean of a part includes ours: on the tiny presets its cosine with each member's own was at least
+    -0.04 (4 and 6 members), where a negated part gives about -0.5."""
+    dot = own_sq = red_sq = 0.0
+    for c, data in chunks.items():
+        n = bounds[c][1] - bounds[c][0]
+        red = codec.decode(data, n).to(torch.float64)
+        own = codec.decode(req.chunks[c], n).to(torch.float64)
+        dot += float(red @ own)
+        own_sq += float(own @ own)
+        red_sq += float(red @ red)
+    if own_sq <= 0 or red_sq <= 0:
+        return None
+    return dot / math.sqrt(own_sq * red_sq)
 
 
 def _finite(values: Iterable[float]) -> bool:
@@ -830,7 +852,12 @@ class SwarmTransport(Transport):
         from hivemind.utils import get_dht_time
 
         live = self._live()
-        expected = (live - set(banned) - self.no_shows.skipped()) | {self.peer_id}
+        # No-shows count here: a live peer outside the list declines it even when matchmaking would not wait for
+        # it. Otherwise a member that missed two rounds (a ban taking effect at different moments on different
+        # nodes) stayed a no-show for good: the others kept their standing list without it, never matchmade, so
+        # never saw it enter a round again, and every round it formed through the DHT failed ("you are not in
+        # this reducer's group", a bench run's 90 failed rounds of one honest node after a ban).
+        expected = (live - set(banned)) | {self.peer_id}
         if (set(self.pace_peers()) | {self.peer_id}) & expected != expected:
             self.standing.forget(req.fragment)  # someone falls behind: matchmaking gives it only the grace
             return None
@@ -1189,8 +1216,16 @@ class SwarmTransport(Transport):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
         reason = check_reduced_part(codec, req, chunks, bounds, own_norm)
         if reason:
-            self._offence(peer, "bad_reduction", reason)
+            # a consensus part far from our phi may be an honest member's of another lineage: refused, no blame
+            self._offence(peer, "bad_reduction", reason, offence=not req.digest)
             raise RuntimeError(f"peer {peer[:12]} sent a bad reduced part: {reason}")
+        if not req.digest:
+            agreement = reduced_agreement(codec, req, chunks, bounds)
+            if agreement is not None:
+                self._judge_reduction(peer, agreement)
+                if agreement < REDUCED_AGREEMENT:
+                    raise RuntimeError(f"peer {peer[:12]} sent a reduced part that points against this node's own "
+                                       f"progress (agreement {agreement:+.2f})")
         self._remember_payload(req, chunks.items())
         return part, chunks, h.total_weight, list(h.extras)
 
@@ -1280,7 +1315,9 @@ class SwarmTransport(Transport):
             kind, detail, conclusive = result.refused[remote]
             self._offence(remote, kind, detail, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
-        if remote in result.scores:
+        if remote in result.scores and session.versions.get(remote) == session.versions.get(self.peer_id):
+            # judged only within one lineage: a member at another version (behind, catching up) made its
+            # progress from another phi, and its direction is no evidence of intent
             self._judge_direction(remote, *result.scores[remote])
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
@@ -1325,6 +1362,13 @@ class SwarmTransport(Transport):
         r = self.robust
         self.reputation.judge(peer, "direction", score, window=r.agreement_window, ban_below=r.agreement_ban,
                               good_from=r.agreement_full, detail="agreement of its contributions with the group's")
+
+    def _judge_reduction(self, peer: str, agreement: float) -> None:
+        """One reduced part's agreement with this member's own contribution: evidence of a reducer that turns
+        its part (``Reputation.judge``)."""
+        if self.reputation is not None:
+            self.reputation.judge(peer, "reduction", agreement, window=REDUCED_WINDOW, ban_below=REDUCED_AGREEMENT,
+                                  good_from=0.0, detail="agreement of its reduced parts with this node's own progress")
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
         """The outer loop refused ``result`` for ``part``'s effect on its held-out loss: an offence of its
