@@ -59,6 +59,7 @@ class PoisoningTransport(Transport):
         self.snapshot: FragmentSnapshot | None = None
         self.rejected: list[tuple[str, str]] = []
         self.offences: list[bool] = []
+        self.conclusive: list[bool] = []
         self.blamed: list[PartOrigin] = []
         self.group_version: int | None = None
         self.latest: int | None = None
@@ -74,9 +75,11 @@ class PoisoningTransport(Transport):
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         return self.snapshot if self.snapshot is not None else self.inner.fetch_fragment(fragment)
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
+                        conclusive: bool = False) -> None:
         self.rejected.append((snapshot.source, reason))
         self.offences.append(offence)
+        self.conclusive.append(conclusive)
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
         self.blamed.append(part)
@@ -302,21 +305,22 @@ def test_the_effect_check_passes_an_honest_average_and_refuses_a_harmful_one_bla
 
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
     """A downloaded phi that does worse on the held-out check than the node's own is refused: far worse (a
-    negated phi) is an offence of its source; a little worse (an honest holder whose phi went another way) is not."""
+    negated phi) is a conclusive offence of its source; a little worse (an honest holder whose phi went another
+    way) is not."""
     target = _trained_target()
     loops, transports, step = _pair(judge_target=target)
     for t in range(1, 7):
         step(t)
     st = loops[0].states[0]
     phi = st.phi.detach().cpu().clone()
-    for t, (snap_phi, offence) in zip((8, 10), [(-phi, True), (phi + 0.05 * (phi - target), False)], strict=True):
+    for t, (snap_phi, offence) in zip((8, 10), [(-phi, True), (phi + 0.1 * (phi - target), False)], strict=True):
         transports[0].snapshot = FragmentSnapshot(0, st.version + 3, snap_phi, torch.zeros_like(phi), source="QmX")
         before = st.phi.clone()
         loops[0].pending.clear()  # the round sent at the previous step would hold the download back
         events = [e for e in loops[0].send(t) if e.kind == "refused"]
         assert events and "effect" in events[0].error
         assert torch.equal(st.phi, before)
-        assert transports[0].offences[-1] is offence
+        assert transports[0].offences[-1] is offence and transports[0].conclusive[-1] is offence
     # a better one is taken
     transports[0].snapshot = FragmentSnapshot(0, st.version + 3, target.clone(), torch.zeros_like(phi), source="QmY")
     loops[0].pending.clear()

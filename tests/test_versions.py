@@ -75,3 +75,33 @@ def test_a_chunk_seen_in_another_round_is_a_replay_the_same_round_is_not() -> No
     for k in range(5):                                  # bounded: the oldest is forgotten
         memory.remember(0, 20 + k, [codec.encode(torch.randn(256))])
     assert len(memory) == 4 and memory.replayed(0, 30, [a]) == []
+
+
+def test_a_lone_newer_claim_is_unconfirmed_not_believed() -> None:
+    """One peer a version or two ahead (an honest node a round ahead, or a liar within the bound): not believed,
+    listed for a probe; a claim above the bound is neither."""
+    claims = {"h0": Claim(40, b"g"), "h1": Claim(40, b"g"), "ahead": Claim(42, b"x"), "far": Claim(900, b"y")}
+    belief = believe(claims, bound=50)
+    assert belief.version == 40 and belief.holders == ["h0", "h1"]
+    assert belief.unconfirmed == {"ahead": Claim(42, b"x")}
+
+
+def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
+    from types import SimpleNamespace
+
+    from locoswarm.node.swarm.averaging import PROBE_INTERVAL_S, SwarmTransport
+    from locoswarm.node.swarm.versions import Belief
+
+    fetched = []
+    belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, _probed={},
+                           _latest_versions=lambda fragment: belief,
+                           _fetch=lambda *args: fetched.append(args))
+    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+    stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
+    assert SwarmTransport.latest_version(stub, 0) == 42
+    SwarmTransport.fetch_fragment(stub, 0)
+    assert fetched == [(0, ["ahead"], 42, b"x")]
+    assert SwarmTransport.latest_version(stub, 0) == 40  # probed: not again for a while
+    stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
+    assert SwarmTransport.latest_version(stub, 0) == 42

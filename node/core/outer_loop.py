@@ -68,9 +68,9 @@ from locoswarm.node.core.transport import (
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
 # A downloaded phi whose held-out loss is more than this share above the node's own is no honest holder's
-# (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss, an honest phi a few percent more
-# at most where it went another way.
-ABSURD_WORSE = 0.25
+# (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss; an honest swarm's phi was up to
+# 19% worse on one node's batch, where a hostile reducer had damaged the swarm before its ban.
+ABSURD_WORSE = 1.0
 # A downloaded phi is refused for its effect only past this many times the effect tolerance: the swarm's phi is
 # the lineage a node must follow, even where it does a little worse on this node's held-out batch (a node that
 # refused it stayed behind, on a phi of its own, and its contributions no longer agreed with anyone's).
@@ -707,11 +707,12 @@ class OuterLoop:
         # it (seen: 1228% after one node trained alone for 115 outer steps), like a joiner's; it gets the
         # joiner's absolute checks, or it would refuse and ban every honest peer it could catch up from.
         reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=st.version > 0)
-        offence = True
+        offence, conclusive = True, False
         if reason is None:
-            reason, offence = self._judge_snapshot(st, snap)
+            reason, conclusive = self._judge_snapshot(st, snap)
+            offence = conclusive
         if reason is not None:
-            self.transport.reject_snapshot(snap, reason, offence=offence)
+            self.transport.reject_snapshot(snap, reason, offence=offence, conclusive=conclusive)
             self.stats.refused += 1
             return [SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {reason}")]
         theta = st.theta()
@@ -737,9 +738,10 @@ class OuterLoop:
 
     def _judge_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> tuple[str | None, bool]:
         """The effect check of a downloaded outer state: ``(None, _)`` when its phi does no worse on a held-out
-        batch than this node's own; else the reason and whether the gap is so large (``ABSURD_WORSE``) that
-        no honest holder could have served it (an offence). A catch-up never replaces a healthy model with a
-        worse one; an honest holder whose phi merely went another way than ours is refused without blame."""
+        batch than this node's own (within ``SNAPSHOT_SLACK`` times the tolerance); else the reason and whether
+        the gap is so large (``ABSURD_WORSE``) that no honest holder could have served it (a conclusive offence).
+        A catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
+        another way than ours is refused without blame."""
         if self.judge is None:
             return None, False
         self.stats.effect_checks += 1

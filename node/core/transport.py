@@ -147,10 +147,12 @@ class Transport(ABC):
         node keeps training meanwhile."""
         return FetchHandle(self.fetch_fragment(fragment))
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:  # noqa: B027
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,  # noqa: B027
+                        conclusive: bool = False) -> None:
         """The core refused a snapshot this transport fetched (the guard found it absurd, or the effect check
         worse than what this node holds): a transport that knows where it came from does not fetch from that
-        peer again for a while and, for an ``offence``, holds it against it. Nothing to do by default."""
+        peer again for a while and, for an ``offence``, holds it against it (``conclusive``: no honest holder
+        could have served it, a ban at once). Nothing to do by default."""
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:  # noqa: B027
         """The core refused a round's result because of ``part`` (its effect on the held-out loss): a transport

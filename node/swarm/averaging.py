@@ -116,6 +116,7 @@ ALONE_S = 10.0               # seconds without any live peer before a node takes
 JOIN_WAIT_S = 120.0          # how long a peer that is still joining (no state yet) keeps a lone node from solo steps
 MAX_JOINERS = 256            # joining peers tracked for that (first come; a flood of heartbeats cannot grow it)
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused is not asked for state again for this long
+PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
 
 
 @dataclass
@@ -643,6 +644,7 @@ class SwarmTransport(Transport):
         self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
         self.standing = StandingMembers(standing_members)
         self._refused_sources: dict[str, float] = {}  # peer -> when a state it served was refused (monotonic)
+        self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
@@ -738,8 +740,13 @@ class SwarmTransport(Transport):
     def _newest(self, fragment: int) -> Belief:
         """The version of ``fragment`` to catch up to and whom to ask: the heartbeats' belief
         (``locoswarm.node.swarm.versions``), or the version the group of its last merged round reached when
-        that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet)."""
+        that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
+        newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
         belief = self._latest_versions(fragment)
+        now = time.monotonic()
+        for peer, claim in sorted(belief.unconfirmed.items()):
+            if self._state_source(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
+                return Belief(claim.version, claim.digest, [peer])
         recent_version, members = self.recent.get(fragment, (-1, []))
         others = [m for m in members if m != self.peer_id and self._state_source(m)]
         holders = [h for h in belief.holders if self._state_source(h)]
@@ -756,6 +763,10 @@ class SwarmTransport(Transport):
         belief = self._newest(fragment)
         if not belief.holders:
             return None
+        for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves
+            self._probed[(fragment, peer)] = time.monotonic()
+        while len(self._probed) > MAX_JOINERS:
+            self._probed.pop(next(iter(self._probed)))
         return self._fetch(fragment, belief.holders, belief.version, belief.digest)
 
     def start_fetch(self, fragment: int) -> FetchHandle:
@@ -766,9 +777,11 @@ class SwarmTransport(Transport):
             self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="locoswarm-fetch")
         return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment))
 
-    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True) -> None:
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
+                        conclusive: bool = False) -> None:
         if snapshot.source:
-            self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence)
+            self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence,
+                          conclusive=conclusive)
             self._refused_sources[snapshot.source] = time.monotonic()
             while len(self._refused_sources) > MAX_JOINERS:
                 self._refused_sources.pop(next(iter(self._refused_sources)))

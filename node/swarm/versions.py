@@ -20,6 +20,12 @@ must pass before a node acts on it:
 4. **The effect check** (``locoswarm.node.core.judge``): a downloaded phi may not do worse on the node's
    own held-out batch than the phi it holds. What passes 1-3 but lies (colluders within the bound) is
    refused there, and its sources are blamed.
+
+A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
+not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
+effect check like any other). A node that is a round ahead of the others gets followed; a lone liar within
+the bound serves what it claims, and the effect check convicts it. Verify, don't trust, and never act on a
+claim alone.
 """
 
 from __future__ import annotations
@@ -65,11 +71,13 @@ class Claim:
 
 @dataclass
 class Belief:
-    """The version to believe and the holders to take it from (``holders`` announce ``digest``)."""
+    """The version to believe and the holders to take it from (``holders`` announce ``digest``); the claims
+    newer than it that nobody corroborates, within the bound (peer -> claim: probed, module docstring)."""
 
     version: int = -1
     digest: bytes = b""
     holders: list[str] = field(default_factory=list)
+    unconfirmed: dict[str, Claim] = field(default_factory=dict)
 
 
 def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
@@ -84,7 +92,8 @@ def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
     counts = Counter(kept[p].digest for p in holders)
     # the most holders; ties broken by the digest's bytes, so every node picks the same one
     digest = max(counts, key=lambda d: (counts[d], d))
-    return Belief(version, digest, sorted(p for p in holders if kept[p].digest == digest))
+    return Belief(version, digest, sorted(p for p in holders if kept[p].digest == digest),
+                  {p: c for p, c in kept.items() if c.version > version})
 
 
 def plausible_version(claims: Mapping[str, int], own: str | None = None, *, bound: int | None = None) -> int:
