@@ -164,7 +164,10 @@ class Watch:
         return after
 
 
-NODE_ATTACKS = ["weight", "values", "nan", "reducer", "state", "clock", "forge"]
+# Out of bounds, then inside them (a direction flip, a reducer that negates its part, a replay of earlier
+# rounds' averages, a state liar within the swarm clock's bound): each is refused or judged, and banned.
+NODE_ATTACKS = ["weight", "values", "nan", "reducer", "state", "clock", "forge", "flip", "badreduce", "replay",
+                "stateliar"]
 
 
 @pytest.mark.parametrize("attack", NODE_ATTACKS)
@@ -179,7 +182,7 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
         assert hostile.proc.poll() is None, f"the hostile node itself died:\n{hostile.tail()}"
     finally:
         hostile.stop()
-    if attack != "state":  # refused, and repeated until the attacker is banned
+    if attack != "state":  # refused (or judged), and repeated until the attacker is banned
         after = watch.check_honest(attacker, banned=True)
         for name, st in after.items():  # a liar's clock never drags the honest clocks along
             assert st["clock"] - watch.before[name]["clock"] < 5000, f"{name}: clock jumped to {st['clock']}"

@@ -178,16 +178,25 @@ def _max_to_ban(honest: list[dict], what: str) -> float | None:
     return max(values)
 
 
+# Refusals that judge nothing a peer sent, only when it came: a stream for a round the reducer skipped or formed
+# otherwise, a state request before the holder's table shows the requester, a stream over a cap, a banned peer's.
+PROTOCOL_KINDS = frozenset({"not_in_round", "non_member", "streams", "wire", "fingerprint", "banned", "state_banned",
+                            "state_not_live", "state_rate", "state_streams", "stranger"})
+
+
 def honest_refusals(honest: list[dict]) -> dict[str, int]:
-    """Refusals the honest nodes counted of each other, by kind (``offences``: those that count toward a ban)."""
-    out: dict[str, int] = {}
+    """Refusals the honest nodes counted of each other, by kind, with ``judged`` (refusals of something an honest
+    node sent: a contribution, a part, a state, a claim) and ``protocol`` (``PROTOCOL_KINDS``: when, not what)
+    totals and ``offences`` (those that count toward a ban)."""
+    out: dict[str, int] = {"judged": 0, "protocol": 0, "offences": 0}
     for h in honest:
         rep = h.get("reputation") or {}
         for other in h.get("honest_ids") or []:
             r = rep.get(other) or {}
             for kind, n in (r.get("by_kind") or {}).items():
                 out[kind] = out.get(kind, 0) + int(n)
-            out["offences"] = out.get("offences", 0) + int(r.get("offences") or 0)
+                out["protocol" if kind in PROTOCOL_KINDS else "judged"] += int(n)
+            out["offences"] += int(r.get("offences") or 0)
     return out
 
 
@@ -536,7 +545,7 @@ def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
 def markdown_table(results: dict[str, dict]) -> str:
     rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | vs clean at equal progress | "
             "honest steps (mean) | max eval during | rounds ok | rounds failed | attacker refused | banned by | "
-            "to ban: s / rounds (max) | honest refused by honest | RSS growth (MB) |",
+            "to ban: s / rounds (max) | honest refused by honest: judged / offences / protocol | RSS growth (MB) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["error"]:
@@ -558,7 +567,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         elif attack:
             to_ban = "not all"
         hh = r.get("honest_refusals") or {}
-        honest_hh = f"{sum(v for k, v in hh.items() if k != 'offences')} ({hh.get('offences', 0)} offences)"
+        honest_hh = f"{hh.get('judged', 0)} / {hh.get('offences', 0)} / {hh.get('protocol', 0)}"
         steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
                     f"{rel_equal} | "
@@ -588,9 +597,11 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
         "the attack began (a sleeper turns a third into the window), in seconds and in the rounds the node took "
         "part in meanwhile (its swarm clock's advance x F / H; 'not all': some attacker was never banned by some "
-        "honest node); honest refused by honest: refusals the honest nodes counted of each other (of which "
-        "offences, which count toward a ban). Who banned whom, and when: `results.json` (each honest node's "
-        "`bans`).",
+        "honest node); honest refused by honest: refusals the honest nodes counted of each other, of something one "
+        "sent (a contribution, a reduced part, a state, a claim), of those the offences (which count toward a ban), "
+        "and protocol refusals, which judge only when a stream came (a round the reducer had skipped or formed "
+        "otherwise; a state request before the holder's table showed the requester). Who banned whom, and when: "
+        "`results.json` (each honest node's `bans`).",
         "", table, "",
         "![eval loss](robustness.png)", ""]
     return "\n".join(lines)
