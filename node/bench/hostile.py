@@ -114,9 +114,23 @@ class NodeAttack(ABC):
 
     name: str
     help: str
+    keeps_peers = False  # its own node never bans anyone (it wants to stay in the honest nodes' groups)
 
     def __init__(self, period: float) -> None:
         self.period = period
+
+    def install(self) -> None:
+        """The attack's patches, and for an attacker that keeps its peers, a reputation that bans nobody: the
+        node's own defences would otherwise judge the honest contributions against its own hostile one, ban
+        every honest node, exclude them in its match entries and so leave their groups (isolated, harmless,
+        and never judged again)."""
+        if self.keeps_peers:
+            from locoswarm.node.swarm.reputation import Reputation
+
+            Reputation.is_banned = lambda self, peer: False
+            Reputation.banned = lambda self: []
+            Reputation.offended = lambda self, peer, kind: False
+        self.apply()
 
     @abstractmethod
     def apply(self) -> None:
@@ -287,6 +301,7 @@ class _RequestAttack(NodeAttack):
     entry) as the attack's values of its own progress; consensus rounds (phi itself) stay honest."""
 
     claimed_weight = 1.0  # times the node's own token weight
+    keeps_peers = True
 
     def __init__(self, period: float) -> None:
         super().__init__(period)
@@ -400,6 +415,7 @@ class DriftAttack(_RequestAttack):
 class ReplayAttack(NodeAttack):
     name = "replay"
     help = "sends the reduced chunks its group agreed on two rounds before as its contribution"
+    keeps_peers = True
 
     def apply(self) -> None:
         from locoswarm.node.swarm import averaging
@@ -449,6 +465,7 @@ class ReplayAttack(NodeAttack):
 class BadReduceAttack(NodeAttack):
     name = "badreduce"
     help = "as a reducer, returns its part of the average negated and scaled by 3"
+    keeps_peers = True
 
     def apply(self) -> None:
         from locoswarm.node.swarm import averaging
@@ -470,6 +487,7 @@ class StateLiarAttack(NodeAttack):
     name = "stateliar"
     help = "heartbeats claim version +2 (inside the clock's bound) and its state server serves its phi negated"
     lie = 2
+    keeps_peers = True
 
     def apply(self) -> None:
         from locoswarm.node.core.transport import FragmentSnapshot
@@ -859,7 +877,7 @@ def run_hostile_node(args: argparse.Namespace, rest: list[str]) -> int:
             rest += [flag, str(value)]
     for addr in args.bootstrap:
         rest += ["--bootstrap", addr]
-    NODE_ATTACKS[args.attack](args.attack_period).apply()
+    NODE_ATTACKS[args.attack](args.attack_period).install()
     logging.getLogger("locoswarm.hostile").warning("hostile node: attack %r armed", args.attack)
     return cli_main(["run", *rest])
 
