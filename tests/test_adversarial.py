@@ -275,31 +275,37 @@ def test_hostile_cli_refuses_bad_arguments() -> None:
 
 
 def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> None:
-    """The clean run's loss where its clock reached the attacked run's final clock (linear between evals),
-    and '-' where the clean run never got that far: no extrapolation."""
-    from locoswarm.node.bench.robustness import clean_at_equal_progress, interpolate, markdown_table
+    """Both runs' eval loss averaged over the EQUAL_SPAN clock steps before the clock both reached (linear between
+    evals where no point falls inside): no extrapolation of either curve, whichever went further."""
+    from locoswarm.node.bench.robustness import EQUAL_SPAN, equal_progress, interpolate, markdown_table, window_mean
 
     curve = [[0, 5.0], [100, 3.0], [200, 2.5]]
     assert interpolate(curve, 50) == 4.0 and interpolate(curve, 200) == 2.5
     assert interpolate(curve, 201) is None and interpolate([], 0) is None
+    assert window_mean(curve, 100, 200) == 2.75 and window_mean(curve, 120, 150) == pytest.approx(2.75)
 
-    def scenario(kind: str, hostile: int, clocks: list[int], final: float) -> dict:
-        honest = [{"final_clock": c, "eval_curve": [[0, 5.0], [100, 3.0], [200, 2.5]] if kind == "clean"
-                   else [[0, 5.0], [c, final]], "inner_steps": c, "final_eval": final} for c in clocks]
-        return {"kind": kind, "hostile": hostile, "error": "", "honest": honest, "honest_alive": len(clocks),
+    def scenario(kind: str, hostile: int, curves: list[list[list[float]]]) -> dict:
+        honest = [{"final_clock": c[-1][0], "eval_curve": c, "inner_steps": c[-1][0], "final_eval": c[-1][1]}
+                  for c in curves]
+        final = sum(c[-1][1] for c in curves) / len(curves)
+        return {"kind": kind, "hostile": hostile, "error": "", "honest": honest, "honest_alive": len(curves),
                 "final_eval": final, "max_eval_during": 5.0, "rounds_ok": 9, "rounds_failed": 0,
                 "attacker_refused": 3, "banned_by": 2, "rss_growth_mb": 1.0}
 
-    results = {"clean x2": scenario("clean", 2, [200, 200], 2.5), "flood x2": scenario("flood", 2, [100, 100], 3.0),
-               "slow x2": scenario("values", 2, [150, 50], 3.3), "far x2": scenario("weight", 2, [250, 250], 2.4),
-               "weight": scenario("weight", 1, [100, 100], 3.0)}
-    assert clean_at_equal_progress(results, results["flood x2"]) == 3.0
-    assert clean_at_equal_progress(results, results["slow x2"]) == pytest.approx((2.75 + 4.0) / 2)
-    assert clean_at_equal_progress(results, results["far x2"]) is None  # beyond the clean curve
-    assert clean_at_equal_progress(results, results["weight"]) is None  # no clean run of one bystander
+    clean = [[0, 5.0], [100, 3.0], [200, 2.5], [300, 2.0]]
+    results = {"clean x2": scenario("clean", 2, [clean, clean]),
+               "slow x2": scenario("flood", 2, [[[0, 5.0], [100, 3.3], [200, 3.0]]] * 2),
+               "far x2": scenario("weight", 2, [[[0, 5.0], [200, 2.5], [300, 2.2], [400, 1.9]]] * 2),
+               "weight": scenario("weight", 1, [clean])}
+    # slower: compared where it ended (clock 200), over the last EQUAL_SPAN steps of both curves
+    assert EQUAL_SPAN == 100
+    assert equal_progress(results, results["slow x2"]) == pytest.approx((3.15, 2.75))
+    # further than the clean run: compared where the clean run ended (clock 300), not extrapolated
+    assert equal_progress(results, results["far x2"]) == pytest.approx((2.35, 2.25))
+    assert equal_progress(results, results["weight"]) is None  # no clean run of one bystander
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}
-    assert rows["flood x2"][3:5] == ["+20.0%", "+0.0%"]  # 3.0 against 2.5 at the end, against 3.0 at clock 100
-    assert rows["far x2"][4] == "-" and rows["weight"][3:5] == ["-", "-"] and rows["clean x2"][4] == "-"
+    assert rows["slow x2"][3:5] == ["+50.0%", "+14.5%"]  # 3.0 against 2.0 at the end; 3.15 against 2.75
+    assert rows["weight"][3:5] == ["-", "-"] and rows["clean x2"][4] == "-"
 
 
 @pytest.mark.timeout(300)

@@ -218,7 +218,8 @@ class ScenarioRun:
         self.extra: list[LocalProc] = []
 
     def node_args(self) -> list[str]:
-        args = ["--config", str(self.config), "--eval-every", "25", "--threads", "1"]
+        # 16 held-out batches per evaluation: with 4, single values scattered by +-20% on a clean swarm
+        args = ["--config", str(self.config), "--eval-every", "25", "--eval-batches", "16", "--threads", "1"]
         return args + (["--data", *self.data] if self.data else [])
 
     def spawn(self, name: str, module: list[str], args: list[str], niceness: int = 0) -> LocalProc:
@@ -523,23 +524,45 @@ def interpolate(curve: list[list[float]], x: float) -> float | None:
     return points[0][1] if len(points) == 1 and points[0][0] == x else None
 
 
-def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
-    """The clean scenario's eval loss where its honest nodes' swarm clock reached the clock at which ``r``'s
-    honest nodes ended (mean over pairs of nodes): the attack's cost to the model, without the cost of the CPU
-    that the attackers took from the honest nodes on a shared machine (fewer steps in the same seconds). None
-    when the clean run did not get that far, or a curve is missing."""
+EQUAL_SPAN = 100  # swarm clock steps over which the equal-progress comparison averages the evaluations
+
+
+def window_mean(curve: list[list[float]], lo: float, hi: float) -> float | None:
+    """The mean eval loss of ``curve``'s points with a clock in ``[lo, hi]`` (the curve's value at ``hi``, linear
+    between its points, when none falls inside); None outside the curve's range."""
+    inside = [float(v) for c, v in curve if v is not None and math.isfinite(v) and lo <= c <= hi]
+    return sum(inside) / len(inside) if inside else interpolate(curve, hi)
+
+
+def equal_progress(results: dict[str, dict], r: dict) -> tuple[float, float] | None:
+    """``r``'s honest nodes' eval loss and the clean run's, each averaged over the ``EQUAL_SPAN`` swarm-clock steps
+    before the clock both reached (the smaller of the two final clocks, per pair of nodes): the attack's cost to
+    the model, without the cost of the CPU the attackers took from the honest nodes on a shared machine (fewer
+    steps in the same seconds), and without extrapolating either curve. None when a curve is missing."""
     clean = _clean_of(results, r)
     if clean is None:
         return None
-    values = []
+    attacked, baseline = [], []
     for h in r["honest"]:
-        if h.get("final_clock") is None:
-            return None
-        at = [interpolate(c.get("eval_curve") or [], h["final_clock"]) for c in clean["honest"]]
-        if any(v is None for v in at):
-            return None
-        values.extend(v for v in at if v is not None)
-    return sum(values) / len(values) if values else None
+        for c in clean["honest"]:
+            if h.get("final_clock") is None or c.get("final_clock") is None:
+                return None
+            hi = min(h["final_clock"], c["final_clock"])
+            a = window_mean(h.get("eval_curve") or [], hi - EQUAL_SPAN, hi)
+            b = window_mean(c.get("eval_curve") or [], hi - EQUAL_SPAN, hi)
+            if a is None or b is None:
+                return None
+            attacked.append(a)
+            baseline.append(b)
+    if not attacked:
+        return None
+    return sum(attacked) / len(attacked), sum(baseline) / len(baseline)
+
+
+def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
+    """The clean side of :func:`equal_progress` (None when it cannot be measured)."""
+    pair = equal_progress(results, r)
+    return None if pair is None else pair[1]
 
 
 def markdown_table(results: dict[str, dict]) -> str:
@@ -555,9 +578,8 @@ def markdown_table(results: dict[str, dict]) -> str:
         clean = clean_baseline(results, r)
         rel = (f"{100 * (r['final_eval'] - clean) / clean:+.1f}%" if clean and r["final_eval"] is not None
                and attack else "-")
-        equal = clean_at_equal_progress(results, r) if attack else None
-        rel_equal = (f"{100 * (r['final_eval'] - equal) / equal:+.1f}%" if equal and r["final_eval"] is not None
-                     else "-")
+        pair = equal_progress(results, r) if attack else None
+        rel_equal = f"{100 * (pair[0] - pair[1]) / pair[1]:+.1f}%" if pair and pair[1] else "-"
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
         to_ban = "-"
@@ -590,10 +612,10 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         f"wall time {wall / 60:.1f} min.",
         "", "Final eval: the honest nodes' last held-out eval loss at the end of the attack; rounds: merged and failed "
         "rounds of the honest nodes during it; honest steps: inner steps each honest node made during it (on a shared "
-        "machine, other load shows here first: fewer steps, a higher loss); vs clean at equal progress: against the "
-        "clean run's eval loss where its swarm clock reached the clock at which this scenario's honest nodes ended "
-        "(the attack's cost to the model without the CPU the attackers took; '-' when the clean run did not get that "
-        "far); attacker refused: refusals of the attackers' peer ids counted by the honest nodes; banned by: honest "
+        "machine, other load shows here first: fewer steps, a higher loss); vs clean at equal progress: the honest "
+        f"nodes' eval loss against the clean run's, each the mean of the evaluations over the {EQUAL_SPAN} swarm-clock "
+        "steps before the clock both runs reached (the attack's cost to the model without the CPU the attackers "
+        "took); attacker refused: refusals of the attackers' peer ids counted by the honest nodes; banned by: honest "
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
         "the attack began (a sleeper turns a third into the window), in seconds and in the rounds the node took "
         "part in meanwhile (its swarm clock's advance x F / H; 'not all': some attacker was never banned by some "

@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many inner steps")
     p.add_argument("--checkpoint-every", type=int, default=200, help="inner steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=100, help="inner steps between held-out evaluations (0=off)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of each evaluation (default 4)")
     p.add_argument("--throttle", type=float, default=1.0, help="run this many times slower (tests, demos)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=None, help="data sampling seed (default: from the peer id)")
@@ -81,7 +82,8 @@ def run_node(args: argparse.Namespace) -> int:
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
     cfg = load_config_from_args(args)
     for flag, value, low in (("--max-steps", args.max_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
-                             ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1)):
+                             ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1),
+                             ("--eval-batches", args.eval_batches, 1)):
         if value is not None and value < low:
             raise UserError(f"{flag} {value} is not allowed; it must be >= {low}")
     if not 1.0 <= args.throttle <= 100.0:
@@ -115,7 +117,8 @@ def run_node(args: argparse.Namespace) -> int:
         announce=_announce_addrs(args.announce),
         bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
         bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
-        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, throttle=args.throttle,
+        checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        throttle=args.throttle,
         threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
         control_port=control_port, control_port_default=control_port_default,
         allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
