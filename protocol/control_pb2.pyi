@@ -231,7 +231,7 @@ class Event(_message.Message):
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., clock: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., group_size: _Optional[int] = ..., version: _Optional[int] = ..., peer_id: _Optional[str] = ..., own_weight: _Optional[float] = ..., total_weight: _Optional[float] = ..., matchmaking_s: _Optional[float] = ..., round_s: _Optional[float] = ...) -> None: ...
 
 class PeerReputation(_message.Message):
-    __slots__ = ("peer_id", "refused", "offences", "banned", "banned_for_s", "last", "by_kind")
+    __slots__ = ("peer_id", "refused", "offences", "banned", "banned_for_s", "last", "by_kind", "first_banned", "scores", "forgiven")
     class ByKindEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,13 @@ class PeerReputation(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     OFFENCES_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +253,9 @@ class PeerReputation(_message.Message):
     BANNED_FOR_S_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     BY_KIND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BANNED_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    FORGIVEN_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     refused: int
     offences: int
@@ -253,10 +263,13 @@ class PeerReputation(_message.Message):
     banned_for_s: float
     last: str
     by_kind: _containers.ScalarMap[str, int]
-    def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    first_banned: float
+    scores: _containers.ScalarMap[str, float]
+    forgiven: int
+    def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ..., first_banned: _Optional[float] = ..., scores: _Optional[_Mapping[str, float]] = ..., forgiven: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds", "memory_rss", "memory_peak_rss", "memory_device", "memory_device_allocated", "memory_device_peak", "memory_device_total")
+    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds", "memory_rss", "memory_peak_rss", "memory_device", "memory_device_allocated", "memory_device_peak", "memory_device_total", "effect_checks", "effect_refused", "strangers")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SWARM_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +313,9 @@ class Status(_message.Message):
     MEMORY_DEVICE_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_DEVICE_PEAK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_DEVICE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    STRANGERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     fingerprint: str
     swarm: str
@@ -343,4 +359,7 @@ class Status(_message.Message):
     memory_device_allocated: int
     memory_device_peak: int
     memory_device_total: int
-    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ..., memory_rss: _Optional[int] = ..., memory_peak_rss: _Optional[int] = ..., memory_device: _Optional[str] = ..., memory_device_allocated: _Optional[int] = ..., memory_device_peak: _Optional[int] = ..., memory_device_total: _Optional[int] = ...) -> None: ...
+    effect_checks: int
+    effect_refused: int
+    strangers: int
+    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ..., memory_rss: _Optional[int] = ..., memory_peak_rss: _Optional[int] = ..., memory_device: _Optional[str] = ..., memory_device_allocated: _Optional[int] = ..., memory_device_peak: _Optional[int] = ..., memory_device_total: _Optional[int] = ..., effect_checks: _Optional[int] = ..., effect_refused: _Optional[int] = ..., strangers: _Optional[int] = ...) -> None: ...

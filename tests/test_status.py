@@ -98,7 +98,8 @@ def test_status_json_keeps_the_keys_its_readers_use():
     assert all(isinstance(k, str) for k in doc["bytes"]["sent_by_fragment"])
     peer = next(iter(doc["reputation"]["peers"].values()))
     assert set(doc["reputation"]) == {"peers", "refused", "banned"}
-    assert set(peer) == {"refused", "offences", "by_kind", "banned", "banned_for_s", "last"}
+    assert set(peer) == {"refused", "offences", "by_kind", "banned", "banned_for_s", "last", "first_banned", "scores",
+                         "forgiven"}
     assert {"time", "kind", "detail", "clock", "fragment", "round", "bytes_sent", "bytes_received", "group_size",
             "version", "own_weight", "total_weight"} <= set(doc["events"][0])
     assert {"clock", "inner_step", "tokens_per_s", "time"} <= set(next(iter(doc["peers"].values())))
