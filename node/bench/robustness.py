@@ -422,6 +422,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--counts", default="1", help="hostile peers per attack scenario, comma-separated (default 1; "
                                                  "e.g. 1,2)")
     p.add_argument("--honest", type=int, default=2, help="honest nodes per scenario (default 2)")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: write report.md and robustness.png again from --out's results.json (after a "
+                        "change of the report's columns)")
     p.add_argument("--nice-others", type=int, default=0, metavar="N",
                    help="run the added peers (attackers and bystanders alike) at nice N, so that on a small machine "
                         "the honest nodes keep the cores as they would with the attackers on machines of their own "
@@ -453,6 +456,8 @@ def run_robustness(args: argparse.Namespace) -> int:
     from locoswarm.node.bench import keep_logs, local_swarm_runs
     from locoswarm.node.sim import data_paths
 
+    if args.render:
+        return render_again(Path(args.out))
     scenarios = _scenarios(args.kinds, args.counts)
     if not (math.isfinite(args.seconds) and 1 <= args.seconds <= 3600):
         raise UserError(f"--seconds {args.seconds} is not allowed; use 1..3600")
@@ -486,6 +491,20 @@ def run_robustness(args: argparse.Namespace) -> int:
     report = write_report(out, setup, results, time.perf_counter() - started)
     Console().print(report["table_md"])
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'robustness.png'}")
+    return 0
+
+
+def render_again(out: Path) -> int:
+    """``--render``: the report of an earlier run, from its results.json."""
+    from rich.console import Console
+
+    try:
+        doc = json.loads((out / "results.json").read_text())
+        setup, results, wall = doc["setup"], doc["scenarios"], float(doc["wall_seconds"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"--render: {out / 'results.json'} is not a results file of this benchmark ({exc})") from None
+    report = write_report(out, setup, results, wall)
+    Console().print(report["table_md"])
     return 0
 
 
@@ -559,6 +578,32 @@ def equal_progress(results: dict[str, dict], r: dict) -> tuple[float, float] | N
     return sum(attacked) / len(attacked), sum(baseline) / len(baseline)
 
 
+def worst_vs_clean(results: dict[str, dict], r: dict) -> float | None:
+    """The worst the honest nodes' eval loss got against the clean run's during the window, at equal progress:
+    the largest relative excess of an honest node's mean eval loss over ``EQUAL_SPAN`` clock steps (at each of
+    its evaluations in the window) over the clean nodes' mean at the same clocks. None where it cannot be
+    measured (no clean run, or no clock both reached)."""
+    clean = _clean_of(results, r)
+    if clean is None or not r.get("samples"):
+        return None
+    worst = None
+    for i, h in enumerate(r["honest"]):
+        clocks = r["samples"][0].get("clocks") or []
+        start = clocks[i] if i < len(clocks) else None
+        curve = h.get("eval_curve") or []
+        for c, _ in curve:
+            if start is None or c < start + EQUAL_SPAN:
+                continue
+            a = window_mean(curve, c - EQUAL_SPAN, c)
+            b = [window_mean(k.get("eval_curve") or [], c - EQUAL_SPAN, c) for k in clean["honest"]]
+            if a is None or any(v is None for v in b) or not b:
+                continue
+            base = sum(b) / len(b)
+            if base > 0:
+                worst = max(worst if worst is not None else -math.inf, (a - base) / base)
+    return worst
+
+
 def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
     """The clean side of :func:`equal_progress` (None when it cannot be measured)."""
     pair = equal_progress(results, r)
@@ -567,12 +612,13 @@ def clean_at_equal_progress(results: dict[str, dict], r: dict) -> float | None:
 
 def markdown_table(results: dict[str, dict]) -> str:
     rows = ["| scenario | honest alive | final eval (honest mean) | vs clean | vs clean at equal progress | "
-            "honest steps (mean) | max eval during | rounds ok | rounds failed | attacker refused | banned by | "
-            "to ban: s / rounds (max) | honest refused by honest: judged / offences / protocol | RSS growth (MB) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "worst vs clean during | honest steps (mean) | max eval during | rounds ok | rounds failed | "
+            "attacker refused | banned by | to ban: s / rounds (max) | "
+            "honest refused by honest: judged / offences / protocol | RSS growth (MB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["error"]:
-            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | | | |")
+            rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | | | | |")
             continue
         attack = r["kind"] != "clean"
         clean = clean_baseline(results, r)
@@ -580,6 +626,8 @@ def markdown_table(results: dict[str, dict]) -> str:
                and attack else "-")
         pair = equal_progress(results, r) if attack else None
         rel_equal = f"{100 * (pair[0] - pair[1]) / pair[1]:+.1f}%" if pair and pair[1] else "-"
+        worst = worst_vs_clean(results, r) if attack else None
+        rel_worst = "-" if worst is None else f"{100 * worst:+.1f}%"
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
         to_ban = "-"
@@ -592,7 +640,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         honest_hh = f"{hh.get('judged', 0)} / {hh.get('offences', 0)} / {hh.get('protocol', 0)}"
         steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
-                    f"{rel_equal} | "
+                    f"{rel_equal} | {rel_worst} | "
                     f"{sum(steps) / max(1, len(steps)):.0f} | {_fmt(r['max_eval_during'])} | {r['rounds_ok']} | "
                     f"{r['rounds_failed']} | {refused} | {banned} | {to_ban} | {honest_hh} | "
                     f"{r['rss_growth_mb']:.0f} |")
@@ -615,7 +663,9 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "machine, other load shows here first: fewer steps, a higher loss); vs clean at equal progress: the honest "
         f"nodes' eval loss against the clean run's, each the mean of the evaluations over the {EQUAL_SPAN} swarm-clock "
         "steps before the clock both runs reached (the attack's cost to the model without the CPU the attackers "
-        "took); attacker refused: refusals of the attackers' peer ids counted by the honest nodes; banned by: honest "
+        "took); worst vs clean during: the largest excess of that mean at any evaluation of an honest node during "
+        "the window over the clean run's at the same clock; attacker refused: refusals of the attackers' peer ids "
+        "counted by the honest nodes; banned by: honest "
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
         "the attack began (a sleeper turns a third into the window), in seconds and in the rounds the node took "
         "part in meanwhile (its swarm clock's advance x F / H; 'not all': some attacker was never banned by some "
