@@ -14,6 +14,7 @@ from locoswarm.node.swarm.averaging import SwarmTransport
 from locoswarm.node.swarm.dht import start_dht, visible_maddrs
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
+from locoswarm.node.swarm.versions import Belief
 
 SWARM = {"QmA", "QmB", "QmC"}
 
@@ -81,12 +82,13 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
             transports.append(SwarmTransport(
                 runtime, swarm_key="locoswarm/standing-test/fp/", fingerprint="fp", codec=codec, group_size=2,
                 matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=other: [o],
-                latest_versions=lambda fragment: (-1, []), fetch=lambda fragment, holders, least: None))
+                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
 
         def round_(number: int, versions: list[int]) -> list:
+            # each round's payloads differ (the same bytes in a later round would be a replay)
             handles = [t.start_average(AverageRequest(
-                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((100,), float(i + 1))), numel=100,
-                weight=1.0, version=v)) for i, (t, v) in enumerate(zip(transports, versions, strict=True))]
+                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((100,), float(i + 1) + number / 100)),
+                numel=100, weight=1.0, version=v)) for i, (t, v) in enumerate(zip(transports, versions, strict=True))]
             return [h.result(60) for h in handles]
 
         first = round_(10, [5, 5])
@@ -96,7 +98,7 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
         assert all(r.ok for r in second), [r.error for r in second]
         assert [t.standing.used for t in transports] == [1, 1], "the second round took the standing members"
         assert [r.max_version for r in second] == [6, 6], "both members know the group's newest version"
-        assert torch.allclose(second[0].average, torch.full((100,), 1.5))
+        assert torch.allclose(second[0].average, torch.full((100,), 1.7))
         assert transports[0].latest_version(0) == 7, "the member behind learns the group's next version"
     finally:
         for t in transports:
@@ -106,3 +108,15 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
         for d in dhts:
             with contextlib.suppress(Exception):
                 d.shutdown()
+
+
+def test_a_list_holding_a_peer_this_node_bans_does_not_stand() -> None:
+    """Formed while bans differed (the peer kept apart from some members by the groups), such a list would
+    repeat that split every round while members that matchmake drop the peer: it matchmakes instead."""
+    from locoswarm.node.swarm.standing import StandingMembers
+
+    standing = StandingMembers()
+    standing.record(0, 8, ["A", "B", "C", "X"], {"A": ["X"]}, banned=["X"])
+    assert standing.take(0, 16, {"B", "C"}, banned=["X"]) is None
+    standing.record(0, 8, ["A", "B", "C"], {}, banned=["X"])
+    assert standing.take(0, 16, {"B", "C"}, banned=["X"]) is not None

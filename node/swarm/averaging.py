@@ -648,6 +648,7 @@ class SwarmTransport(Transport):
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
+        self._explained: set[tuple[int, int]] = set()  # rounds whose refused members were explained in the log
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
@@ -1409,6 +1410,20 @@ class SwarmTransport(Transport):
         own = session.contributions.get(session.own)
         return own[0].weight if own is not None else 0.0
 
+    def _explain_refused_member(self, session: _Reduction, remote: str) -> None:
+        """Log, once per round, why a peer is not in the group this node formed (its side of a mismatch: the
+        refused member logs the other side, ``_explain_mismatch``)."""
+        fragment, round_ = session.key[0], session.key[1]
+        if (fragment, round_) in self._explained:
+            return
+        self._explained.add((fragment, round_))
+        while len(self._explained) > MAX_VIEWS:
+            self._explained.pop()
+        view = self._views.get((fragment, round_))
+        how = "no view kept" if view is None else f"its member list {sorted(p[-6:] for p in view.members)} ({view.cut})"
+        log.info("group mismatch: fragment %d round %d: refused %s: this node's group %s, from %s", fragment, round_,
+                 remote[-6:], sorted(p[-6:] for p in session.members), how)
+
     def _check_membership(self, session: _Reduction, remote: str, h: swarm_pb2.AverageHeader) -> _Reduction:
         """The stream's sender must be a member of the group this node formed for the round, once."""
         if session.key[2] != bytes(h.group_hash):
@@ -1416,6 +1431,7 @@ class SwarmTransport(Transport):
                 session.drop(remote, "it formed another group")
                 raise WireError("group mismatch: this reducer formed another group for the round")
             self._offence(remote, "non_member", "a group this node did not form", offence=False)
+            self._explain_refused_member(session, remote)
             raise WireError("group mismatch: you are not in this reducer's group for the round")
         if remote not in session.members:  # it knows our group's hash but is not in it
             self._offence(remote, "non_member", f"not in the group of fragment {h.fragment} round {h.round}")

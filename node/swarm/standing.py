@@ -12,7 +12,8 @@ view does not decline the list: on a starved link a heartbeat read fails for sec
 in 5 s" at 5 Mbit/s), and a node that matchmade on that shrunken view formed another group than its
 partners, which failed the round for all (``reports/swarm-standing``); a member that really left fails one
 round (its streams cannot open), after which the fragment matchmakes again. The node still stores its match
-entry, in the background, so that a member that matchmakes finds it.
+entry, in the background, so that a member that matchmakes finds it. A list that holds a peer this node bans
+does not stand (it was formed while bans differed, and its groups would keep that split).
 
 Where views differ (a peer joined, or fell behind in one view and not in another), members form different
 groups, the exchange refuses the mismatch and the round fails: the next one goes through the DHT again,
@@ -63,7 +64,12 @@ class StandingMembers:
         standing = self._by_fragment.pop(fragment, None)
         if standing is None:
             return None
-        if round_ <= standing.round or not view <= set(standing.members) or frozenset(banned) != standing.banned:
+        banned = frozenset(banned)
+        # A list holding a peer this node bans was formed while bans differed between members (its groups kept
+        # the peer apart from some of them): a standing round would repeat that split for good, while members
+        # that matchmake drop the peer once everyone bans it (``averaging.shunned_dropped``), so it matchmakes.
+        if (round_ <= standing.round or not view <= set(standing.members) or banned != standing.banned
+                or banned & set(standing.members)):
             self.declined += 1
             return None
         self.used += 1
