@@ -136,7 +136,7 @@ class Sample:
     rss_mb: float             # largest honest node
     clocks: list[int] = field(default_factory=list)          # each honest node's swarm clock
     banned: list[list[str]] = field(default_factory=list)    # each honest node's banned peers
-    attacker_rounds: int = 0  # rounds the hostile nodes merged with a group so far
+    attacker_rounds: int = 0  # rounds the hostile nodes took part in so far (merged, failed or refused)
 
 
 @dataclass
@@ -316,8 +316,8 @@ class ScenarioRun:
                 rounds_failed=sum(st.get("syncs_failed", 0) for st in statuses),
                 rss_mb=max(p.rss_mb() for p in self.honest),
                 clocks=[int(st.get("clock", 0)) for st in statuses],
-                attacker_rounds=sum(st.get("syncs_ok", 0) for st in (p.status() for p in self.extra)
-                                    if self.scenario.kind != "clean"),
+                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0)
+                                    for st in (p.status() for p in self.extra) if self.scenario.kind != "clean"),
                 banned=[sorted(p for p, r in ((st.get("reputation") or {}).get("peers") or {}).items()
                                if r.get("banned")) for st in statuses]))
             if task is not None:
@@ -378,9 +378,9 @@ def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sa
     """What honest node ``i`` did about its peers during the window, from the samples: per attacker the seconds
     and rounds from the attack's start to its first ban by this node (None: not banned), and the ids of the
     other honest nodes (whose refusals by this node the summary counts). The attack starts at the first sample,
-    ``turn_after`` s or more into the window, at which the hostile nodes have merged a round with a group (a
-    node attack acts through rounds, and a joining node takes a while to get into one; a client's attack
-    starts with the window)."""
+    ``turn_after`` s or more into the window, at which the hostile nodes have taken part in a round since the
+    window opened (a node attack acts through rounds, and a joining node takes a while to get into one; a
+    client's attack starts with the window)."""
     first: dict[str, tuple[float, int]] = {}
     start_clock = start_t = None
     rounds0 = samples[0].attacker_rounds if samples else 0
