@@ -97,7 +97,7 @@ class MatchEntry(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis")
+    __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis", "lineage")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class AverageHeader(_message.Message):
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BASIS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     round: int
@@ -120,7 +121,8 @@ class AverageHeader(_message.Message):
     n_chunks: int
     codec: str
     basis: bytes
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., codec: _Optional[str] = ..., basis: _Optional[bytes] = ...) -> None: ...
+    lineage: int
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., group_hash: _Optional[bytes] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., codec: _Optional[str] = ..., basis: _Optional[bytes] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data")
@@ -139,18 +141,20 @@ class AverageRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class ReduceHeader(_message.Message):
-    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks")
+    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks", "lineage")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     total_weight: float
     extras: _containers.RepeatedScalarFieldContainer[float]
     n_chunks: int
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ...) -> None: ...
+    lineage: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class AverageReply(_message.Message):
     __slots__ = ("header", "chunk")

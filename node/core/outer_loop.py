@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -457,7 +458,8 @@ class OuterLoop:
         request = AverageRequest(
             fragment=st.index, round=step, chunks=enc.chunks, numel=enc.numel,
             weight=max(st.tokens_since_send, MIN_WEIGHT), version=st.version, extras=torch.cat([r, enc.extras]),
-            schedule=self.schedule_state() if self.schedule.adaptive else None, basis=enc.basis)
+            schedule=self.schedule_state() if self.schedule.adaptive else None, basis=enc.basis,
+            lineage=zlib.crc32(st.phi.detach().to("cpu").numpy().tobytes()))
         if enc.basis:
             def reencode(tag: bytes) -> AverageRequest | None:
                 again = self.compressor.reencode(enc.ticket, tag)

@@ -36,6 +36,9 @@ class AverageRequest:
     # on the seeded basis of this round at the leader's ranks (None: it cannot, and it leaves the round).
     basis: bytes = b""
     reencode: Callable[[bytes], AverageRequest | None] | None = None
+    # crc32 of the sender's phi of the fragment at the send: its lineage. Members judge each other's direction
+    # (for bans) only within one lineage: progress made from another phi may point elsewhere in good faith.
+    lineage: int = 0
 
 
 @dataclass(frozen=True)

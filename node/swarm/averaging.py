@@ -400,6 +400,7 @@ class _Reduction:
         # The outer version each member's header claimed (ours included): a round that skipped the DHT
         # (standing members) learns its members' versions only here.
         self.versions: dict[str, int] = {}
+        self.lineages: dict[str, int] = {}  # each member's phi crc (its header's; ours included)
 
     async def replied(self) -> None:
         """A reply stream of this part has finished."""
@@ -419,10 +420,11 @@ class _Reduction:
     def has(self, sender: str) -> bool:
         return sender in self.contributions or sender in self.dropped
 
-    def claim_version(self, member: str, version: int) -> None:
-        """``member``'s header (its authenticated stream) claims ``version`` of the fragment."""
+    def claim_version(self, member: str, version: int, lineage: int = 0) -> None:
+        """``member``'s header (its authenticated stream) claims ``version`` of the fragment, from phi ``lineage``."""
         if member in self.members:
             self.versions[member] = version
+            self.lineages[member] = lineage
 
     def add(self, contribution: PartContribution, extras: list[float]) -> None:
         if self.done.done() or self.has(contribution.sender):
@@ -1126,7 +1128,7 @@ class SwarmTransport(Transport):
         loop = asyncio.get_running_loop()
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
         session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
-        session.claim_version(self.peer_id, req.version)
+        session.claim_version(self.peer_id, req.version, req.lineage)
         self._remember_payload(req, enumerate(req.chunks))
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
@@ -1184,7 +1186,7 @@ class SwarmTransport(Transport):
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=req.fragment, round=req.round, group_hash=ghash,
             sender=self.peer_id, weight=req.weight, version=req.version, extras=extras,
-            n_chunks=len(part), codec=req.codec, basis=req.basis))
+            n_chunks=len(part), codec=req.codec, basis=req.basis, lineage=req.lineage))
 
         async def requests() -> AsyncIterator[swarm_pb2.AverageRequest]:
             self.counters.sent(peer, req.fragment, req.round, header.ByteSize())
@@ -1236,7 +1238,8 @@ class SwarmTransport(Transport):
         if not req.digest:
             agreement = reduced_agreement(codec, req, chunks, bounds)
             if agreement is not None:
-                self._judge_reduction(peer, agreement)
+                if int(h.lineage) == req.lineage:  # evidence only within one lineage (see ``_serve_part``)
+                    self._judge_reduction(peer, agreement)
                 if agreement < REDUCED_AGREEMENT:
                     raise RuntimeError(f"peer {peer[:12]} sent a reduced part that points against this node's own "
                                        f"progress (agreement {agreement:+.2f})")
@@ -1320,7 +1323,7 @@ class SwarmTransport(Transport):
         own = self._sessions_own_weight(session)
         max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
         session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
-        session.claim_version(remote, int(h.version))
+        session.claim_version(remote, int(h.version), int(h.lineage))
         try:
             result = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)
         except Exception as exc:
@@ -1329,12 +1332,15 @@ class SwarmTransport(Transport):
             kind, detail, conclusive = result.refused[remote]
             self._offence(remote, kind, detail, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
-        if remote in result.scores and session.versions.get(remote) == session.versions.get(self.peer_id):
-            # judged only within one lineage: a member at another version (behind, catching up) made its
-            # progress from another phi, and its direction is no evidence of intent
+        if remote in result.scores and session.lineages.get(remote) == session.lineages.get(self.peer_id):
+            # judged only within one lineage: a member whose phi differs from ours (behind, caught up, or in
+            # another group while bans took effect) made its progress from another point, and its direction is no
+            # evidence of intent. A bench run saw an honest node banned by another for its direction 40 s after
+            # a sleeper's turn had split their phis at one version.
             self._judge_direction(remote, *result.scores[remote])
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
-            ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks)))
+            ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks),
+            lineage=session.lineages.get(self.peer_id, 0)))
         self.counters.sent(remote, h.fragment, h.round, header.ByteSize())
         yield header
         for c in sorted(result.chunks):
