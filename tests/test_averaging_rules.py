@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,8 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     NO_SHOW_ROUNDS,
+    UNLINED_HARM,
+    UNLINED_HARM_S,
     MatchView,
     NoShows,
     SwarmTransport,
@@ -285,6 +288,30 @@ def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> 
     counter.offence("b")
     counter.offence("c")  # beyond the limit: "a", the least recently counted, is forgotten
     assert [counter.offence("a") for _ in range(3)] == [False, False, True]
+
+
+def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_it_recurs_across_lineages():
+    """The effect check's blame (``reject_part``): within one lineage each harmful part is an offence of its
+    reducer; averaged from other phis (a join) only UNLINED_HARM within UNLINED_HARM_S make one."""
+    from locoswarm.node.core.transport import AverageResult, PartOrigin
+
+    offences: list[str] = []
+    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm={},
+                           _offence=lambda peer, kind, detail: offences.append(f"{peer}:{kind}"))
+    res = AverageResult(ok=True)
+    for _ in range(2):
+        SwarmTransport.reject_part(stub, res, PartOrigin("QmSame", 0, 8, one_lineage=True), "harm")
+    SwarmTransport.reject_part(stub, res, PartOrigin("QmMe", 0, 8, one_lineage=True), "harm")  # never ours
+    assert offences == ["QmSame:bad_effect"] * 2
+    offences.clear()
+    for _ in range(UNLINED_HARM - 1):
+        SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
+    assert offences == []
+    SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
+    assert offences == ["QmJoin:bad_effect"]
+    stub._unlined_harm["QmJoin"].extend([time.monotonic() - 2 * UNLINED_HARM_S] * (UNLINED_HARM - 1))
+    SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
+    assert offences == ["QmJoin:bad_effect"]  # old harms have left the window
 
 
 # ---- a reducer's part, as its member judges it ----------------------------------------------------

@@ -243,6 +243,10 @@ def test_shared_settings_are_exactly_the_shared_fields():
 def _candidates(section: str, key: str, f: dataclasses.Field, value, tmp_path: Path) -> list:
     special = {"swarm.name": ["other-swarm"], "model.tokenizer": [str(tmp_path)],
                "swarm.bootstrap": [["/ip4/1.2.3.4/tcp/31337/p2p/QmPeer"]], "data.extensions": [[".txt"]]}
+    if f"{section}.{key}" == "swarm.owner_key":
+        from locoswarm.node.swarm.admission import new_owner_key
+
+        return [new_owner_key()[1]]
     if f"{section}.{key}" in special:
         return special[f"{section}.{key}"]
     if f.metadata["choices"]:
@@ -267,6 +271,11 @@ def _variants(tmp_path: Path, shared: bool):
         for candidate in _candidates(section, key, f, getattr(getattr(base, section), key), tmp_path):
             cfg = SwarmConfig()
             setattr(getattr(cfg, section), key, candidate)
+            if (section, key) == ("swarm", "owner_key"):
+                # a closed swarm needs a certificate file beside its key (its content is checked at start)
+                cert = tmp_path / "member.cert"
+                cert.write_text("{}")
+                cfg.swarm.certificate = str(cert)
             try:
                 validate(cfg)
             except ConfigError:

@@ -44,11 +44,14 @@ class AverageRequest:
 @dataclass(frozen=True)
 class PartOrigin:
     """Who reduced which elements of a round's average: ``[start, end)`` of the payload vector came from
-    ``reducer``. The outer loop blames a part that would harm its model on it (:meth:`Transport.reject_part`)."""
+    ``reducer``. The outer loop blames a part that would harm its model on it (:meth:`Transport.reject_part`).
+    ``one_lineage``: every member that contributed to this node's part sent from this node's phi (the harm
+    of an average made from other phis may be honest: a joiner, a member a round behind)."""
 
     reducer: str
     start: int
     end: int
+    one_lineage: bool = True
 
 
 @dataclass
