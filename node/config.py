@@ -214,8 +214,9 @@ class RobustSection:
                                  help="before applying a round's average, compare its effect on a held-out batch "
                                       "with this node's own contribution's; refuse it when it is worse")
     effect_tolerance: float = setting(0.05, shared=False, min=0.0, max=10.0,
-                                      help="a round's average may raise the held-out loss by this share over what "
-                                           "this node's own contribution gives before it is refused")
+                                      help="a round's average may raise the held-out loss by this share over the "
+                                           "worse of this node's phi and its own contribution's step before "
+                                           "it is refused")
     judge_sequences: int = setting(4, shared=False, min=1, max=4096,
                                    help="held-out sequences of the effect check's batch (one forward pass each "
                                         "for the average and the own contribution)")

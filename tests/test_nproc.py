@@ -447,6 +447,9 @@ def test_an_fsdp_node_averages_with_a_plain_node_and_resumes(swarm: Swarm) -> No
         node.wait_status(lambda s: fragments_merged(s) == {0, 1} and len(merged(s)) >= 4, 240,
                          "every fragment averaged twice")
     wait_until(lambda: agree(nodes), 60, "phi to agree across the two nodes", nodes)
+    # Enough steps for the gather count below to mean something (a joiner can merge its first rounds within
+    # a dozen steps: seen 11).
+    nodes[0].wait_status(lambda s: s["inner_step"] >= 20, 120, "20 inner steps on the FSDP node")
 
     def stops(node: NodeProc) -> list[tuple[str, str, str]]:
         return re.findall(r"rank (\d) stops at step (\d+) with parameters crc32 ([0-9a-f]{8})",

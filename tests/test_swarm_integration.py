@@ -243,7 +243,9 @@ def _slow_node_case(swarm: Swarm) -> None:
     # Not waited for: over the same 10 s the fast nodes make far more steps than the 3x slower one.
     assert min(made[:2]) > 1.8 * made[2], made
     # Contributes, weighted by its tokens: each contribution's weight is the tokens it represents (whole
-    # batches of 4 x 32), and a round's total weight is exactly the sum of its members' weights.
+    # batches of 4 x 32), and a round's total weight is at most the sum of its members' weights (screening
+    # caps a weight at the group's lower median and lowers the pull of a member whose direction disagrees,
+    # so it may be less) and at least the smallest of them.
     tokens_per_step = 4 * 32
     rounds: dict[tuple[int, int], list[dict]] = {}
     for st in end:
@@ -252,7 +254,8 @@ def _slow_node_case(swarm: Swarm) -> None:
     complete = [evs for evs in rounds.values() if len(evs) == evs[0]["group_size"] == 3]
     assert complete, "no round seen on all three nodes"
     for evs in complete:
-        assert sum(e["own_weight"] for e in evs) == pytest.approx(evs[0]["total_weight"])
+        weights = [e["own_weight"] for e in evs]
+        assert min(weights) <= evs[0]["total_weight"] <= sum(weights) * (1 + 1e-6), (weights, evs[0]["total_weight"])
         assert all(e["own_weight"] > 0 and e["own_weight"] % tokens_per_step == 0 for e in evs)
     assert merged(end[2]), "the slow node never contributed"
 
