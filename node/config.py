@@ -219,7 +219,7 @@ class RobustSection:
                                            "it is refused")
     judge_sequences: int = setting(4, shared=False, min=1, max=4096,
                                    help="held-out sequences of the effect check's batch (one forward pass each "
-                                        "for the average and the own contribution)")
+                                        "for the average, the own contribution and phi)")
     ban_threshold: int = setting(3, shared=False, min=1, max=1_000_000,
                                  help="offences within ban_window before this node bans a peer")
     ban_window: float = setting(600.0, shared=False, min=1.0, max=1e7,
