@@ -213,7 +213,7 @@ class RobustSection:
     effect_check: bool = setting(True, shared=False,
                                  help="before applying a round's average, compare its effect on a held-out batch "
                                       "with this node's own contribution's; refuse it when it is worse")
-    effect_tolerance: float = setting(0.05, shared=False, min=0.0, max=10.0,
+    effect_tolerance: float = setting(1.0, shared=False, min=0.0, max=10.0,
                                       help="a round's average may raise the held-out loss by this share over the "
                                            "worse of this node's phi and its own contribution's step before "
                                            "it is refused")

@@ -72,11 +72,11 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss; an honest swarm's phi was up to
 # 19% worse on one node's batch, where a hostile reducer had damaged the swarm before its ban.
 ABSURD_WORSE = 1.0
-# A downloaded phi is refused for its effect only past this many times the effect tolerance (10: 50% worse at the
-# default 5%): the swarm's phi is the lineage a node must follow, even where it does worse on this node's
-# held-out batch (a node that refused it stayed behind, on a phi of its own, and its contributions no longer
-# agreed with anyone's; on a small corpus at H = 320 an honest swarm's newer phi was 34% worse on one batch).
-SNAPSHOT_SLACK = 10.0
+# A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
+# default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
+# node's held-out batch (a node that refused it stayed behind, on a phi of its own, and its contributions no
+# longer agreed with anyone's; on a small corpus at H = 320 an honest swarm's newer phi was 34% worse on one batch).
+SNAPSHOT_SLACK = 0.5
 
 
 @dataclass
