@@ -39,7 +39,7 @@ import torch
 
 from locoswarm.node.config import SwarmConfig, fingerprint
 from locoswarm.node.core.schedule import ScheduleState
-from locoswarm.node.core.state import outer_state_device
+from locoswarm.node.core.state import outer_state_device, tensor_crc
 from locoswarm.node.ranks import Command, RankFailure, RankGroup, ThetaSync, launched
 from locoswarm.node.status import (
     ByteStatus,
@@ -93,10 +93,6 @@ class NodeOptions:
     control_port_default: bool = False  # not chosen by the user: if taken (another node), use any free port
     allow_remote_control: bool = False
     metrics_port: int = 0          # Prometheus text endpoint (0 = off)
-
-
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
 
 
 class Node:
@@ -772,7 +768,7 @@ class Node:
         """Per published fragment: version, phi's hash and norm, last send (the heartbeat's part; hashing
         every phi is not free for a large model, so a status builds it once)."""
         last_send = self.outer.schedule_state().last_send
-        return [swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=_crc(snap.phi),
+        return [swarm_pb2.FragmentStatus(fragment=p, version=snap.version, phi_hash=tensor_crc(snap.phi),
                                          phi_norm=float(snap.phi.norm()),
                                          last_send=-1 if last_send[p] is None else last_send[p],
                                          digest=self._digests.get(p, b""))

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
     from locoswarm.node.inner import InnerOptimizer
 
+from locoswarm.node.core.state import tensor_crc
 from locoswarm.node.errors import UserError
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
@@ -282,11 +283,9 @@ class RankGroup:
 def params_digest(tensors: Iterable[torch.Tensor]) -> int:
     """CRC32 of the tensors' bytes (as fp32), in order: what each rank logs when it stops, to show they
     trained one model."""
-    import zlib
-
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+        crc = tensor_crc(t, crc)
     return crc
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,6 @@ from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     NO_SHOW_ROUNDS,
     UNLINED_HARM,
-    UNLINED_HARM_S,
     MatchView,
     NoShows,
     SwarmTransport,
@@ -292,26 +290,22 @@ def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> 
 
 def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_it_recurs_across_lineages():
     """The effect check's blame (``reject_part``): within one lineage each harmful part is an offence of its
-    reducer; averaged from other phis (a join) only UNLINED_HARM within UNLINED_HARM_S make one."""
+    reducer; averaged from other phis (a join) every UNLINED_HARM-th is one, the others are refusals only."""
     from locoswarm.node.core.transport import AverageResult, PartOrigin
 
-    offences: list[str] = []
-    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm={},
-                           _offence=lambda peer, kind, detail: offences.append(f"{peer}:{kind}"))
+    refusals: list[tuple[str, bool]] = []
+    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM),
+                           _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
     res = AverageResult(ok=True)
     for _ in range(2):
         SwarmTransport.reject_part(stub, res, PartOrigin("QmSame", 0, 8, one_lineage=True), "harm")
     SwarmTransport.reject_part(stub, res, PartOrigin("QmMe", 0, 8, one_lineage=True), "harm")  # never ours
-    assert offences == ["QmSame:bad_effect"] * 2
-    offences.clear()
-    for _ in range(UNLINED_HARM - 1):
+    assert refusals == [("QmSame:bad_effect", True)] * 2
+    refusals.clear()
+    for _ in range(2 * UNLINED_HARM):
         SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
-    assert offences == []
-    SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
-    assert offences == ["QmJoin:bad_effect"]
-    stub._unlined_harm["QmJoin"].extend([time.monotonic() - 2 * UNLINED_HARM_S] * (UNLINED_HARM - 1))
-    SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
-    assert offences == ["QmJoin:bad_effect"]  # old harms have left the window
+    assert len(refusals) == 2 * UNLINED_HARM
+    assert [i for i, (_, offence) in enumerate(refusals) if offence] == [UNLINED_HARM - 1, 2 * UNLINED_HARM - 1]
 
 
 # ---- a reducer's part, as its member judges it ----------------------------------------------------

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -55,7 +54,7 @@ from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import encode_chunks
 from locoswarm.node.core.schedule import ScheduleState, ScheduleView, make_schedule
-from locoswarm.node.core.state import FragmentState, ThetaAccess
+from locoswarm.node.core.state import FragmentState, ThetaAccess, tensor_crc
 from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
@@ -460,7 +459,7 @@ class OuterLoop:
             fragment=st.index, round=step, chunks=enc.chunks, numel=enc.numel,
             weight=max(st.tokens_since_send, MIN_WEIGHT), version=st.version, extras=torch.cat([r, enc.extras]),
             schedule=self.schedule_state() if self.schedule.adaptive else None, basis=enc.basis,
-            lineage=zlib.crc32(st.phi.detach().to("cpu").numpy().tobytes()))
+            lineage=tensor_crc(st.phi))
         if enc.basis:
             def reencode(tag: bytes) -> AverageRequest | None:
                 again = self.compressor.reencode(enc.ticket, tag)

@@ -11,11 +11,18 @@ and write, so that it moves a fragment between the ranks only when the outer loo
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+
+def tensor_crc(t: torch.Tensor, crc: int = 0) -> int:
+    """crc32 of a tensor's fp32 bytes (chained from ``crc``): a phi's identity in heartbeats, statuses and a
+    round's lineage, and the ranks' check that they hold one model."""
+    return zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
 
 
 class ThetaAccess(Protocol):

@@ -99,10 +99,9 @@ CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most
 # not applied (the round fails), and reducers whose last REDUCED_WINDOW parts average below it are banned.
 REDUCED_AGREEMENT = -0.3
 REDUCED_WINDOW = 3
-# A harmful average made from more than one phi (``reject_part``) is an offence of its reducer only when it
-# recurs this often within this many seconds.
+# A harmful average made from more than one phi (``reject_part``): every this many such refusals of its reducer
+# make one offence.
 UNLINED_HARM = 8
-UNLINED_HARM_S = 120.0
 # A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
 # member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
 # mostly noise (it has little pull anyway).
@@ -642,7 +641,7 @@ class SwarmTransport(Transport):
         self._skipped: dict[tuple[int, int], float] = {}
         # (fragment, round) -> peers whose stream for it was refused before this node formed its group
         self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
-        self._unlined_harm: dict[str, deque[float]] = {}  # when averages from other phis harmed, per reducer
+        self._unlined_harm = EveryNth(UNLINED_HARM)  # harmful averages from other phis, per reducer
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.no_shows = NoShows()
         self._peer_seen_at = -math.inf  # monotonic time a live peer was last seen (see ``_alone``)
@@ -1401,24 +1400,12 @@ class SwarmTransport(Transport):
         reducer (this node's own part is never blamed: it screened that one itself)."""
         if not part.reducer or part.reducer == self.peer_id:
             return
-        if part.one_lineage:
-            self._offence(part.reducer, "bad_effect", reason)
-            return
         # Averaged from more than one phi: an honest joiner and its group refuse each other's averages for a
         # round or two (seen: a pair of honest nodes banned each other 1 s after a join, and never averaged
-        # again). Only a harm that persists over UNLINED_HARM rounds within UNLINED_HARM_S is an offence, so
-        # a member cannot escape the effect check for good by claiming another lineage.
-        now = time.monotonic()
-        seen = self._unlined_harm.setdefault(part.reducer, deque())
-        seen.append(now)
-        while seen and seen[0] < now - UNLINED_HARM_S:
-            seen.popleft()
-        if len(seen) >= UNLINED_HARM:
-            seen.clear()
-            self._offence(part.reducer, "bad_effect", f"{reason} ({UNLINED_HARM} rounds within "
-                                                      f"{UNLINED_HARM_S:.0f} s, averaged from other phis)")
-        while len(self._unlined_harm) > MAX_TRACKED_FLOODERS:
-            self._unlined_harm.pop(next(iter(self._unlined_harm)))
+        # again). There every UNLINED_HARM-th such refusal is an offence, so a member cannot escape the effect
+        # check for good by claiming another lineage.
+        offence = part.one_lineage or self._unlined_harm.offence(part.reducer)
+        self._offence(part.reducer, "bad_effect", reason, offence=offence)
 
     def _drop_from_round(self, remote: str, fragment: int, round_: int) -> None:
         """``remote``'s stream for a round was refused, so its part will not come: a reducer that has it
