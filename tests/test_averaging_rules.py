@@ -484,3 +484,30 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
         SwarmTransport._judge_reduction(stub, "QmBad", reduced_agreement(CODEC, req, turned, bounds))
         SwarmTransport._judge_reduction(stub, "QmGood", reduced_agreement(CODEC, req, honest_part, bounds))
     assert rep.is_banned("QmBad") and not rep.is_banned("QmGood")
+
+
+def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:
+    """A reducer that turns every part is refused each time; within one lineage three parts ban it, and naming
+    another phi (its own claim) only slows that down: every UNLINED_HARM-th part is an offence, so the ban
+    comes after 3 x UNLINED_HARM parts. An honest part (agreement above REDUCED_AGREEMENT) passes either way."""
+    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT
+    from locoswarm.node.swarm.reputation import Reputation
+
+    rep = Reputation()
+    stub = SimpleNamespace(reputation=rep, refusals=[], _unlined_harm=EveryNth(UNLINED_HARM))
+    stub._judge_reduction = lambda peer, agreement: SwarmTransport._judge_reduction(stub, peer, agreement)
+    stub._offence = lambda peer, kind, detail, offence=True, conclusive=False: SwarmTransport._offence(
+        stub, peer, kind, detail, offence=offence, conclusive=conclusive)
+    check = SwarmTransport._check_reduced_direction
+    for same in (True, False):
+        check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
+    turned = 0
+    while not rep.is_banned("QmOther") and turned < 10 * UNLINED_HARM:
+        with pytest.raises(RuntimeError, match="points against"):
+            check(stub, "QmOther", -0.5, same_lineage=False)
+        turned += 1
+    assert turned == 3 * UNLINED_HARM
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="points against"):
+            check(stub, "QmSame", -0.5, same_lineage=True)
+    assert rep.is_banned("QmSame") and not rep.is_banned("QmHonest")

@@ -304,8 +304,8 @@ def test_the_effect_check_passes_an_honest_average_and_refuses_a_harmful_one_bla
 
 
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
-    """A downloaded phi that does much worse on the held-out check than the node's own is refused: twice the
-    loss and more (a negated phi) is a conclusive offence of its source; 69% worse (past the snapshot slack, but
+    """A downloaded phi that does much worse on the held-out check than the node's own is refused: four times
+    the loss and more (a negated phi) is a conclusive offence of its source; 69% worse (past the snapshot slack, but
     maybe an honest holder whose phi went another way) is not."""
     target = _trained_target()
     loops, transports, step = _pair(judge_target=target)
