@@ -488,9 +488,10 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
 
 def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:
     """A reducer that turns every part is refused each time; within one lineage three parts ban it, and naming
-    another phi (its own claim) only slows that down: every UNLINED_HARM-th part is an offence, so the ban
-    comes after 3 x UNLINED_HARM parts. An honest part (agreement above REDUCED_AGREEMENT) passes either way."""
-    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT
+    another phi (its own claim) only slows that down: every UNLINED_HARM-th part below UNLINED_TURNED is an
+    offence, so the ban comes after 3 x UNLINED_HARM parts; above it (an honest reducer of another lineage)
+    never. An honest part (agreement above REDUCED_AGREEMENT) passes either way."""
+    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, UNLINED_TURNED
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
@@ -501,10 +502,14 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     check = SwarmTransport._check_reduced_direction
     for same in (True, False):
         check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
+    for _ in range(10 * UNLINED_HARM):  # another phi's honest reducer: refused, never an offence
+        with pytest.raises(RuntimeError, match="points against"):
+            check(stub, "QmElsewhere", UNLINED_TURNED + 0.15, same_lineage=False)
+    assert not rep.is_banned("QmElsewhere")
     turned = 0
     while not rep.is_banned("QmOther") and turned < 10 * UNLINED_HARM:
         with pytest.raises(RuntimeError, match="points against"):
-            check(stub, "QmOther", -0.5, same_lineage=False)
+            check(stub, "QmOther", -0.8, same_lineage=False)
         turned += 1
     assert turned == 3 * UNLINED_HARM
     for _ in range(3):

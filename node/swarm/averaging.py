@@ -104,6 +104,10 @@ REDUCED_WINDOW = 3
 # A harmful average made from more than one phi (``reject_part``), or a turned reduced part from a reducer that names
 # another phi: every this many such refusals of its reducer make one offence.
 UNLINED_HARM = 8
+# A reduced part from a reducer that names another phi counts toward that only below this agreement: honest
+# reducers of another lineage sent parts down to -0.34 while a state liar disrupted the swarm (robustness bench,
+# 180 s), a reducer that negates its part -0.7 to -0.96 (hostile-node tests).
+UNLINED_TURNED = -0.5
 # A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
 # member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
 # mostly noise (it has little pull anyway).
@@ -1392,14 +1396,15 @@ class SwarmTransport(Transport):
         Evidence counts within one lineage (see ``_serve_part``); but the lineage is the reducer's own claim, and
         a reducer that turned every part and named another phi escaped the window and failed every honest round
         it sat in (a hostile-node test: no merged round for 30 s), so across lineages every UNLINED_HARM-th
-        turned part is an offence."""
+        part below ``UNLINED_TURNED`` is an offence (the others are refusals without blame)."""
         if same_lineage:
             self._judge_reduction(peer, agreement)
         if agreement >= REDUCED_AGREEMENT:
             return
         reason = f"a reduced part that points against this node's own progress (agreement {agreement:+.2f})"
         if not same_lineage:
-            self._offence(peer, "reduction", f"{reason}, from another phi", offence=self._unlined_harm.offence(peer))
+            turned = agreement < UNLINED_TURNED and self._unlined_harm.offence(peer)
+            self._offence(peer, "reduction", f"{reason}, from another phi", offence=turned)
         raise RuntimeError(f"peer {peer[:12]} sent {reason}")
 
     def _judge_reduction(self, peer: str, agreement: float) -> None:
