@@ -97,8 +97,9 @@ REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
 # A reduced part whose agreement with this member's own contribution (``reduced_agreement``) is below this is
 # not applied (the round fails), and reducers whose last REDUCED_WINDOW parts average below it are banned.
-# Honest parts were never below -0.04 (``reduced_agreement``); a hostile reducer's negated part scattered from
-# -0.31 to -0.58 where refused at -0.3, and those above it were applied (a CI run of the hostile-node tests).
+# Honest parts of one lineage were never below -0.04 (``reduced_agreement``; of another, see UNLINED_TURNED); a
+# hostile reducer's negated part scattered from -0.31 to -0.58 where refused at -0.3, and those above it were
+# applied (a CI run of the hostile-node tests).
 REDUCED_AGREEMENT = -0.1
 REDUCED_WINDOW = 3
 # A harmful average made from more than one phi (``reject_part``), or a turned reduced part from a reducer that names
