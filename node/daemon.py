@@ -66,6 +66,7 @@ log = logging.getLogger("locoswarm.node")
 PORT_FILE = "listen_port"  # in the state dir: the libp2p port to listen on again after a restart
 # Failed rounds a peer's token claim may carry, at least (its own max_carry is not ours to know).
 MIN_CARRY_ALLOWANCE = 8
+DIGEST_LOG = 64  # own published versions' digests kept to compare with the peers' (heartbeats lag rounds)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Node:
         self.peer_table: dict = {}
         self.published: dict = {}
         self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
+        # fragment -> version -> digest of the states published since the last download (``split_lineage``)
+        self._digest_log: dict[int, dict[int, bytes]] = {}
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
         self.certificate = b""
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
@@ -452,6 +455,7 @@ class Node:
                                   f"{self.cfg.network.state_momentum}); swarm clock {self.clock}")
         else:
             self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
+        self._digest_log.clear()
         for p in range(self.outer.n_fragments):
             self._publish(p)
         self.initial_eval = self._evaluate()
@@ -580,6 +584,8 @@ class Node:
                          self.counters.total_sent)
 
     def _on_sync(self, ev) -> None:
+        if ev.kind == "caught_up":
+            self._digest_log.pop(ev.fragment, None)  # the states before it were another lineage's
         if ev.kind in ("merged", "caught_up"):
             self._publish(ev.fragment)
         if ev.kind == "sent":
@@ -629,8 +635,12 @@ class Node:
         from locoswarm.node.swarm.versions import state_digest
 
         snap = self.outer.snapshot(fragment)
-        self._digests[fragment] = state_digest(snap.phi, snap.momentum)
+        self._digests[fragment] = digest = state_digest(snap.phi, snap.momentum)
         self.published[fragment] = snap
+        log = self._digest_log.setdefault(fragment, {})
+        log[snap.version] = digest
+        while len(log) > DIGEST_LOG:
+            log.pop(next(iter(log)))
 
     def _adopt_schedule_state(self) -> None:
         """When joining, start the adaptive schedule from a peer's state (last sends, the summed R),
@@ -714,7 +724,7 @@ class Node:
         offence), corroborated by a second claimant, from the holders that announce the digest most of them
         do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
         lately (``Reputation.offended``: colluding liars corroborate each other's claims)."""
-        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
+        from locoswarm.node.swarm.versions import Claim, absurd_version, believe, split_lineage
 
         bound = self._version_bound()
         claims: dict[str, Claim] = {}
@@ -729,7 +739,9 @@ class Node:
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
-        return believe(claims, bound=bound)
+        belief = believe(claims, bound=bound)
+        belief.split = split_lineage(dict(self._digest_log.get(fragment, {})), claims)  # a copy: threads
+        return belief
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it

@@ -359,7 +359,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={})
+                           _refused_sources={}, _split={})
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
@@ -368,6 +368,31 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmLiar"])}
     assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
+
+
+def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_long(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An honest swarm's phi moves every round: a holder whose phi measured worse than ours is asked again
+    after WORSE_SOURCE_S (a node that refused the others' phi while a bad average had set them back would
+    otherwise stay on a lineage of its own), one that served a malformed state only after REFUSED_SOURCE_S."""
+    import locoswarm.node.swarm.averaging as averaging
+    from locoswarm.node.core.transport import FragmentSnapshot
+
+    now = [1000.0]
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, _offence=lambda *args, **kwargs: None)
+    source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
+
+    def served(peer: str) -> FragmentSnapshot:
+        return FragmentSnapshot(0, 7, torch.zeros(3), torch.zeros(3), source=peer)
+
+    SwarmTransport.reject_snapshot(stub, served("QmWorse"), "effect: worse", offence=False)
+    SwarmTransport.reject_snapshot(stub, served("QmBroken"), "phi is not finite", offence=True)
+    assert not source("QmWorse") and not source("QmBroken") and source("QmOther")
+    now[0] += averaging.WORSE_SOURCE_S + 0.1
+    assert source("QmWorse") and not source("QmBroken")
+    now[0] += averaging.REFUSED_SOURCE_S
+    assert source("QmBroken")
 
 
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:

@@ -690,7 +690,9 @@ class OuterLoop:
             return events
         least = st.version if st.index in self._resync else st.version + 1
         if self.transport.latest_version(st.index) < least:
-            return events
+            if not (self.rule.shares_phi and self.transport.split_lineage(st.index)):
+                return events
+            least = 0  # the swarm's lineage, at whatever version its holders are now (the checks still apply)
         self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index), least)
         return events + self._land(st, step)  # a transport that fetches at once (in-process)
 

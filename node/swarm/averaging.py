@@ -125,8 +125,10 @@ MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain 
 ALONE_S = 10.0               # seconds without any live peer before a node takes outer steps alone (``_alone``)
 JOIN_WAIT_S = 120.0          # how long a peer that is still joining (no state yet) keeps a lone node from solo steps
 MAX_JOINERS = 256            # joining peers tracked for that (first come; a flood of heartbeats cannot grow it)
-REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused is not asked for state again for this long
+REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
+WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
+SPLIT_RESYNC_S = 30.0        # a lineage split (``split_lineage``) downloads the state at most this often per fragment
 
 
 @dataclass
@@ -656,8 +658,10 @@ class SwarmTransport(Transport):
         self.serving_peers = serving_peers or (lambda: [])
         self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
         self.standing = StandingMembers(standing_members)
-        self._refused_sources: dict[str, float] = {}  # peer -> when a state it served was refused (monotonic)
+        self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
         self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
+        self._split: dict[int, bool] = {}  # fragment -> whether the last belief found this node's lineage split
+        self._split_resync: dict[int, float] = {}  # fragment -> when a lineage split last started a download
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
@@ -715,11 +719,14 @@ class SwarmTransport(Transport):
 
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, and no state of its refused lately
-        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version; a state
-        the effect check found worse than ours, within ``REFUSED_SOURCE_S``: else a node would download it
-        again at every send)."""
-        refused = self._refused_sources.get(peer)
-        if refused is not None and time.monotonic() - refused < REFUSED_SOURCE_S:
+        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), and no
+        state of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S``
+        after a malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The
+        latter is short because an honest swarm's phi moves every round: a node that refused the others' phi
+        while a bad average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays
+        on a lineage of its own until it asks again, and 120 s kept three honest nodes apart past a test's
+        two-minute wait."""
+        if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
                                                or self.reputation.offended(peer, "bad_state"))
@@ -757,6 +764,7 @@ class SwarmTransport(Transport):
         that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
         newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
         belief = self._latest_versions(fragment)
+        self._split[fragment] = belief.split
         now = time.monotonic()
         for peer, claim in sorted(belief.unconfirmed.items()):
             if self._state_source(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
@@ -772,6 +780,16 @@ class SwarmTransport(Transport):
 
     def latest_version(self, fragment: int) -> int:
         return self._newest(fragment).version
+
+    def split_lineage(self, fragment: int) -> bool:
+        """The heartbeats' word (``Belief.split``, ``locoswarm.node.swarm.versions.split_lineage``) as the last
+        :meth:`latest_version` read it, at most once per ``SPLIT_RESYNC_S``: nodes whose floating point differs
+        (another device) never announce one digest, and each would otherwise download the state at every send."""
+        now = time.monotonic()
+        if now - self._split_resync.get(fragment, -math.inf) < SPLIT_RESYNC_S or not self._split.get(fragment):
+            return False
+        self._split_resync[fragment] = now
+        return True
 
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         belief = self._newest(fragment)
@@ -796,7 +814,8 @@ class SwarmTransport(Transport):
         if snapshot.source:
             self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence,
                           conclusive=conclusive)
-            self._refused_sources[snapshot.source] = time.monotonic()
+            self._refused_sources[snapshot.source] = time.monotonic() + (REFUSED_SOURCE_S if offence
+                                                                           else WORSE_SOURCE_S)
             while len(self._refused_sources) > MAX_JOINERS:
                 self._refused_sources.pop(next(iter(self._refused_sources)))
 
