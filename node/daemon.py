@@ -66,7 +66,6 @@ log = logging.getLogger("locoswarm.node")
 PORT_FILE = "listen_port"  # in the state dir: the libp2p port to listen on again after a restart
 # Failed rounds a peer's token claim may carry, at least (its own max_carry is not ours to know).
 MIN_CARRY_ALLOWANCE = 8
-DIGEST_LOG = 64  # own published versions' digests kept to compare with the peers' (heartbeats lag rounds)
 
 
 @dataclass
@@ -114,8 +113,6 @@ class Node:
         self.peer_table: dict = {}
         self.published: dict = {}
         self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
-        # fragment -> version -> digest of the states published since the last download (``split_lineage``)
-        self._digest_log: dict[int, dict[int, bytes]] = {}
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
         self.certificate = b""
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
@@ -132,7 +129,6 @@ class Node:
         self.compute_seconds = 0.0
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
-        self.solo_steps = 0        # outer steps taken alone (no live peer), see _on_sync
         self._alone = False
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -455,7 +451,6 @@ class Node:
                                   f"{self.cfg.network.state_momentum}); swarm clock {self.clock}")
         else:
             self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
-        self._digest_log.clear()
         for p in range(self.outer.n_fragments):
             self._publish(p)
         self.initial_eval = self._evaluate()
@@ -584,8 +579,6 @@ class Node:
                          self.counters.total_sent)
 
     def _on_sync(self, ev) -> None:
-        if ev.kind == "caught_up":
-            self._digest_log.pop(ev.fragment, None)  # the states before it were another lineage's
         if ev.kind in ("merged", "caught_up"):
             self._publish(ev.fragment)
         if ev.kind == "sent":
@@ -596,9 +589,9 @@ class Node:
                 self.theta_sync.reset_inner()
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
-            # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo). Counted,
-            # and announced once per stretch alone, so that it does not flood the log and events.
-            self.solo_steps += 1
+            # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo), counted by
+            # the core (``OuterStats.solo_steps``) and announced once per stretch alone, so that it does not
+            # flood the log and events.
             if not self._alone:
                 self._alone = True
                 self._event("alone", f"no live peer: outer steps on this node's own progress (from {detail}) "
@@ -635,12 +628,8 @@ class Node:
         from locoswarm.node.swarm.versions import state_digest
 
         snap = self.outer.snapshot(fragment)
-        self._digests[fragment] = digest = state_digest(snap.phi, snap.momentum)
+        self._digests[fragment] = state_digest(snap.phi, snap.momentum)
         self.published[fragment] = snap
-        log = self._digest_log.setdefault(fragment, {})
-        log[snap.version] = digest
-        while len(log) > DIGEST_LOG:
-            log.pop(next(iter(log)))
 
     def _adopt_schedule_state(self) -> None:
         """When joining, start the adaptive schedule from a peer's state (last sends, the summed R),
@@ -724,7 +713,7 @@ class Node:
         offence), corroborated by a second claimant, from the holders that announce the digest most of them
         do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
         lately (``Reputation.offended``: colluding liars corroborate each other's claims)."""
-        from locoswarm.node.swarm.versions import Claim, absurd_version, believe, split_lineage
+        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
         bound = self._version_bound()
         claims: dict[str, Claim] = {}
@@ -739,9 +728,7 @@ class Node:
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
-        belief = believe(claims, bound=bound)
-        belief.split = split_lineage(dict(self._digest_log.get(fragment, {})), claims)  # a copy: threads
-        return belief
+        return believe(claims, bound=bound)
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
@@ -855,8 +842,8 @@ class Node:
             eval_curve=[EvalPoint(clock, loss) for clock, loss in self.eval_curve],
             fragments=self._fragments_status({fs.fragment: fs for fs in own}, spread),
             peers=self._peers_status(reputation),
-            syncs_ok=stats.syncs_ok - self.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
-            catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=self.solo_steps,
+            syncs_ok=stats.syncs_ok - stats.solo_steps, syncs_failed=stats.syncs_failed, catch_ups=stats.catch_ups,
+            catch_up_loops=stats.catch_up_loops, stalls_cut=stats.stalls_cut, solo_steps=stats.solo_steps,
             effect_checks=stats.effect_checks, effect_refused=stats.effect_refused,
             strangers=self.admission.strangers if self.admission is not None else 0,
             standing_rounds=self.transport.standing_rounds(),

@@ -359,7 +359,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={}, _split={})
+                           _refused_sources={})
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])

@@ -141,7 +141,7 @@ class FakeOuter:
     def __init__(self) -> None:
         from locoswarm.node.core.outer_loop import OuterStats
 
-        self.stats = OuterStats(syncs_ok=9, syncs_failed=2, catch_ups=1, consensus_rounds=3,
+        self.stats = OuterStats(syncs_ok=9, solo_steps=4, syncs_failed=2, catch_ups=1, consensus_rounds=3,
                                 last_consensus_shift=0.01)
 
     def fragment_status(self) -> list[dict]:
@@ -173,7 +173,7 @@ def test_node_status_snapshot(tmp_path):
     node = Node(load_config(None, []), NodeOptions(state_dir=tmp_path, control_port=7615, metrics_port=9615))
     node.peer_id, node.maddrs, node.state, node.loss, node.clock, node.local_step = "QmSelf", ["/ip4/1"], "training", \
         2.5, 120, 118
-    node.outer, node.solo_steps = FakeOuter(), 4
+    node.outer = FakeOuter()
     phi = torch.arange(6, dtype=torch.float32)
     node.published = {0: FragmentSnapshot(0, 7, phi, torch.zeros(6))}  # fragment 1 not published yet
     node.counters = ByteCounters()

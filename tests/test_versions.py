@@ -94,7 +94,7 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
 
     fetched = []
     belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, _probed={}, _split={},
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, _probed={},
                            _latest_versions=lambda fragment: belief,
                            _fetch=lambda *args: fetched.append(args))
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
@@ -105,53 +105,3 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
     assert SwarmTransport.latest_version(stub, 0) == 40  # probed: not again for a while
     stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
     assert SwarmTransport.latest_version(stub, 0) == 42
-
-
-def test_a_node_whose_digest_is_not_the_swarms_at_a_shared_version_is_on_a_split_lineage() -> None:
-    from locoswarm.node.swarm.versions import split_lineage
-
-    own = {40: b"a40", 41: b"a41"}
-    assert not split_lineage(own, {"p": Claim(41, b"a41"), "q": Claim(41, b"a41")})   # one lineage
-    assert split_lineage(own, {"p": Claim(41, b"b41"), "q": Claim(41, b"b41")})       # outvoted
-    assert not split_lineage(own, {"p": Claim(41, b"a41"), "q": Claim(41, b"b41")})   # the majority is ours
-    # The newest version both hold decides (heartbeats lag: an older one may predate a catch-up).
-    assert not split_lineage(own, {"p": Claim(40, b"b40"), "q": Claim(41, b"a41"), "r": Claim(40, b"b40")})
-    # Nothing shared, or no digest announced: no word on it.
-    assert not split_lineage(own, {"p": Claim(45, b"b45"), "q": Claim(39, b"b39")})
-    assert not split_lineage(own, {"p": Claim(41), "q": Claim(41)})
-    # A three-way tie: every node picks the same lineage (the digest's bytes), so exactly one keeps its own.
-    digests = [b"x41", b"y41", b"z41"]
-    keeps = [not split_lineage({41: d}, {str(i): Claim(41, o) for i, o in enumerate(digests) if o != d})
-             for d in digests]
-    assert keeps == [False, False, True]
-
-
-def test_the_transport_repairs_a_split_lineage_at_most_once_a_while(monkeypatch) -> None:
-    import math
-    from types import SimpleNamespace
-
-    import locoswarm.node.swarm.averaging as averaging
-    from locoswarm.node.swarm.averaging import SPLIT_RESYNC_S, SwarmTransport
-    from locoswarm.node.swarm.versions import Belief
-
-    now = [100.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    belief = Belief(40, b"g", ["h0"], split=True)
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, _probed={},
-                           _split={}, _split_resync={}, _latest_versions=lambda fragment: belief)
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-    stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
-    assert SwarmTransport.split_lineage(stub, 0) is False   # the belief is read by latest_version first
-    for fragment in (0, 1):
-        assert SwarmTransport.latest_version(stub, fragment) == 40
-    assert SwarmTransport.split_lineage(stub, 0) is True
-    assert SwarmTransport.split_lineage(stub, 0) is False   # not again at once: another device's rounding
-    assert SwarmTransport.split_lineage(stub, 1) is True    # per fragment
-    now[0] += SPLIT_RESYNC_S
-    belief.split = False
-    SwarmTransport.latest_version(stub, 0)
-    assert SwarmTransport.split_lineage(stub, 0) is False
-    belief.split = True
-    SwarmTransport.latest_version(stub, 0)
-    assert SwarmTransport.split_lineage(stub, 0) is True
-    assert math.isfinite(stub._split_resync[0])

@@ -121,9 +121,6 @@ class MergeRule(ABC):
     # progress made since the send (mixed or carried), so a late result costs staleness, not steps.
     # ``replace`` drops that progress (theta <- phi), so it waits at tau as blocking DiLoCo does.
     merges_late: ClassVar[bool] = True
-    # Whether the members of a group hold one phi after its round (all but eager, whose own progress enters
-    # each member's phi at once): only then is another phi at the same version a lineage split to repair.
-    shares_phi: ClassVar[bool] = True
 
     @abstractmethod
     def merge(self, theta: torch.Tensor, phi: torch.Tensor, snapshot: torch.Tensor, bounds: Bounds) -> torch.Tensor:
@@ -214,7 +211,6 @@ class Eager(LateRule):
     share, everyone else's one round late."""
 
     name = "eager"
-    shares_phi = False
 
     def own_share(self, expected_share: float) -> float:
         return expected_share

@@ -103,6 +103,7 @@ class OuterStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     syncs_ok: int = 0
+    solo_steps: int = 0                   # ... of which outer steps alone (a swarm of one: group size 1)
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
@@ -669,6 +670,11 @@ class OuterLoop:
         if kind == "merged":
             st.catch_ups_in_row = 0
         if res.ok:
+            if kind == "merged" and res.group_size == 1:
+                # counted before ``syncs_ok``: the status thread reads ``syncs_ok - solo_steps`` as the rounds
+                # merged with peers, and must never see a solo step there (a benchmark that waited for a
+                # node's first round stopped on one, then read 0 rounds)
+                self.stats.solo_steps += 1
             self.stats.syncs_ok += 1
         else:
             self.stats.syncs_failed += 1
@@ -690,9 +696,7 @@ class OuterLoop:
             return events
         least = st.version if st.index in self._resync else st.version + 1
         if self.transport.latest_version(st.index) < least:
-            if not (self.rule.shares_phi and self.transport.split_lineage(st.index)):
-                return events
-            least = 0  # the swarm's lineage, at whatever version its holders are now (the checks still apply)
+            return events
         self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index), least)
         return events + self._land(st, step)  # a transport that fetches at once (in-process)
 

@@ -153,12 +153,6 @@ class Transport(ABC):
         node keeps training meanwhile."""
         return FetchHandle(self.fetch_fragment(fragment))
 
-    def split_lineage(self, fragment: int) -> bool:
-        """Whether this node's phi of ``fragment`` is not the swarm's at a version both hold (same version,
-        another phi: it refused a round or a catch-up the others applied), so it should download the state
-        again whatever the versions say. Never by default (an in-process swarm shares one lineage)."""
-        return False
-
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,  # noqa: B027
                         conclusive: bool = False) -> None:
         """The core refused a snapshot this transport fetched (the guard found it absurd, or the effect check

@@ -128,7 +128,6 @@ MAX_JOINERS = 256            # joining peers tracked for that (first come; a flo
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
 WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
-SPLIT_RESYNC_S = 30.0        # a lineage split (``split_lineage``) downloads the state at most this often per fragment
 
 
 @dataclass
@@ -660,8 +659,6 @@ class SwarmTransport(Transport):
         self.standing = StandingMembers(standing_members)
         self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
         self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
-        self._split: dict[int, bool] = {}  # fragment -> whether the last belief found this node's lineage split
-        self._split_resync: dict[int, float] = {}  # fragment -> when a lineage split last started a download
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
@@ -764,7 +761,6 @@ class SwarmTransport(Transport):
         that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
         newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
         belief = self._latest_versions(fragment)
-        self._split[fragment] = belief.split
         now = time.monotonic()
         for peer, claim in sorted(belief.unconfirmed.items()):
             if self._state_source(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
@@ -780,16 +776,6 @@ class SwarmTransport(Transport):
 
     def latest_version(self, fragment: int) -> int:
         return self._newest(fragment).version
-
-    def split_lineage(self, fragment: int) -> bool:
-        """The heartbeats' word (``Belief.split``, ``locoswarm.node.swarm.versions.split_lineage``) as the last
-        :meth:`latest_version` read it, at most once per ``SPLIT_RESYNC_S``: nodes whose floating point differs
-        (another device) never announce one digest, and each would otherwise download the state at every send."""
-        now = time.monotonic()
-        if now - self._split_resync.get(fragment, -math.inf) < SPLIT_RESYNC_S or not self._split.get(fragment):
-            return False
-        self._split_resync[fragment] = now
-        return True
 
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         belief = self._newest(fragment)

@@ -21,12 +21,6 @@ must pass before a node acts on it:
    own held-out batch than the phi it holds. What passes 1-3 but lies (colluders within the bound) is
    refused there, and its sources are blamed.
 
-A node can also find itself on a *lineage of its own*: the same version as its peers, another phi (it refused
-a round, or a catch-up, that the others applied; averaging deltas never brings two phis together again).
-:func:`split_lineage` compares the digests it announced with the peers' at the newest version both announced;
-when the swarm's lineage there is another (the most announcers, ties broken by the digest's bytes, as
-:func:`believe` does), the node downloads the state again, through the same checks.
-
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
 effect check like any other). A node that is a round ahead of the others gets followed; a lone liar within
@@ -78,14 +72,12 @@ class Claim:
 @dataclass
 class Belief:
     """The version to believe and the holders to take it from (``holders`` announce ``digest``); the claims
-    newer than it that nobody corroborates, within the bound (peer -> claim: probed, module docstring); and
-    whether this node's own lineage is not the swarm's (set by the node, which knows its own digests)."""
+    newer than it that nobody corroborates, within the bound (peer -> claim: probed, module docstring)."""
 
     version: int = -1
     digest: bytes = b""
     holders: list[str] = field(default_factory=list)
     unconfirmed: dict[str, Claim] = field(default_factory=dict)
-    split: bool = False  # this node's phi is not the swarm's lineage at a version both hold (``split_lineage``)
 
 
 def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
@@ -104,20 +96,6 @@ def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
                   {p: c for p, c in kept.items() if c.version > version})
 
 
-def split_lineage(own: Mapping[int, bytes], claims: Mapping[str, Claim]) -> bool:
-    """Whether this node, which announced ``own`` (version -> digest, its recent states), holds another phi than
-    the swarm's lineage at the newest version it shares with ``claims`` (the peers' heartbeats): the digest the
-    most of them announce there, this node included, ties broken by the digest's bytes (every node picks the
-    same one). Claims without a digest do not count."""
-    shared = [c for c in claims.values() if c.digest and c.version in own]
-    if not shared:
-        return False
-    version = max(c.version for c in shared)
-    counts = Counter(c.digest for c in shared if c.version == version)
-    counts[own[version]] += 1
-    return max(counts, key=lambda d: (counts[d], d)) != own[version]
-
-
 def plausible_version(claims: Mapping[str, int], own: str | None = None, *, bound: int | None = None) -> int:
     """The newest version that is corroborated: claimed (or exceeded) by at least two peers, one of
     which may be this node (``own``), at or below ``bound``. With a single other claimant its claim stands:
@@ -131,5 +109,4 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None, *, boun
     return values[1]
 
 
-__all__ = ["Belief", "Claim", "absurd_version", "believe", "plausible_version", "split_lineage", "state_digest",
-           "version_bound"]
+__all__ = ["Belief", "Claim", "absurd_version", "believe", "plausible_version", "state_digest", "version_bound"]
