@@ -715,14 +715,13 @@ class SwarmTransport(Transport):
         return self.reputation is not None and self.reputation.is_banned(peer)
 
     def _state_source(self, peer: str) -> bool:
-        """Whether ``peer`` may serve this node a catch-up: not banned, and no state of its refused lately
-        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), and no
-        state of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S``
-        after a malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The
-        latter is short because an honest swarm's phi moves every round: a node that refused the others' phi
-        while a bad average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays
-        on a lineage of its own until it asks again, and 120 s kept three honest nodes apart past a test's
-        two-minute wait."""
+        """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
+        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), and no state
+        of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
+        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
+        short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
+        average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
+        its own until it asks again."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
