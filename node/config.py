@@ -199,6 +199,10 @@ class RobustSection:
                                           "others' median or the reducer's own) at or below this has no pull")
     agreement_full: float = setting(0.1, shared=True, min=-1.0, max=1.0,
                                     help="... and full pull from this agreement on (linear in between)")
+    persistence_clip: bool = setting(True, shared=True,
+                                     help="clipped_mean: a member whose deviation from the group's centre points the "
+                                          "same way round after round (a drift) gets a clip radius smaller by the "
+                                          "cosine of its deviation with its remembered ones")
     trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
                                    help="trimmed_mean: share of members dropped from each side per coordinate")
     consensus_tolerance: float = setting(0.1, shared=True, min=0.0, max=1.0,

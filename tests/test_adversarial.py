@@ -308,6 +308,26 @@ def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> No
     assert rows["weight"][3:5] == ["-", "-"] and rows["clean x2"][4] == "-"
 
 
+def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_round() -> None:
+    """Time to a ban: from the hostile node's first round in the window (or the sleeper's turn, whichever is later)
+    to the honest node's own record of the ban; rounds: its swarm clock's advance between the two, linear between
+    samples, times the rounds per clock step. Without the node's record, the first sample that shows the ban."""
+    from locoswarm.node.bench.robustness import Sample, judged
+
+    def sample(t: float, clock: int, first: float | None, banned: bool) -> Sample:
+        return Sample(t=t, evals=[2.0], rounds_ok=0, rounds_failed=0, rss_mb=1.0, clocks=[clock],
+                      banned=[["QmA"] if banned else []], attacker_first=first)
+
+    samples = [sample(0.0, 100, None, False), sample(2.0, 120, 1.5, False), sample(4.0, 140, 1.5, False),
+               sample(6.0, 160, 1.5, True)]
+    out = judged(0, ["QmH"], ["QmA"], samples, 0.0, 0.25, banned_at={"QmA": 4.5})
+    assert out["bans"]["QmA"] == {"seconds": pytest.approx(3.0), "rounds": pytest.approx((145 - 115) * 0.25)}
+    late = judged(0, ["QmH"], ["QmA"], samples, 3.0, 0.25)  # a sleeper's turn at 3 s; the ban seen at 6 s
+    assert late["bans"]["QmA"] == {"seconds": pytest.approx(3.0), "rounds": pytest.approx((160 - 130) * 0.25)}
+    never = judged(0, ["QmH"], ["QmA"], samples[:3], 0.0, 0.25)
+    assert never["bans"]["QmA"] is None
+
+
 @pytest.mark.timeout(300)
 def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "report"

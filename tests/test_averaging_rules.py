@@ -512,32 +512,63 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
 
 
 def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:
-    """A reducer that turns every part is refused each time; within one lineage three parts ban it, and naming
-    another phi (its own claim) only slows that down: every UNLINED_HARM-th part below UNLINED_TURNED is an
-    offence, so the ban comes after 3 x UNLINED_HARM parts; above it (an honest reducer of another lineage)
-    never. An honest part (agreement above REDUCED_AGREEMENT) passes either way."""
-    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, UNLINED_TURNED
+    """A reducer that turns every part is refused each time; within one lineage REDUCED_WINDOW parts averaging below
+    REDUCED_AGREEMENT ban it, and naming another phi (its own claim) does not save it: there REDUCED_WINDOW parts
+    averaging below UNLINED_TURNED ban it; above that (an honest reducer of another lineage) never. An honest part
+    (agreement above REDUCED_AGREEMENT) passes either way."""
+    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, UNLINED_TURNED
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, refusals=[], _unlined_harm=EveryNth(UNLINED_HARM))
-    stub._judge_reduction = lambda peer, agreement: SwarmTransport._judge_reduction(stub, peer, agreement)
+    stub = SimpleNamespace(reputation=rep, refusals=[])
+    stub._judge_reduction = lambda peer, agreement, same_lineage=True: SwarmTransport._judge_reduction(
+        stub, peer, agreement, same_lineage=same_lineage)
     stub._offence = lambda peer, kind, detail, offence=True, conclusive=False: SwarmTransport._offence(
         stub, peer, kind, detail, offence=offence, conclusive=conclusive)
     check = SwarmTransport._check_reduced_direction
     for same in (True, False):
         check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
-    for _ in range(10 * UNLINED_HARM):  # another phi's honest reducer: refused, never an offence
+    for _ in range(10 * REDUCED_WINDOW):  # another phi's honest reducer: refused, never an offence
         with pytest.raises(RuntimeError, match="points against"):
             check(stub, "QmElsewhere", UNLINED_TURNED + 0.15, same_lineage=False)
     assert not rep.is_banned("QmElsewhere")
     turned = 0
-    while not rep.is_banned("QmOther") and turned < 10 * UNLINED_HARM:
+    while not rep.is_banned("QmOther") and turned < 10 * REDUCED_WINDOW:
         with pytest.raises(RuntimeError, match="points against"):
             check(stub, "QmOther", -0.8, same_lineage=False)
         turned += 1
-    assert turned == 3 * UNLINED_HARM
-    for _ in range(3):
+    assert turned == REDUCED_WINDOW
+    for _ in range(REDUCED_WINDOW):
         with pytest.raises(RuntimeError, match="points against"):
             check(stub, "QmSame", -0.5, same_lineage=True)
     assert rep.is_banned("QmSame") and not rep.is_banned("QmHonest")
+
+
+def test_a_flipper_is_banned_for_its_direction_whatever_lineage_it_names_an_honest_member_of_another_phi_never():
+    """Contributions from another phi are judged too, with OTHER_LINEAGE_MARGIN added to their agreement: a flipper
+    whose own rounds fail (so its phi is never ours) is banned after one window of its contributions, and one that
+    alternates its claim is judged on both kinds together; an honest member of another lineage at the lowest mean
+    measured (-0.06) is not, and neither is one that alternates lineages just above the bound of each."""
+    from locoswarm.node.config import RobustSection
+    from locoswarm.node.swarm.averaging import OTHER_LINEAGE_MARGIN
+    from locoswarm.node.swarm.reputation import Reputation
+
+    r = RobustSection()
+    rep = Reputation()
+    stub = SimpleNamespace(reputation=rep, robust=r)
+    judge = SwarmTransport._judge_direction
+    for _ in range(r.agreement_window):
+        assert not rep.is_banned("QmFlip")
+        judge(stub, "QmFlip", -0.25, 4.0, same_lineage=False)  # the median a flipper from another phi measured
+    assert rep.is_banned("QmFlip")
+    for _ in range(50):
+        judge(stub, "QmBehind", -0.06, 1.0, same_lineage=False)
+        judge(stub, "QmBoth", r.agreement_ban + 0.01, 1.0, same_lineage=True)
+        judge(stub, "QmBoth", r.agreement_ban - OTHER_LINEAGE_MARGIN + 0.01, 1.0, same_lineage=False)
+    assert not rep.is_banned("QmBehind") and not rep.is_banned("QmBoth")
+    for k in range(r.agreement_window):
+        assert not rep.is_banned("QmSwitch")
+        judge(stub, "QmSwitch", -0.25, 4.0, same_lineage=k % 2 == 0)
+    assert rep.is_banned("QmSwitch")
+    judge(stub, "QmLight", -0.9, 0.1, same_lineage=False)  # a joiner's step or two: not judged at all
+    assert "QmLight" not in rep.snapshot()["peers"]

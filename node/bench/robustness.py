@@ -137,6 +137,7 @@ class Sample:
     clocks: list[int] = field(default_factory=list)          # each honest node's swarm clock
     banned: list[list[str]] = field(default_factory=list)    # each honest node's banned peers
     attacker_rounds: int = 0  # rounds the hostile nodes took part in so far (merged, failed or refused)
+    attacker_first: float | None = None  # seconds since the window opened of the hostile nodes' first round in it
 
 
 @dataclass
@@ -240,10 +241,14 @@ class ScenarioRun:
             outcome.attackers = self.attacker_ids()
             honest_ids = [st0.get("peer_id", "") for st0 in before]
             slots = self.slots_per_step()
-            outcome.honest = [self.collect(p, st0, r0, started, outcome.attackers, outcome.samples)
-                              | judged(i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots,
-                                       in_rounds=self.scenario.kind not in CLIENT_KINDS)
-                              for i, (p, st0, r0) in enumerate(zip(self.honest, before, rss0, strict=True))]
+            outcome.honest = []
+            for i, (p, st0, r0) in enumerate(zip(self.honest, before, rss0, strict=True)):
+                node = self.collect(p, st0, r0, started, outcome.attackers, outcome.samples)
+                banned_at = {a: node["reputation"].get(a, {}).get("first_banned") for a in outcome.attackers}
+                outcome.honest.append(node | judged(
+                    i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots,
+                    in_rounds=self.scenario.kind not in CLIENT_KINDS,
+                    banned_at={a: t - started for a, t in banned_at.items() if t is not None}))
         except Exception as exc:  # a scenario that could not run is reported, the others still run
             outcome.error = f"{type(exc).__name__}: {exc}"[:400]
         finally:
@@ -307,8 +312,13 @@ class ScenarioRun:
         task = self.progress.add_task(f"  {self.scenario.name}", total=self.seconds) if self.progress else None
         samples = []
         t0 = time.monotonic()
+        first = None
         while (elapsed := time.monotonic() - t0) < self.seconds:
             statuses = [p.status() for p in self.honest]
+            hostile = [p.status() for p in self.extra] if self.scenario.kind != "clean" else []
+            rounds = [e["time"] - started for st in hostile for e in st.get("events", [])
+                      if e.get("kind") in ("merged", "failed") and e.get("time", 0) >= started]
+            first = min([*rounds, *([] if first is None else [first])], default=None)
             samples.append(Sample(
                 t=time.time() - started,
                 evals=[(st.get("eval_curve") or [[0, None]])[-1][1] for st in statuses],
@@ -316,8 +326,8 @@ class ScenarioRun:
                 rounds_failed=sum(st.get("syncs_failed", 0) for st in statuses),
                 rss_mb=max(p.rss_mb() for p in self.honest),
                 clocks=[int(st.get("clock", 0)) for st in statuses],
-                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0)
-                                    for st in (p.status() for p in self.extra) if self.scenario.kind != "clean"),
+                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0) for st in hostile),
+                attacker_first=first,
                 banned=[sorted(p for p, r in ((st.get("reputation") or {}).get("peers") or {}).items()
                                if r.get("banned")) for st in statuses]))
             if task is not None:
@@ -374,33 +384,44 @@ class ScenarioRun:
 
 
 def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,
-           slots_per_step: float, in_rounds: bool = True) -> dict:
-    """What honest node ``i`` did about its peers during the window, from the samples: per attacker the seconds
-    and rounds from the attack's start to its first ban by this node (None: not banned), and the ids of the
-    other honest nodes (whose refusals by this node the summary counts). The attack starts at the first sample,
-    ``turn_after`` s or more into the window, at which the hostile nodes have taken part in a round since the
-    window opened (a node attack acts through rounds, and a joining node takes a while to get into one; a
-    client's attack starts with the window)."""
-    first: dict[str, tuple[float, int]] = {}
-    start_clock = start_t = None
-    rounds0 = samples[0].attacker_rounds if samples else 0
-    for s in samples:
-        if i >= len(s.banned) or i >= len(s.clocks):
-            continue
-        if start_clock is None and s.t >= turn_after and (s.attacker_rounds > rounds0 or not in_rounds):
-            start_clock, start_t = s.clocks[i], s.t
-        for a in attackers:
-            if a in s.banned[i] and a not in first:
-                first[a] = (s.t, s.clocks[i])
-    bans = {}
+           slots_per_step: float, in_rounds: bool = True, banned_at: dict[str, float] | None = None) -> dict:
+    """What honest node ``i`` did about its peers during the window: per attacker the seconds and rounds from the
+    attack's start to its first ban by this node (None: not banned), and the ids of the other honest nodes (whose
+    refusals by this node the summary counts). The attack starts ``turn_after`` s into the window, and a node
+    attack not before the hostile nodes' first round in it (it acts through rounds, and a joining node takes a
+    while to get into one; a client's attack starts with the window). A ban's time is the node's own record
+    (``banned_at``: seconds since the window opened), else the first sample that shows it; its rounds are the
+    node's swarm clock advance from the start to the ban (linear between samples) times ``slots_per_step``."""
+    banned_at = banned_at or {}
+    clocks = [[s.t, s.clocks[i]] for s in samples if i < len(s.clocks)]
+    firsts = [s.attacker_first for s in samples if s.attacker_first is not None]
+    start = (max(turn_after, min(firsts)) if firsts else None) if in_rounds else turn_after
+    bans: dict[str, dict | None] = {}
     for a in attackers:
-        if a not in first:
+        t = banned_at.get(a)
+        if t is None:
+            t = next((s.t for s in samples if i < len(s.banned) and a in s.banned[i]), None)
+        if t is None:
             bans[a[:12]] = None
             continue
-        t, clock = first[a]
-        rounds = None if start_clock is None else max(0.0, (clock - start_clock) * slots_per_step)
-        bans[a[:12]] = {"seconds": max(0.0, t - (turn_after if start_t is None else start_t)), "rounds": rounds}
+        t0 = turn_after if start is None else start
+        rounds = None
+        if start is not None and clocks:
+            advance = _clock_at(clocks, max(t, start)) - _clock_at(clocks, start)
+            rounds = max(0.0, advance * slots_per_step)
+        bans[a[:12]] = {"seconds": max(0.0, t - t0), "rounds": rounds}
     return {"bans": bans, "honest_ids": [h for j, h in enumerate(honest_ids) if j != i]}
+
+
+def _clock_at(clocks: list[list[float]], t: float) -> float:
+    """A node's swarm clock at ``t`` from its samples ([[t, clock], ...]), linear between them, the nearest end
+    outside them."""
+    if t <= clocks[0][0]:
+        return float(clocks[0][1])
+    if t >= clocks[-1][0]:
+        return float(clocks[-1][1])
+    value = interpolate(clocks, t)
+    return float(clocks[-1][1]) if value is None else value
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -667,9 +688,10 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "the window over the clean run's at the same clock; attacker refused: refusals of the attackers' peer ids "
         "counted by the honest nodes; banned by: honest "
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
-        "the attack began (a sleeper turns a third into the window), in seconds and in the rounds the node took "
-        "part in meanwhile (its swarm clock's advance x F / H; 'not all': some attacker was never banned by some "
-        "honest node); honest refused by honest: refusals the honest nodes counted of each other, of something one "
+        "the attack began (the hostile node's first round in the window; a sleeper turns a third into it) to the "
+        "ban the node recorded, in seconds and in the rounds the node took part in meanwhile (its swarm clock's "
+        "advance x F / H; 'not all': some attacker was never banned by some honest node); honest refused by "
+        "honest: refusals the honest nodes counted of each other, of something one "
         "sent (a contribution, a reduced part, a state, a claim), of those the offences (which count toward a ban), "
         "and protocol refusals, which judge only when a stream came (a round the reducer had skipped or formed "
         "otherwise; a state request before the holder's table showed the requester). Who banned whom, and when: "

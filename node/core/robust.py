@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from locoswarm.node.config import AGGREGATORS, RobustSection
+from locoswarm.node.core.persistence import DeviationRound
 
 #: A weight above this many times its cap is not a rounding matter but a lie (or a bug): refused.
 WEIGHT_ABSURD = 100.0
@@ -114,6 +115,7 @@ class Screening:
     scores: list[float | None] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
+    persistence: list[float] = field(default_factory=list)  # per accepted, where measured (core.persistence)
 
     def __post_init__(self) -> None:
         n = len(self.accepted)
@@ -298,18 +300,29 @@ def pull_factor(score: float | None, settings: RobustSection) -> float:
 
 
 def clip_scales(chunk_rows: ChunkRows, n_chunks: int, centre: Callable[[int, torch.Tensor], torch.Tensor],
-                live: Sequence[bool], clip_factor: float, *, floor: float = 0.0) -> list[float]:
+                live: Sequence[bool], clip_factor: float, *, floor: float = 0.0,
+                persistence: DeviationRound | None = None, trusted: int | None = None) -> list[float]:
     """Per row, the factor its deviation from the centre is scaled by: ``min(1, radius / deviation)``, the
     radius ``clip_factor`` times the median deviation of the ``live`` rows (those with pull), at least
-    ``floor``. ``centre(k, rows)`` is chunk ``k``'s centre for its rows."""
+    ``floor``. ``centre(k, rows)`` is chunk ``k``'s centre for its rows. With ``persistence`` (the reducer's
+    memory of its senders' deviations, ``locoswarm.node.core.persistence``) each row's radius is scaled by
+    ``1 - max(0, p)``, ``p`` the cosine of its deviation with its remembered ones (the ``trusted`` row, the
+    reducer's own, keeps the radius); the memory then learns this round's deviations."""
     dev_sq = None
     for k in range(n_chunks):
         x = chunk_rows(k)
         c = centre(k, x).to(torch.float64)
-        d = ((x.to(torch.float64) - c) ** 2).sum(1)
+        dev = x.to(torch.float64) - c
+        if persistence is not None:
+            persistence.observe(k, dev)
+        d = (dev ** 2).sum(1)
         dev_sq = d if dev_sq is None else dev_sq + d
     if dev_sq is None:
         return []
+    shrink = [1.0] * len(dev_sq)
+    if persistence is not None:
+        shrink = persistence_shrink(persistence.persistence(), trusted)
+        persistence.commit()
     devs = [math.sqrt(float(v)) for v in dev_sq]
     ref = [d for d, ok in zip(devs, live, strict=True) if ok]
     if not ref:
@@ -318,7 +331,23 @@ def clip_scales(chunk_rows: ChunkRows, n_chunks: int, centre: Callable[[int, tor
     median = ordered[(len(ordered) - 1) // 2] if len(ordered) % 2 else 0.5 * (
         ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2])
     radius = clip_factor * max(median, floor)
-    return [1.0 if d <= radius or d == 0 else radius / d for d in devs]
+    return [1.0 if d <= radius * f or d == 0 else radius * f / d for d, f in zip(devs, shrink, strict=True)]
+
+
+def persistence_shrink(persistence: Sequence[float], trusted: int | None) -> list[float]:
+    """Per row, the factor its clip radius is scaled by for the persistence of its deviation
+    (``locoswarm.node.core.persistence``), relative to the group's: ``1 - (p - ref) / (1 - ref)`` above the
+    group's median persistence ``ref``, 1 at or below it and for the ``trusted`` row. Honest members deviate
+    persistently too (each trains on its own documents: on the tiny preset their persistence had a median of
+    0.32-0.37), so only what persists more than the group's own costs radius; a minority cannot move the median."""
+    ordered = sorted(persistence)
+    if not ordered:
+        return []
+    n = len(ordered)
+    ref = ordered[(n - 1) // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+    ref = min(max(ref, 0.0), 0.99)
+    return [1.0 if i == trusted or p <= ref else max(0.0, 1.0 - (p - ref) / (1.0 - ref))
+            for i, p in enumerate(persistence)]
 
 
 class Aggregator(ABC):

@@ -19,6 +19,7 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import Codec, get_codec
 from locoswarm.node.core.payload import chunk_bounds, decode_chunks
+from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -75,6 +76,7 @@ class InProcessHub:
         self.group_size = group_size
         self.robust = robust or RobustSection()
         self.aggregator = make_aggregator(self.robust)
+        self.deviations = DeviationMemory()  # the reducers' memory of persistent deviations (core.persistence)
         self.drop_prob = drop_prob
         self._rng = random.Random(seed)
         self._pending: dict[tuple[int, int], list[_Pending]] = defaultdict(list)
@@ -133,8 +135,10 @@ class InProcessHub:
         weights = [m.request.weight if m.request.weight > 0 else 1.0 for m in group]
         req = group[0].request
         codec = get_codec(req.codec, self.codec.block_size) if req.codec else self.codec
-        reduced, sent, received, entered = reduce_group(codec, [m.request.chunks for m in group], weights, numel,
-                                                        self.robust, self.aggregator)
+        reduced, sent, received, entered = reduce_group(
+            codec, [m.request.chunks for m in group], weights, numel, self.robust, self.aggregator,
+            senders=[f"w{m.worker:06d}" for m in group], fragment=req.fragment,
+            memory=None if req.digest else self.deviations)  # phi's deviations (consensus) persist by nature
         average = decode_chunks(codec, reduced, numel)
         weights = [w if w > 0 else 0.0 for w in entered]
         total = float(sum(weights)) or 1.0

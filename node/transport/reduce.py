@@ -24,6 +24,7 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import Codec
 from locoswarm.node.core.payload import chunk_bounds
+from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.core.robust import (
     Aggregator,
     ContributionStats,
@@ -60,13 +61,16 @@ class PartContribution:
 
 def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: Mapping[int, int],
                 settings: RobustSection, *, trusted: int | None = None,
-                centers: Mapping[int, torch.Tensor] | None = None) -> Screening:
+                centers: Mapping[int, torch.Tensor] | None = None,
+                memory: DeviationMemory | None = None, fragment: int = 0) -> Screening:
     """Screen a part's contributions, judge their directions and clip scales (``locoswarm.node.core.robust``).
 
     With ``centers`` (rounds that average phi itself) deviations are measured from them and directions are
     not judged (phi's deviations between honest members are drift with no direction to agree on); norms
     below ``consensus_tolerance`` times the center's own norm are normal drift (the floor of the screening and
-    of the clipping radius)."""
+    of the clipping radius). With ``memory`` (the reducer's, of rounds of pseudo-gradients of ``fragment``) a
+    sender whose deviation from the centre persists round after round gets a smaller radius
+    (``locoswarm.node.core.persistence``)."""
     part = sorted(sizes)
     stats = []
     for con in contributions:
@@ -103,8 +107,13 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
         if not any(screening.factors):
             screening.factors = [1.0] * len(accepted)
     live = [f > 0 for f in screening.factors]
+    persistence = None
+    if memory is not None and centers is None and settings.persistence_clip and len(accepted) >= 2:
+        persistence = memory.round(fragment, [contributions[i].sender for i in accepted], part)
     screening.scales = clip_scales(rows, len(part), _centre(part, centers, live), live, settings.clip_factor,
-                                   floor=part_floor)
+                                   floor=part_floor, persistence=persistence, trusted=t_acc)
+    if persistence is not None:
+        screening.persistence = persistence.persistence()
     return screening
 
 
@@ -135,9 +144,11 @@ def combine_part(codec: Codec, contributions: Sequence[PartContribution], screen
 
 
 def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Sequence[float], numel: int,
-                 settings: RobustSection, aggregator: Aggregator,
+                 settings: RobustSection, aggregator: Aggregator, *, senders: Sequence[str] | None = None,
+                 memory: DeviationMemory | None = None, fragment: int = 0,
                  ) -> tuple[list[bytes], list[int], list[int], list[float]]:
-    """Reduce a whole group's payloads in one place (the in-process transport; tests).
+    """Reduce a whole group's payloads in one place (the in-process transport; tests). ``senders`` name the
+    members (default: their indices) for ``memory``, the reducers' memory of persistent deviations.
 
     Returns the reduced chunks (what every member decodes), per member the bytes it sent and received
     under the reduce-scatter + all-gather pattern, and per member the weight it entered the reduction
@@ -154,8 +165,9 @@ def reduce_group(codec: Codec, payloads: Sequence[Sequence[bytes]], weights: Seq
         if not part:
             continue
         sizes = {c: bounds[c][1] - bounds[c][0] for c in part}
-        cons = [PartContribution(str(i), float(weights[i]), {c: payloads[i][c] for c in part}) for i in range(n)]
-        screening = screen_part(codec, cons, sizes, settings)
+        names = [str(i) for i in range(n)] if senders is None else list(senders)
+        cons = [PartContribution(names[i], float(weights[i]), {c: payloads[i][c] for c in part}) for i in range(n)]
+        screening = screen_part(codec, cons, sizes, settings, memory=memory, fragment=fragment)
         for c, data in combine_part(codec, cons, screening, sizes, aggregator).items():
             reduced[c] = data
         pulls = screening.pulls
