@@ -85,6 +85,34 @@ class PoisoningTransport(Transport):
         self.blamed.append(part)
 
 
+def test_a_worse_catch_up_far_from_our_phi_is_a_conclusive_offence() -> None:
+    """A downloaded phi that measured worse, but less than ABSURD_WORSE, is refused without blame when it lies near
+    our own (an honest holder's phi that went another way), and is a conclusive offence when it lies further than
+    FAR_SNAPSHOT x |phi| from it (a negated phi: no honest holder's phi of one swarm is that far)."""
+    from locoswarm.node.core.outer_loop import ABSURD_WORSE, FAR_SNAPSHOT
+
+    class TwiceAsBad(QuadraticJudge):
+        def losses(self, state, candidates) -> list[float]:
+            return [2.0, 1.0]  # theirs, ours: worse past the slack, below the absurd gap
+
+    assert 1 + ABSURD_WORSE > 2.0
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    loops[0].judge = TwiceAsBad(target)
+    st = loops[0].states[0]
+    phi = st.phi.detach().cpu().clone()
+    near, far = phi * (1 - FAR_SNAPSHOT / 2), -phi
+    for t, (snap_phi, conclusive) in zip((8, 10), [(near, False), (far, True)], strict=True):
+        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, snap_phi, torch.zeros_like(phi), source="QmX")
+        loops[0].pending.clear()
+        events = [e for e in loops[0].send(t) if e.kind == "refused"]
+        assert events and "effect" in events[0].error, events
+        assert transports[0].conclusive[-1] is conclusive and transports[0].offences[-1] is conclusive
+        assert ("away from it" in events[0].error) is conclusive
+
+
 class QuadraticJudge(EffectJudge):
     """A held-out "loss" every worker's training lowers: the squared distance of the fragment from ``target``
     (every other parameter ignored), with the LossJudge's tolerance rule."""

@@ -73,6 +73,12 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # reducer's part got into one such round before its ban; an honest peer measured a partner's phi 2.2x its own
 # and banned it for good (a CI run of the hostile-node tests). So only 4x or more is conclusive.
 ABSURD_WORSE = 3.0
+# A downloaded phi that measured worse and lies further than this share of our own phi's norm from it is no honest
+# holder's either: honest phis of one swarm differ by a few rounds of progress, a small share of |phi| (a joiner's
+# or a fresh fragment's distance is large, but its download measures better, or it gets the joiner's checks). A state
+# liar's negated phi lies 2x |phi| away and measured only 1.6-3.8x the loss on the tiny preset (robustness bench, 120
+# s: the ban waited for one download past 4x, and two of three honest nodes never banned the liar).
+FAR_SNAPSHOT = 0.5
 # A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
 # default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
 # node's held-out batch (a node that refused it stayed behind, on a phi of its own, and its contributions no
@@ -756,7 +762,8 @@ class OuterLoop:
     def _judge_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> tuple[str | None, bool]:
         """The effect check of a downloaded outer state: ``(None, _)`` when its phi does no worse on a held-out
         batch than this node's own (within ``SNAPSHOT_SLACK`` times the tolerance); else the reason and whether
-        the gap is so large (``ABSURD_WORSE``) that no honest holder could have served it (a conclusive offence).
+        no honest holder could have served it (a conclusive offence): the gap is that large (``ABSURD_WORSE``), or
+        the phi lies that far from ours (``FAR_SNAPSHOT``).
         A catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
         another way than ours is refused without blame."""
         if self.judge is None:
@@ -767,7 +774,14 @@ class OuterLoop:
             return None, False
         self.stats.effect_refused += 1
         absurd = not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE)
-        return (f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"), absurd
+        reason = f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"
+        own = float(st.phi.norm())
+        if st.version > 0 and own > 0:
+            away = float((snap.phi.to(st.phi.device) - st.phi).norm()) / own
+            if away > FAR_SNAPSHOT:
+                absurd = True
+                reason += f", and it lies {away:.0%} of |phi| away from it"
+        return reason, absurd
 
     def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
         """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
