@@ -85,32 +85,44 @@ class PoisoningTransport(Transport):
         self.blamed.append(part)
 
 
-def test_a_worse_catch_up_far_from_our_phi_is_a_conclusive_offence() -> None:
-    """A downloaded phi that measured worse, but less than ABSURD_WORSE, is refused without blame when it lies near
-    our own (an honest holder's phi that went another way), and is a conclusive offence when it lies further than
-    FAR_SNAPSHOT x |phi| from it (a negated phi: no honest holder's phi of one swarm is that far)."""
-    from locoswarm.node.core.outer_loop import ABSURD_WORSE, FAR_SNAPSHOT
+def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measures() -> None:
+    """A downloaded phi that lies further than FAR_SNAPSHOT x |phi| from our trained phi, at most FAR_GAP versions
+    ahead, is refused as a conclusive offence even where it measures better (a negated fragment of two measured
+    within the snapshot slack); one far ahead (a node resumed from an old checkpoint) is judged by its effect only,
+    and one near ours that measured worse is refused without blame (an honest holder whose phi went another way)."""
+    from locoswarm.node.core.outer_loop import ABSURD_WORSE, FAR_GAP, FAR_SNAPSHOT
 
-    class TwiceAsBad(QuadraticJudge):
+    class Scripted(QuadraticJudge):
+        losses_now: tuple[float, float] = (2.0, 1.0)  # theirs, ours
+
         def losses(self, state, candidates) -> list[float]:
-            return [2.0, 1.0]  # theirs, ours: worse past the slack, below the absurd gap
+            return list(self.losses_now)
 
     assert 1 + ABSURD_WORSE > 2.0
     target = _trained_target()
     loops, transports, step = _pair(judge_target=target)
     for t in range(1, 7):
         step(t)
-    loops[0].judge = TwiceAsBad(target)
+    judge = loops[0].judge = Scripted(target)
     st = loops[0].states[0]
     phi = st.phi.detach().cpu().clone()
     near, far = phi * (1 - FAR_SNAPSHOT / 2), -phi
-    for t, (snap_phi, conclusive) in zip((8, 10), [(near, False), (far, True)], strict=True):
-        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, snap_phi, torch.zeros_like(phi), source="QmX")
+    cases = [(near, 3, (2.0, 1.0), "refused", False), (far, 3, (2.0, 1.0), "refused", True),
+             (far, FAR_GAP, (0.5, 1.0), "refused", True), (far, FAR_GAP + 1, (0.5, 1.0), "caught_up", None)]
+    for t, (snap_phi, gap, losses, kind, conclusive) in zip(range(8, 16, 2), cases, strict=True):
+        judge.losses_now = losses
+        version = st.version
+        transports[0].snapshot = FragmentSnapshot(0, version + gap, snap_phi, torch.zeros_like(phi), source="QmX")
+        before = st.phi.clone()
         loops[0].pending.clear()
-        events = [e for e in loops[0].send(t) if e.kind == "refused"]
-        assert events and "effect" in events[0].error, events
+        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
+        assert [e.kind for e in events] == [kind], (gap, events)
+        if conclusive is None:
+            assert st.version == version + gap
+            continue
+        assert torch.equal(st.phi, before)
         assert transports[0].conclusive[-1] is conclusive and transports[0].offences[-1] is conclusive
-        assert ("away from it" in events[0].error) is conclusive
+        assert ("away from this node's" in events[0].error) is conclusive, events[0].error
 
 
 class QuadraticJudge(EffectJudge):
@@ -335,14 +347,17 @@ def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
     """A downloaded phi that does much worse on the held-out check than the node's own is refused: four times
     the loss and more (a negated phi) is a conclusive offence of its source; 69% worse (past the snapshot slack, but
     maybe an honest holder whose phi went another way) is not."""
+    from locoswarm.node.core.outer_loop import FAR_GAP
+
     target = _trained_target()
     loops, transports, step = _pair(judge_target=target)
     for t in range(1, 7):
         step(t)
     st = loops[0].states[0]
     phi = st.phi.detach().cpu().clone()
+    gap = FAR_GAP + 3  # past the distance rule's reach (a node far behind): the effect alone decides
     for t, (snap_phi, offence) in zip((8, 10), [(-phi, True), (phi + 0.3 * (phi - target), False)], strict=True):
-        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, snap_phi, torch.zeros_like(phi), source="QmX")
+        transports[0].snapshot = FragmentSnapshot(0, st.version + gap, snap_phi, torch.zeros_like(phi), source="QmX")
         before = st.phi.clone()
         loops[0].pending.clear()  # the round sent at the previous step would hold the download back
         events = [e for e in loops[0].send(t) if e.kind == "refused"]

@@ -73,12 +73,15 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # reducer's part got into one such round before its ban; an honest peer measured a partner's phi 2.2x its own
 # and banned it for good (a CI run of the hostile-node tests). So only 4x or more is conclusive.
 ABSURD_WORSE = 3.0
-# A downloaded phi that measured worse and lies further than this share of our own phi's norm from it is no honest
-# holder's either: honest phis of one swarm differ by a few rounds of progress, a small share of |phi| (a joiner's
-# or a fresh fragment's distance is large, but its download measures better, or it gets the joiner's checks). A state
-# liar's negated phi lies 2x |phi| away and measured only 1.6-3.8x the loss on the tiny preset (robustness bench, 120
-# s: the ban waited for one download past 4x, and two of three honest nodes never banned the liar).
+# A downloaded phi that lies further than this share of our own phi's norm from it, at most FAR_GAP versions ahead of
+# ours, is no honest holder's, whatever it measures: honest phis of one swarm differ by a few rounds of progress, a
+# small share of |phi|. A state liar's negated phi lies 2x |phi| away, and on the tiny preset it measured only
+# 1.6-3.8x the loss (the ban waited for one download past 4x, and two of three honest nodes never banned the liar in
+# 120 s) or, one fragment of two negated, within the snapshot slack: one honest node took it (robustness bench).
+# A node far behind (resumed from an old checkpoint) and a fragment still at its initial state (version 0) are
+# exempt: their distance to the swarm is as far as training took it.
 FAR_SNAPSHOT = 0.5
+FAR_GAP = 16
 # A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
 # default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
 # node's held-out batch (a node that refused it stayed behind, on a phi of its own, and its contributions no
@@ -760,12 +763,18 @@ class OuterLoop:
         return events
 
     def _judge_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> tuple[str | None, bool]:
-        """The effect check of a downloaded outer state: ``(None, _)`` when its phi does no worse on a held-out
-        batch than this node's own (within ``SNAPSHOT_SLACK`` times the tolerance); else the reason and whether
-        no honest holder could have served it (a conclusive offence): the gap is that large (``ABSURD_WORSE``), or
-        the phi lies that far from ours (``FAR_SNAPSHOT``).
-        A catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
-        another way than ours is refused without blame."""
+        """The checks of a downloaded outer state beyond its bounds: ``(None, _)`` when it may replace ours, else
+        the reason and whether no honest holder could have served it (a conclusive offence). Conclusive: it lies
+        further than ``FAR_SNAPSHOT`` x |phi| from our trained phi at most ``FAR_GAP`` versions ahead, or its phi
+        gives a held-out loss ``ABSURD_WORSE`` above ours. Refused without blame: it does worse than ours past
+        ``SNAPSHOT_SLACK`` times the tolerance (a catch-up never replaces a healthy model with a much worse one; an
+        honest holder whose phi merely went another way than ours is not blamed)."""
+        own = float(st.phi.norm())
+        if st.version > 0 and own > 0 and snap.version - st.version <= FAR_GAP:
+            away = float((snap.phi.to(st.phi.device) - st.phi).norm()) / own
+            if away > FAR_SNAPSHOT:
+                return (f"its phi lies {away:.0%} of |phi| away from this node's, {snap.version - st.version} "
+                        f"versions ahead (no honest holder's is past {FAR_SNAPSHOT:.0%})"), True
         if self.judge is None:
             return None, False
         self.stats.effect_checks += 1
@@ -774,14 +783,7 @@ class OuterLoop:
             return None, False
         self.stats.effect_refused += 1
         absurd = not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE)
-        reason = f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"
-        own = float(st.phi.norm())
-        if st.version > 0 and own > 0:
-            away = float((snap.phi.to(st.phi.device) - st.phi).norm()) / own
-            if away > FAR_SNAPSHOT:
-                absurd = True
-                reason += f", and it lies {away:.0%} of |phi| away from it"
-        return reason, absurd
+        return (f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"), absurd
 
     def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
         """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
