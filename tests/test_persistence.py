@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from locoswarm.node.config import RobustSection
@@ -101,3 +102,15 @@ def test_the_memory_is_bounded() -> None:
     for step in range(3):
         reduce(round_rows(step, None), RobustSection(), memory)
     assert len(memory) == 5
+
+
+def test_the_shrink_is_relative_to_the_groups_median_persistence() -> None:
+    """Only persistence above the group's median costs radius; the reducer's own never; a pair's two members (whose
+    deviations from their mean are opposite, so equally persistent) keep their radius even at persistence 1."""
+    from locoswarm.node.core.robust import persistence_shrink
+
+    assert persistence_shrink([0.5, 0.5, 0.5, 0.9], trusted=0) == [1.0, 1.0, 1.0, pytest.approx(0.2)]
+    assert persistence_shrink([0.95, 0.5, 0.5, 0.5], trusted=0) == [1.0, 1.0, 1.0, 1.0]
+    assert persistence_shrink([1.0, 1.0], trusted=0) == [1.0, 1.0]
+    assert persistence_shrink([1.0, 1.0 + 1e-9], trusted=None) == [1.0, 1.0]
+    assert persistence_shrink([-0.2, -0.1, 0.6], trusted=None) == [1.0, 1.0, pytest.approx(0.4)]

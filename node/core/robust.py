@@ -345,8 +345,9 @@ def persistence_shrink(persistence: Sequence[float], trusted: int | None) -> lis
         return []
     n = len(ordered)
     ref = ordered[(n - 1) // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
-    ref = min(max(ref, 0.0), 0.99)
-    return [1.0 if i == trusted or p <= ref else max(0.0, 1.0 - (p - ref) / (1.0 - ref))
+    ref = max(ref, 0.0)
+    # at or below the median (in a pair both members' deviations are opposite, so equally persistent): no shrink
+    return [1.0 if i == trusted or p <= ref + 1e-6 else max(0.0, 1.0 - (p - ref) / (1.0 - ref))
             for i, p in enumerate(persistence)]
 
 
