@@ -51,13 +51,15 @@ def pattern_drift(settings: RobustSection, memory: DeviationMemory | None, round
     return total
 
 
-def test_a_fixed_pattern_is_persistent_and_noise_is_not() -> None:
+def drifting_rounds(rounds: int) -> list:
+    """The screenings of ``rounds`` rounds of three honest members (the first is the reducer) and a drift."""
     memory = DeviationMemory()
     pattern = torch.randn(M, generator=torch.Generator().manual_seed(1))
-    history = []
-    for step in range(6):
-        screening, _ = reduce(round_rows(step, pattern), RobustSection(), memory)
-        history.append(screening.persistence)
+    return [reduce(round_rows(step, pattern), RobustSection(), memory)[0] for step in range(rounds)]
+
+
+def test_a_fixed_pattern_is_persistent_and_noise_is_not() -> None:
+    history = [sc.persistence for sc in drifting_rounds(6)]
     assert history[0] == [0.0] * 4  # nothing remembered yet
     for p in history[2:]:
         assert p[3] > 0.7, p  # the drift's deviation points the same way every round
@@ -66,12 +68,7 @@ def test_a_fixed_pattern_is_persistent_and_noise_is_not() -> None:
 
 
 def test_a_persistent_drift_loses_its_radius_and_the_reducer_its_own_never() -> None:
-    memory = DeviationMemory()
-    pattern = torch.randn(M, generator=torch.Generator().manual_seed(1))
-    scales = []
-    for step in range(5):
-        screening, _ = reduce(round_rows(step, pattern), RobustSection(), memory)
-        scales.append(screening.scales)
+    scales = [sc.scales for sc in drifting_rounds(5)]
     assert scales[0][3] < 1.0 and scales[-1][3] < 0.25 * scales[0][3], scales
     assert all(s[0] == 1.0 for s in scales)  # the reducer's own row (trusted) is never shrunk for persistence
 
