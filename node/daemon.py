@@ -430,14 +430,16 @@ class Node:
             fetched = self.state_client.fetch_many({p: (b.holders, max(0, b.version), b.digest)
                                                     for p, b in plans.items()})
             got = self.counters.total_received - before  # the download's bytes (and a heartbeat's, if any)
-            for p, snap in list(fetched.items()):
-                reason = self.outer.adopt(snap, keep_progress=bool(meta))  # a resumed node keeps its progress
-                if reason is not None:
-                    del fetched[p]
-                    if snap.source:
-                        self.reputation.refuse(snap.source, "bad_state", reason)
-                    self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {reason}",
-                                fragment=p, version=snap.version)
+            # Judged together: a resumed node far behind measured an honest swarm's fragment beside its own stale
+            # ones at several times its own loss, one fragment at a time (``OuterLoop._land_staged``).
+            refused = self.outer.adopt(list(fetched.values()), keep_progress=bool(meta))  # resumed: keeps progress
+            for p, refusal in refused.items():
+                snap = fetched.pop(p)
+                if snap.source:
+                    self.reputation.refuse(snap.source, "bad_state", refusal.reason, offence=refusal.offence,
+                                           conclusive=refusal.conclusive)
+                self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {refusal.reason}",
+                            fragment=p, version=snap.version)
             # The servers' clocks as they sent the state: fresher than their heartbeats, which a joiner's DHT
             # reads could not refresh while the download filled the links (a 5 Mbit/s bench run saw joiners
             # take clock 0, their holder's heartbeat gone stale, while the holder was at 214).

@@ -86,16 +86,16 @@ class PoisoningTransport(Transport):
 
 
 def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measures() -> None:
-    """A downloaded phi that lies further than FAR_SNAPSHOT x |phi| from our trained phi, at most FAR_GAP versions
+    """A downloaded phi whose cosine with our trained phi is below FAR_COSINE, at most FAR_GAP versions
     ahead, is refused as a conclusive offence even where it measures better (a negated fragment of two measured
     within the snapshot slack); one far ahead (a node resumed from an old checkpoint) is judged by its effect only,
     and one near ours that measured worse is refused without blame (an honest holder whose phi went another way)."""
-    from locoswarm.node.core.outer_loop import ABSURD_WORSE, FAR_GAP, FAR_SNAPSHOT
+    from locoswarm.node.core.outer_loop import ABSURD_WORSE, FAR_GAP
 
     class Scripted(QuadraticJudge):
         losses_now: tuple[float, float] = (2.0, 1.0)  # theirs, ours
 
-        def losses(self, state, candidates) -> list[float]:
+        def joint_losses(self, states, candidates) -> list[float]:
             return list(self.losses_now)
 
     assert 1 + ABSURD_WORSE > 2.0
@@ -106,7 +106,10 @@ def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measure
     judge = loops[0].judge = Scripted(target)
     st = loops[0].states[0]
     phi = st.phi.detach().cpu().clone()
-    near, far = phi * (1 - FAR_SNAPSHOT / 2), -phi
+    side = torch.randn(phi.shape, generator=torch.Generator().manual_seed(3))
+    side -= torch.dot(side, phi) / torch.dot(phi, phi) * phi
+    near = phi + 0.6 * phi.norm() * side / side.norm()  # 60% of |phi| away, cosine 0.86: lineages split early on
+    far = -phi
     cases = [(near, 3, (2.0, 1.0), "refused", False), (far, 3, (2.0, 1.0), "refused", True),
              (far, FAR_GAP, (0.5, 1.0), "refused", True), (far, FAR_GAP + 1, (0.5, 1.0), "caught_up", None)]
     for t, (snap_phi, gap, losses, kind, conclusive) in zip(range(8, 16, 2), cases, strict=True):
@@ -122,7 +125,7 @@ def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measure
             continue
         assert torch.equal(st.phi, before)
         assert transports[0].conclusive[-1] is conclusive and transports[0].offences[-1] is conclusive
-        assert ("away from this node's" in events[0].error) is conclusive, events[0].error
+        assert ("points away from this node's" in events[0].error) is conclusive, events[0].error
 
 
 class QuadraticJudge(EffectJudge):
@@ -137,9 +140,10 @@ class QuadraticJudge(EffectJudge):
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)
 
-    def losses(self, state: FragmentState, candidates) -> list[float]:
+    def joint_losses(self, states: list[FragmentState], candidates) -> list[float]:
         self.calls += 1
-        return [float(((c.to(self.target.device) - self.target) ** 2).sum()) for c in candidates]
+        return [float(sum(((c.to(self.target.device) - self.target) ** 2).sum() for c in cand))
+                for cand in candidates]
 
 
 def _pair(method: str = "replace", judge_target: torch.Tensor | None = None):
@@ -241,15 +245,109 @@ def test_a_fragment_still_at_its_initial_state_catches_up_to_a_far_trained_phi()
     assert transports[0].rejected[-1][0] == "QmLiar"
 
 
+class _NoRound(AverageHandle):
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        return AverageResult.failed("no peer in group")
+
+
+class _FarAheadSwarm(Transport):
+    """Peers that hold ``snaps`` (one per fragment, None: its holder is gone) and form no round; a holder once
+    refused is not asked again (the swarm transport's cool-down)."""
+
+    def __init__(self, snaps: dict[int, FragmentSnapshot | None]) -> None:
+        self.snaps = snaps
+        self.fetched: list[int] = []
+        self.rejected: list[tuple[int, bool, bool]] = []
+
+    def start_average(self, request: AverageRequest) -> AverageHandle:
+        return _NoRound()
+
+    def latest_version(self, fragment: int) -> int:
+        return 105
+
+    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+        self.fetched.append(fragment)
+        snap = self.snaps[fragment]
+        return None if snap is None or any(f == fragment for f, _, _ in self.rejected) else snap
+
+    def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
+                        conclusive: bool = False) -> None:
+        self.rejected.append((snapshot.fragment, offence, conclusive))
+
+
+class _CoupledJudge(EffectJudge):
+    """Fragments trained together: the model does well with all of them from one lineage (``1.0``, or
+    ``new_loss`` when all come from the swarm's ``snaps``), and absurdly badly with a mix (``10.0``)."""
+
+    def __init__(self, loop: OuterLoop, snaps: dict[int, FragmentSnapshot | None], new_loss: float = 1.0) -> None:
+        self.loop, self.snaps, self.new_loss = loop, snaps, new_loss
+
+    def joint_losses(self, states, candidates) -> list[float]:
+        out = []
+        for cand in candidates:
+            new = {st.index: self.snaps[st.index] is not None and torch.equal(c, self.snaps[st.index].phi)
+                   for st, c in zip(states, cand, strict=True)}
+            sides = {new.get(p, False) for p in range(len(self.loop.states))}
+            out.append(10.0 if len(sides) > 1 else self.new_loss if True in sides else 1.0)
+        return out
+
+
+def _far_behind_node(served: set[int], new_loss: float = 1.0):
+    """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served``."""
+    outer = OuterSection(method="replace", h=2, fragments=2, tau=0, codec="fp32", error_feedback=False,
+                         schedule="fixed", consensus_every=0)
+    model = build_model(ModelSection(), VOCAB)
+    fragments = partition(model, 2)
+    snaps: dict[int, FragmentSnapshot | None] = {}
+    transport = _FarAheadSwarm(snaps)
+    loop = OuterLoop(model, fragments, outer, transport)
+    assert loop.adopt([FragmentSnapshot(p, 5, loop.snapshot(p).phi.clone(), loop.snapshot(p).momentum.clone())
+                       for p in range(2)], keep_progress=False) == {}
+    for p in range(2):
+        phi = loop.snapshot(p).phi.clone()
+        snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder") if p in served \
+            else None
+    loop.judge = _CoupledJudge(loop, snaps, new_loss)
+    events = []
+    for t in range(1, 9):
+        loop.add_tokens(10.0)
+        events += loop.collect(t) + loop.send(t)
+    return loop, transport, [e for e in events if e.kind in ("caught_up", "refused")]
+
+
+def test_a_node_far_behind_judges_its_catch_ups_as_one_model() -> None:
+    """A node far behind on every fragment (resumed from an old checkpoint) measured the swarm's fragment beside its
+    own stale other one: several times its loss, and it banned an honest holder for it. Its catch-ups wait for each
+    other and are judged together; one whose partner cannot be had is refused without blame; a combination that
+    does absurdly worse is one conclusive offence of its source."""
+    loop, transport, events = _far_behind_node({0, 1})
+    assert sorted(e.fragment for e in events if e.kind == "caught_up") == [0, 1], events
+    assert transport.rejected == [] and loop.version(0) == loop.version(1) == 105
+
+    loop, transport, events = _far_behind_node({0})  # fragment 1's holder is gone: asked once, then judged alone
+    assert [(e.kind, e.fragment) for e in events] == [("refused", 0)], events
+    assert transport.rejected == [(0, False, False)] and transport.fetched.count(1) >= 1
+    assert loop.version(0) == 5
+
+    loop, transport, events = _far_behind_node({0, 1}, new_loss=10.0)
+    assert sorted((e.kind, e.fragment) for e in events) == [("refused", 0), ("refused", 1)], events
+    assert "fragments [0, 1] together" in events[0].error
+    assert transport.rejected == [(0, True, True), (1, False, False)]
+    assert loop.version(0) == loop.version(1) == 5
+
+
 def test_adopt_refuses_a_non_finite_join_download() -> None:
     loops, _, _ = _pair()
     st = loops[0].states[0]
     bad = st.phi.detach().cpu().clone()
     bad[0] = float("inf")
-    reason = loops[0].adopt(FragmentSnapshot(0, 5, bad, torch.zeros_like(bad), source="QmX"), keep_progress=False)
-    assert reason and "non-finite" in reason and loops[0].version(0) == 0
+    refused = loops[0].adopt([FragmentSnapshot(0, 5, bad, torch.zeros_like(bad), source="QmX")], keep_progress=False)
+    assert "non-finite" in refused[0].reason and refused[0].offence and loops[0].version(0) == 0
     good = st.phi.detach().cpu().clone() + 0.01
-    assert loops[0].adopt(FragmentSnapshot(0, 5, good, torch.zeros_like(good)), keep_progress=False) is None
+    assert loops[0].adopt([FragmentSnapshot(0, 5, good, torch.zeros_like(good))], keep_progress=False) == {}
     assert loops[0].version(0) == 5 and torch.allclose(st.phi.cpu(), good)
 
 
@@ -283,7 +381,7 @@ def test_a_member_a_version_ahead_of_its_group_takes_the_groups_phi_and_version(
     v = loops[0].version(0)
     assert v == loops[1].version(0) >= 1
     mine = loops[0].snapshot(0)
-    assert loops[0].adopt(FragmentSnapshot(0, v + 1, mine.phi + 0.01, mine.momentum), keep_progress=True) is None
+    assert loops[0].adopt([FragmentSnapshot(0, v + 1, mine.phi + 0.01, mine.momentum)], keep_progress=True) == {}
     transports[1].latest = v                      # node 1 believes nobody holds a newer version
     transports[0].group_version = transports[1].group_version = v
     step(3)

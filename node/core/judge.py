@@ -21,6 +21,7 @@ for the forward pass and the parameters restored afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -34,9 +35,15 @@ class EffectJudge(ABC):
     """Held-out losses of candidate values of one fragment (see the module docstring)."""
 
     @abstractmethod
+    def joint_losses(self, states: Sequence[FragmentState],
+                     candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        """The held-out loss of the model with the fragments of ``states`` set together to each candidate (one
+        flat fp32 tensor per state, in the fragment's layout), every other parameter as it is now; all on the
+        same batch."""
+
     def losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> list[float]:
-        """The held-out loss of the model with ``state``'s fragment set to each candidate (flat fp32, the
-        fragment's layout), every other parameter as it is now; all on the same batch."""
+        """The held-out loss of the model with ``state``'s fragment set to each candidate."""
+        return self.joint_losses([state], [[c] for c in candidates])
 
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
@@ -67,7 +74,8 @@ class LossJudge(EffectJudge):
         return self.relative_tolerance * abs(reference)
 
     @torch.no_grad()
-    def losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> list[float]:
+    def joint_losses(self, states: Sequence[FragmentState],
+                     candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
         batch = self.batches[self.calls % len(self.batches)].to(self.device)
         self.calls += 1
         was_training = self.model.training
@@ -75,7 +83,9 @@ class LossJudge(EffectJudge):
         out = []
         try:
             for candidate in candidates:
-                with state.swapped(candidate):
+                with contextlib.ExitStack() as swaps:
+                    for state, flat in zip(states, candidate, strict=True):
+                        swaps.enter_context(state.swapped(flat))
                     out.append(float(self.model(input_ids=batch, labels=batch).loss))
                 self.forwards += 1
         finally:

@@ -68,19 +68,20 @@ from locoswarm.node.core.transport import (
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
 # A downloaded phi whose held-out loss is more than this share above the node's own is no honest holder's
-# (``OuterLoop._judge_snapshot``): a negated phi gives several times the loss. An honest holder's phi can be
+# (``OuterLoop._judge_effect``): a negated phi gives several times the loss. An honest holder's phi can be
 # damaged too: the effect check lets an average do up to twice the loss (``effect_tolerance`` 1.0) and a hostile
 # reducer's part got into one such round before its ban; an honest peer measured a partner's phi 2.2x its own
 # and banned it for good (a CI run of the hostile-node tests). So only 4x or more is conclusive.
 ABSURD_WORSE = 3.0
-# A downloaded phi that lies further than this share of our own phi's norm from it, at most FAR_GAP versions ahead of
-# ours, is no honest holder's, whatever it measures: honest phis of one swarm differ by a few rounds of progress, a
-# small share of |phi|. A state liar's negated phi lies 2x |phi| away, and on the tiny preset it measured only
-# 1.6-3.8x the loss (the ban waited for one download past 4x, and two of three honest nodes never banned the liar in
-# 120 s) or, one fragment of two negated, within the snapshot slack: one honest node took it (robustness bench).
+# A downloaded phi whose cosine with our own trained phi is below FAR_COSINE, at most FAR_GAP versions ahead of ours,
+# is no honest holder's, whatever it measures: honest phis of one swarm share their start and most of their path. A
+# state liar's negated phi has cosine -1, and on the tiny preset it measured only 1.6-3.8x the loss or, one fragment
+# of two negated, within the snapshot slack (one honest node took it; robustness bench). A distance bound was tried
+# first (half of |phi|) and failed honest holders: early in training, lineages split for a few rounds lay 62% of
+# |phi| apart 4 versions ahead (an integration test's node banned an honest partner for it), cosine about 0.8.
 # A node far behind (resumed from an old checkpoint) and a fragment still at its initial state (version 0) are
 # exempt: their distance to the swarm is as far as training took it.
-FAR_SNAPSHOT = 0.5
+FAR_COSINE = 0.5
 FAR_GAP = 16
 # A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
 # default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
@@ -140,6 +141,17 @@ class _Fetch:
     handle: FetchHandle
     least: int
     replay: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    staged: FragmentSnapshot | None = None  # downloaded and checked on its own; its effect not judged yet
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a downloaded outer state was refused: ``offence`` counts against its source, ``conclusive`` bans it
+    at once (no honest holder could have served it)."""
+
+    reason: str
+    offence: bool
+    conclusive: bool
 
 
 @dataclass
@@ -200,6 +212,7 @@ class OuterLoop:
         # the next send first takes the group's phi at the same version (``_catch_up``).
         self._resync: set[int] = set()
         self._fetches: dict[int, _Fetch] = {}  # catch-up downloads under way, per fragment
+        self._staging_asked: set[int] = set()  # fragments far behind fetched for the staged downloads' judgement
         self.consensus = StateConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
@@ -719,28 +732,84 @@ class OuterLoop:
         """Take a finished download of ``st``'s outer state: phi and momentum from the peer, this node's
         local progress carried onto them (delay-compensated), then the outer steps of rounds this node
         merged while the download was under way, where they continue the downloaded version (so a
-        download that lands one round late still ends at the group's state). Not while a round of the
-        fragment is in flight: its result would be applied twice."""
+        download that lands one round late still ends at the group's state). A download is checked on its
+        own (bounds, distance from our phi), then staged; its effect is judged with the other staged ones
+        (``_land_staged``)."""
         fetch = self._fetches.get(st.index)
-        if fetch is None or not fetch.handle.done() or (st.index in self.pending and not self.rule.late):
+        if fetch is None:
             return []
-        del self._fetches[st.index]
-        snap = fetch.handle.result()
-        if snap is None or snap.version < fetch.least:
+        if fetch.staged is None:
+            if not fetch.handle.done():
+                return []
+            snap = fetch.handle.result()
+            if snap is None or snap.version < fetch.least:
+                del self._fetches[st.index]
+                return self._land_staged(step)  # a staged download may have waited for this one
+            # Far from our own phi is absurd only when ours is a trained reference: a fragment still at its
+            # initial state (its join download failed, version 0) is as far from the swarm's as training took
+            # it (seen: 1228% after one node trained alone for 115 outer steps), like a joiner's; it gets the
+            # joiner's absolute checks, or it would refuse and ban every honest peer it could catch up from.
+            reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=st.version > 0)
+            conclusive = False
+            if reason is None:
+                reason = self._far_snapshot(st, snap)
+                conclusive = reason is not None
+            if reason is not None:
+                del self._fetches[st.index]
+                refusal = Refusal(reason, offence=True, conclusive=conclusive)
+                return [self._refuse_snapshot(st, snap, refusal, step), *self._land_staged(step)]
+            fetch.staged = snap
+        return self._land_staged(step)
+
+    def _land_staged(self, step: int) -> list[SyncEvent]:
+        """Judge the staged downloads together and take them, or refuse them together.
+
+        The effect of a fragment is measured with every other parameter as this node holds it, and a node far
+        behind on another fragment too (resumed from an old checkpoint, back from a long stall) measured an
+        honest swarm's fragment beside its own stale ones: 2-9x the loss of its own model, and the restarted node
+        of an integration test banned an honest survivor for it. So while another fragment is more than
+        ``FAR_GAP`` versions behind the swarm, its download is started and waited for, and the fragments are
+        judged as one model. A fragment whose download does not come (failed, refused) is asked once; the
+        staged ones are then judged in the context there is, and a refusal there blames nobody. Not while a
+        round of a staged fragment is in flight: its result would be applied twice."""
+        staged = {p: f for p, f in sorted(self._fetches.items()) if f.staged is not None}
+        if not staged:
             return []
-        # Far from our own phi is absurd only when ours is a trained reference: a fragment still at its
-        # initial state (its join download failed, version 0) is as far from the swarm's as training took
-        # it (seen: 1228% after one node trained alone for 115 outer steps), like a joiner's; it gets the
-        # joiner's absolute checks, or it would refuse and ban every honest peer it could catch up from.
-        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=st.version > 0)
-        offence, conclusive = True, False
-        if reason is None:
-            reason, conclusive = self._judge_snapshot(st, snap)
-            offence = conclusive
-        if reason is not None:
-            self.transport.reject_snapshot(snap, reason, offence=offence, conclusive=conclusive)
-            self.stats.refused += 1
-            return [SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {reason}")]
+        behind = [p for p in range(len(self.states)) if p not in staged and self._far_behind(p)]
+        if any(p in self._fetches for p in behind):
+            return []  # on its way
+        events: list[SyncEvent] = []
+        asked = [p for p in behind if p not in self._staging_asked]
+        for p in asked:
+            self._staging_asked.add(p)
+            self._fetches[p] = _Fetch(self.transport.start_fetch(p), self.states[p].version + 1)
+        if asked:  # an in-process transport's download is done at once: it is staged (and judged) here
+            return [e for p in asked for e in self._land(self.states[p], step)]
+        if any(p in self.pending and not self.rule.late for p in staged):
+            return []
+        self._staging_asked.clear()
+        for p in staged:
+            del self._fetches[p]
+        fresh = {p: f for p, f in staged.items() if f.staged.version >= self.states[p].version}
+        if not fresh:
+            return []
+        states = [self.states[p] for p in fresh]
+        snaps = [f.staged for f in fresh.values()]
+        refusal = self._judge_effect(states, snaps, stale=bool(behind))
+        if refusal is not None:
+            once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
+            return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
+                    for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
+        for p, fetch in fresh.items():
+            events.extend(self._apply_snapshot(self.states[p], fetch, step))
+        return events
+
+    def _far_behind(self, fragment: int) -> bool:
+        """Whether ``fragment`` is more than ``FAR_GAP`` versions behind the newest one known among peers."""
+        return self.transport.latest_version(fragment) - self.states[fragment].version > FAR_GAP
+
+    def _apply_snapshot(self, st: FragmentState, fetch: _Fetch, step: int) -> list[SyncEvent]:
+        snap = fetch.staged
         theta = st.theta()
         phi_old = st.phi.clone()
         st.phi.copy_(snap.phi.to(st.phi.device))
@@ -762,50 +831,84 @@ class OuterLoop:
                                     error=f"{st.catch_ups_in_row} catch-ups in a row without a merged round"))
         return events
 
-    def _judge_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> tuple[str | None, bool]:
-        """The checks of a downloaded outer state beyond its bounds: ``(None, _)`` when it may replace ours, else
-        the reason and whether no honest holder could have served it (a conclusive offence). Conclusive: it lies
-        further than ``FAR_SNAPSHOT`` x |phi| from our trained phi at most ``FAR_GAP`` versions ahead, or its phi
-        gives a held-out loss ``ABSURD_WORSE`` above ours. Refused without blame: it does worse than ours past
-        ``SNAPSHOT_SLACK`` times the tolerance (a catch-up never replaces a healthy model with a much worse one; an
-        honest holder whose phi merely went another way than ours is not blamed)."""
-        own = float(st.phi.norm())
-        if st.version > 0 and own > 0 and snap.version - st.version <= FAR_GAP:
-            away = float((snap.phi.to(st.phi.device) - st.phi).norm()) / own
-            if away > FAR_SNAPSHOT:
-                return (f"its phi lies {away:.0%} of |phi| away from this node's, {snap.version - st.version} "
-                        f"versions ahead (no honest holder's is past {FAR_SNAPSHOT:.0%})"), True
-        if self.judge is None:
-            return None, False
-        self.stats.effect_checks += 1
-        theirs, ours = self.judge.losses(st, [snap.phi.to(st.device), st.phi])
-        if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
-            return None, False
-        self.stats.effect_refused += 1
-        absurd = not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE)
-        return (f"effect: its phi gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}"), absurd
+    def _refuse_snapshot(self, st: FragmentState, snap: FragmentSnapshot, refusal: Refusal, step: int) -> SyncEvent:
+        self.transport.reject_snapshot(snap, refusal.reason, offence=refusal.offence, conclusive=refusal.conclusive)
+        self.stats.refused += 1
+        return SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {refusal.reason}")
 
-    def adopt(self, snap: FragmentSnapshot, *, keep_progress: bool) -> str | None:
-        """Join: take a downloaded outer state for ``snap.fragment`` (a newer one only). With
-        ``keep_progress`` (a node resumed from its checkpoint) its own local progress rides on the new phi;
-        otherwise theta starts at phi. Returns None when adopted, else the guard's reason (nothing changed:
-        the caller reports it and counts it against ``snap.source``)."""
-        st = self.states[snap.fragment]
-        if snap.version < st.version:
+    def _far_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> str | None:
+        """Why a downloaded phi is no honest holder's whatever it measures: its cosine with our trained phi is below
+        ``FAR_COSINE``, at most ``FAR_GAP`` versions ahead; else None."""
+        gap = snap.version - st.version
+        if st.version <= 0 or gap > FAR_GAP:
             return None
-        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
-        if reason is None:
-            reason, _ = self._judge_snapshot(st, snap)
-        if reason is not None:
-            self.stats.refused += 1
-            return reason
-        theta = st.theta()
-        progress = st.phi - theta if keep_progress else torch.zeros_like(theta)
-        st.phi.copy_(snap.phi.to(st.phi.device))
-        st.momentum.copy_(snap.momentum.to(st.momentum.device))
-        st.version = snap.version
-        st.set_theta(st.phi - progress)
-        return None
+        theirs = snap.phi.to(st.phi.device)
+        norms = float(theirs.norm()) * float(st.phi.norm())
+        if norms <= 0:
+            return None
+        cosine = float(torch.dot(theirs, st.phi)) / norms
+        if cosine >= FAR_COSINE:
+            return None
+        return (f"its phi points away from this node's (cosine {cosine:+.2f}, {gap} versions ahead; honest "
+                f"holders' stay above {FAR_COSINE:+.1f})")
+
+    def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
+                      stale: bool = False) -> Refusal | None:
+        """The effect check of downloaded outer states, taken together: None when they may replace ours.
+        Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
+        catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
+        another way than ours is not blamed); a conclusive offence when they give a held-out loss
+        ``ABSURD_WORSE`` above ours, all came from one source and no other fragment of ours is far behind
+        (``stale``: the comparison then mixes fragments of distant versions)."""
+        if self.judge is None:
+            return None
+        self.stats.effect_checks += 1
+        theirs, ours = self.judge.joint_losses(
+            states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
+        if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
+            return None
+        self.stats.effect_refused += 1
+        absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
+        blamed = absurd and len({s.source for s in snaps}) == 1
+        which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
+        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}",
+                       offence=blamed, conclusive=blamed)
+
+    def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
+        """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
+        effect judged together (``_judge_effect``). With ``keep_progress`` (a node resumed from its checkpoint)
+        its own local progress rides on the new phi; otherwise theta starts at phi. Returns the refused
+        fragments with why (nothing of them changed: the caller reports it and counts it against the source)."""
+        refused: dict[int, Refusal] = {}
+        taken = []
+        for snap in snaps:
+            st = self.states[snap.fragment]
+            if snap.version < st.version:
+                continue
+            reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
+            conclusive = False
+            if reason is None:
+                reason = self._far_snapshot(st, snap)
+                conclusive = reason is not None
+            if reason is not None:
+                refused[snap.fragment] = Refusal(reason, offence=True, conclusive=conclusive)
+            else:
+                taken.append(snap)
+        if taken:
+            refusal = self._judge_effect([self.states[s.fragment] for s in taken], taken)
+            if refusal is not None:
+                refused.update({s.fragment: refusal for s in taken})
+                taken = []
+        for snap in taken:
+            st = self.states[snap.fragment]
+            theta = st.theta()
+            progress = st.phi - theta if keep_progress else torch.zeros_like(theta)
+            st.phi.copy_(snap.phi.to(st.phi.device))
+            st.momentum.copy_(snap.momentum.to(st.momentum.device))
+            st.version = snap.version
+            st.set_theta(st.phi - progress)
+        self.stats.refused += len(refused)
+        return refused
 
     # ---- the state contract (checkpoints) ----------------------------------------------------------
     STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups", "catch_up_loops")
@@ -877,6 +980,7 @@ class OuterLoop:
         self.pending.clear()
         self.pending_consensus.clear()
         self._fetches.clear()
+        self._staging_asked.clear()
         if "expected_share" in state:
             self.expected_share = float(state["expected_share"])
         for key, value in (state.get("stats") or {}).items():
