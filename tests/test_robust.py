@@ -237,9 +237,25 @@ def test_agreement_is_the_larger_cosine_with_the_others_median_and_the_reducers_
     rows = torch.stack([own, h, -5 * h])
     scores = agreement_scores(lambda k: rows, 1, trusted=0)
     assert scores[0] is None                       # the reducer's own is not judged
-    assert scores[1] > 0.3 and scores[2] < -0.3     # the honest member agrees, its flip does not
+    assert scores[1].score > 0.3 and scores[2].score < -0.3     # the honest member agrees, its flip does not
+    assert scores[1].evidence == scores[1].score and scores[2].evidence == scores[2].score
     # no row changes nothing: a zero row has no direction to judge
     assert agreement_scores(lambda k: torch.stack([own, torch.zeros(2000)]), 1, trusted=0)[1] is None
+
+
+def test_two_colluders_that_outvote_the_reducer_keep_their_pull_but_earn_no_good_evidence() -> None:
+    """Grouped with two flippers, an honest reducer sees each agree with the other (the median of the others
+    leans on its partner): the larger cosine keeps their pull, as the reducer may be the odd one out, but it is
+    no evidence of good intent; in a group with an honest majority the same flips are evidence against them."""
+    gen = torch.Generator().manual_seed(1)
+    common = torch.randn(2000, generator=gen)
+    own, h, f = (common + torch.randn(2000, generator=gen) for _ in range(3))
+    colluders = agreement_scores(lambda k: torch.stack([own, -2.5 * h, -2.5 * f]), 1, trusted=0)
+    for a in colluders[1:]:
+        assert a.with_own < -0.3 and a.with_others > 0.3 and a.score > 0.3
+        assert a.evidence is None
+    honest_majority = agreement_scores(lambda k: torch.stack([own, h, -2.5 * f]), 1, trusted=0)
+    assert honest_majority[1].evidence > 0.3 and honest_majority[2].evidence < -0.3
 
 
 def _part(codec, xs, weights):

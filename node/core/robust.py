@@ -35,7 +35,10 @@ honest contributions had a 1st percentile of +0.004 and a minimum of -0.26, whil
 never went below +0.016. So one round only weighs a contribution; the swarm layer bans on the mean
 (``[robust] agreement_ban``), and an honest member is never refused for its direction. Taking the larger of
 the two cosines keeps a reducer that has no honest majority in its group (two colluders with identical
-vectors are the median of the others) from mistaking an honest member for the outlier.
+vectors are the median of the others) from mistaking an honest member for the outlier. For the same reason a
+contribution that points against the reducer's own and with the others' median is no evidence either way for
+the ban (``Agreement.evidence``): the reducer is outvoted and cannot tell who is odd, and two colluders agreeing
+with each other must not earn credit for it.
 
 Centre and clipping (``clipped_mean``, :func:`clip_scales`): the centre is the coordinate-wise median of the
 contributions with pull (of a consensus round: the reducer's own phi), and each contribution's deviation
@@ -112,7 +115,7 @@ class Screening:
     # not judged: the reducer's own, a consensus round, no progress) and the pull factor in [0, 1] it gives;
     # the clip scale of its deviation from the centre
     muted: list[str | None] = field(default_factory=list)
-    scores: list[float | None] = field(default_factory=list)
+    scores: list[Agreement | None] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     persistence: list[float] = field(default_factory=list)  # per accepted, where measured (core.persistence)
@@ -248,11 +251,36 @@ def median_rows(rows: torch.Tensor) -> torch.Tensor:
 ChunkRows = Callable[[int], torch.Tensor]  # chunk k of a part -> (members, elements) fp32 values
 
 
-def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | None) -> list[float | None]:
-    """Per row: its agreement with the group (module docstring), the larger of its cosine with the
-    coordinate-wise median of the other rows and its cosine with the ``trusted`` row; None for the trusted row
-    itself and for a row that changes nothing (no direction to judge). Summed chunk by chunk (one chunk of
-    every row in memory at a time)."""
+@dataclass(frozen=True)
+class Agreement:
+    """A contribution's direction as one reducer sees it: its cosine with the coordinate-wise median of the other
+    contributions (``with_others``) and with the reducer's own (``with_own``; None without one)."""
+
+    with_others: float | None
+    with_own: float | None
+
+    @property
+    def score(self) -> float:
+        """The larger of the two cosines: what its pull follows (module docstring)."""
+        return max(c for c in (self.with_others, self.with_own) if c is not None)
+
+    @property
+    def evidence(self) -> float | None:
+        """The score as evidence of the sender's intent, for the agreement ban; None where this reducer is
+        outvoted: the contribution points against the reducer's own and with the others' median. There the
+        reducer cannot tell whether it is the odd one out or the others collude, and counting the agreement
+        as good cleared two colluding flippers: an honest node grouped with both of them saw each agree with
+        the other, those scores diluted its window of judgements from honest-majority groups, and it banned one
+        flipper after 87 rounds and never the other (robustness bench, 4 honest + 2 flippers)."""
+        if self.with_own is not None and self.with_others is not None and self.with_own < 0 <= self.with_others:
+            return None
+        return self.score
+
+
+def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | None) -> list[Agreement | None]:
+    """Per row: its agreement with the group (:class:`Agreement`: the cosines with the coordinate-wise median of
+    the other rows and with the ``trusted`` row); None for the trusted row itself and for a row that changes
+    nothing (no direction to judge). Summed chunk by chunk (one chunk of every row in memory at a time)."""
     dot_loo = dot_own = sq = loo_sq = None
     own_sq = 0.0
     for k in range(n_chunks):
@@ -272,18 +300,18 @@ def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | Non
             own_sq += float(x[trusted] @ x[trusted])
     if dot_loo is None:
         return []
-    scores: list[float | None] = []
+    out: list[Agreement | None] = []
     for i in range(len(dot_loo)):
         if i == trusted or float(sq[i]) <= 0.0:
-            scores.append(None)
+            out.append(None)
             continue
-        cosines = []
+        with_others = with_own = None
         if float(loo_sq[i]) > 0:
-            cosines.append(float(dot_loo[i]) / math.sqrt(float(sq[i]) * float(loo_sq[i])))
+            with_others = float(dot_loo[i]) / math.sqrt(float(sq[i]) * float(loo_sq[i]))
         if trusted is not None and own_sq > 0:
-            cosines.append(float(dot_own[i]) / math.sqrt(float(sq[i]) * own_sq))
-        scores.append(max(cosines) if cosines else None)
-    return scores
+            with_own = float(dot_own[i]) / math.sqrt(float(sq[i]) * own_sq)
+        out.append(None if with_others is None and with_own is None else Agreement(with_others, with_own))
+    return out
 
 
 def pull_factor(score: float | None, settings: RobustSection) -> float:

@@ -506,8 +506,10 @@ class _Reduction:
             if why:
                 log.info("fragment %d round %d: %s has no pull: %s", self.key[0], self.key[1], senders[i][:12], why)
         own_weight = cons[trusted].weight
+        # Evidence for the agreement ban: none where this reducer is outvoted (``Agreement.evidence``).
+        evidence = [None if a is None else a.evidence for a in screening.scores]
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
-                  for i, score in zip(screening.accepted, screening.scores, strict=True) if score is not None}
+                  for i, score in zip(screening.accepted, evidence, strict=True) if score is not None}
         return _Reduced(reduced, total, extras, refused, scores)
 
     def fail(self, error: str) -> None:

@@ -98,7 +98,7 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
 
     if centers is None and len(accepted) >= 2:
         screening.scores = agreement_scores(rows, len(part), trusted=t_acc)
-        factors = [0.0 if muted else pull_factor(sc, settings)
+        factors = [0.0 if muted else pull_factor(None if sc is None else sc.score, settings)
                    for sc, muted in zip(screening.scores, screening.muted, strict=True)]
         if any(factors):
             screening.factors = factors
