@@ -86,7 +86,7 @@ class PoisoningTransport(Transport):
 
 
 def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measures() -> None:
-    """A downloaded phi whose cosine with our trained phi is below FAR_COSINE, at most FAR_GAP versions
+    """A downloaded phi whose cosine with our trained phi is below FAR_COSINE (a reversal), at most FAR_GAP versions
     ahead, is refused as a conclusive offence even where it measures better (a negated fragment of two measured
     within the snapshot slack); one far ahead (a node resumed from an old checkpoint) is judged by its effect only,
     and one near ours that measured worse is refused without blame (an honest holder whose phi went another way)."""
@@ -108,7 +108,7 @@ def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measure
     phi = st.phi.detach().cpu().clone()
     side = torch.randn(phi.shape, generator=torch.Generator().manual_seed(3))
     side -= torch.dot(side, phi) / torch.dot(phi, phi) * phi
-    near = phi + 0.6 * phi.norm() * side / side.norm()  # 60% of |phi| away, cosine 0.86: lineages split early on
+    near = -0.2 * phi + 0.98 * phi.norm() * side / side.norm()  # cosine -0.2: lineages split early on
     far = -phi
     cases = [(near, 3, (2.0, 1.0), "refused", False), (far, 3, (2.0, 1.0), "refused", True),
              (far, FAR_GAP, (0.5, 1.0), "refused", True), (far, FAR_GAP + 1, (0.5, 1.0), "caught_up", None)]
@@ -125,7 +125,7 @@ def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measure
             continue
         assert torch.equal(st.phi, before)
         assert transports[0].conclusive[-1] is conclusive and transports[0].offences[-1] is conclusive
-        assert ("points away from this node's" in events[0].error) is conclusive, events[0].error
+        assert ("points against this node's" in events[0].error) is conclusive, events[0].error
 
 
 class QuadraticJudge(EffectJudge):

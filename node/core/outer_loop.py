@@ -73,15 +73,17 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # reducer's part got into one such round before its ban; an honest peer measured a partner's phi 2.2x its own
 # and banned it for good (a CI run of the hostile-node tests). So only 4x or more is conclusive.
 ABSURD_WORSE = 3.0
-# A downloaded phi whose cosine with our own trained phi is below FAR_COSINE, at most FAR_GAP versions ahead of ours,
-# is no honest holder's, whatever it measures: honest phis of one swarm share their start and most of their path. A
-# state liar's negated phi has cosine -1, and on the tiny preset it measured only 1.6-3.8x the loss or, one fragment
-# of two negated, within the snapshot slack (one honest node took it; robustness bench). A distance bound was tried
-# first (half of |phi|) and failed honest holders: early in training, lineages split for a few rounds lay 62% of
-# |phi| apart 4 versions ahead (an integration test's node banned an honest partner for it), cosine about 0.8.
+# A downloaded phi whose cosine with our own trained phi is below FAR_COSINE (it points against ours), at most
+# FAR_GAP versions ahead of ours, is no honest holder's, whatever it measures: a state liar's negated phi has cosine
+# -1, and on the tiny preset it measured only 1.6-3.8x the loss or, one fragment of two negated, within the snapshot
+# slack (one honest node took it; robustness bench). Anything less than a reversal goes to the effect check: honest
+# phis can be far apart early in training, when Adam's steps dwarf the shared initialisation and a lineage split
+# for a few rounds goes its own way. Bounds tried first and found to fail honest holders: half of |phi| away (62%
+# seen 4 versions ahead, cosine about 0.8) and a cosine of 0.5 (-0.16 seen 3 versions ahead, 4 honest nodes on a
+# starved 2-core machine); each banned an honest partner.
 # A node far behind (resumed from an old checkpoint) and a fragment still at its initial state (version 0) are
 # exempt: their distance to the swarm is as far as training took it.
-FAR_COSINE = 0.5
+FAR_COSINE = -0.5
 FAR_GAP = 16
 # A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
 # default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
@@ -849,8 +851,8 @@ class OuterLoop:
         cosine = float(torch.dot(theirs, st.phi)) / norms
         if cosine >= FAR_COSINE:
             return None
-        return (f"its phi points away from this node's (cosine {cosine:+.2f}, {gap} versions ahead; honest "
-                f"holders' stay above {FAR_COSINE:+.1f})")
+        return (f"its phi points against this node's (cosine {cosine:+.2f}, {gap} versions ahead; an honest "
+                f"holder's is never a reversal, below {FAR_COSINE:+.1f})")
 
     def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
                       stale: bool = False) -> Refusal | None:
