@@ -751,14 +751,9 @@ class OuterLoop:
             # initial state (its join download failed, version 0) is as far from the swarm's as training took
             # it (seen: 1228% after one node trained alone for 115 outer steps), like a joiner's; it gets the
             # joiner's absolute checks, or it would refuse and ban every honest peer it could catch up from.
-            reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=st.version > 0)
-            conclusive = False
-            if reason is None:
-                reason = self._far_snapshot(st, snap)
-                conclusive = reason is not None
-            if reason is not None:
+            refusal = self._check_alone(st, snap, relative=st.version > 0)
+            if refusal is not None:
                 del self._fetches[st.index]
-                refusal = Refusal(reason, offence=True, conclusive=conclusive)
                 return [self._refuse_snapshot(st, snap, refusal, step), *self._land_staged(step)]
             fetch.staged = snap
         return self._land_staged(step)
@@ -838,6 +833,15 @@ class OuterLoop:
         self.stats.refused += 1
         return SyncEvent("refused", st.index, step, st.version, error=f"catch-up to v{snap.version}: {refusal.reason}")
 
+    def _check_alone(self, st: FragmentState, snap: FragmentSnapshot, *, relative: bool) -> Refusal | None:
+        """The checks of a downloaded outer state that need no other fragment: its bounds (``check_snapshot``; an
+        offence), then a reversal of our phi (``_far_snapshot``; conclusive). None when it may be judged."""
+        reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=relative)
+        if reason is not None:
+            return Refusal(reason, offence=True, conclusive=False)
+        reason = self._far_snapshot(st, snap)
+        return None if reason is None else Refusal(reason, offence=True, conclusive=True)
+
     def _far_snapshot(self, st: FragmentState, snap: FragmentSnapshot) -> str | None:
         """Why a downloaded phi is no honest holder's whatever it measures: its cosine with our trained phi is below
         ``FAR_COSINE``, at most ``FAR_GAP`` versions ahead; else None."""
@@ -887,13 +891,9 @@ class OuterLoop:
             st = self.states[snap.fragment]
             if snap.version < st.version:
                 continue
-            reason = check_snapshot(snap.phi, snap.momentum, st.phi, self.limits, relative=keep_progress)
-            conclusive = False
-            if reason is None:
-                reason = self._far_snapshot(st, snap)
-                conclusive = reason is not None
-            if reason is not None:
-                refused[snap.fragment] = Refusal(reason, offence=True, conclusive=conclusive)
+            refusal = self._check_alone(st, snap, relative=keep_progress)
+            if refusal is not None:
+                refused[snap.fragment] = refusal
             else:
                 taken.append(snap)
         if taken:
