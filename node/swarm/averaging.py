@@ -1217,12 +1217,7 @@ class SwarmTransport(Transport):
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
         except Exception as exc:
-            # Reduce with the contributions that are in rather than fail the part: their senders still get it
-            # (their rounds need not fail with ours) and are judged. Failing it hid colluders from an honest
-            # node grouped only with them: one's turned part failed its round before the other's contribution
-            # had arrived, so neither was ever judged (robustness bench, 4 honest + 2 flippers: never banned).
-            session.reduce_partial()
-            session.fail(str(exc) or type(exc).__name__)  # nothing to reduce (no other contribution came)
+            session.fail(str(exc) or type(exc).__name__)
             sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
             res = AverageResult.failed(f"{type(exc).__name__}: {exc}", own_weight=req.weight)
             res.bytes_sent, res.bytes_received = sent, received
