@@ -197,40 +197,6 @@ def test_a_poisoned_contribution_is_dropped_and_the_round_completes() -> None:
     asyncio.run(run())
 
 
-def test_colluders_that_turn_the_reducers_own_part_are_judged_for_it_and_an_odd_reducer_judges_nobody() -> None:
-    """Grouped with two flippers, an honest reducer is outvoted (each flipper agrees with the other), but the
-    part they reduce to points against its own progress: it is not applied (``turned``) and each of them scores
-    TURNED_SCORE. A reducer that is merely the odd one out (two honest members both slightly against its own
-    progress) sees no turned part and judges nobody by it; nor does a reducer whose own contribution is light."""
-    from locoswarm.node.swarm.averaging import JUDGED_WEIGHT, REDUCED_AGREEMENT, TURNED_SCORE
-
-    def reduce(contributions: list[PartContribution]) -> object:
-        s = _session([c.sender for c in contributions])
-        for c in contributions:
-            s.add(c, [])
-        return s.done.result()
-
-    async def run() -> None:
-        own = _honest(0)
-        flipped = reduce([_contribution("me", own), _contribution("f1", -5.0 * _honest(1)),
-                          _contribution("f2", -5.0 * _honest(2))])
-        assert flipped.turned is not None and flipped.turned < REDUCED_AGREEMENT
-        assert flipped.scores["f1"][0] == TURNED_SCORE and flipped.scores["f2"][0] == TURNED_SCORE
-
-        gen = torch.Generator().manual_seed(7)
-        common = torch.randn(NUMEL, generator=gen) * 0.01
-        odd = [(common + torch.randn(NUMEL, generator=gen) * 0.01 - 0.3 * own) for _ in range(2)]
-        assert all(float(torch.nn.functional.cosine_similarity(o, own, dim=0)) < 0 for o in odd)
-        outvoted = reduce([_contribution("me", own), _contribution("h1", odd[0]), _contribution("h2", odd[1])])
-        assert outvoted.turned is None and not outvoted.refused
-        assert "h1" not in outvoted.scores and "h2" not in outvoted.scores  # outvoted: no evidence either way
-
-        light = reduce([_contribution("me", own, weight=JUDGED_WEIGHT * 50.0),
-                        _contribution("f1", -5.0 * _honest(1)), _contribution("f2", -5.0 * _honest(2))])
-        assert light.turned is not None and "f1" not in light.scores and "f2" not in light.scores
-    asyncio.run(run())
-
-
 def test_the_side_vector_is_summed_over_the_accepted_members() -> None:
     async def run() -> None:
         s = _session(["me", "h1", "bad"])

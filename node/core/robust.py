@@ -38,8 +38,7 @@ the two cosines keeps a reducer that has no honest majority in its group (two co
 vectors are the median of the others) from mistaking an honest member for the outlier. For the same reason a
 contribution that points against the reducer's own and with the others' median is no evidence either way for
 the ban (``Agreement.evidence``): the reducer is outvoted and cannot tell who is odd, and two colluders agreeing
-with each other must not earn credit for it. (What it can tell is whether they turned its own part: the swarm
-layer judges that, ``locoswarm.node.swarm.averaging``.)
+with each other must not earn credit for it.
 
 Centre and clipping (``clipped_mean``, :func:`clip_scales`): the centre is the coordinate-wise median of the
 contributions with pull (of a consensus round: the reducer's own phi), and each contribution's deviation

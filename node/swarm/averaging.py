@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,7 @@ from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from locoswarm.node.core.persistence import DeviationMemory
-from locoswarm.node.core.robust import Agreement, make_aggregator
+from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -106,10 +106,6 @@ REDUCED_WINDOW = 3
 # A harmful average made from more than one phi (``reject_part``): every this many such refusals of its reducer
 # make one offence.
 UNLINED_HARM = 8
-# The agreement evidence of a contribution that turned its reducer's own part (``_Reduction._evidence``). With
-# the default window (4) and ban (-0.1), two such judgements among two honest-looking ones (+0.2: honest members'
-# agreement averaged +0.2 to +0.5 per reducer in the robustness bench) ban, one among three (even at +0.1) does not.
-TURNED_SCORE = -0.5
 # Reduced parts from a reducer that names another phi ban it when its last REDUCED_WINDOW average below this: honest
 # reducers of another lineage sent parts down to -0.34 while a state liar disrupted the swarm (robustness bench,
 # 180 s), a reducer that negates its part -0.7 to -0.96 (hostile-node tests), -0.27 to -0.90 (the bench, 180 s).
@@ -347,23 +343,17 @@ def reduced_agreement(codec: Codec, req: AverageRequest, chunks: dict[int, bytes
     """The cosine of a reducer's part with this member's own contribution to it (None: ours is zero there). The
     honest mean of a part includes ours: on the tiny presets its cosine with each member's own was at least
     -0.04 (4 and 6 members), where a negated part gives about -0.5."""
-    return chunk_cosine(codec, chunks, req.chunks, {c: bounds[c][1] - bounds[c][0] for c in chunks})
-
-
-def chunk_cosine(codec: Codec, a: Mapping[int, bytes], b: Mapping[int, bytes] | Sequence[bytes],
-                 sizes: Mapping[int, int]) -> float | None:
-    """The cosine of two vectors given as codec chunks (``sizes``: the chunks to compare, and their lengths);
-    None where either is zero there."""
-    dot = a_sq = b_sq = 0.0
-    for c, n in sizes.items():
-        x = codec.decode(a[c], n).to(torch.float64)
-        y = codec.decode(b[c], n).to(torch.float64)
-        dot += float(x @ y)
-        a_sq += float(x @ x)
-        b_sq += float(y @ y)
-    if a_sq <= 0 or b_sq <= 0:
+    dot = own_sq = red_sq = 0.0
+    for c, data in chunks.items():
+        n = bounds[c][1] - bounds[c][0]
+        red = codec.decode(data, n).to(torch.float64)
+        own = codec.decode(req.chunks[c], n).to(torch.float64)
+        dot += float(red @ own)
+        own_sq += float(own @ own)
+        red_sq += float(red @ red)
+    if own_sq <= 0 or red_sq <= 0:
         return None
-    return dot / math.sqrt(a_sq * b_sq)
+    return dot / math.sqrt(own_sq * red_sq)
 
 
 def _finite(values: Iterable[float]) -> bool:
@@ -395,9 +385,6 @@ class _Reduced:
     # sender -> (agreement, its weight over the reducer's own): the direction judgement of each accepted
     # contribution (``locoswarm.node.core.robust``), for the reputation's agreement evidence
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # the part's agreement with the reducer's own contribution where it is below REDUCED_AGREEMENT (a part the
-    # group turned against this node's progress: not applied here either); None otherwise
-    turned: float | None = None
 
 
 class _Reduction:
@@ -519,40 +506,11 @@ class _Reduction:
             if why:
                 log.info("fragment %d round %d: %s has no pull: %s", self.key[0], self.key[1], senders[i][:12], why)
         own_weight = cons[trusted].weight
-        turned = self._turned(reduced, cons[trusted])
-        evidence = [self._evidence(a, cons[i], own_weight, turned=turned is not None)
-                    for i, a in zip(screening.accepted, screening.scores, strict=True)]
+        # Evidence for the agreement ban: none where this reducer is outvoted (``Agreement.evidence``).
+        evidence = [None if a is None else a.evidence for a in screening.scores]
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
                   for i, score in zip(screening.accepted, evidence, strict=True) if score is not None}
-        return _Reduced(reduced, total, extras, refused, scores, turned)
-
-    def _turned(self, reduced: Mapping[int, bytes], own: PartContribution) -> float | None:
-        """The reduced part's agreement with this node's own contribution where the group turned it (below
-        REDUCED_AGREEMENT: the check every member makes of the other reducers' parts); None otherwise. Rounds of
-        phi itself have no direction."""
-        if self.consensus:
-            return None
-        agreement = chunk_cosine(self.codec, reduced, own.chunks, self.sizes)
-        return agreement if agreement is not None and agreement < REDUCED_AGREEMENT else None
-
-    @staticmethod
-    def _evidence(agreement: Agreement | None, con: PartContribution, own_weight: float, *,
-                  turned: bool) -> float | None:
-        """Evidence for the agreement ban from one judged contribution (``Agreement.evidence``: none where this
-        reducer is outvoted), except in a part the group turned: there every contribution that pointed
-        against this node's own (and was not too light to judge against it) turned it, and scores TURNED_SCORE.
-        Honest members cannot turn a part: their mean includes the reducer's own, and even where each of
-        them points slightly against it (the reducer the odd one out) the sum keeps its direction. Two
-        colluders who outvote the reducer can, and did in every such round (robustness bench, 4 honest + 2
-        flippers); without this they earned no evidence there, and an honest node grouped only with them
-        banned them after 81 rounds, or never. A reducer whose own contribution is light (it just joined or
-        caught up: a step or two of progress, mostly noise) judges nobody by it."""
-        if agreement is None:
-            return None
-        heavy_enough = own_weight >= JUDGED_WEIGHT * min(con.weight, con.max_weight)
-        if turned and heavy_enough and agreement.with_own is not None and agreement.with_own < 0:
-            return TURNED_SCORE
-        return agreement.evidence
+        return _Reduced(reduced, total, extras, refused, scores)
 
     def fail(self, error: str) -> None:
         if not self.done.done():
@@ -1206,9 +1164,6 @@ class SwarmTransport(Transport):
             reduced = await session.done
             if reduced.total_weight <= 0:
                 raise RuntimeError("every contribution to this node's part was refused")
-            if reduced.turned is not None:
-                raise RuntimeError(f"the group turned this node's own part against its progress "
-                                   f"(agreement {reduced.turned:+.2f})")
             return me, reduced.chunks, reduced.total_weight, reduced.extras
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
