@@ -695,6 +695,17 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     return cfg
 
 
+def named_settings(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> set[str]:
+    """The ``section.key`` names a descriptor and ``--set`` overrides set explicitly (what a caller with defaults
+    of its own, such as a benchmark profile, must leave as the user set them). Call after :func:`load_config`."""
+    data = {} if path is None or os.fspath(path) == "" else _read_file(path)[0]
+    named = {f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values}
+    for text in overrides:
+        section, key, _ = parse_override(text)
+        named.add(f"{section}.{key}")
+    return named
+
+
 # ---- output and fingerprint ----
 
 def to_dict(cfg: SwarmConfig) -> dict:

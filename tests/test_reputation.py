@@ -262,3 +262,20 @@ def test_good_judgements_forgive_old_offences_but_buy_no_slack() -> None:
     for _ in range(10 * FORGIVE_AFTER):
         sleeper.good("s")
     assert [sleeper.refuse("s", "bad_effect", "turned") for _ in range(3)] == [False, False, True]
+
+
+def test_accumulated_evidence_bans_a_far_outlier_sooner_and_an_honest_dip_never() -> None:
+    """With ``accumulate`` the sum of the last 2..window scores is held against window x bound: two scores far
+    below the bound ban, a near one needs the full window, and one bad score alone (or an honest dip between
+    good ones) never does."""
+    rep = Reputation(threshold=3)
+    kw = {"window": 4, "ban_below": -0.1, "good_from": 0.1, "accumulate": True}
+    assert [rep.judge("far", "direction", s, **kw) for s in (-0.25, -0.3)] == [False, True]
+    assert "over its last 2" in rep.snapshot()["peers"]["far"]["last"]
+    assert [rep.judge("near", "direction", s, **kw) for s in (-0.12, -0.11, -0.1, -0.12)] == [False, False, False, True]
+    assert not rep.judge("once", "direction", -0.9, **kw)  # a single score weighs nothing
+    assert not any(rep.judge("honest", "direction", s, **kw) for s in (0.3, -0.26, 0.1, -0.12, 0.2, 0.02, 0.4, -0.05))
+    assert not rep.is_banned("honest") and not rep.is_banned("once")
+    plain = Reputation(threshold=3)  # without accumulation the same far scores need a full window
+    assert [plain.judge("far", "direction", s, window=4, ban_below=-0.1, good_from=0.1)
+            for s in (-0.25, -0.3, -0.25, -0.3)] == [False, False, False, True]

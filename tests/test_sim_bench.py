@@ -330,3 +330,23 @@ def test_steps_to_target_and_claims():
     results["diloco-x"] = _entry(2.13, bytes_per_step=2.0)
     verdicts = {c["claim"]: c["verdict"] for c in check_claims(results, setup)}
     assert verdicts["diloco-x vs diloco, bytes vs fp4"] == "NOT reproduced"  # more bytes than fp4
+
+
+def test_a_set_override_keeps_the_profiles_other_settings(tmp_path: Path) -> None:
+    """``--set robust.agreement_full=0`` changes that setting only: the profile's batch, sequence length and inner
+    schedule stay (they used to fall back to the config defaults, a seq_len of 128 for the long profile's 64,
+    with the report still saying 64); a setting the user names wins over the profile's."""
+    import argparse
+
+    from locoswarm.node.bench.convergence import PROFILES, base_config
+
+    prof = PROFILES["long"]
+    args = argparse.Namespace(config=None, overrides=["robust.agreement_full=0"])
+    cfg = base_config(args, prof)
+    assert (cfg.inner.seq_len, cfg.inner.batch_size, cfg.inner.lr) == (prof.seq_len, prof.batch_size, prof.lr)
+    assert cfg.robust.agreement_full == 0.0
+    assert base_config(argparse.Namespace(config=None, overrides=["inner.seq_len=32"]), prof).inner.seq_len == 32
+    desc = tmp_path / "peers.toml"
+    desc.write_text('[swarm]\nname = "t"\n\n[inner]\nbatch_size = 4\n')
+    cfg = base_config(argparse.Namespace(config=str(desc), overrides=[]), prof)
+    assert (cfg.inner.batch_size, cfg.inner.seq_len) == (4, prof.seq_len)

@@ -187,16 +187,19 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 
 def base_config(args: argparse.Namespace, prof: Profile):
-    """The user's config (or defaults) with the profile's model, inner and schedule settings."""
+    """The user's config (or defaults) with the profile's model, inner and schedule settings, except those the
+    user set (a ``--set robust.clip_factor=3`` must not also change the profile's sequence length)."""
     from locoswarm.node.commands import load_config_from_args
-    from locoswarm.node.config import validate
+    from locoswarm.node.config import named_settings, validate
 
     cfg = load_config_from_args(args)
-    if not args.config and not args.overrides:
-        for key, value in prof.model_overrides.items():
-            setattr(cfg.model, key, value)
-        cfg.inner.batch_size, cfg.inner.seq_len = prof.batch_size, prof.seq_len
-        cfg.inner.lr, cfg.inner.warmup = prof.lr, prof.warmup
+    named = named_settings(args.config, args.overrides)
+    profile = {**{("model", k): v for k, v in prof.model_overrides.items()},
+               ("inner", "batch_size"): prof.batch_size, ("inner", "seq_len"): prof.seq_len,
+               ("inner", "lr"): prof.lr, ("inner", "warmup"): prof.warmup}
+    for (section, key), value in profile.items():
+        if f"{section}.{key}" not in named:
+            setattr(getattr(cfg, section), key, value)
     cfg.outer.h, cfg.outer.fragments, cfg.outer.tau = prof.h, prof.fragments, 0
     cfg.outer.method = "replace"
     cfg.network.group_size = max(cfg.network.group_size, prof.workers)  # all-reduce, as in the papers
@@ -426,6 +429,9 @@ def run_convergence(args: argparse.Namespace) -> int:
     source = _settings_from(args.settings_from, methods)
     grids = parse_grids(args.grid)
     cfg = base_config(args, prof)
+    # the report states the batch, sequence and inner schedule the runs used (the user's where set)
+    prof = replace(prof, batch_size=cfg.inner.batch_size, seq_len=cfg.inner.seq_len, lr=cfg.inner.lr,
+                   warmup=cfg.inner.warmup)
     device = str(resolve_device(args.device))
     console = Console(stderr=True)
     from locoswarm.node.sim import data_paths
