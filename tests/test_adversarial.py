@@ -328,6 +328,24 @@ def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_r
     assert never["bans"]["QmA"] is None
 
 
+def test_a_hostile_round_that_sent_nothing_does_not_start_its_attack() -> None:
+    """A joining hostile node's rounds that failed before anything reached an honest member (no group, after the
+    window, refused as no member of the reducer's round) do not start the clock to its ban; one that merged or
+    was refused for what it sent does."""
+    from locoswarm.node.bench.robustness import attack_round
+
+    def failed(error: str) -> dict:
+        return {"kind": "failed", "detail": f"fragment 0 round v136: {error}"}
+
+    assert not attack_round(failed("no peer in group"))
+    assert not attack_round(failed("arrived after the matchmaking window closed"))
+    assert not attack_round(failed("RuntimeError: peer QmX refused: this peer is not in the round (it arrived "
+                                   "after the window or had no group)"))
+    assert attack_round(failed("RuntimeError: peer QmX refused: round failed at reducer: direction"))
+    assert attack_round({"kind": "merged", "detail": "fragment 0 round v1 group 4"})
+    assert not attack_round({"kind": "caught_up", "detail": "fragment 0 round v141"})
+
+
 @pytest.mark.timeout(300)
 def test_bench_robustness_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "report"

@@ -138,6 +138,7 @@ class Sample:
     banned: list[list[str]] = field(default_factory=list)    # each honest node's banned peers
     attacker_rounds: int = 0  # rounds the hostile nodes took part in so far (merged, failed or refused)
     attacker_first: float | None = None  # seconds since the window opened of the hostile nodes' first round in it
+    #                                      that sent to an honest member (``attack_round``)
 
 
 @dataclass
@@ -317,7 +318,7 @@ class ScenarioRun:
             statuses = [p.status() for p in self.honest]
             hostile = [p.status() for p in self.extra] if self.scenario.kind != "clean" else []
             rounds = [e["time"] - started for st in hostile for e in st.get("events", [])
-                      if e.get("kind") in ("merged", "failed") and e.get("time", 0) >= started]
+                      if attack_round(e) and e.get("time", 0) >= started]
             first = min([*rounds, *([] if first is None else [first])], default=None)
             samples.append(Sample(
                 t=time.time() - started,
@@ -383,15 +384,32 @@ class ScenarioRun:
         }
 
 
+# A hostile node's failed round that sent nothing to an honest member: it had no group, arrived after the window,
+# or its contribution was refused before it was read (not in the reducer's round or group). Its attack begins
+# with its first round that did send: a joining node fails such rounds for a while (up to 25 s in a 4 + 2 run
+# on a loaded 2-core machine), and a ban cannot come before any honest node has seen what it sends.
+UNSENT_ROUND = ("no peer in group", "arrived after the matchmaking window closed", "this peer is not in the round",
+                "group mismatch", "low-rank basis mismatch")
+
+
+def attack_round(event: dict) -> bool:
+    """Whether a hostile node's status event is a round whose contributions reached an honest member."""
+    kind = event.get("kind")
+    if kind == "merged":
+        return True
+    return kind == "failed" and not any(text in str(event.get("detail", "")) for text in UNSENT_ROUND)
+
+
 def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,
            slots_per_step: float, in_rounds: bool = True, banned_at: dict[str, float] | None = None) -> dict:
     """What honest node ``i`` did about its peers during the window: per attacker the seconds and rounds from the
     attack's start to its first ban by this node (None: not banned), and the ids of the other honest nodes (whose
     refusals by this node the summary counts). The attack starts ``turn_after`` s into the window, and a node
-    attack not before the hostile nodes' first round in it (it acts through rounds, and a joining node takes a
-    while to get into one; a client's attack starts with the window). A ban's time is the node's own record
-    (``banned_at``: seconds since the window opened), else the first sample that shows it; its rounds are the
-    node's swarm clock advance from the start to the ban (linear between samples) times ``slots_per_step``."""
+    attack not before the hostile nodes' first round in it that sent to an honest member (``attack_round``: it acts
+    through rounds, and a joining node takes a while to get into one; a client's attack starts with the window). A
+    ban's time is the node's own record (``banned_at``: seconds since the window opened), else the first sample
+    that shows it; its rounds are the node's swarm clock advance from the start to the ban (linear between samples)
+    times ``slots_per_step``."""
     banned_at = banned_at or {}
     clocks = [[s.t, s.clocks[i]] for s in samples if i < len(s.clocks)]
     firsts = [s.attacker_first for s in samples if s.attacker_first is not None]
@@ -688,8 +706,9 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "the window over the clean run's at the same clock; attacker refused: refusals of the attackers' peer ids "
         "counted by the honest nodes; banned by: honest "
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
-        "the attack began (the hostile node's first round in the window; a sleeper turns a third into it) to the "
-        "ban the node recorded, in seconds and in the rounds the node took part in meanwhile (its swarm clock's "
+        "the attack began (the hostile node's first round in the window that sent to an honest member; a sleeper "
+        "turns a third into it) to the ban the node recorded, in seconds and in the rounds the node took part in "
+        "meanwhile (its swarm clock's "
         "advance x F / H; 'not all': some attacker was never banned by some honest node); honest refused by "
         "honest: refusals the honest nodes counted of each other, of something one "
         "sent (a contribution, a reduced part, a state, a claim), of those the offences (which count toward a ban), "
