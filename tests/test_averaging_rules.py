@@ -15,6 +15,7 @@ from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chunks
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
+    FOLLOWED_EVIDENCE,
     NO_SHOW_ROUNDS,
     UNLINED_HARM,
     MatchView,
@@ -598,9 +599,12 @@ def test_a_member_most_of_the_round_excludes_is_banned_here_only_on_evidence_of_
     for s in (0.2, 0.05, -0.1, 0.3):       # an honest member: judged good on balance
         rep.judge("h1", "direction", s, **kw)
     for s in (-0.05, 0.02, -0.3):          # a flipper seen mostly outvoted: little evidence, against it
-        rep.judge("f1", "reduction", s, **kw)
+        rep.judge("f1", "direction", s, **kw)
+    for s in (-0.3, -0.4):                 # an honest reducer whose part colluders turned: not its own doing
+        rep.judge("h3", "reduction", s, window=3, ban_below=-0.5, good_from=0.0)
     rep.judge("once", "direction", -0.5, **kw)
-    assert not rep.suspects("h1", ("direction", "reduction"))
-    assert rep.suspects("f1", ("direction", "reduction"))
+    assert not rep.suspects("h1", FOLLOWED_EVIDENCE)
+    assert rep.suspects("f1", FOLLOWED_EVIDENCE)
+    assert not rep.suspects("h3", FOLLOWED_EVIDENCE)
     assert not rep.suspects("once", ("direction",))      # one judgement is not evidence
     assert not rep.suspects("stranger", ("direction",))  # none at all

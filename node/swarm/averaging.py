@@ -119,8 +119,10 @@ JUDGED_WEIGHT = 0.25
 # lowest mean over 4 of -0.05 (of one lineage: +0.12), a flipper's from another phi a median of -0.25.
 OTHER_LINEAGE_MARGIN = 0.1
 # The judged kinds whose scores are this node's own evidence when it follows the round's majority in a ban
-# (``SwarmTransport._follow_majority_bans``): contributions' directions and reduced parts' agreements.
-FOLLOWED_EVIDENCE = ("direction", "reduction", "reduction_other_phi")
+# (``SwarmTransport._follow_majority_bans``): the directions of the peer's own contributions only. A reduced part's
+# agreement is not the reducer's doing alone: colluders that outvote an honest reducer in its group turn its part,
+# and with their exclusions as the majority they could otherwise get it banned by the other honest members.
+FOLLOWED_EVIDENCE = ("direction",)
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
