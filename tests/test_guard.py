@@ -441,6 +441,33 @@ def test_the_effect_check_passes_an_honest_average_and_refuses_a_harmful_one_bla
     assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
 
 
+def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_against_phi() -> None:
+    """An honest round costs two measured candidates (the average's step and phi); only an average harmful against
+    phi has the own step measured as well (a reference that can only excuse it)."""
+
+    class Counting(QuadraticJudge):
+        measured = 0
+
+        def lazy_losses(self, state, candidates):
+            for c in candidates:
+                self.measured += 1
+                yield self.losses(state, [c])[0]
+
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    judge = loops[0].judge = Counting(target)
+    step(1)
+    events = step(2)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert loops[0].stats.effect_checks == 1 and judge.measured == 2
+    n = loops[0].states[0].numel
+    transports[0].poison[4] = lambda avg: torch.cat([avg[:n // 2], -3.0 * avg[n // 2:]])
+    step(3)
+    events = step(4)
+    assert [e.kind for e in events[0] if e.kind == "refused"] == ["refused"]
+    assert loops[0].stats.effect_checks == 2 and judge.measured == 5
+
+
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
     """A downloaded phi that does much worse on the held-out check than the node's own is refused: four times
     the loss and more (a negated phi) is a conclusive offence of its source; 69% worse (past the snapshot slack, but

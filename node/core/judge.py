@@ -11,8 +11,9 @@ local progress), and each part whose own effect is that bad is blamed on its red
 
 This is the Gauntlet validator's measure (Templar, arXiv 2505.21684: a peer's update judged by the loss
 before and after applying it) without a validator: every node judges what it is about to apply, at the
-cost of two forward passes of ``[robust] judge_sequences`` sequences per merged round (about 1% of the
-inner steps between two rounds of the tiny preset), and a forward pass per part only when it refuses.
+cost of two forward passes of ``[robust] judge_sequences`` sequences per merged round (the average's and
+phi's; the own step's only where the average is harmful against phi: it can only lower the bar), about 1% of
+the inner steps between two rounds of the tiny preset, and a forward pass per part only when it refuses.
 
 The held-out batches rotate over a pool drawn from the node's evaluation split at other offsets than the
 batches it reports its eval loss on; the candidates are written into the live parameters of the fragment
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -44,6 +45,12 @@ class EffectJudge(ABC):
     def losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> list[float]:
         """The held-out loss of the model with ``state``'s fragment set to each candidate."""
         return self.joint_losses([state], [[c] for c in candidates])
+
+    def lazy_losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> Iterator[float]:
+        """:meth:`losses` one candidate at a time, each measured only when the caller asks for it (all on one
+        batch): a caller that can decide from the first few saves the forward passes of the rest. Close it (or
+        exhaust it) when done."""
+        yield from self.losses(state, candidates)
 
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
@@ -73,24 +80,34 @@ class LossJudge(EffectJudge):
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)
 
-    @torch.no_grad()
     def joint_losses(self, states: Sequence[FragmentState],
                      candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        return list(self._measure(states, candidates))
+
+    def lazy_losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> Iterator[float]:
+        return self._measure([state], [[c] for c in candidates])
+
+    def _measure(self, states: Sequence[FragmentState],
+                 candidates: Sequence[Sequence[torch.Tensor]]) -> Iterator[float]:
+        """Each candidate's loss on the next batch of the pool, measured as it is asked for."""
         batch = self.batches[self.calls % len(self.batches)].to(self.device)
         self.calls += 1
+        for candidate in candidates:
+            yield self._loss(batch, states, candidate)
+
+    @torch.no_grad()
+    def _loss(self, batch: torch.Tensor, states: Sequence[FragmentState], candidate: Sequence[torch.Tensor]) -> float:
         was_training = self.model.training
         self.model.eval()
-        out = []
         try:
-            for candidate in candidates:
-                with contextlib.ExitStack() as swaps:
-                    for state, flat in zip(states, candidate, strict=True):
-                        swaps.enter_context(state.swapped(flat))
-                    out.append(float(self.model(input_ids=batch, labels=batch).loss))
-                self.forwards += 1
+            with contextlib.ExitStack() as swaps:
+                for state, flat in zip(states, candidate, strict=True):
+                    swaps.enter_context(state.swapped(flat))
+                loss = float(self.model(input_ids=batch, labels=batch).loss)
+            self.forwards += 1
+            return loss
         finally:
             self.model.train(was_training)
-        return out
 
 
 __all__ = ["EffectJudge", "LossJudge"]
