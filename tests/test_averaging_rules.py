@@ -76,6 +76,20 @@ def test_members_whose_bans_disagree_still_average_together(size: int) -> None:
         assert sorted(itertools.chain(*groups)) == sorted([honest0, honest1, liar0, liar1])
 
 
+@pytest.mark.parametrize("round_", range(20))
+def test_a_peer_most_members_ban_is_left_alone_not_given_its_partners_company(round_: int) -> None:
+    """Four honest members banned one of two colluders: the other colluder (banned by nobody yet) stays in the
+    honest members' group, where their reducers keep judging it, instead of keeping the banned one company out
+    of their reach. A single liar's exclusion of an honest member shuns nobody."""
+    honest = ["QmH0", "QmH1", "QmH2", "QmH3"]
+    banned, partner = "QmF0", "QmF1"
+    members = [*honest, banned, partner]
+    groups = form_groups(members, 0, round_, 8, {h: [banned] for h in honest})
+    assert [banned] in groups and sorted([*honest, partner]) in groups, groups
+    groups = form_groups(["QmH0", "QmH1", "QmH2", "QmL"], 0, round_, 8, {"QmL": ["QmH0"]})
+    assert ["QmH0"] not in groups and not any({"QmH0", "QmL"} <= set(g) for g in groups), groups
+
+
 def test_the_placement_is_the_same_on_every_member_whatever_order_it_saw() -> None:
     members = PEERS[:7]
     excluded = {"Qma": ["Qmb"], "Qmc": ["Qmb", "Qmd"], "Qmb": ["Qme"]}

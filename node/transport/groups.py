@@ -32,7 +32,9 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     bans disagree (one honest node banned a liar, the other not yet) still average together. With a
     single order, the liar banned by one honest member was often placed next to the other honest member
     first, and the first was left alone every such round (robustness bench, two colluding state liars:
-    rounds failed by the dozen and the honest nodes ended 13-23% above the clean run). No member is
+    rounds failed by the dozen and the honest nodes ended 13-23% above the clean run). A member that most of
+    the others exclude is left alone rather than given company (``_shunned``): among placements with the
+    fewest others alone, the one that puts the fewest other members in a group with it wins. No member is
     placed last on purpose: a ban may be a liar's (a Sybil banning an honest node would then isolate it).
     """
     seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
@@ -50,19 +52,37 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
                 conflicts[peer].add(other)
                 conflicts[other].add(peer)
     capacity = -(-len(order) // n_groups)
+    shunned = _shunned(order, excluded)
     best: list[list[str]] | None = None
-    best_score = (len(order) + 1, len(order) + 1)
+    best_score = (len(order) + 1, len(order) + 1, len(order) + 1)
     for attempt in range(PLACEMENT_TRIES):
         if attempt:
             rng.shuffle(order)
         groups = _place(order, n_groups, capacity, conflicts)
-        score = (sum(1 for g in groups if len(g) == 1), len(groups))
+        score = (sum(1 for g in groups if len(g) == 1 and g[0] not in shunned),
+                 sum(1 for g in groups if shunned & set(g) for p in g if p not in shunned), len(groups))
         if score < best_score:
             best, best_score = groups, score
-        if score[0] == 0 and score[1] <= n_groups:
+        if score[0] == 0 and score[1] == 0 and score[2] <= n_groups:
             break  # nothing can beat it
     assert best is not None
     return best
+
+
+def _shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str]]) -> set[str]:
+    """The members that a strict majority of the round's other members exclude. A placement leaves them alone
+    rather than give them company: a colluder never bans its partner, and once the honest members banned one of
+    two, the other was placed with it in every round to spare it a lone (failed) round, out of every honest
+    member's groups, so no honest reducer judged it again and it went unbanned for minutes (robustness bench,
+    4 honest + 2 flippers). A minority's exclusions shun nobody, so a liar cannot isolate an honest member."""
+    present = set(members)
+    sets = {p: set(excluded.get(p, ())) for p in members}
+    out = set()
+    for peer in members:
+        others = present - {peer}
+        if others and 2 * sum(1 for o in others if peer in sets[o]) > len(others):
+            out.add(peer)
+    return out
 
 
 def _place(order: list[str], n_groups: int, capacity: int, conflicts: Mapping[str, set[str]]) -> list[list[str]]:
