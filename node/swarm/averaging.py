@@ -69,7 +69,7 @@ from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
 from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from locoswarm.node.transport.groups import form_groups, group_basis
+from locoswarm.node.transport.groups import form_groups, group_basis, majority_shunned
 from locoswarm.node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
 from locoswarm.protocol import swarm_pb2
 
@@ -318,16 +318,8 @@ def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]],
     + 2 flippers) that node banned one flipper after 95 rounds and never the other. The majority is evidence
     only together with the node's own (``SwarmTransport._follow_majority_bans``): two colluders among two honest
     members are a majority against each honest one."""
-    skip = set(banned) | {own}
-    out = []
-    for peer in members:
-        if peer in skip:
-            continue
-        voters = [m for m in members if m not in skip and m != peer]
-        against = sum(1 for v in voters if peer in set(excluded.get(v, ())))
-        if len(voters) >= 2 and 2 * against > len(voters):
-            out.append(peer)
-    return out
+    shunned = majority_shunned(members, excluded, ignore=[*banned, own], min_voters=2)
+    return [p for p in members if p in shunned]
 
 
 def group_hash(members: list[str]) -> bytes:

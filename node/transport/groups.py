@@ -33,7 +33,7 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     single order, the liar banned by one honest member was often placed next to the other honest member
     first, and the first was left alone every such round (robustness bench, two colluding state liars:
     rounds failed by the dozen and the honest nodes ended 13-23% above the clean run). A member that most of
-    the others exclude is left alone rather than given company (``_shunned``): among placements with the
+    the others exclude is left alone rather than given company (``majority_shunned``): among placements with the
     fewest others alone, the one that puts the fewest other members in a group with it wins. No member is
     placed last on purpose: a ban may be a liar's (a Sybil banning an honest node would then isolate it).
     """
@@ -52,7 +52,7 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
                 conflicts[peer].add(other)
                 conflicts[other].add(peer)
     capacity = -(-len(order) // n_groups)
-    shunned = _shunned(order, excluded)
+    shunned = majority_shunned(order, excluded)
     best: list[list[str]] | None = None
     best_score = (len(order) + 1, len(order) + 1, len(order) + 1)
     for attempt in range(PLACEMENT_TRIES):
@@ -69,18 +69,25 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     return best
 
 
-def _shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str]]) -> set[str]:
-    """The members that a strict majority of the round's other members exclude. A placement leaves them alone
-    rather than give them company: a colluder never bans its partner, and once the honest members banned one of
-    two, the other was placed with it in every round to spare it a lone (failed) round, out of every honest
-    member's groups, so no honest reducer judged it again and it went unbanned for minutes (robustness bench,
-    4 honest + 2 flippers). A minority's exclusions shun nobody, so a liar cannot isolate an honest member."""
-    present = set(members)
+def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str]], *,
+                     ignore: Iterable[str] = (), min_voters: int = 1) -> set[str]:
+    """The members that a strict majority of the round's other members exclude, counting as voters only members
+    not in ``ignore`` (and at least ``min_voters`` of them). A minority's exclusions shun nobody, so a liar cannot
+    isolate an honest member.
+
+    Placement leaves such a member alone rather than give it company: a colluder never bans its partner, and once
+    the honest members banned one of two, the other was placed with it in every round to spare it a lone (failed)
+    round, out of every honest member's groups, so no honest reducer judged it again and it went unbanned for
+    minutes (robustness bench, 4 honest + 2 flippers). The swarm also bans such a member on its own evidence
+    (``locoswarm.node.swarm.averaging.majority_excluded``)."""
+    skip = set(ignore)
     sets = {p: set(excluded.get(p, ())) for p in members}
     out = set()
     for peer in members:
-        others = present - {peer}
-        if others and 2 * sum(1 for o in others if peer in sets[o]) > len(others):
+        if peer in skip:
+            continue
+        voters = [m for m in members if m not in skip and m != peer]
+        if len(voters) >= max(1, min_voters) and 2 * sum(1 for v in voters if peer in sets[v]) > len(voters):
             out.add(peer)
     return out
 
@@ -105,4 +112,4 @@ def group_basis(tags: Sequence[bytes]) -> bytes | None:
     return None if all(t == tags[0] for t in tags) else tags[0]
 
 
-__all__ = ["form_groups", "group_basis"]
+__all__ = ["form_groups", "group_basis", "majority_shunned"]
