@@ -80,14 +80,18 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def check_possible() -> None:
-    """Raise :class:`UserError` (one line) when this process cannot create network namespaces."""
+def check_possible(*, loss: bool = False) -> None:
+    """Raise :class:`UserError` (one line) when this process cannot create network namespaces (or, with
+    ``loss``, drop packets at random: that needs ``iptables``, which a fresh Debian lacks)."""
     if os.geteuid() != 0:
         raise UserError("bench swarm needs root: it creates network namespaces, veth pairs and tc qdiscs; "
                         "run it as root (e.g. sudo locoswarm bench swarm ...)")
     for tool in ("ip", "tc"):
         if _which(tool) is None:
             raise UserError(f"bench swarm needs the '{tool}' command (iproute2); install it")
+    if loss and _which("iptables") is None:
+        raise UserError("bench swarm --loss needs the 'iptables' command (it drops packets with a statistic "
+                        "rule); install iptables, or run without --loss")
     probe = f"{PREFIX}{os.getpid()}probe"
     proc = _run(["ip", "netns", "add", probe], check=False)
     _run(["ip", "netns", "del", probe], check=False)
