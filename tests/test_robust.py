@@ -258,6 +258,22 @@ def test_two_colluders_that_outvote_the_reducer_keep_their_pull_but_earn_no_good
     assert honest_majority[1].evidence > 0.3 and honest_majority[2].evidence < -0.3
 
 
+def test_in_a_pair_a_disagreement_weighs_nothing_and_is_no_evidence_against_either() -> None:
+    """Two members: the reducer's own contribution is the only other one, so a member pointing against it has
+    no pull (as in any group) but is no evidence for a ban, however far apart: the reducer may be the odd one.
+    A third member makes it evidence again."""
+    gen = torch.Generator().manual_seed(2)
+    common = torch.randn(2000, generator=gen)
+    own, h, third = (common + torch.randn(2000, generator=gen) for _ in range(3))
+    pair = agreement_scores(lambda k: torch.stack([own, -2.5 * h]), 1, trusted=0)[1]
+    assert pair.score < -0.3 and pull_factor(pair.score, S) == 0.0
+    assert pair.others == 1 and pair.evidence is None
+    agreeing = agreement_scores(lambda k: torch.stack([own, h]), 1, trusted=0)[1]
+    assert agreeing.score > 0.3 and agreeing.evidence is None
+    trio = agreement_scores(lambda k: torch.stack([own, -2.5 * h, third]), 1, trusted=0)[1]
+    assert trio.others == 2 and trio.evidence is not None and trio.evidence < -0.3
+
+
 def _part(codec, xs, weights):
     numel = xs[0].numel()
     bounds = chunk_bounds(numel, codec.block_size)

@@ -258,6 +258,7 @@ class Agreement:
 
     with_others: float | None
     with_own: float | None
+    others: int  # how many other contributions it was judged against (the reducer's own among them)
 
     @property
     def score(self) -> float:
@@ -271,7 +272,17 @@ class Agreement:
         reducer cannot tell whether it is the odd one out or the others collude, and counting the agreement
         as good cleared two colluding flippers: an honest node grouped with both of them saw each agree with
         the other, those scores diluted its window of judgements from honest-majority groups, and it banned one
-        flipper after 87 rounds and never the other (robustness bench, 4 honest + 2 flippers)."""
+        flipper after 87 rounds and never the other (robustness bench, 4 honest + 2 flippers).
+
+        None in a pair too (``others`` < 2): the reducer's own contribution is the only other one, so a
+        disagreement says that the two differ, not which of them is odd. Honest pairs do disagree: with the
+        alpha merge a member's next contribution carries alpha times its last progress minus the group's
+        average, in a pair half the difference of the two, and with rounds every step or two two honest nodes
+        pointed against each other at -0.5 to -0.9 and banned each other (a two-node CI run, which then failed
+        every round for the ban's 600 s). A hostile partner gains nothing: without agreement it has no pull,
+        and the effect check still judges what it did."""
+        if self.others < 2:
+            return None
         if self.with_own is not None and self.with_others is not None and self.with_own < 0 <= self.with_others:
             return None
         return self.score
@@ -310,7 +321,8 @@ def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | Non
             with_others = float(dot_loo[i]) / math.sqrt(float(sq[i]) * float(loo_sq[i]))
         if trusted is not None and own_sq > 0:
             with_own = float(dot_own[i]) / math.sqrt(float(sq[i]) * own_sq)
-        out.append(None if with_others is None and with_own is None else Agreement(with_others, with_own))
+        out.append(None if with_others is None and with_own is None
+                   else Agreement(with_others, with_own, others=len(dot_loo) - 1))
     return out
 
 

@@ -140,6 +140,9 @@ WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse tha
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
 
 
+SHUNNED_CUT = "; this node dropped: every other member excludes it"
+
+
 @dataclass
 class MatchView:
     """How this node formed a round's member list (kept to explain a group mismatch afterwards)."""
@@ -149,7 +152,7 @@ class MatchView:
     first: float           # the first arrival (DHT time): the window opened then
     window_end: float      # entries that arrived after this are not members
     decided: float         # DHT time at which this node stopped waiting
-    cut: str               # why it stopped: "all expected", "grace" or "window"
+    cut: str               # why it stopped: "all expected", "grace" or "window" (+ SHUNNED_CUT)
 
     def explain(self, entries: Mapping[str, float]) -> str:
         """One line: this view next to ``entries`` (peer -> arrival) the round's key holds now."""
@@ -879,6 +882,10 @@ class SwarmTransport(Transport):
         timing["matched"] = time.monotonic() - started
         if matched is None:
             self._not_in_round(req.fragment, req.round)
+            view = self._views.get((req.fragment, req.round))
+            if view is not None and view.cut.endswith(SHUNNED_CUT):
+                return AverageResult.failed("every other member of the round excludes this node (banned there)",
+                                            own_weight=req.weight)
             return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
         members, versions, excluded, bases = matched
         self._follow_majority_bans(members, excluded, banned)
@@ -1142,7 +1149,10 @@ class SwarmTransport(Transport):
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
             entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
-        members = shunned_dropped(sorted(p for p, e in entries.items() if e.arrival <= window_end), entries)
+        in_time = sorted(p for p, e in entries.items() if e.arrival <= window_end)
+        members = shunned_dropped(in_time, entries)
+        if self.peer_id in in_time and self.peer_id not in members:
+            cut += SHUNNED_CUT
         expected = own_expected | {p for p in live | set(entries) if peer_tag(p) in wanted}
         self._views[(req.fragment, req.round)] = MatchView(members, expected, first, window_end, now, cut)
         while len(self._views) > MAX_VIEWS:
@@ -1300,7 +1310,9 @@ class SwarmTransport(Transport):
         if not req.digest:
             agreement = reduced_agreement(codec, req, chunks, bounds)
             if agreement is not None:
-                self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage)
+                view = self._local_view(req.fragment, req.round)
+                self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage,
+                                              evidence=view is None or len(view.members) > 2)
         self._remember_payload(req, chunks.items())
         return part, chunks, h.total_weight, list(h.extras)
 
@@ -1446,14 +1458,24 @@ class SwarmTransport(Transport):
                               detail=f"agreement of its contributions with the group's, +{OTHER_LINEAGE_MARGIN:g} "
                                      "from another phi")
 
-    def _check_reduced_direction(self, peer: str, agreement: float, *, same_lineage: bool) -> None:
+    def _check_reduced_direction(self, peer: str, agreement: float, *, same_lineage: bool,
+                                 evidence: bool = True) -> None:
         """A reduced part's agreement with this member's own contribution to it (``reduced_agreement``): evidence
         against its reducer, and a part below ``REDUCED_AGREEMENT`` is not applied (raises, the round fails).
         Within one lineage its last REDUCED_WINDOW parts ban it when they average below REDUCED_AGREEMENT. The
         lineage is the reducer's own claim, and a reducer that turned every part and named another phi failed
         every honest round it sat in (a hostile-node test: no merged round for 30 s), so parts from another phi
-        are judged apart, against UNLINED_TURNED: honest reducers of another lineage never averaged that low."""
-        self._judge_reduction(peer, agreement, same_lineage=same_lineage)
+        are judged apart, against UNLINED_TURNED: honest reducers of another lineage never averaged that low.
+
+        Not ``evidence`` in a pair: the part is the reducer's own contribution and ours, and where the two
+        disagree (it gave ours no pull, ``Agreement.evidence``) it points against ours whoever is odd. Honest
+        pairs do disagree: with the alpha merge (theta <- alpha theta + (1 - alpha) phi) a member's next
+        contribution carries alpha times its own last progress minus the group's average, which in a pair is
+        half the difference of the two, so when rounds come every step or two two honest members' contributions
+        point against each other (cosines of -0.5 to -0.9 in a two-node test, which then banned each other).
+        Such a part is still refused: the round fails and nothing is applied."""
+        if evidence:
+            self._judge_reduction(peer, agreement, same_lineage=same_lineage)
         if agreement >= REDUCED_AGREEMENT:
             return
         reason = f"a reduced part that points against this node's own progress (agreement {agreement:+.2f})"
