@@ -333,12 +333,14 @@ def test_a_hostile_round_that_sent_nothing_does_not_start_its_attack() -> None:
     window, refused as no member of the reducer's round) do not start the clock to its ban; one that merged or
     was refused for what it sent does."""
     from locoswarm.node.bench.robustness import attack_round
+    from locoswarm.node.swarm.averaging import EXCLUDED_BY_ALL
 
     def failed(error: str) -> dict:
         return {"kind": "failed", "detail": f"fragment 0 round v136: {error}"}
 
     assert not attack_round(failed("no peer in group"))
     assert not attack_round(failed("arrived after the matchmaking window closed"))
+    assert not attack_round(failed(EXCLUDED_BY_ALL))
     assert not attack_round(failed("RuntimeError: peer QmX refused: this peer is not in the round (it arrived "
                                    "after the window or had no group)"))
     assert attack_round(failed("RuntimeError: peer QmX refused: round failed at reducer: direction"))

@@ -385,11 +385,12 @@ class ScenarioRun:
 
 
 # A hostile node's failed round that sent nothing to an honest member: it had no group, arrived after the window,
-# or its contribution was refused before it was read (not in the reducer's round or group). Its attack begins
-# with its first round that did send: a joining node fails such rounds for a while (up to 25 s in a 4 + 2 run
-# on a loaded 2-core machine), and a ban cannot come before any honest node has seen what it sends.
+# was dropped by every other member, or its contribution was refused before it was read (not in the reducer's
+# round or group). Its attack begins with its first round that did send: a joining node fails such rounds for a
+# while (up to 25 s in a 4 + 2 run on a loaded 2-core machine), and a ban cannot come before any honest node has
+# seen what it sends.
 UNSENT_ROUND = ("no peer in group", "arrived after the matchmaking window closed", "this peer is not in the round",
-                "group mismatch", "low-rank basis mismatch")
+                "group mismatch", "low-rank basis mismatch", "every other member of the round excludes this node")
 
 
 def attack_round(event: dict) -> bool:

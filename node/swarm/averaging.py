@@ -141,6 +141,7 @@ PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often p
 
 
 SHUNNED_CUT = "; this node dropped: every other member excludes it"
+EXCLUDED_BY_ALL = "every other member of the round excludes this node (banned there)"  # the round's error
 
 
 @dataclass
@@ -884,8 +885,7 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             view = self._views.get((req.fragment, req.round))
             if view is not None and view.cut.endswith(SHUNNED_CUT):
-                return AverageResult.failed("every other member of the round excludes this node (banned there)",
-                                            own_weight=req.weight)
+                return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
         members, versions, excluded, bases = matched
         self._follow_majority_bans(members, excluded, banned)
