@@ -272,6 +272,9 @@ def test_in_a_pair_a_disagreement_weighs_nothing_and_is_no_evidence_against_eith
     assert agreeing.score > 0.3 and agreeing.evidence is None
     trio = agreement_scores(lambda k: torch.stack([own, -2.5 * h, third]), 1, trusted=0)[1]
     assert trio.others == 2 and trio.evidence is not None and trio.evidence < -0.3
+    # unless another member of the round already excludes the sender: then its disagreement counts in a pair
+    assert pair.evidence_where(accused=True) == pair.score and pair.evidence_where(accused=False) is None
+    assert trio.evidence_where(accused=False) == trio.evidence == trio.evidence_where(accused=True)
 
 
 def _part(codec, xs, weights):

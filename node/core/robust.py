@@ -287,6 +287,15 @@ class Agreement:
             return None
         return self.score
 
+    def evidence_where(self, *, accused: bool) -> float | None:
+        """``evidence``, except that in a pair the score counts where another member of the round already
+        excludes the sender (``accused``): then the two are not alone in their disagreement. Once one honest
+        node of three banned a flipper, the others were grouped with it in pairs, judged nothing, and banned it
+        only 20 s later when it served a harmful state (robustness bench, 3 + 1, 65-69 rounds against 4)."""
+        if self.others < 2:
+            return self.score if accused else None
+        return self.evidence
+
 
 def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | None) -> list[Agreement | None]:
     """Per row: its agreement with the group (:class:`Agreement`: the cosines with the coordinate-wise median of

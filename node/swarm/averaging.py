@@ -422,8 +422,10 @@ class _Reduction:
 
     def __init__(self, key: tuple[int, int, bytes], own: str, codec: Codec, members: list[str], part: range,
                  sizes: dict[int, int], settings: RobustSection, consensus: bool, basis: bytes = b"",
-                 memory: DeviationMemory | None = None) -> None:
+                 memory: DeviationMemory | None = None, accused: Iterable[str] = ()) -> None:
         self.key = key
+        # members that another member of the round excludes: in a pair, their disagreement is evidence
+        self.accused = frozenset(accused)
         self.memory = memory
         self.basis = basis  # the low-rank basis tag every contribution must carry (b"": a block codec)
         self.own = own
@@ -532,7 +534,8 @@ class _Reduction:
                 log.info("fragment %d round %d: %s has no pull: %s", self.key[0], self.key[1], senders[i][:12], why)
         own_weight = cons[trusted].weight
         # Evidence for the agreement ban: none where this reducer is outvoted (``Agreement.evidence``).
-        evidence = [None if a is None else a.evidence for a in screening.scores]
+        evidence = [None if a is None else a.evidence_where(accused=senders[i] in self.accused)
+                    for i, a in zip(screening.accepted, screening.scores, strict=True)]
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
                   for i, score in zip(screening.accepted, evidence, strict=True) if score is not None}
         return _Reduced(reduced, total, extras, refused, scores)
@@ -912,7 +915,9 @@ class SwarmTransport(Transport):
             return AverageResult(ok=True, average=None, group_size=len(group), own_weight=req.weight,
                                  total_weight=req.weight * len(group), max_version=max_version)
         claims = {p: versions[p] for p in group if p in versions}
-        result = await self._exchange(req, group, claims)
+        accused = [p for p in group if p != self.peer_id
+                   and any(p in excluded.get(m, ()) for m in members if m not in (p, self.peer_id))]
+        result = await self._exchange(req, group, claims, accused)
         if result.ok:
             max_version = result.max_version
         result.max_version = max_version
@@ -1172,16 +1177,19 @@ class SwarmTransport(Transport):
         """Whether a round of this node is exchanging its parts now (state downloads it serves wait for it)."""
         return self._exchanges > 0
 
-    async def _exchange(self, req: AverageRequest, group: list[str], claims: dict[str, int]) -> AverageResult:
+    async def _exchange(self, req: AverageRequest, group: list[str], claims: dict[str, int],
+                        accused: Iterable[str] = ()) -> AverageResult:
         """The group's average of ``req``; its ``max_version`` is the plausible version of the members'
-        ``claims`` (from their match entries) as their headers in this exchange updated them."""
+        ``claims`` (from their match entries) as their headers in this exchange updated them. ``accused``: group
+        members that another member of the round excludes (``_Reduction.accused``)."""
         self._exchanges += 1
         try:
-            return await self._exchange_parts(req, group, claims)
+            return await self._exchange_parts(req, group, claims, accused)
         finally:
             self._exchanges -= 1
 
-    async def _exchange_parts(self, req: AverageRequest, group: list[str], claims: dict[str, int]) -> AverageResult:
+    async def _exchange_parts(self, req: AverageRequest, group: list[str], claims: dict[str, int],
+                              accused: Iterable[str] = ()) -> AverageResult:
         ghash = group_hash(group)
         n = len(group)
         me = group.index(self.peer_id)
@@ -1191,7 +1199,7 @@ class SwarmTransport(Transport):
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         key = (req.fragment, req.round, ghash)
         session = _Reduction(key, self.peer_id, codec, group, parts[me], sizes, self.robust,
-                             consensus=bool(req.digest), basis=req.basis, memory=self.deviations)
+                             consensus=bool(req.digest), basis=req.basis, memory=self.deviations, accused=accused)
         extras = [float(x) for x in req.extras.tolist()]
         session.n_extras = len(extras)
         self._sessions[key] = session
@@ -1312,7 +1320,7 @@ class SwarmTransport(Transport):
             if agreement is not None:
                 view = self._local_view(req.fragment, req.round)
                 self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage,
-                                              evidence=view is None or len(view.members) > 2)
+                                              evidence=view is None or len(view.members) > 2 or peer in view.accused)
         self._remember_payload(req, chunks.items())
         return part, chunks, h.total_weight, list(h.extras)
 
@@ -1473,7 +1481,8 @@ class SwarmTransport(Transport):
         contribution carries alpha times its own last progress minus the group's average, which in a pair is
         half the difference of the two, so when rounds come every step or two two honest members' contributions
         point against each other (cosines of -0.5 to -0.9 in a two-node test, which then banned each other).
-        Such a part is still refused: the round fails and nothing is applied."""
+        Such a part is still refused: the round fails and nothing is applied. It is evidence in a pair where
+        another member of the round excludes the reducer (``_Reduction.accused``)."""
         if evidence:
             self._judge_reduction(peer, agreement, same_lineage=same_lineage)
         if agreement >= REDUCED_AGREEMENT:
