@@ -39,6 +39,23 @@ def _import_this_checkout() -> None:
 _import_this_checkout()
 
 
+def _sigterm_unwinds() -> None:
+    """A SIGTERM to pytest (``timeout``, a CI runner cancelling) unwinds like Ctrl+C, so the running test's
+    ``finally`` and fixtures stop the node processes it started. Without this, pytest died at once and the nodes,
+    each in a session of its own, trained on with their DHT children and p2pd daemons (two nodes found running 13
+    minutes after a ``timeout 580 pytest`` of the hostile-node tests)."""
+    import signal
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills as usual
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+_sigterm_unwinds()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread():
     """The tensors in unit tests are small; on a busy 2-core box intra-op threads only add
