@@ -16,6 +16,8 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     FOLLOWED_EVIDENCE,
+    FOLLOWED_SHARE,
+    FOLLOWED_VOTERS,
     NO_SHOW_ROUNDS,
     UNLINED_HARM,
     MatchView,
@@ -607,6 +609,18 @@ def test_a_member_most_of_the_round_excludes_is_banned_here_only_on_evidence_of_
     assert majority_excluded(["h1", "h2", "f1", "f2"], liars, "h2", banned=[]) == ["h1"]
     # fewer than two voters: nothing
     assert majority_excluded(["h1", "f1"], {"h1": ["f1"]}, "h2", banned=[]) == []
+    # more than two thirds of at least three voters: what a node follows without evidence of its own. Three
+    # honest voters out of four ban each colluder; two colluders framing an honest member hold 2 of 4.
+    strict = {"share": FOLLOWED_SHARE, "min_voters": FOLLOWED_VOTERS}
+    assert sorted(majority_excluded(members, excluded, "h4", banned=[], **strict)) == ["f1", "f2"]
+    framing = {"h1": [], "h2": [], "h3": [], "h4": [], "f1": ["h1"], "f2": ["h1"]}
+    assert majority_excluded(members, framing, "h4", banned=[]) == []
+    # three honest and two colluders: 2 of 3 voters against h1 is a strict majority, not more than two thirds
+    three = ["h1", "h2", "h3", "f1", "f2"]
+    assert majority_excluded(three, framing, "h3", banned=[]) == ["h1"]
+    assert majority_excluded(three, framing, "h3", banned=[], **strict) == []
+    # two honest and two colluders: two voters are too few, however unanimous
+    assert majority_excluded(["h1", "h2", "f1", "f2"], liars, "h2", banned=[], **strict) == []
 
     rep = Reputation(threshold=3)
     kw = {"window": 4, "ban_below": -0.1, "good_from": 0.1}
@@ -622,3 +636,24 @@ def test_a_member_most_of_the_round_excludes_is_banned_here_only_on_evidence_of_
     assert not rep.suspects("h3", FOLLOWED_EVIDENCE)
     assert not rep.suspects("once", ("direction",))      # one judgement is not evidence
     assert not rep.suspects("stranger", ("direction",))  # none at all
+
+
+def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_but_no_framing() -> None:
+    """Four honest members and two colluders, the fourth honest node without a judgement of its own: three of its
+    four voters exclude each colluder, so it bans both (the others' exclusions keep them out of its groups, so it
+    would never gather evidence). The same two colluders excluding an honest member ban nobody here, and with two
+    honest members and two colluders the colluders' votes ban nobody without this node's own evidence."""
+    rep = Reputation(threshold=3)
+    stub = SimpleNamespace(peer_id="h4", reputation=rep)
+    stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
+    stub.refusals = []
+    members = ["h1", "h2", "h3", "h4", "f1", "f2"]
+    framing = {"h1": [], "h2": [], "h3": [], "h4": [], "f1": ["h1"], "f2": ["h1"]}
+    SwarmTransport._follow_majority_bans(stub, members, framing, banned=[])
+    assert rep.banned() == []
+    SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "f1", "f2"], {"f1": ["h1"], "f2": ["h1"]}, banned=[])
+    assert rep.banned() == []
+    excluded = {"h1": ["f1", "f2"], "h2": ["f1", "f2"], "h3": ["f1", "f2"], "h4": [], "f1": [], "f2": []}
+    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    assert rep.banned() == ["f1", "f2"]
+    assert all("majority_ban" in line for line in stub.refusals)

@@ -256,6 +256,13 @@ def test_two_colluders_that_outvote_the_reducer_keep_their_pull_but_earn_no_good
         assert a.evidence is None
     honest_majority = agreement_scores(lambda k: torch.stack([own, h, -2.5 * f]), 1, trusted=0)
     assert honest_majority[1].evidence > 0.3 and honest_majority[2].evidence < -0.3
+    # once another member of the round excludes them, their disagreement with the reducer's own counts
+    for a in colluders[1:]:
+        assert a.outvoted and a.evidence_where(accused=True) == a.with_own < -0.3
+        assert a.evidence_where(accused=False) is None
+    # an accused honest member that agrees with the reducer is judged as it pulls, not by a colluder's median
+    framed = agreement_scores(lambda k: torch.stack([own, h, -2.5 * f]), 1, trusted=0)[1]
+    assert not framed.outvoted and framed.evidence_where(accused=True) == framed.score > 0.3
 
 
 def test_in_a_pair_a_disagreement_weighs_nothing_and_is_no_evidence_against_either() -> None:

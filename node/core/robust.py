@@ -266,6 +266,11 @@ class Agreement:
         return max(c for c in (self.with_others, self.with_own) if c is not None)
 
     @property
+    def outvoted(self) -> bool:
+        """Whether it points against the reducer's own contribution and with the others' median."""
+        return self.with_own is not None and self.with_others is not None and self.with_own < 0 <= self.with_others
+
+    @property
     def evidence(self) -> float | None:
         """The score as evidence of the sender's intent, for the agreement ban; None where this reducer is
         outvoted: the contribution points against the reducer's own and with the others' median. There the
@@ -283,18 +288,25 @@ class Agreement:
         and the effect check still judges what it did."""
         if self.others < 2:
             return None
-        if self.with_own is not None and self.with_others is not None and self.with_own < 0 <= self.with_others:
+        if self.outvoted:
             return None
         return self.score
 
     def evidence_where(self, *, accused: bool) -> float | None:
-        """``evidence``, except that in a pair the score counts where another member of the round already
-        excludes the sender (``accused``): then the two are not alone in their disagreement. Once one honest
-        node of three banned a flipper, the others were grouped with it in pairs, judged nothing, and banned it
-        only 20 s later when it served a harmful state (robustness bench, 3 + 1, 65-69 rounds against 4)."""
+        """``evidence``, except where another member of the round already excludes the sender (``accused``):
+        then the reducer is not alone in its disagreement, and the sender's agreement with the reducer's own
+        contribution counts, in a pair and where the reducer is outvoted. Once one honest node of three banned a
+        flipper, the others were grouped with it in pairs, judged nothing, and banned it only 20 s later when it
+        served a harmful state (robustness bench, 3 + 1, 65-69 rounds against 4). Once one honest node of four
+        banned two colluders, the placement kept them from it and grouped them with another honest node, which
+        they outvoted: it judged nothing, and banned them 25-30 rounds after the first (4 + 2, ipm)."""
+        if not accused:
+            return self.evidence
         if self.others < 2:
-            return self.score if accused else None
-        return self.evidence
+            return self.score
+        if self.outvoted:
+            return self.with_own
+        return self.score
 
 
 def agreement_scores(chunk_rows: ChunkRows, n_chunks: int, *, trusted: int | None) -> list[Agreement | None]:

@@ -44,6 +44,7 @@ import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,6 +124,15 @@ OTHER_LINEAGE_MARGIN = 0.1
 # agreement is not the reducer's doing alone: colluders that outvote an honest reducer in its group turn its part,
 # and with their exclusions as the majority they could otherwise get it banned by the other honest members.
 FOLLOWED_EVIDENCE = ("direction",)
+# A member that more than this share of at least FOLLOWED_VOTERS of the round's other voters exclude is banned here
+# without evidence of this node's own. Judge and judged are not voters, so c colluders framing an honest member
+# before h - 2 other honest voters reach the share only if c > 2 (h - 2) while c < h: never with at least 3
+# voters. It is what bans colluders on a node that never met them: once the other honest members exclude them,
+# placement keeps them out of its groups (``form_groups``), so it gathers no evidence of its own (robustness
+# bench, 4 honest + 2 ipm: one honest node never banned either). With h honest members it follows c colluders
+# only where h >= 2c (4 + 2: 3 of 4 voters); beyond that its own evidence is needed.
+FOLLOWED_SHARE = Fraction(2, 3)
+FOLLOWED_VOTERS = 3
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
@@ -311,7 +321,7 @@ def shunned_dropped(members: list[str], entries: Mapping[str, swarm_pb2.MatchEnt
 
 
 def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]], own: str,
-                      banned: Iterable[str]) -> list[str]:
+                      banned: Iterable[str], *, share: Fraction = Fraction(1, 2), min_voters: int = 2) -> list[str]:
     """The members (other than ``own``) that a strict majority of the round's other voters exclude: the members
     neither ``own`` nor the judged one nor banned here, at least two of them.
 
@@ -321,8 +331,9 @@ def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]],
     median of the others, its own judgements of them are no evidence, and in a robustness-bench run (4 honest
     + 2 flippers) that node banned one flipper after 95 rounds and never the other. The majority is evidence
     only together with the node's own (``SwarmTransport._follow_majority_bans``): two colluders among two honest
-    members are a majority against each honest one."""
-    shunned = majority_shunned(members, excluded, ignore=[*banned, own], min_voters=2)
+    members are a majority against each honest one. With ``share`` 2/3 and ``min_voters`` 3 it is the bound no
+    minority reaches against an honest member (``FOLLOWED_SHARE``)."""
+    shunned = majority_shunned(members, excluded, ignore=[*banned, own], min_voters=min_voters, share=share)
     return [p for p in members if p in shunned]
 
 
@@ -730,10 +741,16 @@ class SwarmTransport(Transport):
         ban takes effect from the next round: this round's groups are already agreed."""
         if self.reputation is None:
             return
+        overwhelming = set(majority_excluded(members, excluded, self.peer_id, banned, share=FOLLOWED_SHARE,
+                                             min_voters=FOLLOWED_VOTERS))
         for peer in majority_excluded(members, excluded, self.peer_id, banned):
             if self.reputation.suspects(peer, FOLLOWED_EVIDENCE):
                 self._offence(peer, "majority_ban", "excluded by most of the round's other members, and this "
                                                     "node's own judgements of it lean against it", conclusive=True)
+            elif peer in overwhelming:
+                self._offence(peer, "majority_ban", f"excluded by more than {FOLLOWED_SHARE} of at least "
+                                                    f"{FOLLOWED_VOTERS} of the round's other members",
+                              conclusive=True)
 
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> None:
         """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:

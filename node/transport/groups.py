@@ -10,6 +10,7 @@ import hashlib
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 
 PLACEMENT_TRIES = 32  # orders tried when bans conflict (members are few: cheap)
 
@@ -70,10 +71,10 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
 
 
 def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str]], *,
-                     ignore: Iterable[str] = (), min_voters: int = 1) -> set[str]:
-    """The members that a strict majority of the round's other members exclude, counting as voters only members
-    not in ``ignore`` (and at least ``min_voters`` of them). A minority's exclusions shun nobody, so a liar cannot
-    isolate an honest member.
+                     ignore: Iterable[str] = (), min_voters: int = 1, share: Fraction = Fraction(1, 2)) -> set[str]:
+    """The members that more than ``share`` (a strict majority by default) of the round's other members exclude,
+    counting as voters only members not in ``ignore`` (and at least ``min_voters`` of them). A minority's
+    exclusions shun nobody, so a liar cannot isolate an honest member.
 
     Placement leaves such a member alone rather than give it company: a colluder never bans its partner, and once
     the honest members banned one of two, the other was placed with it in every round to spare it a lone (failed)
@@ -87,7 +88,7 @@ def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str
         if peer in skip:
             continue
         voters = [m for m in members if m not in skip and m != peer]
-        if len(voters) >= max(1, min_voters) and 2 * sum(1 for v in voters if peer in sets[v]) > len(voters):
+        if len(voters) >= max(1, min_voters) and sum(1 for v in voters if peer in sets[v]) > share * len(voters):
             out.add(peer)
     return out
 
