@@ -333,7 +333,7 @@ def test_a_hostile_round_that_sent_nothing_does_not_start_its_attack() -> None:
     window, refused as no member of the reducer's round) do not start the clock to its ban; one that merged or
     was refused for what it sent does."""
     from locoswarm.node.bench.robustness import attack_round
-    from locoswarm.node.swarm.averaging import EXCLUDED_BY_ALL
+    from locoswarm.node.core.transport import EXCLUDED_BY_ALL
 
     def failed(error: str) -> dict:
         return {"kind": "failed", "detail": f"fragment 0 round v136: {error}"}

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 
@@ -384,21 +385,18 @@ class ScenarioRun:
         }
 
 
-# A hostile node's failed round that sent nothing to an honest member: it had no group, arrived after the window,
-# was dropped by every other member, or its contribution was refused before it was read (not in the reducer's
-# round or group). Its attack begins with its first round that did send: a joining node fails such rounds for a
-# while (up to 25 s in a 4 + 2 run on a loaded 2-core machine), and a ban cannot come before any honest node has
-# seen what it sends.
-UNSENT_ROUND = ("no peer in group", "arrived after the matchmaking window closed", "this peer is not in the round",
-                "group mismatch", "low-rank basis mismatch", "every other member of the round excludes this node")
-
+# A hostile node's failed round that sent nothing to an honest member (``UNSENT_FAILURES``): it had no group,
+# arrived after the window, was dropped by every other member, or its contribution was refused before it was read
+# (not in the reducer's round or group). Its attack begins with its first round that did send: a joining node
+# fails such rounds for a while (up to 25 s in a 4 + 2 run on a loaded 2-core machine), and a ban cannot come
+# before any honest node has seen what it sends.
 
 def attack_round(event: dict) -> bool:
     """Whether a hostile node's status event is a round whose contributions reached an honest member."""
     kind = event.get("kind")
     if kind == "merged":
         return True
-    return kind == "failed" and not any(text in str(event.get("detail", "")) for text in UNSENT_ROUND)
+    return kind == "failed" and not any(text in str(event.get("detail", "")) for text in UNSENT_FAILURES)
 
 
 def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,

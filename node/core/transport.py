@@ -54,6 +54,18 @@ class PartOrigin:
     one_lineage: bool = True
 
 
+# Failures of a round before this member's contribution reached any other member. The transports fail rounds
+# with these texts (as ``AverageResult.error``, or inside a peer's refusal); the robustness bench tells a hostile
+# node's rounds that sent something from those that did not by them (``UNSENT_FAILURES``).
+NO_PEER_IN_GROUP = "no peer in group"
+LATE_FOR_ROUND = "arrived after the matchmaking window closed"
+NOT_IN_ROUND = "this peer is not in the round"
+GROUP_MISMATCH = "group mismatch"
+BASIS_MISMATCH = "low-rank basis mismatch"
+EXCLUDED_BY_ALL = "every other member of the round excludes this node (banned there)"
+UNSENT_FAILURES = (NO_PEER_IN_GROUP, LATE_FOR_ROUND, NOT_IN_ROUND, GROUP_MISMATCH, BASIS_MISMATCH, EXCLUDED_BY_ALL)
+
+
 @dataclass
 class AverageResult:
     ok: bool

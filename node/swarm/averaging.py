@@ -56,6 +56,12 @@ from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.transport import (
+    BASIS_MISMATCH,
+    EXCLUDED_BY_ALL,
+    GROUP_MISMATCH,
+    LATE_FOR_ROUND,
+    NO_PEER_IN_GROUP,
+    NOT_IN_ROUND,
     AverageHandle,
     AverageRequest,
     AverageResult,
@@ -151,7 +157,6 @@ PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often p
 
 
 SHUNNED_CUT = "; this node dropped: every other member excludes it"
-EXCLUDED_BY_ALL = "every other member of the round excludes this node (banned there)"  # the round's error
 
 
 @dataclass
@@ -435,7 +440,7 @@ class _Reduction:
                  sizes: dict[int, int], settings: RobustSection, consensus: bool, basis: bytes = b"",
                  memory: DeviationMemory | None = None, accused: Iterable[str] = ()) -> None:
         self.key = key
-        # members that another member of the round excludes: in a pair, their disagreement is evidence
+        # members that another member of the round excludes: their disagreement with our own is evidence
         self.accused = frozenset(accused)
         self.memory = memory
         self.basis = basis  # the low-rank basis tag every contribution must carry (b"": a block codec)
@@ -457,6 +462,12 @@ class _Reduction:
         # (standing members) learns its members' versions only here.
         self.versions: dict[str, int] = {}
         self.lineages: dict[str, int] = {}  # each member's phi crc (its header's; ours included)
+
+    def judges_reduced_part(self, reducer: str) -> bool:
+        """Whether ``reducer``'s reduced part in this round is evidence of its intent
+        (``SwarmTransport._check_reduced_direction``): not in a pair, unless another member of the round excludes
+        the reducer (the rule for contributions is ``Agreement.evidence_where``)."""
+        return len(self.members) > 2 or reducer in self.accused
 
     async def replied(self) -> None:
         """A reply stream of this part has finished."""
@@ -906,7 +917,7 @@ class SwarmTransport(Transport):
             view = self._views.get((req.fragment, req.round))
             if view is not None and view.cut.endswith(SHUNNED_CUT):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
-            return AverageResult.failed("arrived after the matchmaking window closed", own_weight=req.weight)
+            return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
         members, versions, excluded, bases = matched
         self._follow_majority_bans(members, excluded, banned)
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, excluded)
@@ -915,11 +926,11 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             if len(members) == 1 and not req.digest and self._alone():
                 return self._solo(req)
-            return AverageResult.failed("no peer in group", own_weight=req.weight)
+            return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight)
         agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
         if agreed is None:
             self._not_in_round(req.fragment, req.round)
-            return AverageResult.failed("low-rank basis mismatch: cannot re-encode on the group's basis",
+            return AverageResult.failed(f"{BASIS_MISMATCH}: cannot re-encode on the group's basis",
                                         own_weight=req.weight)
         if agreed is not req:
             log.info("fragment %d round %d: the group's low-rank bases differ; re-encoded on the round's seeded "
@@ -938,7 +949,7 @@ class SwarmTransport(Transport):
         if result.ok:
             max_version = result.max_version
         result.max_version = max_version
-        if not result.ok and "group mismatch" in (result.error or ""):
+        if not result.ok and GROUP_MISMATCH in (result.error or ""):
             await self._explain_mismatch(req)
         if result.ok:
             self.standing.record(req.fragment, req.round, members, excluded, banned)
@@ -1337,7 +1348,7 @@ class SwarmTransport(Transport):
             if agreement is not None:
                 view = self._local_view(req.fragment, req.round)
                 self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage,
-                                              evidence=view is None or len(view.members) > 2 or peer in view.accused)
+                                              evidence=view is None or view.judges_reduced_part(peer))
         self._remember_payload(req, chunks.items())
         return part, chunks, h.total_weight, list(h.extras)
 
@@ -1410,7 +1421,7 @@ class SwarmTransport(Transport):
         session = await self._await_view(h.fragment, h.round, 2 * self.window() + 2.0)
         if session is None:
             self._offence(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
-            raise WireError("this peer is not in the round (it arrived after the window or had no group)")
+            raise WireError(f"{NOT_IN_ROUND} (it arrived after the window or had no group)")
         session = self._check_membership(session, remote, h)
         self.counters.received(remote, h.fragment, h.round, first.ByteSize())
         chunks = await self._read_part(session, remote, h, requests)
@@ -1569,10 +1580,10 @@ class SwarmTransport(Transport):
         if session.key[2] != bytes(h.group_hash):
             if remote in session.members:  # it formed another group: its part will not come
                 session.drop(remote, "it formed another group")
-                raise WireError("group mismatch: this reducer formed another group for the round")
+                raise WireError(f"{GROUP_MISMATCH}: this reducer formed another group for the round")
             self._offence(remote, "non_member", "a group this node did not form", offence=False)
             self._explain_refused_member(session, remote)
-            raise WireError("group mismatch: you are not in this reducer's group for the round")
+            raise WireError(f"{GROUP_MISMATCH}: you are not in this reducer's group for the round")
         if remote not in session.members:  # it knows our group's hash but is not in it
             self._offence(remote, "non_member", f"not in the group of fragment {h.fragment} round {h.round}")
             raise WireError("refused: you are not a member of this group")

@@ -22,6 +22,8 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.transport import (
+    BASIS_MISMATCH,
+    NO_PEER_IN_GROUP,
     AverageHandle,
     AverageRequest,
     AverageResult,
@@ -124,7 +126,7 @@ class InProcessHub:
         group = self._agree_on_basis(group)
         if len(group) < 2 and self.n_workers > 1:
             for m in group:
-                m.handle._result = AverageResult.failed("no peer in group", own_weight=m.request.weight)
+                m.handle._result = AverageResult.failed(NO_PEER_IN_GROUP, own_weight=m.request.weight)
             return
         if group[0].request.digest and all(m.request.digest == group[0].request.digest for m in group):
             for m in group:  # identical contributions: their mean is each of them, nothing to move
@@ -169,8 +171,8 @@ class InProcessHub:
         for m in group:
             again = m.request.reencode(leader) if m.request.reencode is not None else None
             if again is None:
-                m.handle._result = AverageResult.failed("low-rank basis mismatch: cannot re-encode on the "
-                                                        "group's basis", own_weight=m.request.weight)
+                m.handle._result = AverageResult.failed(f"{BASIS_MISMATCH}: cannot re-encode on the group's basis",
+                                                        own_weight=m.request.weight)
             else:
                 m.request = again
                 kept.append(m)
