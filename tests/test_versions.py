@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from locoswarm.node.core.codecs import get_codec
-from locoswarm.node.swarm.replay import ReplayMemory
+from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
     VERSION_SLACK,
     Claim,
@@ -70,9 +70,18 @@ def test_a_chunk_seen_in_another_round_is_a_replay_the_same_round_is_not() -> No
     a, b = codec.encode(torch.randn(256)), codec.encode(torch.randn(256))
     memory.remember(0, 10, [a])
     assert memory.replayed(0, 10, [a]) == []           # two members' identical bytes in one round
-    assert memory.replayed(0, 12, [a, b]) == [(0, 10)]  # round 10's payload back in round 12
-    assert memory.replayed(1, 10, [a]) == [(0, 10)]     # or in another fragment
-    for k in range(5):                                  # bounded: the oldest is forgotten
+    assert memory.replayed(0, 12, [a, b]) == [Seen(0, 10)]  # round 10's payload back in round 12
+    assert memory.replayed(1, 10, [a]) == [Seen(0, 10)]     # or in another fragment
+    # a contribution is no average: its replay is one offence; two chunks of an earlier average are conclusive
+    assert not conclusive(memory.replayed(0, 12, [a, b]))
+    c, d = codec.encode(torch.randn(256)), codec.encode(torch.randn(256))
+    memory.remember(0, 11, [c, d], averaged=True)
+    assert memory.replayed(0, 13, [c, d]) == [Seen(0, 11, True), Seen(0, 11, True)]
+    assert conclusive(memory.replayed(0, 13, [c, d])) and not conclusive(memory.replayed(0, 13, [c, a]))
+    # the reducer's own contribution of this round holds those bytes too: this round's, not a replay
+    memory.remember(0, 13, [c])
+    assert memory.replayed(0, 13, [c, d]) == [Seen(0, 11, True)]
+    for k in range(5):                                      # bounded: the oldest is forgotten
         memory.remember(0, 20 + k, [codec.encode(torch.randn(256))])
     assert len(memory) == 4 and memory.replayed(0, 30, [a]) == []
 

@@ -71,6 +71,7 @@ from locoswarm.node.core.transport import (
     Transport,
 )
 from locoswarm.node.swarm.replay import ReplayMemory
+from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
@@ -1236,7 +1237,7 @@ class SwarmTransport(Transport):
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
         session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
         session.claim_version(self.peer_id, req.version, req.lineage)
-        self._remember_payload(req, enumerate(req.chunks))
+        self._remember_payload(req, enumerate(req.chunks), averaged=False)
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
@@ -1267,7 +1268,7 @@ class SwarmTransport(Transport):
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):
             return AverageResult.failed("incomplete group result", own_weight=req.weight)
-        self._remember_payload(req, reduced.items())
+        self._remember_payload(req, reduced.items(), averaged=True)
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
         one_lineage = all(v == req.lineage for v in session.lineages.values())
         origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage)
@@ -1349,7 +1350,7 @@ class SwarmTransport(Transport):
                 view = self._local_view(req.fragment, req.round)
                 self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage,
                                               evidence=view is None or view.judges_reduced_part(peer))
-        self._remember_payload(req, chunks.items())
+        self._remember_payload(req, chunks.items(), averaged=True)
         return part, chunks, h.total_weight, list(h.extras)
 
     def _codec(self, name: str) -> Codec:
@@ -1462,19 +1463,21 @@ class SwarmTransport(Transport):
         seen = self.replays.replayed(fragment, round_, payload)
         if payload and 2 * len(seen) >= len(payload):
             detail = (f"{len(seen)} of its {len(payload)} chunks for fragment {fragment} round {round_} were seen "
-                      f"in round {seen[0][1]} of fragment {seen[0][0]}")
-            self._offence(remote, "replay", detail)
+                      f"in round {seen[0].round} of fragment {seen[0].fragment}"
+                      f"{' (averages: conclusive)' if replay_conclusive(seen) else ''}")
+            self._offence(remote, "replay", detail, conclusive=replay_conclusive(seen))
             session.drop(remote, "it replayed an earlier round's payload")
             raise WireError(f"refused: replayed payload ({detail})")
         self.replays.remember(fragment, round_, payload)
 
-    def _remember_payload(self, req: AverageRequest, chunks: Iterable[bytes]) -> None:
-        """Chunks this node sent or received in ``req``'s round: a later replay of them is refused."""
+    def _remember_payload(self, req: AverageRequest, chunks: Iterable[tuple[int, bytes]], *, averaged: bool) -> None:
+        """Chunks this node sent or received in ``req``'s round (``averaged``: reduced parts): a later replay of
+        them is refused."""
         if not req.digest:
             codec = self._codec(req.codec)
             bounds = chunk_bounds(req.numel, codec.block_size)
             self.replays.remember(req.fragment, req.round, [
-                data for c, data in chunks if _nonzero(codec, data, bounds[c][1] - bounds[c][0])])
+                data for c, data in chunks if _nonzero(codec, data, bounds[c][1] - bounds[c][0])], averaged=averaged)
 
     def _judge_direction(self, peer: str, score: float, weight_ratio: float, *, same_lineage: bool) -> None:
         """One judged agreement of ``peer``'s contribution (``locoswarm.node.core.robust``): evidence for the

@@ -14,6 +14,13 @@ moves, such as the embedding rows of bytes a corpus never holds, changes by the 
 that made the same steps). The memory is bounded (``max_entries``, least recently seen forgotten first), so
 a replay from far enough back passes: it is then a stale contribution, which the direction judgement and
 the clipping bound like any other (``locoswarm.node.core.robust``).
+
+A replay of averages is conclusive: an honest member's contribution is its own progress, which never equals, byte
+for byte, a group's average of an earlier round in ``CONCLUSIVE_CHUNKS`` chunks (a slice that only weight decay
+moves is the same on every member, so its bytes are this round's own, and the reducer's own contribution of this
+round already holds them). Any other replay counts as one offence of the threshold: a replayer that resent its
+group's average from two rounds before was banned by every honest node only 13-14 rounds after its first attack
+(robustness bench, 4 honest + 2 replayers, three offences each).
 """
 
 from __future__ import annotations
@@ -21,9 +28,19 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 DIGEST_BYTES = 12
 MAX_ENTRIES = 1 << 15
+CONCLUSIVE_CHUNKS = 2  # chunks of earlier averages in one contribution that make its replay conclusive
+
+
+class Seen(NamedTuple):
+    """Where a chunk was seen: the round of a fragment, and whether as the group's average."""
+
+    fragment: int
+    round: int
+    averaged: bool = False
 
 
 def digest(data: bytes) -> bytes:
@@ -31,7 +48,7 @@ def digest(data: bytes) -> bytes:
 
 
 class ReplayMemory:
-    """Digests of payload chunks seen, each with the (fragment, round) it was seen in.
+    """Digests of payload chunks seen, each with the (fragment, round) it was seen in and whether it was an average.
 
     Not thread-safe: used on the network loop only."""
 
@@ -39,28 +56,35 @@ class ReplayMemory:
         if max_entries < 1:
             raise ValueError("max_entries must be positive")
         self.max_entries = max_entries
-        self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._seen: OrderedDict[bytes, Seen] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._seen)
 
-    def remember(self, fragment: int, round_: int, chunks: Iterable[bytes]) -> None:
-        """Chunks seen in round ``round_`` of ``fragment`` (zero chunks must be left out by the caller)."""
+    def remember(self, fragment: int, round_: int, chunks: Iterable[bytes], *, averaged: bool = False) -> None:
+        """Chunks seen in round ``round_`` of ``fragment`` (zero chunks must be left out by the caller); ``averaged``:
+        chunks of the group's average (reduced parts), not of a member's contribution."""
         for data in chunks:
             key = digest(data)
             self._seen.pop(key, None)
-            self._seen[key] = (fragment, round_)
+            self._seen[key] = Seen(fragment, round_, averaged)
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
 
-    def replayed(self, fragment: int, round_: int, chunks: Iterable[bytes]) -> list[tuple[int, int]]:
-        """The (fragment, round) of each of ``chunks`` seen in another round than this one."""
+    def replayed(self, fragment: int, round_: int, chunks: Iterable[bytes]) -> list[Seen]:
+        """Where each of ``chunks`` that was seen in another round than this one was seen."""
         found = []
         for data in chunks:
             seen = self._seen.get(digest(data))
-            if seen is not None and seen != (fragment, round_):
+            if seen is not None and (seen.fragment, seen.round) != (fragment, round_):
                 found.append(seen)
         return found
 
 
-__all__ = ["ReplayMemory", "digest"]
+def conclusive(seen: Iterable[Seen]) -> bool:
+    """Whether a contribution's replayed chunks (``ReplayMemory.replayed``) cannot be an honest member's (module
+    docstring): at least ``CONCLUSIVE_CHUNKS`` of them were an earlier round's average."""
+    return sum(1 for s in seen if s.averaged) >= CONCLUSIVE_CHUNKS
+
+
+__all__ = ["CONCLUSIVE_CHUNKS", "ReplayMemory", "Seen", "conclusive", "digest"]
