@@ -111,3 +111,35 @@ def test_the_shrink_is_relative_to_the_groups_median_persistence() -> None:
     assert persistence_shrink([1.0, 1.0], trusted=0) == [1.0, 1.0]
     assert persistence_shrink([1.0, 1.0 + 1e-9], trusted=None) == [1.0, 1.0]
     assert persistence_shrink([-0.2, -0.1, 0.6], trusted=None) == [1.0, 1.0, pytest.approx(0.4)]
+
+
+def test_two_drifters_that_are_their_groups_median_lose_their_pull_by_their_standing_drift() -> None:
+    """Two colluders add one pattern every round. In a group of three with them they are the coordinate-wise median,
+    so their deviation from the centre is small; their difference from the reducer's own is not, and it persists
+    round after round where honest members' differences (their own data plus fresh noise) persist much less. After
+    a few rounds each has no pull in this reducer's parts in any group, and the honest ones always keep theirs."""
+    gen = torch.Generator().manual_seed(5)
+    bias = {name: 0.3 * torch.randn(M, generator=gen) for name in ("r", "h1", "h2", "h3", "d1", "d2")}
+    pattern = torch.randint(0, 2, (M,), generator=gen).float() * 2 - 1
+    unit = pattern / pattern.norm()
+    groups = [("h1", "d1"), ("d1", "d2"), ("h2", "h3"), ("h3", "d2"), ("d2", "d1"), ("h1", "h2")]
+    memory, settings = DeviationMemory(), RobustSection()
+    late_drift = []
+    for step in range(24):
+        names = ["r", *groups[step % len(groups)]]
+        base = torch.randn(M, generator=gen)
+        rows = [base + 0.5 * torch.randn(M, generator=gen) + bias[n] + (pattern if n[0] == "d" else 0.0)
+                for n in names]
+        cons = [PartContribution(n, 1.0, dict(enumerate(encode_chunks(CODEC, x))))
+                for n, x in zip(names, rows, strict=True)]
+        screening = screen_part(CODEC, cons, SIZES, settings, trusted=0, memory=memory, fragment=3)
+        muted = {names[i] for i, why in zip(screening.accepted, screening.muted, strict=True)
+                 if why and "persists" in why}
+        assert not muted & {"h1", "h2", "h3"}, (step, screening.muted)
+        if step >= 14:  # every sender judged in DRIFT_ROUNDS rounds: the reference stands
+            assert muted == {n for n in names if n[0] == "d"}, (step, screening.muted)
+            if set(names) == {"r", "d1", "d2"}:
+                reduced = combine_part(CODEC, cons, screening, SIZES, make_aggregator(settings))
+                average = decode_chunks(CODEC, [reduced[c] for c in sorted(reduced)], M)
+                late_drift.append(float((average - rows[0]) @ unit))
+    assert late_drift and all(abs(d) < 1e-3 for d in late_drift)  # the group's average is the reducer's own

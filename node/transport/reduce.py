@@ -106,6 +106,9 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
             screening.factors = [0.0 if muted else 1.0 for muted in screening.muted]
         if not any(screening.factors):
             screening.factors = [1.0] * len(accepted)
+    if memory is not None and centers is None and settings.persistence_clip and t_acc is not None:
+        _mute_standing_drift(memory, fragment, [contributions[i].sender for i in accepted], part, rows, t_acc,
+                             screening)
     live = [f > 0 for f in screening.factors]
     persistence = None
     if memory is not None and centers is None and settings.persistence_clip and len(accepted) >= 2:
@@ -115,6 +118,23 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
     if persistence is not None:
         screening.persistence = persistence.persistence()
     return screening
+
+
+def _mute_standing_drift(memory: DeviationMemory, fragment: int, senders: list[str], part: Sequence[int],
+                         rows: Callable[[int], torch.Tensor], trusted: int, screening: Screening) -> None:
+    """No pull for a sender whose difference from our own contribution persists far more than other senders'
+    (``DeviationMemory.standing_drift``): the measure of drift that colluders in the group cannot move."""
+    own = memory.own_round(fragment, senders, part)
+    for k in range(len(part)):
+        x = rows(k)
+        own.observe(k, x - x[trusted])
+    persistence = [None if i == trusted or not known else p
+                   for i, (p, known) in enumerate(zip(own.persistence(), own.known(), strict=True))]
+    own.commit()
+    for i, why in enumerate(memory.standing_drift(senders, persistence)):
+        if why is not None:
+            screening.factors[i] = 0.0
+            screening.muted[i] = why
 
 
 def _centre(part: Sequence[int], centers: Mapping[int, torch.Tensor] | None,
