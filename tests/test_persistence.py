@@ -136,7 +136,6 @@ def test_two_drifters_that_are_their_groups_median_lose_their_pull_by_their_stan
         muted = {names[i] for i, why in zip(screening.accepted, screening.muted, strict=True)
                  if why and "persists" in why}
         assert not muted & {"h1", "h2", "h3"}, (step, screening.muted)
-        assert set(screening.drifting) == muted  # the swarm counts each as an offence of its sender
         if step >= 14:  # every sender judged in DRIFT_ROUNDS rounds: the reference stands
             assert muted == {n for n in names if n[0] == "d"}, (step, screening.muted)
             if set(names) == {"r", "d1", "d2"}:

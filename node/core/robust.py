@@ -119,7 +119,6 @@ class Screening:
     factors: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     persistence: list[float] = field(default_factory=list)  # per accepted, where measured (core.persistence)
-    drifting: list[str] = field(default_factory=list)  # senders without pull for their standing drift (same place)
 
     def __post_init__(self) -> None:
         n = len(self.accepted)

@@ -427,9 +427,6 @@ class _Reduced:
     # sender -> (agreement, its weight over the reducer's own): the direction judgement of each accepted
     # contribution (``locoswarm.node.core.robust``), for the reputation's agreement evidence
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # sender -> why its difference from this reducer's own persists (``DeviationMemory.standing_drift``): it had no
-    # pull here, and it is an offence, so that every honest member bans a drifter that it can measure
-    drifting: dict[str, str] = field(default_factory=dict)
 
 
 class _Reduction:
@@ -564,9 +561,7 @@ class _Reduction:
                     for i, a in zip(screening.accepted, screening.scores, strict=True)]
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
                   for i, score in zip(screening.accepted, evidence, strict=True) if score is not None}
-        drifting = {senders[i]: why for i, why in zip(screening.accepted, screening.muted, strict=True)
-                    if why and senders[i] in screening.drifting}
-        return _Reduced(reduced, total, extras, refused, scores, drifting)
+        return _Reduced(reduced, total, extras, refused, scores)
 
     def fail(self, error: str) -> None:
         if not self.done.done():
@@ -1444,8 +1439,6 @@ class SwarmTransport(Transport):
             kind, detail, conclusive = result.refused[remote]
             self._offence(remote, kind, detail, conclusive=conclusive)
             raise WireError(f"contribution refused: {detail}")
-        if remote in result.drifting:
-            self._offence(remote, "drift", result.drifting[remote])
         if remote in result.scores:
             self._judge_direction(remote, *result.scores[remote],
                                   same_lineage=session.lineages.get(remote) == session.lineages.get(self.peer_id))

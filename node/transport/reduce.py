@@ -135,7 +135,6 @@ def _mute_standing_drift(memory: DeviationMemory, fragment: int, senders: list[s
         if why is not None:
             screening.factors[i] = 0.0
             screening.muted[i] = why
-            screening.drifting.append(senders[i])
 
 
 def _centre(part: Sequence[int], centers: Mapping[int, torch.Tensor] | None,
