@@ -37,6 +37,7 @@ swarm cannot move it, and where data differ across the swarm, it moves with them
 from __future__ import annotations
 
 import math
+import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -94,11 +95,10 @@ class DeviationMemory:
             self._drift[sender] = (DRIFT_DECAY * level + (1 - DRIFT_DECAY) * p if rounds else p, rounds + 1)
             while len(self._drift) > MAX_SENDERS:
                 self._drift.popitem(last=False)
-        judged = sorted(level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS)
+        judged = [level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS]
         if len(judged) < DRIFT_PEERS:
             return [None] * len(senders)
-        n = len(judged)
-        ref = judged[(n - 1) // 2] if n % 2 else 0.5 * (judged[n // 2 - 1] + judged[n // 2])
+        ref = statistics.median(judged)
         out: list[str | None] = []
         for sender, p in zip(senders, persistence, strict=True):
             level, rounds = self._drift.get(sender, (0.0, 0))
