@@ -26,6 +26,8 @@ from locoswarm.node.swarm.averaging import (
     _Reduction,
     agreed_window,
     awaited,
+    group_hash,
+    idle_reducers,
     majority_excluded,
     match_entry,
     peer_tag,
@@ -657,3 +659,44 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
     assert rep.banned() == ["f1", "f2"]
     assert all("majority_ban" in line for line in stub.refusals)
+
+
+def test_a_member_most_of_the_round_doubts_reduces_no_part_and_no_minority_takes_an_honest_part() -> None:
+    """Muted by the honest reducers, a drifter still reduced its own part with its own contribution at full pull
+    (3 + 1: +6.9% at equal progress). A member more than 2/3 of at least 3 others doubt reduces nothing; colluders
+    doubting honest members never reach that, and a group is never left without a reducer."""
+    h1, h2, h3, h4, d1, d2 = "QmH1", "QmH2", "QmH3", "QmH4", "QmD1", "QmD2"
+    # 3 + 1: every honest member doubts the drifter
+    members = [h1, h2, h3, d1]
+    assert idle_reducers(members, {h: [d1] for h in (h1, h2, h3)}, members) == {d1}
+    # ... two of three honest members are not enough (2/3 is not more than 2/3)
+    assert idle_reducers(members, {h1: [d1], h2: [d1]}, members) == frozenset()
+    # 4 + 2: all four honest members doubt both drifters, in whichever group they are
+    members = [h1, h2, h3, h4, d1, d2]
+    honest_doubts = {h: [d1, d2] for h in (h1, h2, h3, h4)}
+    assert idle_reducers(members, honest_doubts, [h1, d1, d2]) == {d1, d2}, "the honest member reduces it all"
+    assert idle_reducers(members, honest_doubts, [h2, h3]) == frozenset()
+    # ... and the colluders doubting every honest member take nobody's part
+    both = {**honest_doubts, d1: [h1, h2, h3, h4], d2: [h1, h2, h3, h4]}
+    assert idle_reducers(members, both, [h1, d1, d2]) == {d1, d2}
+    # 2 + 2, no honest majority: colluders doubting both honest members are 2 of 3 voters, not enough
+    members = [h1, h2, d1, d2]
+    assert idle_reducers(members, {d1: [h1, h2], d2: [h1, h2]}, members) == frozenset()
+    # a group where everybody is doubted keeps every reducer; too few voters idle nobody
+    members = [h1, h2, h3, d1, d2]
+    every = {m: [x for x in members if x != m] for m in members}
+    assert idle_reducers(members, every, [d1, d2]) == frozenset()
+    assert idle_reducers([h1, d1], {h1: [d1]}, [h1, d1]) == frozenset()
+    assert idle_reducers([h1, h2, d1], {h1: [d1], h2: [d1]}, [h1, h2, d1]) == frozenset(), "2 voters: too few"
+    # the group's name says who is idle, so members that disagree fail fast instead of exchanging wrong parts
+    assert group_hash([h1, d1]) != group_hash([h1, d1], {d1}) and group_hash([d1, h1]) == group_hash([h1, d1])
+
+
+def test_a_match_entry_carries_whom_its_author_doubts_bounded() -> None:
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import MAX_EXCLUDED
+
+    req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
+    assert list(match_entry("QmA", req, 1.0, doubted=["QmZ", "QmY"]).doubted) == ["QmY", "QmZ"]
+    many = [f"Qm{i:04d}" for i in range(MAX_EXCLUDED + 5)]
+    assert len(match_entry("QmA", req, 1.0, doubted=many).doubted) == MAX_EXCLUDED

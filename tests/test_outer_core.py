@@ -47,7 +47,7 @@ from locoswarm.node.core.transport import (
 from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
 from locoswarm.node.transport.inprocess import HEADER_BYTES, InProcessHub
-from locoswarm.node.transport.reduce import part_ranges
+from locoswarm.node.transport.reduce import part_ranges, reducer_parts
 from locoswarm.node.transport.reduce import reduce_group as _reduce_group
 
 VOCAB = 257
@@ -359,6 +359,20 @@ def test_part_ranges_partition_chunk_indices(n_chunks: int, n_members: int) -> N
     assert [c for r in parts for c in r] == list(range(n_chunks))
     sizes = [len(r) for r in parts]
     assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("n_chunks", "members", "idle"), [(7, "abcd", "d"), (7, "abcd", "bd"), (2, "abc", "a"),
+                                                          (5, "abc", "abc"), (6, "ab", "")])
+def test_reducer_parts_leave_idle_members_no_part_and_cover_every_chunk(n_chunks: int, members: str,
+                                                                          idle: str) -> None:
+    parts = reducer_parts(n_chunks, list(members), set(idle))
+    assert [c for r in parts for c in r] == list(range(n_chunks)), "every chunk reduced once, in order"
+    if set(idle) == set(members):
+        assert parts == part_ranges(n_chunks, len(members)), "nobody idle where everybody would be"
+    else:
+        assert all(not parts[j] for j, m in enumerate(members) if m in idle)
+        busy = [len(parts[j]) for j, m in enumerate(members) if m not in idle]
+        assert sorted(busy) == sorted(len(r) for r in part_ranges(n_chunks, len(busy)))
 
 
 def reduce_group(codec, payloads, weights, numel, aggregator: str = "clipped_mean"):

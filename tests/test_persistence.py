@@ -143,3 +143,28 @@ def test_two_drifters_that_are_their_groups_median_lose_their_pull_by_their_stan
                 average = decode_chunks(CODEC, [reduced[c] for c in sorted(reduced)], M)
                 late_drift.append(float((average - rows[0]) @ unit))
     assert late_drift and all(abs(d) < 1e-3 for d in late_drift)  # the group's average is the reducer's own
+
+
+def test_doubted_senders_are_the_muted_ones_and_leave_only_well_below_the_bound() -> None:
+    """What a reducer publishes as doubted (the round's idle reducers follow it) must not flip with a sender that
+    hovers at the bound: it enters when muted and leaves only below half the margin."""
+    from locoswarm.node.core.persistence import DRIFT_MARGIN, DRIFT_ROUNDS
+
+    memory = DeviationMemory()
+    senders = ["a", "b", "c", "x"]
+    for _ in range(DRIFT_ROUNDS):
+        why = memory.standing_drift(senders, [0.3, 0.3, 0.3, 0.95])
+    assert why[3] is not None and why[:3] == [None] * 3
+    assert memory.doubted() == ["x"]
+    # x falls to just under the mute bound: no longer muted, still doubted
+    level = 0.3 + DRIFT_MARGIN * 0.8
+    while True:
+        why = memory.standing_drift(senders, [0.3, 0.3, 0.3, level])
+        if why[3] is None:
+            break
+    assert memory.doubted() == ["x"], "inside the hysteresis band it stays doubted"
+    for _ in range(30):
+        memory.standing_drift(senders, [0.3, 0.3, 0.3, 0.3])
+    assert memory.doubted() == []
+    memory.standing_drift(senders, [0.3, 0.3, 0.3, None])  # not measured: no change either way
+    assert memory.doubted() == []

@@ -51,6 +51,16 @@ def test_a_newcomer_a_ban_or_an_old_round_goes_back_to_matchmaking() -> None:
         assert standing.take(0, round_ + 50, set(SWARM), []) is None, "a declined list is used up"
 
 
+def test_a_changed_doubt_goes_back_to_matchmaking() -> None:
+    """Whom this node doubts reaches the others' idle reducers only through a match entry."""
+    standing = StandingMembers()
+    standing.record(0, 100, sorted(SWARM), {}, banned=[], doubted={"QmA": ["QmC"]}, own_doubted=["QmC"])
+    assert standing.take(0, 150, set(SWARM), banned=[], doubted=[]) is None
+    standing.record(0, 100, sorted(SWARM), {}, banned=[], doubted={"QmA": ["QmC"]}, own_doubted=["QmC"])
+    taken = standing.take(0, 150, set(SWARM), banned=[], doubted=["QmC"])
+    assert taken is not None and taken.doubted == {"QmA": ["QmC"]}
+
+
 def test_fragments_stand_apart_and_forget_drops_a_list() -> None:
     standing = _recorded()
     assert standing.take(1, 150, set(SWARM), []) is None and standing.declined == 0
@@ -120,3 +130,57 @@ def test_a_list_holding_a_peer_this_node_bans_does_not_stand() -> None:
     assert standing.take(0, 16, {"B", "C"}, banned=["X"]) is None
     standing.record(0, 8, ["A", "B", "C"], {}, banned=["X"])
     assert standing.take(0, 16, {"B", "C"}, banned=["X"]) is not None
+
+
+@pytest.mark.timeout(240)
+def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(tmp_path) -> None:
+    """Four real transports, one group: three doubt the fourth for its standing drift (fed to their memories as
+    the reductions would). It reduces no part, every member still merges the same average, matchmade and then
+    standing, and the doubted member's contribution has no pull in it."""
+    from locoswarm.node.core.persistence import DRIFT_ROUNDS
+
+    dhts, runtimes, transports = [], [], []
+    try:
+        dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
+        for i in range(1, 4):
+            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
+        runtimes = [NetworkRuntime(d) for d in dhts]
+        ids = [r.peer_id for r in runtimes]
+        drifter = ids[3]
+        codec, N = get_codec("fp32", 16), 8192  # 8 chunks: parts for three reducers
+        for i, runtime in enumerate(runtimes):
+            others = [p for p in ids if p != ids[i]]
+            transports.append(SwarmTransport(
+                runtime, swarm_key="locoswarm/idle-test/fp/", fingerprint="fp", codec=codec, group_size=4,
+                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=others: o,
+                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
+            if i < 3:
+                honest = [p for p in ids[:3] if p != ids[i]]
+                for _ in range(DRIFT_ROUNDS):
+                    transports[i].deviations.standing_drift([*honest, "QmOther", drifter], [0.3, 0.3, 0.3, 0.95])
+        assert [t.deviations.doubted() for t in transports[:3]] == [[drifter]] * 3
+
+        def round_(number: int) -> list:
+            handles = [t.start_average(AverageRequest(
+                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((N,), float(i + 1) + number / 100)),
+                numel=N, weight=1.0, version=1)) for i, t in enumerate(transports)]
+            return [h.result(60) for h in handles]
+
+        for number in (10, 20):
+            results = round_(number)
+            assert all(r.ok for r in results), [r.error for r in results]
+            reducers = [{o.reducer for o in r.parts} for r in results]
+            assert all(rs == set(ids[:3]) for rs in reducers), (number, reducers)
+            assert all(torch.equal(r.average, results[0].average) for r in results)
+        # the first round gave the reducers the differences to measure persistence with; from the second on the
+        # doubted member is muted in every part (none is its own): the average is the honest three's mean
+        assert torch.allclose(results[0].average, torch.full((N,), 2.2)), results[0].average[:4]
+        assert [t.standing.used for t in transports] == [1, 1, 1, 1], "the second round took the standing members"
+    finally:
+        for t in transports:
+            t.close()
+        for r in runtimes:
+            r.stop()
+        for d in dhts:
+            with contextlib.suppress(Exception):
+                d.shutdown()

@@ -32,6 +32,12 @@ its pattern. A sender whose standing drift exceeds the median of all senders' by
 this reducer's parts: out of the centre and out of the average, in whichever group. The median is over every sender
 this reducer has judged in ``DRIFT_ROUNDS`` rounds or more (at least ``DRIFT_PEERS`` of them), so a minority of the
 swarm cannot move it, and where data differ across the swarm, it moves with them.
+
+Muting reaches only the parts honest members reduce: a drifter's own part still held its contribution at full
+pull (3 + 1 at d5dd674: muted 534-545 times by each honest node, still +6.9% at equal progress). So each member
+publishes whom it mutes (:meth:`DeviationMemory.doubted`, in its match entries), and a member that more than 2/3 of
+at least 3 others of the round doubt reduces no part (``locoswarm.node.swarm.averaging.idle_reducers``): it still
+contributes, muted, and receives the average; no minority can take an honest member's part that way.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class DeviationMemory:
         self.max_entries = int(max_entries)
         self._mem: OrderedDict[Key, torch.Tensor] = OrderedDict()
         self._drift: OrderedDict[str, tuple[float, int]] = OrderedDict()  # sender -> (standing drift, rounds)
+        self._doubted: set[str] = set()  # senders muted for their standing drift, until they fall well below it
 
     def round(self, fragment: int, senders: Sequence[str], chunks: Sequence[int]) -> DeviationRound:
         """A reduction of ``chunks`` (global chunk indices, in the part's order) of ``fragment`` with one row per
@@ -94,7 +101,7 @@ class DeviationMemory:
             level, rounds = self._drift.pop(sender, (p, 0))
             self._drift[sender] = (DRIFT_DECAY * level + (1 - DRIFT_DECAY) * p if rounds else p, rounds + 1)
             while len(self._drift) > MAX_SENDERS:
-                self._drift.popitem(last=False)
+                self._doubted.discard(self._drift.popitem(last=False)[0])
         judged = [level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS]
         if len(judged) < DRIFT_PEERS:
             return [None] * len(senders)
@@ -103,11 +110,20 @@ class DeviationMemory:
         for sender, p in zip(senders, persistence, strict=True):
             level, rounds = self._drift.get(sender, (0.0, 0))
             if p is not None and rounds >= DRIFT_ROUNDS and level > ref + DRIFT_MARGIN:
+                self._doubted.add(sender)
                 out.append(f"its difference from this reducer's own persists ({level:.2f} over rounds, the senders' "
                            f"median {ref:.2f})")
             else:
+                if p is not None and level < ref + DRIFT_MARGIN / 2:
+                    self._doubted.discard(sender)
                 out.append(None)
         return out
+
+    def doubted(self) -> list[str]:
+        """The senders this reducer mutes for their standing drift, as its match entries publish them: a sender
+        enters when it is muted and leaves only once its standing drift falls below half the margin, so that a
+        sender near the bound does not flip the round's reducers (``averaging.idle_reducers``) round after round."""
+        return sorted(self._doubted)
 
     def get(self, key: Key) -> torch.Tensor | None:
         return self._mem.get(key)

@@ -16,7 +16,8 @@ A round of fragment ``p`` started at swarm step ``r``:
    schedule state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
    A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
 2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``locoswarm.node.transport.reduce``):
-   member ``i`` streams its chunks of part ``j`` to member ``j``, which screens every member's part
+   member ``i`` streams its chunks of part ``j`` to member ``j`` (a member that most of the round doubts for its
+   standing drift reduces no part: ``idle_reducers``), which screens every member's part
    (finite, weight within bounds, norm against the group's) and combines the accepted ones with the
    swarm's robust aggregator, re-encodes the result and streams it back to each member.
 3. **Atomicity**: a member applies a result only when it holds every reduced part, each checked
@@ -45,7 +46,7 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -78,7 +79,7 @@ from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
 from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import form_groups, group_basis, majority_shunned
-from locoswarm.node.transport.reduce import PartContribution, combine_part, part_ranges, screen_part
+from locoswarm.node.transport.reduce import PartContribution, combine_part, reducer_parts, screen_part
 from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -206,6 +207,16 @@ class NoShows:
             del self._missed[peer]  # it came, or it left the swarm: bounded by the live peers
 
 
+class Matched(NamedTuple):
+    """A round's member list and what their match entries said (a standing round: what the last merged one's did)."""
+
+    members: list[str]
+    versions: dict[str, int]          # the outer versions claimed (a standing round knows only its own)
+    excluded: dict[str, list[str]]    # each member's bans
+    bases: dict[str, bytes]           # each member's low-rank basis tag
+    doubted: dict[str, list[str]]     # whom each member mutes for their standing drift
+
+
 class RoundRefused(RuntimeError):
     """A peer broke the protocol (an offence); ``kind`` names it for the reputation table."""
 
@@ -261,12 +272,13 @@ class ScheduleHint:
 
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
                 excluded: Iterable[str] = (), expected: Iterable[str] = (),
-                window: float = 0.0, certificate: bytes = b"") -> swarm_pb2.MatchEntry:
+                window: float = 0.0, certificate: bytes = b"", doubted: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
                                  digest=req.digest, fragment=req.fragment, basis=req.basis, window=window,
                                  certificate=certificate)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
+    entry.doubted.extend(sorted(doubted)[:MAX_EXCLUDED])
     entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
     if req.schedule is not None:
         entry.scheduled = True
@@ -343,8 +355,30 @@ def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]],
     return [p for p in members if p in shunned]
 
 
-def group_hash(members: list[str]) -> bytes:
-    return hashlib.blake2b(",".join(sorted(members)).encode(), digest_size=16).digest()
+def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], group: list[str]) -> frozenset[str]:
+    """The members of ``group`` that reduce no part this round: those that more than ``FOLLOWED_SHARE`` of at
+    least ``FOLLOWED_VOTERS`` of the round's other ``members`` doubt (mute for their standing drift,
+    ``DeviationMemory.doubted``); none where that is the whole group.
+
+    Muted by the honest reducers, a drifter still reduced its own part, with its own contribution at full pull:
+    3 + 1 (robustness bench, d5dd674) ended 6.9% above clean at equal progress although every honest node muted
+    it in nearly every round. Idle, it still contributes (muted) and receives the group's average. Every member
+    computes this from the same entries (the ``group_hash`` names the idle ones, so members that disagree fail
+    the round at once rather than exchange wrong parts), and no minority reaches the share against an honest
+    member (``FOLLOWED_SHARE``), so colluders cannot take honest members' parts: at worst, voting against each
+    other, they leave the parts as they were."""
+    shunned = majority_shunned(members, doubted, min_voters=FOLLOWED_VOTERS, share=FOLLOWED_SHARE)
+    idle = frozenset(p for p in group if p in shunned)
+    return idle if len(idle) < len(group) else frozenset()
+
+
+def group_hash(members: list[str], idle: Iterable[str] = ()) -> bytes:
+    """The group's name in every stream of its exchange: its members, and which of them reduce no part."""
+    text = ",".join(sorted(members))
+    idle = sorted(idle)
+    if idle:
+        text += "|idle:" + ",".join(idle)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
@@ -919,7 +953,7 @@ class SwarmTransport(Transport):
             if view is not None and view.cut.endswith(SHUNNED_CUT):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
-        members, versions, excluded, bases = matched
+        members, versions, excluded, bases, doubted = matched
         self._follow_majority_bans(members, excluded, banned)
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, excluded)
                      if self.peer_id in g)
@@ -946,21 +980,25 @@ class SwarmTransport(Transport):
         claims = {p: versions[p] for p in group if p in versions}
         accused = [p for p in group if p != self.peer_id
                    and any(p in excluded.get(m, ()) for m in members if m not in (p, self.peer_id))]
-        result = await self._exchange(req, group, claims, accused)
+        idle = idle_reducers(members, doubted, group)
+        if idle:
+            log.info("fragment %d round %d: %s reduce no part: most of the round mutes them for their standing drift",
+                     req.fragment, req.round, ", ".join(p[:12] for p in sorted(idle)))
+        result = await self._exchange(req, group, claims, accused, idle)
         if result.ok:
             max_version = result.max_version
         result.max_version = max_version
         if not result.ok and GROUP_MISMATCH in (result.error or ""):
             await self._explain_mismatch(req)
         if result.ok:
-            self.standing.record(req.fragment, req.round, members, excluded, banned)
+            self.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
+                                 doubted.get(self.peer_id, ()))  # what our entry said, as the others hold it
             known = self.recent.get(req.fragment, (-1, []))[0]
             if max_version + 1 >= known:
                 self.recent[req.fragment] = (max_version + 1, group)
         return result
 
-    def _standing_round(self, req: AverageRequest, banned: list[str]) -> tuple[
-            list[str], dict[str, int], dict[str, list[str]], dict[str, bytes]] | None:
+    def _standing_round(self, req: AverageRequest, banned: list[str]) -> Matched | None:
         """The round's members without the DHT, where the fragment's last merged round left them standing
         and this node's view of the swarm has not changed since (``locoswarm.node.swarm.standing``); None:
         matchmake. Its match entry is still stored, in the background, for members that matchmake."""
@@ -980,11 +1018,12 @@ class SwarmTransport(Transport):
             self.standing.forget(req.fragment)  # someone falls behind: matchmaking gives it only the grace
             return None
         # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
-        standing = self.standing.take(req.fragment, req.round, expected, banned)
+        doubted = self.deviations.doubted()
+        standing = self.standing.take(req.fragment, req.round, expected, banned, doubted)
         if standing is None:
             return None
         now = get_dht_time()
-        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate)
+        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate, doubted)
         key = self._match_key(req.fragment, req.round)
         self._background(self._store_quietly(key, me.SerializeToString(), now + 300))
         members = list(standing.members)
@@ -995,7 +1034,8 @@ class SwarmTransport(Transport):
         # Only our own version is known here: the members' come with their headers (``_exchange``). Taking
         # ours for theirs kept a member a version behind for good with the same phi (its "group version"
         # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
-        return members, {self.peer_id: req.version}, excluded, {p: b"" for p in members}
+        return Matched(members, {self.peer_id: req.version}, excluded, {p: b"" for p in members},
+                       {p: list(standing.doubted.get(p, ())) for p in members})
 
     async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
         with contextlib.suppress(Exception):
@@ -1139,8 +1179,7 @@ class SwarmTransport(Transport):
             log.info("group mismatch: fragment %d round %d: %s", req.fragment, req.round,
                      view.explain({p: e.arrival for p, e in entries.items()}))
 
-    async def _matchmake(self, req: AverageRequest) -> tuple[list[str], dict[str, int], dict[str, list[str]],
-                                                             dict[str, bytes]] | None:
+    async def _matchmake(self, req: AverageRequest) -> Matched | None:
         from hivemind.utils import get_dht_time
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
@@ -1149,7 +1188,8 @@ class SwarmTransport(Transport):
         not_banned = live - set(banned)
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
-        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate)
+        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate,
+                         self.deviations.doubted())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
@@ -1196,7 +1236,8 @@ class SwarmTransport(Transport):
         self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
         excluded = {p: list(entries[p].excluded)[:MAX_EXCLUDED] for p in members}
         bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
-        return members, {p: int(entries[p].version) for p in members}, excluded, bases
+        doubted = {p: list(entries[p].doubted)[:MAX_EXCLUDED] for p in members}
+        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted)
 
     def standing_rounds(self) -> int:
         """Rounds that took a standing member list instead of matchmaking (``locoswarm.node.swarm.standing``)."""
@@ -1207,24 +1248,25 @@ class SwarmTransport(Transport):
         return self._exchanges > 0
 
     async def _exchange(self, req: AverageRequest, group: list[str], claims: dict[str, int],
-                        accused: Iterable[str] = ()) -> AverageResult:
+                        accused: Iterable[str] = (), idle: frozenset[str] = frozenset()) -> AverageResult:
         """The group's average of ``req``; its ``max_version`` is the plausible version of the members'
         ``claims`` (from their match entries) as their headers in this exchange updated them. ``accused``: group
-        members that another member of the round excludes (``_Reduction.accused``)."""
+        members that another member of the round excludes (``_Reduction.accused``); ``idle``: members that reduce
+        no part (``idle_reducers``)."""
         self._exchanges += 1
         try:
-            return await self._exchange_parts(req, group, claims, accused)
+            return await self._exchange_parts(req, group, claims, accused, idle)
         finally:
             self._exchanges -= 1
 
     async def _exchange_parts(self, req: AverageRequest, group: list[str], claims: dict[str, int],
-                              accused: Iterable[str] = ()) -> AverageResult:
-        ghash = group_hash(group)
+                              accused: Iterable[str] = (), idle: frozenset[str] = frozenset()) -> AverageResult:
+        ghash = group_hash(group, idle)
         n = len(group)
         me = group.index(self.peer_id)
         codec = self._codec(req.codec)
         bounds = chunk_bounds(req.numel, codec.block_size)
-        parts = part_ranges(len(bounds), n)
+        parts = reducer_parts(len(bounds), group, idle)
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         key = (req.fragment, req.round, ghash)
         session = _Reduction(key, self.peer_id, codec, group, parts[me], sizes, self.robust,
@@ -1235,13 +1277,16 @@ class SwarmTransport(Transport):
         self._view_ready()
         loop = asyncio.get_running_loop()
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
-        session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
+        if parts[me]:  # an idle member's session only answers streams (a member that disagrees: group mismatch)
+            session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
         session.claim_version(self.peer_id, req.version, req.lineage)
         self._remember_payload(req, enumerate(req.chunks), averaged=False)
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
         async def own_part():
+            if not parts[me]:
+                return me, {}, None, None
             reduced = await session.done
             if reduced.total_weight <= 0:
                 raise RuntimeError("every contribution to this node's part was refused")
@@ -1249,7 +1294,7 @@ class SwarmTransport(Transport):
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
-                                for j in range(n) if j != me]
+                                for j in range(n) if j != me and parts[j]]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
         except Exception as exc:
@@ -1264,6 +1309,8 @@ class SwarmTransport(Transport):
         reduced: dict[int, bytes] = {}
         total_weight, avg_extras = 0.0, extras
         for _, chunks, total, ex in results:
+            if total is None:
+                continue  # this node is idle: no part of its own
             reduced.update(chunks)
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):

@@ -25,7 +25,7 @@ merged round ``record``s it again). Rounds that need the entries' contents do no
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Standing:
     members: tuple[str, ...]
     excluded: Mapping[str, list[str]]  # each member's ban list from its match entry (the groups avoid them)
     banned: frozenset[str]             # whom this node banned then
+    # each member's doubted list from its match entry (the round's idle reducers), and this node's own then
+    doubted: Mapping[str, list[str]] = field(default_factory=dict)
+    own_doubted: frozenset[str] = frozenset()
 
 
 class StandingMembers:
@@ -48,18 +51,21 @@ class StandingMembers:
         self.declined = 0   # rounds that had one but found the swarm changed
 
     def record(self, fragment: int, round_: int, members: Iterable[str], excluded: Mapping[str, list[str]],
-               banned: Iterable[str]) -> None:
+               banned: Iterable[str], doubted: Mapping[str, list[str]] | None = None,
+               own_doubted: Iterable[str] = ()) -> None:
         """Round ``round_`` of ``fragment`` merged with ``members``: they stand for its next round."""
         if self.enabled:
             self._by_fragment[fragment] = Standing(round_, tuple(sorted(members)), dict(excluded),
-                                                   frozenset(banned))
+                                                   frozenset(banned), dict(doubted or {}), frozenset(own_doubted))
 
     def forget(self, fragment: int) -> None:
         self._by_fragment.pop(fragment, None)
 
-    def take(self, fragment: int, round_: int, view: set[str], banned: Iterable[str]) -> Standing | None:
+    def take(self, fragment: int, round_: int, view: set[str], banned: Iterable[str],
+             doubted: Iterable[str] = ()) -> Standing | None:
         """The standing list for round ``round_`` of ``fragment``, if this node's ``view`` (itself and the live
-        peers it would wait for) holds no peer outside its members and its own bans are unchanged; else None.
+        peers it would wait for) holds no peer outside its members and its own bans and doubts are unchanged
+        (a changed doubt must reach the others' idle reducers through a match entry); else None.
         Either way the list is used up."""
         standing = self._by_fragment.pop(fragment, None)
         if standing is None:
@@ -69,7 +75,7 @@ class StandingMembers:
         # the peer apart from some of them): a standing round would repeat that split for good, while members
         # that matchmake drop the peer once everyone bans it (``averaging.shunned_dropped``), so it matchmakes.
         if (round_ <= standing.round or not view <= set(standing.members) or banned != standing.banned
-                or banned & set(standing.members)):
+                or banned & set(standing.members) or frozenset(doubted) != standing.own_doubted):
             self.declined += 1
             return None
         self.used += 1

@@ -16,7 +16,7 @@ stays at members x one chunk: norms for screening, directions (pull factors), de
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,14 @@ def part_ranges(n_chunks: int, n_members: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def reducer_parts(n_chunks: int, members: Sequence[str], idle: Collection[str] = ()) -> list[range]:
+    """Per member (in ``members``' order) the range of chunk indices it reduces: :func:`part_ranges` over the
+    members not ``idle``, in order; an idle member's range is empty. Where every member is idle, none is."""
+    reducing = [m for m in members if m not in idle] or list(members)
+    ranges = iter(part_ranges(n_chunks, len(reducing)))
+    return [next(ranges) if m in reducing else range(0) for m in members]
 
 
 @dataclass
