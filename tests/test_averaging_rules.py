@@ -80,6 +80,21 @@ def test_members_whose_bans_disagree_still_average_together(size: int) -> None:
         assert sorted(itertools.chain(*groups)) == sorted([honest0, honest1, liar0, liar1])
 
 
+def test_where_someone_must_be_alone_it_is_a_member_another_one_excludes() -> None:
+    """Two honest members and a colluder: honest0 bans the colluder, honest1 does not yet. One of honest0 and the
+    colluder must be alone; a coin toss left honest0 alone in about half the rounds, and honest1 averaged with the
+    colluder. An accusation against honest0 by the colluder brings back only the coin toss."""
+    honest0, honest1, colluder = "QmH0", "QmH1", "QmC"
+    members = [honest0, honest1, colluder]
+    for round_ in range(40):
+        assert [colluder] in form_groups(members, 0, round_, 8, {honest0: [colluder]}), round_
+    counter = {honest0: 0, colluder: 0}
+    for round_ in range(200):
+        groups = form_groups(members, 0, round_, 8, {honest0: [colluder], colluder: [honest0]})
+        counter[next(g[0] for g in groups if len(g) == 1)] += 1
+    assert min(counter.values()) > 50, counter
+
+
 @pytest.mark.parametrize("round_", range(20))
 def test_a_peer_most_members_ban_is_left_alone_not_given_its_partners_company(round_: int) -> None:
     """Four honest members banned one of two colluders: the other colluder (banned by nobody yet) stays in the
