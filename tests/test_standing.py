@@ -75,6 +75,16 @@ def test_disabled_never_stands() -> None:
 
 # ---- a standing round between two real transports (hivemind DHTs and p2pd on loopback) -----------------
 
+def _stop(transports: list, runtimes: list, dhts: list) -> None:
+    for t in transports:
+        t.close()
+    for r in runtimes:
+        r.stop()
+    for d in dhts:
+        with contextlib.suppress(Exception):
+            d.shutdown()
+
+
 @pytest.mark.timeout(180)
 def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_path) -> None:
     """A round that skips the DHT has no match entries to read versions from. It once took its own version
@@ -111,13 +121,7 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
         assert torch.allclose(second[0].average, torch.full((100,), 1.7))
         assert transports[0].latest_version(0) == 7, "the member behind learns the group's next version"
     finally:
-        for t in transports:
-            t.close()
-        for r in runtimes:
-            r.stop()
-        for d in dhts:
-            with contextlib.suppress(Exception):
-                d.shutdown()
+        _stop(transports, runtimes, dhts)
 
 
 def test_a_list_holding_a_peer_this_node_bans_does_not_stand() -> None:
@@ -177,10 +181,4 @@ def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(
         assert torch.allclose(results[0].average, torch.full((N,), 2.2)), results[0].average[:4]
         assert [t.standing.used for t in transports] == [1, 1, 1, 1], "the second round took the standing members"
     finally:
-        for t in transports:
-            t.close()
-        for r in runtimes:
-            r.stop()
-        for d in dhts:
-            with contextlib.suppress(Exception):
-                d.shutdown()
+        _stop(transports, runtimes, dhts)

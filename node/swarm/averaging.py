@@ -1277,16 +1277,15 @@ class SwarmTransport(Transport):
         self._view_ready()
         loop = asyncio.get_running_loop()
         partial = loop.call_later(PARTIAL_AFTER * self.round_timeout, session.reduce_partial)
-        if parts[me]:  # an idle member's session only answers streams (a member that disagrees: group mismatch)
-            session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
+        # An idle member's part is empty, like a part of a payload with fewer chunks than members: its session
+        # still answers every member's stream (headers carry the members' versions), with no chunks.
+        session.add(PartContribution(self.peer_id, req.weight, {c: req.chunks[c] for c in parts[me]}), extras)
         session.claim_version(self.peer_id, req.version, req.lineage)
         self._remember_payload(req, enumerate(req.chunks), averaged=False)
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
         async def own_part():
-            if not parts[me]:
-                return me, {}, None, None
             reduced = await session.done
             if reduced.total_weight <= 0:
                 raise RuntimeError("every contribution to this node's part was refused")
@@ -1294,7 +1293,7 @@ class SwarmTransport(Transport):
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
-                                for j in range(n) if j != me and parts[j]]
+                                for j in range(n) if j != me]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
         except Exception as exc:
@@ -1309,8 +1308,6 @@ class SwarmTransport(Transport):
         reduced: dict[int, bytes] = {}
         total_weight, avg_extras = 0.0, extras
         for _, chunks, total, ex in results:
-            if total is None:
-                continue  # this node is idle: no part of its own
             reduced.update(chunks)
             total_weight, avg_extras = total, ex
         if len(reduced) != len(bounds):
