@@ -16,6 +16,7 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     FOLLOWED_EVIDENCE,
+    FOLLOWED_OFFENCES,
     FOLLOWED_SHARE,
     FOLLOWED_VOTERS,
     NO_SHOW_ROUNDS,
@@ -674,6 +675,62 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
     assert rep.banned() == ["f1", "f2"]
     assert all("majority_ban" in line for line in stub.refusals)
+
+
+def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one_offence_is_no_evidence() -> None:
+    """Three honest members and one attacker refused for its weight claims: two nodes banned it at their third
+    offence, and placement then keeps it out of the third node's groups, where it stays at two. The other two
+    excluding it are a majority of its voters (too few to follow without evidence), and its own two offences of
+    what the attacker itself sent make the ban. Two colluders before two honest nodes are a majority too: they
+    frame an honest member in vain where this node counted only one such offence of it, or refused its reduced
+    parts (which colluders can turn), or where the offences were before its last ban ended."""
+    clock = [0.0]
+    rep = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
+    stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[])
+    stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
+    members = ["h1", "h2", "h3", "a"]
+    excluded = {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}
+    rep.refuse("a", "bad_weight", "token weight 40 is more than 10x its bound 4")
+    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    assert rep.banned() == []                                  # one offence: not enough
+    rep.refuse("a", "bad_weight", "token weight 40 is more than 10x its bound 4")
+    SwarmTransport._follow_majority_bans(stub, members, {**excluded, "h2": []}, banned=[])
+    assert rep.banned() == []                                  # 1 of 2 voters: no majority
+    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    assert rep.banned() == ["a"]
+    assert "after 2 offences" in stub.refusals[-1]
+
+    framed = {"h1": [], "h2": [], "f1": ["h1"], "f2": ["h1"]}
+    four = ["h1", "h2", "f1", "f2"]
+    rep3 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
+    stub.reputation, stub.peer_id = rep3, "h2"
+    rep3.refuse("h1", "bad_contribution", "norm 4x the reference (an honest joiner's first delta)")
+    rep3.refuse("h1", "bad_reduction", "reduced part points against its own contribution")
+    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    assert rep3.banned() == []                                 # a reduced part is no evidence, one offence too few
+    rep3.refuse("h1", "clock", "claims a clock 9 steps ahead", offence=False)
+    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    assert rep3.banned() == []
+    assert rep3.offences("h1", FOLLOWED_OFFENCES) == 1 and rep3.offences("h1", ("bad_reduction",)) == 1
+    rep3.refuse("h1", "replay", "2 of 2 chunks seen in round 40")
+    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    assert rep3.banned() == ["h1"]                             # two of its own: the majority makes the ban
+    # offences that earned a ban are spent: after it ends, the colluders' votes need two new ones
+    rep4 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
+    stub.reputation, stub.peer_id = rep4, "h2"
+    for _ in range(3):
+        rep4.refuse("f1", "bad_weight", "token weight 40 is more than 10x its bound 4")
+    assert rep4.banned() == ["f1"]
+    clock[0] += 61.0
+    assert rep4.offences("f1", FOLLOWED_OFFENCES) == 0
+    SwarmTransport._follow_majority_bans(stub, four, {"h1": ["f1"], "f2": ["f1"], "h2": [], "f1": []}, banned=[])
+    assert rep4.banned() == []
+    clock[0] += 600.0                                          # and offences leave the window
+    rep4.refuse("f1", "replay", "2 of 2 chunks seen in round 40")
+    rep4.refuse("f1", "replay", "2 of 2 chunks seen in round 41")
+    assert rep4.offences("f1", FOLLOWED_OFFENCES) == 2
+    clock[0] += 601.0
+    assert rep4.offences("f1", FOLLOWED_OFFENCES) == 0
 
 
 def test_a_member_most_of_the_round_doubts_reduces_no_part_and_no_minority_takes_an_honest_part() -> None:

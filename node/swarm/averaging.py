@@ -141,6 +141,16 @@ FOLLOWED_EVIDENCE = ("direction",)
 # only where h >= 2c (4 + 2: 3 of 4 voters); beyond that its own evidence is needed.
 FOLLOWED_SHARE = Fraction(2, 3)
 FOLLOWED_VOTERS = 3
+# The offences that are this node's own evidence for following the round's (strict) majority in a ban once they
+# number one short of its own ban threshold: what the peer itself sent in its contributions and headers, never a
+# reduced part (colluders turn an honest reducer's part) nor a clock or group view (honest members disagree on
+# those now and then). Why: in 3 + 1, an attacker claiming 10x its weight (or sending 10x values) is refused by
+# every honest reducer; two nodes banned it at their third offence, and then placement kept it out of the third
+# node's groups, which stayed at two offences and had too few voters (2) for ``FOLLOWED_VOTERS`` (robustness
+# bench, out-of-bound kinds, 90 s: weight and values banned by 2 of 3). Two colluders framing an honest member
+# before two honest nodes are a majority too, so one offence (an honest joiner's large first delta) is not enough.
+FOLLOWED_OFFENCES = ("bad_contribution", "bad_weight", "bad_part", "bad_header", "duplicate", "replay",
+                     "forged_sender")
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
@@ -783,8 +793,10 @@ class SwarmTransport(Transport):
     def _follow_majority_bans(self, members: list[str], excluded: Mapping[str, Iterable[str]],
                               banned: Iterable[str]) -> None:
         """Ban a member that most of the round's other members exclude (``majority_excluded``) where this node's
-        own judgements of it lean against it too (``Reputation.suspects``); their exclusions alone never ban. The
-        ban takes effect from the next round: this round's groups are already agreed."""
+        own judgements of it lean against it too (``Reputation.suspects``) or it counted all but the last of the
+        offences that would ban it here (``FOLLOWED_OFFENCES``); their exclusions alone never ban, unless more
+        than ``FOLLOWED_SHARE`` of at least ``FOLLOWED_VOTERS`` voters exclude it. The ban takes effect from the
+        next round: this round's groups are already agreed."""
         if self.reputation is None:
             return
         overwhelming = set(majority_excluded(members, excluded, self.peer_id, banned, share=FOLLOWED_SHARE,
@@ -797,6 +809,9 @@ class SwarmTransport(Transport):
                 self._offence(peer, "majority_ban", f"excluded by more than {FOLLOWED_SHARE} of at least "
                                                     f"{FOLLOWED_VOTERS} of the round's other members",
                               conclusive=True)
+            elif (own := self.reputation.offences(peer, FOLLOWED_OFFENCES)) >= max(1, self.reputation.threshold - 1):
+                self._offence(peer, "majority_ban", f"excluded by most of the round's other members, after {own} "
+                                                    "offences of its own contributions here", conclusive=True)
 
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> None:
         """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:

@@ -269,6 +269,18 @@ class Reputation:
             rec = self._peers.get(peer_key(peer))
             return rec is not None and rec.banned(self._now())
 
+    def offences(self, peer: str, kinds: tuple[str, ...]) -> int:
+        """How many offences of ``kinds`` this node counted against ``peer`` within the window since its last ban
+        ended (forgiven ones not included): the evidence of its own that a node asks before it follows other
+        members' exclusions of a peer it has not banned yet (``SwarmTransport._follow_majority_bans``)."""
+        with self._lock:
+            rec = self._peers.get(peer_key(peer))
+            if rec is None:
+                return 0
+            rec.expire(self._now(), self.window_s)
+            since = rec.banned_until if rec.banned_until is not None else -float("inf")
+            return sum(1 for t, k, _ in rec.offences if k in kinds and t >= since)
+
     def offended(self, peer: str, kind: str) -> bool:
         """Whether ``peer`` committed an offence of ``kind`` within the window, banned or not. One bad state
         download is not yet a ban (the threshold forgives luck), but its source is not believed as a holder
