@@ -800,20 +800,20 @@ class OuterLoop:
             return []
         states = [self.states[p] for p in fresh]
         snaps = [f.staged for f in fresh.values()]
-        refusal = self._judge_effect(states, snaps, stale=bool(behind))
+        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind))
         if refusal is not None:
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
                     for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
         for p, fetch in fresh.items():
-            events.extend(self._apply_snapshot(self.states[p], fetch, step))
+            events.extend(self._apply_snapshot(self.states[p], fetch, step, judged))
         return events
 
     def _far_behind(self, fragment: int) -> bool:
         """Whether ``fragment`` is more than ``FAR_GAP`` versions behind the newest one known among peers."""
         return self.transport.latest_version(fragment) - self.states[fragment].version > FAR_GAP
 
-    def _apply_snapshot(self, st: FragmentState, fetch: _Fetch, step: int) -> list[SyncEvent]:
+    def _apply_snapshot(self, st: FragmentState, fetch: _Fetch, step: int, judged: str = "") -> list[SyncEvent]:
         snap = fetch.staged
         theta = st.theta()
         phi_old = st.phi.clone()
@@ -827,7 +827,9 @@ class OuterLoop:
         st.set_theta(self.rule.carry(theta, st.phi, phi_old, st.bounds))
         self.stats.catch_ups += 1
         st.catch_ups_in_row += 1
-        events = [SyncEvent("caught_up", st.index, step, st.version)]
+        source = f"from {snap.source[:12]}" if snap.source else ""
+        events = [SyncEvent("caught_up", st.index, step, st.version,
+                            error=", ".join(x for x in (source, judged) if x))]
         if st.catch_ups_in_row >= 2:
             # Behind again at the next send: this node keeps arriving after its group (a slow link, a long
             # download), so each catch-up is followed by another instead of by a merged round.
@@ -867,26 +869,28 @@ class OuterLoop:
                 f"holder's is never a reversal, below {FAR_COSINE:+.1f})")
 
     def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
-                      stale: bool = False) -> Refusal | None:
+                      stale: bool = False) -> tuple[Refusal | None, str]:
         """The effect check of downloaded outer states, taken together: None when they may replace ours.
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
         another way than ours is not blamed); a conclusive offence when they give a held-out loss
         ``ABSURD_WORSE`` above ours, all came from one source and no other fragment of ours is far behind
-        (``stale``: the comparison then mixes fragments of distant versions)."""
+        (``stale``: the comparison then mixes fragments of distant versions). With the verdict, the two losses in
+        words (for the log: what a catch-up did to this node's model)."""
         if self.judge is None:
-            return None
+            return None, ""
         self.stats.effect_checks += 1
         theirs, ours = self.judge.joint_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
+        judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
-            return None
+            return None, judged
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}",
-                       offence=blamed, conclusive=blamed)
+                       offence=blamed, conclusive=blamed), judged
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
@@ -905,7 +909,7 @@ class OuterLoop:
             else:
                 taken.append(snap)
         if taken:
-            refusal = self._judge_effect([self.states[s.fragment] for s in taken], taken)
+            refusal, _ = self._judge_effect([self.states[s.fragment] for s in taken], taken)
             if refusal is not None:
                 refused.update({s.fragment: refusal for s in taken})
                 taken = []
