@@ -13,8 +13,8 @@ import torch
 from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
-from locoswarm.node.core.judge import EffectJudge
-from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.judge import EffectJudge, LossJudge
+from locoswarm.node.core.outer_loop import SNAPSHOT_SLACK, OuterLoop
 from locoswarm.node.core.state import FragmentState
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -282,8 +282,12 @@ class _CoupledJudge(EffectJudge):
     """Fragments trained together: the model does well with all of them from one lineage (``1.0``, or
     ``new_loss`` when all come from the swarm's ``snaps``), and absurdly badly with a mix (``10.0``)."""
 
-    def __init__(self, loop: OuterLoop, snaps: dict[int, FragmentSnapshot | None], new_loss: float = 1.0) -> None:
-        self.loop, self.snaps, self.new_loss = loop, snaps, new_loss
+    def __init__(self, loop: OuterLoop, snaps: dict[int, FragmentSnapshot | None], new_loss: float = 1.0,
+                 relative: float = 0.0) -> None:
+        self.loop, self.snaps, self.new_loss, self.relative = loop, snaps, new_loss, relative
+
+    def tolerance(self, reference: float) -> float:
+        return self.relative * abs(reference)
 
     def joint_losses(self, states, candidates) -> list[float]:
         out = []
@@ -295,7 +299,7 @@ class _CoupledJudge(EffectJudge):
         return out
 
 
-def _far_behind_node(served: set[int], new_loss: float = 1.0):
+def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0):
     """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served``."""
     outer = OuterSection(method="replace", h=2, fragments=2, tau=0, codec="fp32", error_feedback=False,
                          schedule="fixed", consensus_every=0)
@@ -310,7 +314,7 @@ def _far_behind_node(served: set[int], new_loss: float = 1.0):
         phi = loop.snapshot(p).phi.clone()
         snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder") if p in served \
             else None
-    loop.judge = _CoupledJudge(loop, snaps, new_loss)
+    loop.judge = _CoupledJudge(loop, snaps, new_loss, relative)
     events = []
     for t in range(1, 9):
         loop.add_tokens(10.0)
@@ -337,6 +341,42 @@ def test_a_node_far_behind_judges_its_catch_ups_as_one_model() -> None:
     assert "fragments [0, 1] together" in events[0].error
     assert transport.rejected == [(0, True, True), (1, False, False)]
     assert loop.version(0) == loop.version(1) == 5
+
+
+def test_a_catch_up_never_takes_a_phi_measurably_worse_than_its_own() -> None:
+    """Two colluders with two honest nodes: both honest nodes caught up from the colluders' phi, measured 7% to
+    27% worse on their held-out batch, inside the old bound (half the effect tolerance, 50%), and their eval loss
+    jumped from 2.7 to 3.4-3.6 (robustness bench, 2 + 2 drift). At the default tolerance (a share of 1.0 of the
+    loss) a catch-up may now do at most ``SNAPSHOT_SLACK`` of the loss worse, measured on the judge's whole pool
+    of batches; a refused one is no offence of its source (an honest phi may go another way), and the node keeps
+    its own."""
+    for worse in (1.26, 1.0 + 2 * SNAPSHOT_SLACK):
+        loop, transport, events = _far_behind_node({0, 1}, new_loss=worse, relative=1.0)
+        assert sorted((e.kind, e.fragment) for e in events) == [("refused", 0), ("refused", 1)], (worse, events)
+        assert transport.rejected == [(0, False, False), (1, False, False)]
+        assert loop.version(0) == loop.version(1) == 5
+    loop, transport, events = _far_behind_node({0, 1}, new_loss=1.0 + SNAPSHOT_SLACK / 2, relative=1.0)
+    assert sorted((e.kind, e.fragment) for e in events) == [("caught_up", 0), ("caught_up", 1)], events
+    assert loop.version(0) == loop.version(1) == 105
+    assert "from QmHolder" in events[0].error and "held-out loss" in events[0].error
+
+
+def test_the_pooled_loss_is_the_mean_over_every_held_out_batch_and_leaves_the_model_as_it_was() -> None:
+    model = build_model(ModelSection(), VOCAB)
+    fragments = partition(model, 1)
+    loop = OuterLoop(model, fragments, OuterSection(method="replace", h=2, fragments=1, tau=0, codec="fp32",
+                                                    error_feedback=False), _FarAheadSwarm({0: None}))
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(3)]
+    judge = LossJudge(model, batches, "cpu", relative_tolerance=1.0)
+    st = loop.states[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    other = st.phi + 0.05 * torch.randn(st.phi.shape, generator=gen)
+    pooled = judge.pooled_losses([st], [[st.phi], [other]])
+    singles = [judge.joint_losses([st], [[st.phi], [other]]) for _ in batches]   # one batch per call, in turn
+    for k in range(2):
+        assert pooled[k] == pytest.approx(sum(s[k] for s in singles) / len(batches), rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_adopt_refuses_a_non_finite_join_download() -> None:

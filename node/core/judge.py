@@ -52,6 +52,12 @@ class EffectJudge(ABC):
         exhaust it) when done."""
         yield from self.losses(state, candidates)
 
+    def pooled_losses(self, states: Sequence[FragmentState],
+                      candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        """:meth:`joint_losses` on every held-out batch this judge has, each candidate's mean: for a rare,
+        weighty decision (a catch-up replaces the whole fragment), where one small batch is too noisy."""
+        return self.joint_losses(states, candidates)
+
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
         return 0.0
@@ -86,6 +92,11 @@ class LossJudge(EffectJudge):
 
     def lazy_losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> Iterator[float]:
         return self._measure([state], [[c] for c in candidates])
+
+    def pooled_losses(self, states: Sequence[FragmentState],
+                      candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        batches = [b.to(self.device) for b in self.batches]
+        return [sum(self._loss(b, states, c) for b in batches) / len(batches) for c in candidates]
 
     def _measure(self, states: Sequence[FragmentState],
                  candidates: Sequence[Sequence[torch.Tensor]]) -> Iterator[float]:

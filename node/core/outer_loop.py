@@ -86,11 +86,15 @@ ABSURD_WORSE = 3.0
 # exempt: their distance to the swarm is as far as training took it.
 FAR_COSINE = -0.5
 FAR_GAP = 16
-# A downloaded phi is refused for its effect only past this many times the effect tolerance (0.5: 50% worse at the
-# default tolerance of 1.0): the swarm's phi is the lineage a node must follow, even where it does worse on this
-# node's held-out batch (a node that refused it stayed behind, on a phi of its own, and its contributions no
-# longer agreed with anyone's; on a small corpus at H = 320 an honest swarm's newer phi was 34% worse on one batch).
-SNAPSHOT_SLACK = 0.5
+# A downloaded phi is refused for its effect past this many times the effect tolerance (5% worse at the default
+# tolerance of 1.0), measured on the judge's whole pool of held-out batches (``EffectJudge.pooled_losses``): a
+# catch-up replaces the whole fragment and is rare, so it is worth 8 batches instead of one. Refused without blame:
+# the swarm's phi is the lineage a node must follow, and an honest holder's can do a little worse on this node's
+# data, so the node asks again later. Measured on one batch (robustness bench, 2 + 2, 180 s): honest catch-ups
+# from -1.2% to +4.0% (a joiner's first ones the highest); catch-ups from two colluding drifters' phi +6.8% to
+# +26.6%, taken under the old bound (half the tolerance, 50%), after which both honest nodes' eval loss jumped from
+# 2.7 to 3.4-3.6, 30% above the clean run.
+SNAPSHOT_SLACK = 0.05
 
 
 @dataclass
@@ -880,7 +884,7 @@ class OuterLoop:
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
-        theirs, ours = self.judge.joint_losses(
+        theirs, ours = self.judge.pooled_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
