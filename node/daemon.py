@@ -602,7 +602,8 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-        elif ev.kind in ("refused", "diverged", "dropped", "catch_up_loop") or (ev.kind == "caught_up" and ev.error):
+        elif ev.kind in ("refused", "diverged", "dropped", "folded", "catch_up_loop") or (ev.kind == "caught_up"
+                                                                                        and ev.error):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"

@@ -23,6 +23,7 @@ from locoswarm.node.swarm.averaging import (
     UNLINED_HARM,
     MatchView,
     NoShows,
+    PartRefused,
     SwarmTransport,
     _Reduction,
     agreed_window,
@@ -565,17 +566,17 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     for same in (True, False):
         check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
     for _ in range(10 * REDUCED_WINDOW):  # another phi's honest reducer: refused, never an offence
-        with pytest.raises(RuntimeError, match="points against"):
+        with pytest.raises(PartRefused, match="points against"):
             check(stub, "QmElsewhere", UNLINED_TURNED + 0.15, same_lineage=False)
     assert not rep.is_banned("QmElsewhere")
     turned = 0
     while not rep.is_banned("QmOther") and turned < 10 * REDUCED_WINDOW:
-        with pytest.raises(RuntimeError, match="points against"):
+        with pytest.raises(PartRefused, match="points against"):
             check(stub, "QmOther", -0.8, same_lineage=False)
         turned += 1
     assert turned == REDUCED_WINDOW
     for _ in range(REDUCED_WINDOW):
-        with pytest.raises(RuntimeError, match="points against"):
+        with pytest.raises(PartRefused, match="points against"):
             check(stub, "QmSame", -0.5, same_lineage=True)
     assert rep.is_banned("QmSame") and not rep.is_banned("QmHonest")
 

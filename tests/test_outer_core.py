@@ -456,11 +456,17 @@ def base_model() -> torch.nn.Module:
 
 
 class _FailedHandle(AverageHandle):
+    refused = False  # failed because this node refused what a peer sent (``AverageResult.refused``)
+
     def done(self) -> bool:
         return True
 
     def result(self, timeout: float | None = None) -> AverageResult:
-        return AverageResult.failed("scripted drop")
+        return AverageResult.failed("scripted drop", refused=self.refused)
+
+
+class _RefusedHandle(_FailedHandle):
+    refused = True
 
 
 class RecordingTransport(Transport):
@@ -472,9 +478,11 @@ class RecordingTransport(Transport):
         self.calls: list[tuple[AverageRequest, AverageHandle]] = []
 
     hold = False  # new rounds' handles are held (unfinished until released, or until waited for)
+    refuses = False  # the dropped rounds fail as refused by this node (a reduced part against its progress)
 
     def start_average(self, request: AverageRequest) -> AverageHandle:
-        handle = _FailedHandle() if request.round in self.drop_rounds else self.inner.start_average(request)
+        failed = _RefusedHandle() if self.refuses else _FailedHandle()
+        handle = failed if request.round in self.drop_rounds else self.inner.start_average(request)
         if self.hold:
             handle = _HeldHandle(handle)
         self.calls.append((request, handle))
@@ -694,6 +702,39 @@ def test_a_fragment_whose_rounds_keep_failing_drops_the_progress_it_carries(base
         assert weights == [20.0, 40.0, 60.0, 20.0, 40.0, 60.0, 20.0, 40.0]
     else:
         assert dropped_at == [] and weights == [20.0 * k for k in range(1, 9)]
+
+
+def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_dropping_it(base_model) -> None:
+    """A worker that refuses every round's result (e.g. reduced parts that colluders turned against its progress):
+    at the max_carry-th failed round its carried progress is not thrown away but folded into phi by an outer step
+    on it alone (version + 1, theta by the merge rule, tokens 0, a "folded" event), so it keeps training as a node
+    with no peer would. Rounds that failed for want of peers still drop it (the test above). One worker: no peer's
+    newer version to catch up to."""
+    for refuses in (True, False):
+        swarm = Swarm(base_model, 1, _outer(h=2, max_carry=3), drops={0: set(range(100))})
+        swarm.transports[0].refuses = refuses
+        st = swarm.loops[0].states[0]
+        folded_at = []
+        for t in range(1, 17):
+            swarm.train()
+            before_phi, carried, version = swarm.phi(0), swarm.theta(0), st.version
+            events = swarm.sync(t)
+            if t % 2:
+                continue
+            assert _kinds(events[0], "failed")
+            if _kinds(events[0], "folded"):
+                folded_at.append(t)
+                assert st.version == version + 1 and st.tokens_since_send == 0.0
+                assert torch.equal(swarm.theta(0), swarm.phi(0))           # replace: theta <- phi
+                # the outer step moved phi toward the progress it carried (lr 0.7, Nesterov 0.9, momentum kept)
+                assert float((swarm.phi(0) - carried).norm()) < 0.8 * float((before_phi - carried).norm())
+                assert "folded into phi" in _kinds(events[0], "folded")[0].error
+            else:
+                assert st.version == version and torch.equal(swarm.phi(0), before_phi)
+        if refuses:
+            assert folded_at == [6, 12] and swarm.loops[0].stats.folds == 2
+        else:
+            assert folded_at == [] and swarm.loops[0].stats.folds == 0 and st.version == 0
 
 
 def test_behind_worker_catches_up_before_sending(base_model) -> None:

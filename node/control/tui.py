@@ -34,7 +34,7 @@ SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
 EVENT_STYLES = {"failed": "bold red", "timed_out": "bold red", "peer_left": "yellow", "peer_joined": "green",
                 "joined": "green", "resumed": "cyan", "caught_up": "cyan", "catch_up_loop": "yellow",
-                "dropped": "yellow", "merged": "dim"}
+                "dropped": "yellow", "folded": "yellow", "merged": "dim"}
 
 
 # ---- formatting -----------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def _event_rows(events: Sequence[StatusEvent], limit: int) -> list[tuple[float, 
         kind = event_kind(e)
         if kind in QUIET_KINDS:
             continue
-        if kind in ("failed", "timed_out", "dropped"):
+        if kind in ("failed", "timed_out", "dropped", "folded"):
             reason = e.detail.split(": ", 1)[1] if ": " in e.detail else e.detail
             group = failures.setdefault((kind, reason), _Failures())
             group.count += 1

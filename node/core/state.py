@@ -48,6 +48,7 @@ class FragmentState:
     tokens_since_send: float = 0.0
     last_quant_error: float = 0.0
     failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
+    refused_rounds: int = 0                # of those, rounds this node failed by refusing what peers sent
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
     access: ThetaAccess | None = field(default=None, repr=False, compare=False)
 

@@ -85,10 +85,13 @@ class AverageResult:
     matchmaking_s: float = 0.0
     round_s: float = 0.0
     parts: list[PartOrigin] = field(default_factory=list)  # who reduced what (empty: not known)
+    # Failed because this node refused what a peer sent it (a reduced part pointing against its own progress, or
+    # malformed), not for want of peers or time: the outer loop then keeps the progress such rounds carried.
+    refused: bool = False
 
     @classmethod
-    def failed(cls, error: str, *, own_weight: float = 0.0) -> AverageResult:
-        return cls(ok=False, error=error, own_weight=own_weight)
+    def failed(cls, error: str, *, own_weight: float = 0.0, refused: bool = False) -> AverageResult:
+        return cls(ok=False, error=error, own_weight=own_weight, refused=refused)
 
 
 @dataclass

@@ -235,6 +235,11 @@ class RoundRefused(RuntimeError):
         self.kind = kind
 
 
+class PartRefused(RuntimeError):
+    """This node refused a reduced part a peer sent it (malformed, or pointing against its own progress): the
+    round fails as ``AverageResult.refused`` (the outer loop keeps the progress such rounds carried)."""
+
+
 @dataclass
 class ByteCounters:
     """Bytes on the wire (serialized protocol messages), per peer and per fragment."""
@@ -1314,7 +1319,8 @@ class SwarmTransport(Transport):
         except Exception as exc:
             session.fail(str(exc) or type(exc).__name__)
             sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
-            res = AverageResult.failed(f"{type(exc).__name__}: {exc}", own_weight=req.weight)
+            res = AverageResult.failed(f"{type(exc).__name__}: {exc}", own_weight=req.weight,
+                                       refused=isinstance(exc, PartRefused))
             res.bytes_sent, res.bytes_received = sent, received
             return res
         finally:
@@ -1395,14 +1401,14 @@ class SwarmTransport(Transport):
             raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
         except RoundRefused as exc:
             self._offence(peer, exc.kind, str(exc))
-            raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
+            raise PartRefused(f"peer {peer[:12]}: {exc}") from None
         if set(chunks) != set(part):
             raise RuntimeError(f"peer {peer[:12]} sent {len(chunks)} of {len(part)} reduced chunks")
         reason = check_reduced_part(codec, req, chunks, bounds, own_norm)
         if reason:
             # a consensus part far from our phi may be an honest member's of another lineage: refused, no blame
             self._offence(peer, "bad_reduction", reason, offence=not req.digest)
-            raise RuntimeError(f"peer {peer[:12]} sent a bad reduced part: {reason}")
+            raise PartRefused(f"peer {peer[:12]} sent a bad reduced part: {reason}")
         if not req.digest:
             agreement = reduced_agreement(codec, req, chunks, bounds)
             if agreement is not None:
@@ -1580,7 +1586,7 @@ class SwarmTransport(Transport):
         reason = f"a reduced part that points against this node's own progress (agreement {agreement:+.2f})"
         if not same_lineage:
             self._offence(peer, "reduction", f"{reason}, from another phi", offence=False)
-        raise RuntimeError(f"peer {peer[:12]} sent {reason}")
+        raise PartRefused(f"peer {peer[:12]} sent {reason}")
 
     def _judge_reduction(self, peer: str, agreement: float, *, same_lineage: bool = True) -> None:
         """One reduced part's agreement with this member's own contribution: evidence of a reducer that turns
