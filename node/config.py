@@ -149,7 +149,8 @@ class OuterSection:
     max_carry: int = setting(4, shared=False, min=0, max=100000,
                              help="consecutive failed rounds of a fragment after which the local progress it "
                                   "carries is dropped (theta <- phi): stale progress grows until peers refuse "
-                                  "it as too large (0 = carry it forever)")
+                                  "it as too large; folded into phi by an outer step on it alone instead where "
+                                  "this node refused what peers sent in those rounds (0 = carry it forever)")
 
 
 @dataclass
