@@ -150,7 +150,8 @@ class OuterSection:
                              help="consecutive failed rounds of a fragment after which the local progress it "
                                   "carries is dropped (theta <- phi): stale progress grows until peers refuse "
                                   "it as too large; folded into phi by an outer step on it alone instead where "
-                                  "this node refused what peers sent in those rounds (0 = carry it forever)")
+                                  "this node refused what peers sent in half of those rounds or more (0 = carry "
+                                  "it forever)")
 
 
 @dataclass

@@ -708,14 +708,15 @@ def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_
     """A worker that refuses every round's result (e.g. reduced parts that colluders turned against its progress):
     at the max_carry-th failed round its carried progress is not thrown away but folded into phi by an outer step
     on it alone (version + 1, theta by the merge rule, tokens 0, a "folded" event), so it keeps training as a node
-    with no peer would. Rounds that failed for want of peers still drop it (the test above). One worker: no peer's
-    newer version to catch up to."""
-    for refuses in (True, False):
+    with no peer would. Rounds that failed for want of peers still drop it (the test above), and so does a streak
+    of which fewer than half were refused here. One worker: no peer's newer version to catch up to."""
+    for refuses in ("all", "none", "one in three"):
         swarm = Swarm(base_model, 1, _outer(h=2, max_carry=3), drops={0: set(range(100))})
-        swarm.transports[0].refuses = refuses
         st = swarm.loops[0].states[0]
         folded_at = []
         for t in range(1, 17):
+            # sends at even steps; "one in three": only the first round of each streak of 3 is refused here
+            swarm.transports[0].refuses = refuses == "all" or (refuses == "one in three" and t % 6 == 2)
             swarm.train()
             before_phi, carried, version = swarm.phi(0), swarm.theta(0), st.version
             events = swarm.sync(t)
@@ -731,7 +732,7 @@ def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_
                 assert "folded into phi" in _kinds(events[0], "folded")[0].error
             else:
                 assert st.version == version and torch.equal(swarm.phi(0), before_phi)
-        if refuses:
+        if refuses == "all":
             assert folded_at == [6, 12] and swarm.loops[0].stats.folds == 2
         else:
             assert folded_at == [] and swarm.loops[0].stats.folds == 0 and st.version == 0
