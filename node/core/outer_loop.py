@@ -608,9 +608,7 @@ class OuterLoop:
                               error=f"{failed} rounds in a row failed, {refusals} refused here: the local progress "
                                     "they carried is folded into phi by an outer step on it alone")]
         st.set_theta(st.phi)
-        st.tokens_since_send = 0.0
-        if st.residual is not None:
-            st.residual.zero_()
+        self._carry_nothing(st)
         return [SyncEvent("dropped", st.index, step, st.version,
                           error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
                                 "(theta <- phi)")]
@@ -624,11 +622,16 @@ class OuterLoop:
         if reason is not None:
             return reason
         st.set_theta(self.rule.merge(theta, st.phi, theta, st.bounds))
+        self._carry_nothing(st)
+        self.stats.folds += 1
+        return None
+
+    @staticmethod
+    def _carry_nothing(st: FragmentState) -> None:
+        """After a drop or a fold: no progress, tokens or quantization residual left to carry into the next sync."""
         st.tokens_since_send = 0.0
         if st.residual is not None:
             st.residual.zero_()
-        self.stats.folds += 1
-        return None
 
     def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> str | None:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
