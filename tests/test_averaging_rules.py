@@ -407,6 +407,37 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
 
 
+def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until_it_is_cleared() -> None:
+    """Two drifting colluders ran ahead of two honest nodes by merging between themselves, and an honest node
+    caught up from one of them again and again, each phi a little worse. A peer whose judged contributions or
+    reduced parts lean against this node (``Reputation.suspects``) is no catch-up source, before any ban; one
+    judgement is not enough, nor a single bad score among good ones, and good scores clear the suspicion."""
+    from locoswarm.node.swarm.averaging import SUSPECT_SOURCE
+    from locoswarm.node.swarm.reputation import Reputation
+    from locoswarm.node.swarm.versions import Belief
+
+    rep = Reputation(threshold=3)
+    stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
+                           _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
+                           _refused_sources={})
+    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+    judge = dict(window=3, ban_below=-0.5, good_from=0.0)
+    assert set(SUSPECT_SOURCE) >= {"direction", "reduction", "reduction_other_phi"}
+    rep.judge("QmDrifter", "reduction_other_phi", -0.3, **judge)
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmDrifter"])  # one score: no evidence
+    rep.judge("QmDrifter", "reduction_other_phi", -0.35, **judge)
+    assert not rep.is_banned("QmDrifter")
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
+    stub.recent = {0: (11, ["QmMe", "QmDrifter"])}
+    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
+    for _ in range(3):
+        rep.judge("QmDrifter", "direction", 0.4, **judge)
+    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmDrifter", "QmOther"])  # cleared by good scores
+    rep.judge("QmHonest", "direction", 0.3, **judge)
+    rep.judge("QmHonest", "reduction", -0.05, **judge)  # one bad score among good ones
+    assert stub._state_source("QmHonest")
+
+
 def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_long(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An honest swarm's phi moves every round: a holder whose phi measured worse than ours is asked again

@@ -151,6 +151,14 @@ FOLLOWED_VOTERS = 3
 # before two honest nodes are a majority too, so one offence (an honest joiner's large first delta) is not enough.
 FOLLOWED_OFFENCES = ("bad_contribution", "bad_weight", "bad_part", "bad_header", "duplicate", "replay",
                      "forged_sender")
+# The judged kinds whose scores, leaning against a peer (``Reputation.suspects``), keep it from serving this node a
+# catch-up (``SwarmTransport._state_source``) before any ban: the directions of its contributions and of its reduced
+# parts. Why: two drifting colluders with two honest nodes merged rounds between themselves, so their versions ran
+# ahead; an honest node caught up from one of them six times in 10 s, each phi measured 0.4-6% worse than its own
+# (inside the snapshot slack), and its eval rose 13.5% above the clean run's before the reducer's turned parts
+# banned it (robustness bench, 2 + 2 drift, 74dfbf2). A suspect's phi is no better evidence of the swarm's than its
+# parts were: the node stays on its own lineage (or takes another holder's) until the suspicion clears or bans.
+SUSPECT_SOURCE = ("direction", "reduction", "reduction_other_phi")
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
@@ -851,7 +859,8 @@ class SwarmTransport(Transport):
 
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
-        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), and no state
+        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
+        by this node's own judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
         of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
         malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
         short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
@@ -860,7 +869,8 @@ class SwarmTransport(Transport):
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
-                                               or self.reputation.offended(peer, "bad_state"))
+                                               or self.reputation.offended(peer, "bad_state")
+                                               or self.reputation.suspects(peer, SUSPECT_SOURCE))
 
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is

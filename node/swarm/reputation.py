@@ -296,7 +296,8 @@ class Reputation:
     def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8) -> bool:
         """Whether this node's own judgements of ``peer`` lean against it: the last ``recent`` scores of each of
         ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below 0. Not a ban by itself; the evidence
-        a node asks of its own before it follows other members' bans (``averaging.majority_excluded``)."""
+        a node asks of its own before it follows other members' bans (``averaging.majority_excluded``), and what
+        keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``)."""
         with self._lock:
             rec = self._peers.get(peer_key(peer))
             if rec is None:
