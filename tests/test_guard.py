@@ -14,7 +14,7 @@ from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
 from locoswarm.node.core.judge import EffectJudge, LossJudge
-from locoswarm.node.core.outer_loop import SNAPSHOT_SLACK, OuterLoop
+from locoswarm.node.core.outer_loop import POOLED_SLACK, SECOND_LOOK, SNAPSHOT_SLACK, OuterLoop
 from locoswarm.node.core.state import FragmentState
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -504,6 +504,54 @@ def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_agai
     events = step(4)
     assert [e.kind for e in events[0] if e.kind == "refused"] == ["refused"]
     assert loops[0].stats.effect_checks == 2 and judge.measured == 5
+
+
+def test_an_average_that_passes_one_batch_narrowly_is_judged_again_on_the_whole_held_out_pool() -> None:
+    """One held-out batch is noisy, hence a tolerance of 1.0 (twice the loss). An average that passes it but is worse
+    than phi by more than ``SECOND_LOOK`` of the tolerance is measured again on the whole pool and refused there past
+    ``POOLED_SLACK`` (no blame); an average that does as well as phi costs no second look."""
+    class Scripted(EffectJudge):
+        """Losses as scripted: ``one`` for the one-batch check (the average's step, phi, the own step), ``pooled``
+        for the whole pool."""
+
+        def __init__(self) -> None:
+            self.one: list[float] = []
+            self.pooled: list[float] = []
+
+        def tolerance(self, reference: float) -> float:
+            return abs(reference)
+
+        def joint_losses(self, states, candidates) -> list[float]:
+            raise AssertionError("not measured in these rounds")
+
+        def lazy_losses(self, state, candidates):
+            yield from self.one[:len(candidates)]
+
+        def pooled_losses(self, states, candidates) -> list[float]:
+            return self.pooled[:len(candidates)]
+
+    assert SECOND_LOOK < 1.0 and 0 < POOLED_SLACK <= SECOND_LOOK
+    loops, transports, step = _pair(judge_target=_trained_target())
+    judge = loops[0].judge = Scripted()
+    st = loops[0].states[0]
+    t = 0
+    for one, pooled, expected, looks in [
+            ([2.0, 2.0, 2.0], [9.0, 2.0, 2.0], "merged", 0),                 # as good as phi: no second look
+            ([2.0 * (1 + SECOND_LOOK / 2), 2.0, 2.0], [9.0, 2.0, 2.0], "merged", 0),   # inside the second look's bound
+            ([2.5, 2.0, 2.0], [2.02, 2.0, 2.01], "merged", 1),               # one unlucky batch: the pool clears it
+            ([2.5, 2.0, 2.0], [2.0 * (1 + POOLED_SLACK) + 0.05, 2.0, 1.9], "refused", 2)]:
+        judge.one, judge.pooled = one, pooled
+        phi, version = st.phi.clone(), loops[0].version(0)
+        step(t := t + 1)
+        events = step(t := t + 1)
+        kinds = [e for e in events[0] if e.kind in ("merged", "refused")]
+        assert [e.kind for e in kinds] == [expected], (one, pooled, kinds)
+        assert loops[0].stats.second_looks == looks
+        if expected == "refused":
+            assert "whole held-out pool" in kinds[0].error and loops[0].version(0) == version
+            assert torch.equal(st.phi, phi) and not transports[0].blamed  # a few percent blames nobody
+        else:
+            assert loops[0].version(0) == version + 1
 
 
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
