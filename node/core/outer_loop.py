@@ -50,7 +50,7 @@ from locoswarm.node.core.guard import (
     check_snapshot,
     non_finite,
 )
-from locoswarm.node.core.judge import EffectJudge
+from locoswarm.node.core.judge import EffectJudge, LossFloor
 from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
@@ -99,15 +99,23 @@ FAR_GAP = 16
 # and the honest mean ended 8.3% above clean. Telling them apart needs more than the loss: whom the node refused.
 SNAPSHOT_SLACK = 0.5
 # A round's average is judged on one held-out batch (``judge_sequences`` sequences: 4 by default), which is noisy,
-# hence the effect tolerance of 1.0. An average that passes it but does worse than the reference by more than
-# SECOND_LOOK times the tolerance (10% at the default) is measured again on the judge's whole pool (8 batches,
-# ``EffectJudge.pooled_losses``) and refused, without blame, when it is worse there by more than POOLED_SLACK times
-# the tolerance (5%). Why: in a 2 + 2 flip run the two honest nodes merged five pair rounds in five seconds, each
-# passing the one-batch check, and their phis went from 2.65 to 3.4 and 4.0; an honest node's eval went 27% above
-# the clean run's (robustness bench, 74dfbf2). An honest average does better than standing still on the node's
-# pool; one batch of 4 sequences merely scatters.
+# hence the effect tolerance of 1.0; and against the phi it would replace, so averages that each do a little worse
+# pass one by one and add up (a ratchet). In a 2 + 2 flip run the two honest nodes merged five pair rounds in five
+# seconds, each passing, and their phis went from 2.65 to 3.4 and 4.0 on the held-out pool (an honest node's eval 27%
+# above the clean run's, robustness bench, 74dfbf2); in a 2 + 2 drift run an honest node merged 14 rounds of its
+# whole group (both drifters in it) in 7 s and its phi went from 2.60 to 4.33 (c320473). So an average that passes
+# the one-batch check but does worse by more than SECOND_LOOK times the tolerance (10% at the default) than phi, or
+# than the best phi of the fragment's last FLOOR_VERSIONS versions on the same batch (``LossFloor``), is measured
+# again on the judge's whole pool (8 batches, ``EffectJudge.batch_losses``) and refused, without blame, when there
+# it is worse than phi and the own step by more than POOLED_SLACK times the tolerance (5%), or than the floors of the
+# batches (their mean, on the batches that have one) by more than RATCHET_SLACK times it (10%). Every second look
+# records phi's loss on every batch of the pool into the floors. Honest training lowers the floors as
+# it goes, and an honest average does about as well as standing still on a pool of 8 batches, where one batch of 4
+# sequences merely scatters.
 SECOND_LOOK = 0.1
 POOLED_SLACK = 0.05
+FLOOR_VERSIONS = 32
+RATCHET_SLACK = 0.1
 
 
 @dataclass
@@ -143,6 +151,7 @@ class OuterStats:
     effect_checks: int = 0                # results and snapshots the effect judge compared
     effect_refused: int = 0               # ... of which it refused (counted in ``refused`` too)
     second_looks: int = 0                 # averages measured again on the whole held-out pool (``SECOND_LOOK``)
+    ratchets: int = 0                     # ... refused for their pooled loss above the recent floor (``LossFloor``)
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
     last_consensus_error: str = ""
@@ -243,6 +252,7 @@ class OuterLoop:
         self.wait_timeout = wait_timeout
         self.limits = limits or GuardLimits()
         self.judge = judge
+        self.floor = LossFloor(FLOOR_VERSIONS)
 
     # ---- the driver's calls -------------------------------------------------------------------
     def add_tokens(self, tokens: float) -> None:
@@ -696,9 +706,12 @@ class OuterLoop:
                 st, [self._stepped(st, average), st.phi, self._stepped(st, own)])) as losses:
             group_loss, still_loss = next(losses), next(losses)
             own_loss = next(losses) if self.judge.harmful(group_loss, still_loss) else None
+        batch = self.judge.last_batch()
+        self.floor.record(st.index, batch, st.version, still_loss)
         reference = still_loss if own_loss is None else max(own_loss, still_loss)
         if not self.judge.harmful(group_loss, reference):
-            if self.judge.harmful(group_loss, reference, slack=SECOND_LOOK):
+            bar = min(reference, self.floor.floor(st.index, batch, st.version) or math.inf)
+            if self.judge.harmful(group_loss, bar, slack=SECOND_LOOK):
                 return self._second_look(st, average, own)
             return None
         self.stats.effect_refused += 1
@@ -709,17 +722,29 @@ class OuterLoop:
         return reason
 
     def _second_look(self, st: FragmentState, average: torch.Tensor, own: torch.Tensor) -> str | None:
-        """An average that passed the one-batch check but not by much, judged again on the whole held-out pool
-        (``SECOND_LOOK``): None when it may be applied; else why it is refused (no part is blamed: a pooled
-        measure of a few percent is no evidence against any one reducer)."""
+        """An average that passed the one-batch check, but not by much or not against the recent floor, judged
+        again on the whole held-out pool (``SECOND_LOOK``): None when it may be applied; else why it is refused (no
+        part is blamed: a pooled measure of a few percent is no evidence against any one reducer)."""
         self.stats.second_looks += 1
-        group_loss, still_loss, own_loss = self.judge.pooled_losses(
+        group, still, alone = self.judge.batch_losses(
             [st], [[self._stepped(st, average)], [st.phi], [self._stepped(st, own)]])
-        if not self.judge.harmful(group_loss, max(still_loss, own_loss), slack=POOLED_SLACK):
+        floors = {b: self.floor.floor(st.index, b, st.version) for b in range(len(still))}
+        for b, loss in enumerate(still):
+            self.floor.record(st.index, b, st.version, loss)
+        group_loss, still_loss, own_loss = (sum(x) / len(x) for x in (group, still, alone))
+        floored = [b for b, f in floors.items() if f is not None]
+        floor = sum(floors[b] for b in floored) / len(floored) if floored else math.inf
+        group_floored = sum(group[b] for b in floored) / len(floored) if floored else 0.0
+        if self.judge.harmful(group_loss, max(still_loss, own_loss), slack=POOLED_SLACK):
+            why = f"where this node's phi gives {still_loss:.4f} and its own progress {own_loss:.4f}"
+        elif floored and self.judge.harmful(group_floored, floor, slack=RATCHET_SLACK):
+            self.stats.ratchets += 1
+            why = (f"and to {group_floored:.4f} on the {len(floored)} batches where the best of this node's phis of "
+                   f"the last {FLOOR_VERSIONS} versions gave {floor:.4f} (now {still_loss:.4f})")
+        else:
             return None
         self.stats.effect_refused += 1
-        return (f"effect: the group's average would raise the held-out loss to {group_loss:.4f} on the whole "
-                f"held-out pool, where this node's phi gives {still_loss:.4f} and its own progress {own_loss:.4f}")
+        return f"effect: the group's average would raise the held-out loss to {group_loss:.4f} on the whole pool, {why}"
 
     def _blame_parts(self, st: FragmentState, res: AverageResult, own: torch.Tensor, average: torch.Tensor,
                      reason: str) -> None:
@@ -884,6 +909,7 @@ class OuterLoop:
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
+        self.floor.forget(st.index)  # another holder's lineage: its own losses are the bar from here
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
                 break
@@ -984,6 +1010,7 @@ class OuterLoop:
             st.phi.copy_(snap.phi.to(st.phi.device))
             st.momentum.copy_(snap.momentum.to(st.momentum.device))
             st.version = snap.version
+            self.floor.forget(st.index)
             st.set_theta(st.phi - progress)
         self.stats.refused += len(refused)
         return refused
@@ -1038,6 +1065,7 @@ class OuterLoop:
         in flight afterwards; a missing residual (error feedback is a local setting) restores zero."""
         tensors = state["tensors"]
         records = {int(r["index"]): r for r in state["fragments"]}
+        self.floor = LossFloor(FLOOR_VERSIONS)  # losses of the phis this node held before, not of these
         for st in self.states:
             st.phi.copy_(tensors[f"{st.index}/phi"])
             st.momentum.copy_(tensors[f"{st.index}/momentum"])
