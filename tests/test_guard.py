@@ -584,6 +584,39 @@ def test_the_loss_floor_is_the_lowest_loss_of_the_recent_versions_per_batch_and_
         LossFloor(versions=0)
 
 
+def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> None:
+    """A node that folded its progress into its own phi refused its peers' rounds: their phi is taken only where it
+    does no worse than its own (``FOLDED_SLACK``), not within the usual ``SNAPSHOT_SLACK``, until a merged round or
+    a catch-up (2 + 2 drift: fold, catch up from a drifter 0.1-13% worse, fold again, nine times in 14 s)."""
+    from locoswarm.node.core.outer_loop import FOLDED_SLACK
+
+    assert FOLDED_SLACK < SNAPSHOT_SLACK
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    worse = 0.005  # 1% worse on the quadratic judge: inside the snapshot slack (2.5% at its tolerance of 5%)
+    for t, folded, expected in [(8, True, "refused"), (10, False, "caught_up")]:
+        phi = st.phi.detach().cpu().clone()
+        st.folded = folded
+        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, phi + worse * (phi - target),
+                                                  torch.zeros_like(phi), source="QmX")
+        loops[0].pending.clear()
+        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
+        assert [e.kind for e in events] == [expected]
+        if folded:
+            assert "after a fold" in events[0].error and transports[0].offences[-1] is False
+            assert torch.equal(st.phi.cpu(), phi)
+    st.folded = True
+    better = st.phi.detach().cpu().clone()
+    transports[0].snapshot = FragmentSnapshot(0, st.version + 3, better - 0.1 * (better - target),
+                                              torch.zeros_like(better), source="QmY")
+    loops[0].pending.clear()
+    assert [e.kind for e in loops[0].send(12) if e.kind == "caught_up"] == ["caught_up"]  # a better one is taken
+    assert not st.folded
+
+
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
     """A downloaded phi that does much worse on the held-out check than the node's own is refused: four times
     the loss and more (a negated phi) is a conclusive offence of its source; 69% worse (past the snapshot slack, but

@@ -730,6 +730,7 @@ def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_
                 # the outer step moved phi toward the progress it carried (lr 0.7, Nesterov 0.9, momentum kept)
                 assert float((swarm.phi(0) - carried).norm()) < 0.8 * float((before_phi - carried).norm())
                 assert "folded into phi" in _kinds(events[0], "folded")[0].error
+                assert st.folded  # a catch-up must now do no worse than this phi (test_guard)
             else:
                 assert st.version == version and torch.equal(swarm.phi(0), before_phi)
         if refuses == "all":

@@ -98,6 +98,12 @@ FAR_GAP = 16
 # kept that node on a phi of its own for the whole window: its reduced parts were refused 36 times for their size,
 # and the honest mean ended 8.3% above clean. Telling them apart needs more than the loss: whom the node refused.
 SNAPSHOT_SLACK = 0.5
+# ... and past FOLDED_SLACK times the tolerance (any worse) where this node folded the fragment's progress into its
+# own phi since its last merged round (``_fold``): it refused the rounds of the peers it would now download from, so
+# their phi is no lineage it must follow unless it does better than its own. Why: in 2 + 2 drift runs each honest
+# node folded, then caught up from a drifter, again and again (fold, catch-up, fold: nine catch-ups in 14 s, each
+# 0.1-13% worse than its own phi), and its phi went from 2.73 to 3.5 (robustness bench, 3374a9e).
+FOLDED_SLACK = 0.0
 # A round's average is judged on one held-out batch (``judge_sequences`` sequences: 4 by default), which is noisy,
 # hence the effect tolerance of 1.0; and against the phi it would replace, so averages that each do a little worse
 # pass one by one and add up (a ratchet). In a 2 + 2 flip run the two honest nodes merged five pair rounds in five
@@ -645,6 +651,7 @@ class OuterLoop:
         st.set_theta(self.rule.merge(theta, st.phi, theta, st.bounds))
         self._carry_nothing(st)
         self.stats.folds += 1
+        st.folded = True
         return None
 
     @staticmethod
@@ -790,6 +797,7 @@ class OuterLoop:
                sent_step: int) -> SyncEvent:
         if kind == "merged":
             st.catch_ups_in_row = 0
+            st.folded = False
         if res.ok:
             if kind == "merged" and res.group_size == 1:
                 # counted before ``syncs_ok``: the status thread reads ``syncs_ok - solo_steps`` as the rounds
@@ -910,6 +918,7 @@ class OuterLoop:
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
         self.floor.forget(st.index)  # another holder's lineage: its own losses are the bar from here
+        st.folded = False
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
                 break
@@ -973,13 +982,15 @@ class OuterLoop:
         theirs, ours = self.judge.pooled_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
-        if not self.judge.harmful(theirs, ours, slack=SNAPSHOT_SLACK):
+        folded = any(st.folded for st in states)
+        if not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
             return None, judged
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
-        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}",
+        after = " (after a fold: no worse is taken)" if folded else ""
+        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
                        offence=blamed, conclusive=blamed), judged
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
@@ -1080,6 +1091,7 @@ class OuterLoop:
             st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
+            st.folded = False
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)
