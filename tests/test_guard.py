@@ -560,6 +560,7 @@ def test_an_average_that_passes_one_batch_narrowly_is_judged_again_on_the_whole_
         if ratchets == 1 and looks == 2:
             assert "best of this node's phis" in kinds[0].error
             assert torch.equal(st.phi, phi) and loops[0].version(0) == version
+            assert st.doubted_at == version  # catch-ups are now held to the floor too (below)
         else:
             assert "phi gives" in kinds[0].error
 
@@ -615,6 +616,33 @@ def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> No
     loops[0].pending.clear()
     assert [e.kind for e in loops[0].send(12) if e.kind == "caught_up"] == ["caught_up"]  # a better one is taken
     assert not st.folded
+
+
+def test_a_node_that_refused_a_harmful_average_holds_a_catch_up_to_its_recent_loss_floor() -> None:
+    """Within ``FLOOR_VERSIONS`` of refusing a round's average for its effect, a downloaded phi may do at most
+    ``CATCH_UP_FLOOR_SLACK`` of the tolerance worse than the floor of this node's recent phis (a catch-up forgets the
+    floor, so catch-ups could otherwise ratchet); without such a refusal the usual ``SNAPSHOT_SLACK`` applies."""
+    from locoswarm.node.core.outer_loop import CATCH_UP_FLOOR_SLACK, FLOOR_VERSIONS
+
+    assert CATCH_UP_FLOOR_SLACK < SNAPSHOT_SLACK
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    worse = 0.0075  # 1.5% worse on the quadratic judge: past the floor's slack (0.75%), inside the snapshot's (2.5%)
+    for t, doubted, expected in [(8, st.version, "refused"), (10, st.version - FLOOR_VERSIONS, "caught_up"),
+                                 (12, None, "caught_up")]:
+        st.doubted_at = doubted
+        phi = st.phi.detach().cpu().clone()
+        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, phi + worse * (phi - target),
+                                                  torch.zeros_like(phi), source="QmX")
+        loops[0].pending.clear()
+        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
+        assert [e.kind for e in events] == [expected], (doubted, events)
+        if expected == "refused":
+            assert "best of this node's phis" in events[0].error and transports[0].offences[-1] is False
+            assert torch.equal(st.phi.cpu(), phi)
 
 
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:

@@ -104,6 +104,16 @@ SNAPSHOT_SLACK = 0.5
 # node folded, then caught up from a drifter, again and again (fold, catch-up, fold: nine catch-ups in 14 s, each
 # 0.1-13% worse than its own phi), and its phi went from 2.73 to 3.5 (robustness bench, 3374a9e).
 FOLDED_SLACK = 0.0
+# ... and, where this node refused a round's average of the fragment for its effect within its last FLOOR_VERSIONS
+# versions (it has seen its peers' results do harm), past CATCH_UP_FLOOR_SLACK times the tolerance (15%) above the
+# floor of the phis it held (``LossFloor``, the batches' mean), as a round's average is held to it: a catch-up
+# forgets the floor, so a ratchet of catch-ups would otherwise be bounded by nothing. Why: in a 2 + 2 drift run an
+# honest node that had banned neither drifter refused a round for the floor, merged 20 pair rounds with a drifter,
+# then caught up from it at 3.03 against its own 2.53 (inside the 50%), and the other honest node caught up from it
+# in turn (robustness bench, d3b217b). Honest catch-ups measured -1.3% to +2.6% against the node's own phi. Not for
+# every catch-up: a node whose own phi went wrong (a bad join) must still be able to rejoin its group's, which
+# measured +26% beside its other fragment of another lineage (3 + 1, above).
+CATCH_UP_FLOOR_SLACK = 0.15
 # A round's average is judged on one held-out batch (``judge_sequences`` sequences: 4 by default), which is noisy,
 # hence the effect tolerance of 1.0; and against the phi it would replace, so averages that each do a little worse
 # pass one by one and add up (a ratchet). In a 2 + 2 flip run the two honest nodes merged five pair rounds in five
@@ -685,8 +695,12 @@ class OuterLoop:
     def _check_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         if not res.ok or res.average is None:
             return None
-        return (check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
-                or self._judge_result(st, res, pend))
+        reason = check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
+        if reason is None:
+            reason = self._judge_result(st, res, pend)
+            if reason is not None:
+                st.doubted_at = st.version
+        return reason
 
     def _stepped(self, st: FragmentState, delta: torch.Tensor) -> torch.Tensor:
         """Phi after an outer step on ``delta`` (on copies: nothing changes)."""
@@ -979,19 +993,44 @@ class OuterLoop:
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
-        theirs, ours = self.judge.pooled_losses(
+        per_theirs, per_ours = self.judge.batch_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
+        theirs, ours = sum(per_theirs) / len(per_theirs), sum(per_ours) / len(per_ours)
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
-        if not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
+        doubting = any(st.doubted_at is not None and st.version - st.doubted_at < FLOOR_VERSIONS for st in states)
+        floored = self._above_floor(states, per_theirs, per_ours) if doubting and not stale else None
+        if floored is None and not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
             return None, judged
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
-        after = " (after a fold: no worse is taken)" if folded else ""
-        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
+        why = " (after a fold: no worse is taken)" if folded else ""
+        if floored is not None:
+            why = (f"; {floored[0]:.4f} on the batches where the best of this node's phis of the last "
+                   f"{FLOOR_VERSIONS} versions gave {floored[1]:.4f}")
+        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{why}",
                        offence=blamed, conclusive=blamed), judged
+
+    def _above_floor(self, states: Sequence[FragmentState], theirs: Sequence[float],
+                     ours: Sequence[float]) -> tuple[float, float] | None:
+        """A downloaded phi held to the loss floors (``LossFloor``) of the fragments it would replace, as a round's
+        average is (``CATCH_UP_FLOOR_SLACK``): its mean loss and the floors' on the batches where every fragment has
+        one, when it is worse past the slack; else None. Records our losses per batch into the floors first."""
+        for st in states:
+            for b, loss in enumerate(ours):
+                self.floor.record(st.index, b, st.version, loss)
+        floors = {}
+        for b in range(len(theirs)):
+            per = [self.floor.floor(st.index, b, st.version) for st in states]
+            if all(f is not None for f in per):
+                floors[b] = max(per)
+        if not floors:
+            return None
+        floor = sum(floors.values()) / len(floors)
+        mean = sum(theirs[b] for b in floors) / len(floors)
+        return (mean, floor) if self.judge.harmful(mean, floor, slack=CATCH_UP_FLOOR_SLACK) else None
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
@@ -1091,7 +1130,7 @@ class OuterLoop:
             st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
-            st.folded = False
+            st.folded, st.doubted_at = False, None
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)
