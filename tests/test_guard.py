@@ -560,7 +560,7 @@ def test_an_average_that_passes_one_batch_narrowly_is_judged_again_on_the_whole_
         if ratchets == 1 and looks == 2:
             assert "best of this node's phis" in kinds[0].error
             assert torch.equal(st.phi, phi) and loops[0].version(0) == version
-            assert st.doubted_at == version  # catch-ups are now held to the floor too (below)
+            assert st.effect_refused_at == version  # catch-ups are now held to the floor too (below)
         else:
             assert "phi gives" in kinds[0].error
 
@@ -633,7 +633,7 @@ def test_a_node_that_refused_a_harmful_average_holds_a_catch_up_to_its_recent_lo
     worse = 0.0075  # 1.5% worse on the quadratic judge: past the floor's slack (0.75%), inside the snapshot's (2.5%)
     for t, doubted, expected in [(8, st.version, "refused"), (10, st.version - FLOOR_VERSIONS, "caught_up"),
                                  (12, None, "caught_up")]:
-        st.doubted_at = doubted
+        st.effect_refused_at = doubted
         phi = st.phi.detach().cpu().clone()
         transports[0].snapshot = FragmentSnapshot(0, st.version + 3, phi + worse * (phi - target),
                                                   torch.zeros_like(phi), source="QmX")

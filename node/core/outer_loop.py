@@ -699,7 +699,7 @@ class OuterLoop:
         if reason is None:
             reason = self._judge_result(st, res, pend)
             if reason is not None:
-                st.doubted_at = st.version
+                st.effect_refused_at = st.version
         return reason
 
     def _stepped(self, st: FragmentState, delta: torch.Tensor) -> torch.Tensor:
@@ -714,7 +714,8 @@ class OuterLoop:
         else the reason, after blaming each part whose own effect is that bad on its reducer
         (``Transport.reject_part``). The worse of the two is the reference: an honest average of long local
         runs can do a little worse on one node's batch than that node's own progress (seen on a small corpus
-        at H = 320: refused in most rounds), but not worse than standing still."""
+        at H = 320: refused in most rounds), but not worse than standing still. One that passes narrowly, or not
+        against the fragment's recent loss floor, is judged again on the whole pool (``_second_look``)."""
         if self.judge is None or pend.own is None or res.average is None or res.group_size < 2:
             return None
         own = pend.own.to(st.device)
@@ -731,7 +732,8 @@ class OuterLoop:
         self.floor.record(st.index, batch, st.version, still_loss)
         reference = still_loss if own_loss is None else max(own_loss, still_loss)
         if not self.judge.harmful(group_loss, reference):
-            bar = min(reference, self.floor.floor(st.index, batch, st.version) or math.inf)
+            floor = self.floor.floor(st.index, batch, st.version)
+            bar = reference if floor is None else min(reference, floor)
             if self.judge.harmful(group_loss, bar, slack=SECOND_LOOK):
                 return self._second_look(st, average, own)
             return None
@@ -988,8 +990,9 @@ class OuterLoop:
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
         another way than ours is not blamed); a conclusive offence when they give a held-out loss
         ``ABSURD_WORSE`` above ours, all came from one source and no other fragment of ours is far behind
-        (``stale``: the comparison then mixes fragments of distant versions). With the verdict, the two losses in
-        words (for the log: what a catch-up did to this node's model)."""
+        (``stale``: the comparison then mixes fragments of distant versions). Stricter right after a fold
+        (``FOLDED_SLACK``) and, after a refused average, against the recent loss floor (``CATCH_UP_FLOOR_SLACK``).
+        With the verdict, the two losses in words (for the log: what a catch-up did to this node's model)."""
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
@@ -998,7 +1001,8 @@ class OuterLoop:
         theirs, ours = sum(per_theirs) / len(per_theirs), sum(per_ours) / len(per_ours)
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
-        doubting = any(st.doubted_at is not None and st.version - st.doubted_at < FLOOR_VERSIONS for st in states)
+        doubting = any(st.effect_refused_at is not None and st.version - st.effect_refused_at < FLOOR_VERSIONS
+                       for st in states)
         floored = self._above_floor(states, per_theirs, per_ours) if doubting and not stale else None
         if floored is None and not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
             return None, judged
@@ -1130,7 +1134,7 @@ class OuterLoop:
             st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
-            st.folded, st.doubted_at = False, None
+            st.folded, st.effect_refused_at = False, None
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)
