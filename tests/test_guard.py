@@ -14,7 +14,7 @@ from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
 from locoswarm.node.core.judge import EffectJudge, LossJudge
-from locoswarm.node.core.outer_loop import POOLED_SLACK, RATCHET_SLACK, SECOND_LOOK, SNAPSHOT_SLACK, OuterLoop
+from locoswarm.node.core.outer_loop import SNAPSHOT_SLACK, OuterLoop
 from locoswarm.node.core.state import FragmentState
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -506,85 +506,6 @@ def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_agai
     assert loops[0].stats.effect_checks == 2 and judge.measured == 5
 
 
-def test_an_average_that_passes_one_batch_narrowly_is_judged_again_on_the_whole_held_out_pool() -> None:
-    """One held-out batch is noisy, hence a tolerance of 1.0 (twice the loss), and each round is judged against the
-    phi it would replace, so small harms add up. An average that passes the one-batch check but is worse by more
-    than ``SECOND_LOOK`` of the tolerance than phi, or than the best recent phi on that batch (``LossFloor``), is
-    measured again on the whole pool: refused past ``POOLED_SLACK`` above phi and the own step, or past
-    ``RATCHET_SLACK`` above the recent floor (no blame either way); one as good as phi costs no second look."""
-
-    class Scripted(EffectJudge):
-        """Losses as scripted: ``one`` for the one-batch check (the average's step, phi, the own step), ``pool``
-        for the whole pool (one list of per-batch losses per candidate)."""
-
-        def __init__(self) -> None:
-            self.one: list[float] = []
-            self.pool: list[list[float]] = []
-
-        def tolerance(self, reference: float) -> float:
-            return abs(reference)
-
-        def joint_losses(self, states, candidates) -> list[float]:
-            raise AssertionError("not measured in these rounds")
-
-        def lazy_losses(self, state, candidates):
-            yield from self.one[:len(candidates)]
-
-        def batch_losses(self, states, candidates) -> list[list[float]]:
-            return self.pool[:len(candidates)]
-
-    assert SECOND_LOOK < 1.0 and 0 < POOLED_SLACK <= SECOND_LOOK and 0 < RATCHET_SLACK < 1.0
-    loops, transports, step = _pair(judge_target=_trained_target())
-    judge = loops[0].judge = Scripted()
-    stats = loops[0].stats
-    st = loops[0].states[0]
-    t = 0
-    worse = 2.0 * (1 + RATCHET_SLACK) + 0.1   # phi set back past the slack, a little at a time
-    for one, pool, expected, looks, ratchets in [
-            ([2.0, 2.0, 2.0], [[9.0], [2.0], [2.0]], "merged", 0, 0),                # as good as phi: no second look
-            ([2.0 * (1 + SECOND_LOOK / 2), 2.0, 2.0], [[9.0], [2.0], [2.0]], "merged", 0, 0),  # inside its bound
-            ([2.5, 2.0, 2.0], [[2.02], [2.0], [2.01]], "merged", 1, 0),        # one unlucky batch: the pool clears it
-            ([worse + 0.02, worse, worse], [[worse + 0.02], [worse], [worse]], "refused", 2, 1),  # a ratchet
-            ([2.5, 2.0, 2.0], [[2.0 * (1 + POOLED_SLACK) + 0.05], [2.0], [1.9]], "refused", 3, 1)]:  # worse than phi
-        judge.one, judge.pool = one, pool
-        phi, version = st.phi.clone(), loops[0].version(0)
-        step(t := t + 1)
-        events = step(t := t + 1)
-        kinds = [e for e in events[0] if e.kind in ("merged", "refused")]
-        assert [e.kind for e in kinds] == [expected], (one, pool, kinds)
-        assert (stats.second_looks, stats.ratchets) == (looks, ratchets)
-        if expected == "merged":
-            assert loops[0].version(0) == version + 1
-            continue
-        assert "whole pool" in kinds[0].error and not transports[0].blamed  # a few percent blames nobody
-        if ratchets == 1 and looks == 2:
-            assert "best of this node's phis" in kinds[0].error
-            assert torch.equal(st.phi, phi) and loops[0].version(0) == version
-            assert st.effect_refused_at == version  # catch-ups are now held to the floor too (below)
-        else:
-            assert "phi gives" in kinds[0].error
-
-
-def test_the_loss_floor_is_the_lowest_loss_of_the_recent_versions_per_batch_and_forgets_a_replaced_phi() -> None:
-    from locoswarm.node.core.judge import LossFloor
-
-    floor = LossFloor(versions=4)
-    assert floor.floor(0, 0, 10) is None
-    floor.record(0, 0, 10, 2.0)
-    floor.record(0, 0, 11, 2.5)
-    floor.record(0, 0, 11, float("nan"))  # no floor
-    floor.record(0, 1, 11, 1.0)           # another batch
-    floor.record(1, 0, 11, 1.5)           # another fragment
-    assert floor.floor(0, 0, 11) == 2.0 and floor.floor(0, 1, 11) == 1.0 and floor.floor(1, 0, 11) == 1.5
-    assert floor.floor(0, 0, 13) == 2.0 and floor.floor(0, 0, 14) == 2.5  # version 10 is out of the window at 14
-    floor.record(0, 0, 15, 2.4)
-    assert floor.floor(0, 0, 15) == 2.4  # pruned as it records
-    floor.forget(0)
-    assert floor.floor(0, 0, 15) is None and floor.floor(0, 1, 11) is None and floor.floor(1, 0, 11) == 1.5
-    with pytest.raises(ValueError):
-        LossFloor(versions=0)
-
-
 def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> None:
     """A node that folded its progress into its own phi refused its peers' rounds: their phi is taken only where it
     does no worse than its own (``FOLDED_SLACK``), not within the usual ``SNAPSHOT_SLACK``, until a merged round or
@@ -616,33 +537,6 @@ def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> No
     loops[0].pending.clear()
     assert [e.kind for e in loops[0].send(12) if e.kind == "caught_up"] == ["caught_up"]  # a better one is taken
     assert not st.folded
-
-
-def test_a_node_that_refused_a_harmful_average_holds_a_catch_up_to_its_recent_loss_floor() -> None:
-    """Within ``FLOOR_VERSIONS`` of refusing a round's average for its effect, a downloaded phi may do at most
-    ``CATCH_UP_FLOOR_SLACK`` of the tolerance worse than the floor of this node's recent phis (a catch-up forgets the
-    floor, so catch-ups could otherwise ratchet); without such a refusal the usual ``SNAPSHOT_SLACK`` applies."""
-    from locoswarm.node.core.outer_loop import CATCH_UP_FLOOR_SLACK, FLOOR_VERSIONS
-
-    assert CATCH_UP_FLOOR_SLACK < SNAPSHOT_SLACK
-    target = _trained_target()
-    loops, transports, step = _pair(judge_target=target)
-    for t in range(1, 7):
-        step(t)
-    st = loops[0].states[0]
-    worse = 0.0075  # 1.5% worse on the quadratic judge: past the floor's slack (0.75%), inside the snapshot's (2.5%)
-    for t, doubted, expected in [(8, st.version, "refused"), (10, st.version - FLOOR_VERSIONS, "caught_up"),
-                                 (12, None, "caught_up")]:
-        st.effect_refused_at = doubted
-        phi = st.phi.detach().cpu().clone()
-        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, phi + worse * (phi - target),
-                                                  torch.zeros_like(phi), source="QmX")
-        loops[0].pending.clear()
-        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
-        assert [e.kind for e in events] == [expected], (doubted, events)
-        if expected == "refused":
-            assert "best of this node's phis" in events[0].error and transports[0].offences[-1] is False
-            assert torch.equal(st.phi.cpu(), phi)
 
 
 def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:

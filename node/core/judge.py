@@ -52,22 +52,11 @@ class EffectJudge(ABC):
         exhaust it) when done."""
         yield from self.losses(state, candidates)
 
-    def batch_losses(self, states: Sequence[FragmentState],
-                     candidates: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
-        """:meth:`joint_losses` on every held-out batch this judge has: per candidate, its loss on each batch (in
-        the pool's order, the indices :meth:`last_batch` names)."""
-        return [[loss] for loss in self.joint_losses(states, candidates)]
-
     def pooled_losses(self, states: Sequence[FragmentState],
                       candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
-        """:meth:`batch_losses`, each candidate's mean: for a rare, weighty decision (a catch-up replaces the whole
-        fragment), where one small batch is too noisy."""
-        return [sum(per) / len(per) for per in self.batch_losses(states, candidates)]
-
-    def last_batch(self) -> int:
-        """Which held-out batch the last :meth:`lazy_losses` measured on (its index in the pool): losses on the same
-        batch compare across rounds (``LossFloor``). One batch by default."""
-        return 0
+        """:meth:`joint_losses` on every held-out batch this judge has, each candidate's mean: for a rare,
+        weighty decision (a catch-up replaces the whole fragment), where one small batch is too noisy."""
+        return self.joint_losses(states, candidates)
 
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
@@ -93,10 +82,6 @@ class LossJudge(EffectJudge):
         self.relative_tolerance = float(relative_tolerance)
         self.calls = 0
         self.forwards = 0
-        self._last = 0
-
-    def last_batch(self) -> int:
-        return self._last
 
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)
@@ -108,16 +93,15 @@ class LossJudge(EffectJudge):
     def lazy_losses(self, state: FragmentState, candidates: Sequence[torch.Tensor]) -> Iterator[float]:
         return self._measure([state], [[c] for c in candidates])
 
-    def batch_losses(self, states: Sequence[FragmentState],
-                     candidates: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
+    def pooled_losses(self, states: Sequence[FragmentState],
+                      candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:
         batches = [b.to(self.device) for b in self.batches]
-        return [[self._loss(b, states, c) for b in batches] for c in candidates]
+        return [sum(self._loss(b, states, c) for b in batches) / len(batches) for c in candidates]
 
     def _measure(self, states: Sequence[FragmentState],
                  candidates: Sequence[Sequence[torch.Tensor]]) -> Iterator[float]:
         """Each candidate's loss on the next batch of the pool, measured as it is asked for."""
-        self._last = self.calls % len(self.batches)
-        batch = self.batches[self._last].to(self.device)
+        batch = self.batches[self.calls % len(self.batches)].to(self.device)
         self.calls += 1
         for candidate in candidates:
             yield self._loss(batch, states, candidate)
@@ -137,38 +121,4 @@ class LossJudge(EffectJudge):
             self.model.train(was_training)
 
 
-class LossFloor:
-    """The lowest held-out loss each fragment's phi gave on each batch of the pool within its last ``versions``
-    versions: a second bar for a round's average besides phi as it is now. A round is judged against the phi it
-    would replace, so averages that each do a little worse pass one by one and add up (a ratchet); held to the best
-    of recent phis on the same batch, they cannot add up past the slack. Forgotten for a fragment whose phi this
-    node replaced by another's (a catch-up, a join): the bar is then that lineage's."""
-
-    def __init__(self, versions: int) -> None:
-        if versions < 1:
-            raise ValueError("the loss floor needs a window of at least one version")
-        self.versions = int(versions)
-        self._seen: dict[tuple[int, int], dict[int, float]] = {}  # (fragment, batch) -> version -> lowest loss
-
-    def record(self, fragment: int, batch: int, version: int, loss: float) -> None:
-        """Phi of ``fragment`` at ``version`` gave ``loss`` on ``batch`` (a non-finite loss is no floor)."""
-        if not math.isfinite(loss):
-            return
-        seen = self._seen.setdefault((fragment, batch), {})
-        seen[version] = min(loss, seen.get(version, math.inf))
-        for old in [v for v in seen if v <= version - self.versions]:
-            del seen[old]
-
-    def floor(self, fragment: int, batch: int, version: int) -> float | None:
-        """The lowest loss recorded on ``batch`` for versions of ``fragment`` within the window before ``version``
-        (None: none recorded)."""
-        seen = self._seen.get((fragment, batch), {})
-        recent = [loss for v, loss in seen.items() if version - self.versions < v <= version]
-        return min(recent) if recent else None
-
-    def forget(self, fragment: int) -> None:
-        for key in [k for k in self._seen if k[0] == fragment]:
-            del self._seen[key]
-
-
-__all__ = ["EffectJudge", "LossFloor", "LossJudge"]
+__all__ = ["EffectJudge", "LossJudge"]

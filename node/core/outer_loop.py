@@ -50,7 +50,7 @@ from locoswarm.node.core.guard import (
     check_snapshot,
     non_finite,
 )
-from locoswarm.node.core.judge import EffectJudge, LossFloor
+from locoswarm.node.core.judge import EffectJudge
 from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
@@ -104,34 +104,6 @@ SNAPSHOT_SLACK = 0.5
 # node folded, then caught up from a drifter, again and again (fold, catch-up, fold: nine catch-ups in 14 s, each
 # 0.1-13% worse than its own phi), and its phi went from 2.73 to 3.5 (robustness bench, 3374a9e).
 FOLDED_SLACK = 0.0
-# ... and, where this node refused a round's average of the fragment for its effect within its last FLOOR_VERSIONS
-# versions (it has seen its peers' results do harm), past CATCH_UP_FLOOR_SLACK times the tolerance (15%) above the
-# floor of the phis it held (``LossFloor``, the batches' mean), as a round's average is held to it: a catch-up
-# forgets the floor, so a ratchet of catch-ups would otherwise be bounded by nothing. Why: in a 2 + 2 drift run an
-# honest node that had banned neither drifter refused a round for the floor, merged 20 pair rounds with a drifter,
-# then caught up from it at 3.03 against its own 2.53 (inside the 50%), and the other honest node caught up from it
-# in turn (robustness bench, d3b217b). Honest catch-ups measured -1.3% to +2.6% against the node's own phi. Not for
-# every catch-up: a node whose own phi went wrong (a bad join) must still be able to rejoin its group's, which
-# measured +26% beside its other fragment of another lineage (3 + 1, above).
-CATCH_UP_FLOOR_SLACK = 0.15
-# A round's average is judged on one held-out batch (``judge_sequences`` sequences: 4 by default), which is noisy,
-# hence the effect tolerance of 1.0; and against the phi it would replace, so averages that each do a little worse
-# pass one by one and add up (a ratchet). In a 2 + 2 flip run the two honest nodes merged five pair rounds in five
-# seconds, each passing, and their phis went from 2.65 to 3.4 and 4.0 on the held-out pool (an honest node's eval 27%
-# above the clean run's, robustness bench, 74dfbf2); in a 2 + 2 drift run an honest node merged 14 rounds of its
-# whole group (both drifters in it) in 7 s and its phi went from 2.60 to 4.33 (c320473). So an average that passes
-# the one-batch check but does worse by more than SECOND_LOOK times the tolerance (10% at the default) than phi, or
-# than the best phi of the fragment's last FLOOR_VERSIONS versions on the same batch (``LossFloor``), is measured
-# again on the judge's whole pool (8 batches, ``EffectJudge.batch_losses``) and refused, without blame, when there
-# it is worse than phi and the own step by more than POOLED_SLACK times the tolerance (5%), or than the floors of the
-# batches (their mean, on the batches that have one) by more than RATCHET_SLACK times it (10%). Every second look
-# records phi's loss on every batch of the pool into the floors. Honest training lowers the floors as
-# it goes, and an honest average does about as well as standing still on a pool of 8 batches, where one batch of 4
-# sequences merely scatters.
-SECOND_LOOK = 0.1
-POOLED_SLACK = 0.05
-FLOOR_VERSIONS = 32
-RATCHET_SLACK = 0.1
 
 
 @dataclass
@@ -166,8 +138,6 @@ class OuterStats:
     refused: int = 0                      # results or snapshots the guards refused
     effect_checks: int = 0                # results and snapshots the effect judge compared
     effect_refused: int = 0               # ... of which it refused (counted in ``refused`` too)
-    second_looks: int = 0                 # averages measured again on the whole held-out pool (``SECOND_LOOK``)
-    ratchets: int = 0                     # ... refused for their pooled loss above the recent floor (``LossFloor``)
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
     last_consensus_error: str = ""
@@ -268,7 +238,6 @@ class OuterLoop:
         self.wait_timeout = wait_timeout
         self.limits = limits or GuardLimits()
         self.judge = judge
-        self.floor = LossFloor(FLOOR_VERSIONS)
 
     # ---- the driver's calls -------------------------------------------------------------------
     def add_tokens(self, tokens: float) -> None:
@@ -695,12 +664,8 @@ class OuterLoop:
     def _check_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         if not res.ok or res.average is None:
             return None
-        reason = check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
-        if reason is None:
-            reason = self._judge_result(st, res, pend)
-            if reason is not None:
-                st.effect_refused_at = st.version
-        return reason
+        return (check_average(res.average, pend.own_norm, self.limits, phi_norm=pend.phi_norm)
+                or self._judge_result(st, res, pend))
 
     def _stepped(self, st: FragmentState, delta: torch.Tensor) -> torch.Tensor:
         """Phi after an outer step on ``delta`` (on copies: nothing changes)."""
@@ -714,8 +679,7 @@ class OuterLoop:
         else the reason, after blaming each part whose own effect is that bad on its reducer
         (``Transport.reject_part``). The worse of the two is the reference: an honest average of long local
         runs can do a little worse on one node's batch than that node's own progress (seen on a small corpus
-        at H = 320: refused in most rounds), but not worse than standing still. One that passes narrowly, or not
-        against the fragment's recent loss floor, is judged again on the whole pool (``_second_look``)."""
+        at H = 320: refused in most rounds), but not worse than standing still."""
         if self.judge is None or pend.own is None or res.average is None or res.group_size < 2:
             return None
         own = pend.own.to(st.device)
@@ -727,15 +691,11 @@ class OuterLoop:
         with contextlib.closing(self.judge.lazy_losses(
                 st, [self._stepped(st, average), st.phi, self._stepped(st, own)])) as losses:
             group_loss, still_loss = next(losses), next(losses)
-            own_loss = next(losses) if self.judge.harmful(group_loss, still_loss) else None
-        batch = self.judge.last_batch()
-        self.floor.record(st.index, batch, st.version, still_loss)
-        reference = still_loss if own_loss is None else max(own_loss, still_loss)
+            if not self.judge.harmful(group_loss, still_loss):
+                return None
+            own_loss = next(losses)
+        reference = max(own_loss, still_loss)
         if not self.judge.harmful(group_loss, reference):
-            floor = self.floor.floor(st.index, batch, st.version)
-            bar = reference if floor is None else min(reference, floor)
-            if self.judge.harmful(group_loss, bar, slack=SECOND_LOOK):
-                return self._second_look(st, average, own)
             return None
         self.stats.effect_refused += 1
         reason = (f"effect: the group's average would raise the held-out loss to {group_loss:.4f}, where this "
@@ -743,31 +703,6 @@ class OuterLoop:
         if res.parts and pend.wire_numel == st.numel == average.numel():
             self._blame_parts(st, res, own, average, reason)
         return reason
-
-    def _second_look(self, st: FragmentState, average: torch.Tensor, own: torch.Tensor) -> str | None:
-        """An average that passed the one-batch check, but not by much or not against the recent floor, judged
-        again on the whole held-out pool (``SECOND_LOOK``): None when it may be applied; else why it is refused (no
-        part is blamed: a pooled measure of a few percent is no evidence against any one reducer)."""
-        self.stats.second_looks += 1
-        group, still, alone = self.judge.batch_losses(
-            [st], [[self._stepped(st, average)], [st.phi], [self._stepped(st, own)]])
-        floors = {b: self.floor.floor(st.index, b, st.version) for b in range(len(still))}
-        for b, loss in enumerate(still):
-            self.floor.record(st.index, b, st.version, loss)
-        group_loss, still_loss, own_loss = (sum(x) / len(x) for x in (group, still, alone))
-        floored = [b for b, f in floors.items() if f is not None]
-        floor = sum(floors[b] for b in floored) / len(floored) if floored else math.inf
-        group_floored = sum(group[b] for b in floored) / len(floored) if floored else 0.0
-        if self.judge.harmful(group_loss, max(still_loss, own_loss), slack=POOLED_SLACK):
-            why = f"where this node's phi gives {still_loss:.4f} and its own progress {own_loss:.4f}"
-        elif floored and self.judge.harmful(group_floored, floor, slack=RATCHET_SLACK):
-            self.stats.ratchets += 1
-            why = (f"and to {group_floored:.4f} on the {len(floored)} batches where the best of this node's phis of "
-                   f"the last {FLOOR_VERSIONS} versions gave {floor:.4f} (now {still_loss:.4f})")
-        else:
-            return None
-        self.stats.effect_refused += 1
-        return f"effect: the group's average would raise the held-out loss to {group_loss:.4f} on the whole pool, {why}"
 
     def _blame_parts(self, st: FragmentState, res: AverageResult, own: torch.Tensor, average: torch.Tensor,
                      reason: str) -> None:
@@ -933,7 +868,6 @@ class OuterLoop:
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
-        self.floor.forget(st.index)  # another holder's lineage: its own losses are the bar from here
         st.folded = False
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
@@ -991,50 +925,24 @@ class OuterLoop:
         another way than ours is not blamed); a conclusive offence when they give a held-out loss
         ``ABSURD_WORSE`` above ours, all came from one source and no other fragment of ours is far behind
         (``stale``: the comparison then mixes fragments of distant versions). Stricter right after a fold
-        (``FOLDED_SLACK``) and, after a refused average, against the recent loss floor (``CATCH_UP_FLOOR_SLACK``).
-        With the verdict, the two losses in words (for the log: what a catch-up did to this node's model)."""
+        (``FOLDED_SLACK``). With the verdict, the two losses in words (for the log: what a catch-up did to this
+        node's model)."""
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
-        per_theirs, per_ours = self.judge.batch_losses(
+        theirs, ours = self.judge.pooled_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
-        theirs, ours = sum(per_theirs) / len(per_theirs), sum(per_ours) / len(per_ours)
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
-        doubting = any(st.effect_refused_at is not None and st.version - st.effect_refused_at < FLOOR_VERSIONS
-                       for st in states)
-        floored = self._above_floor(states, per_theirs, per_ours) if doubting and not stale else None
-        if floored is None and not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
+        if not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
             return None, judged
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
-        why = " (after a fold: no worse is taken)" if folded else ""
-        if floored is not None:
-            why = (f"; {floored[0]:.4f} on the batches where the best of this node's phis of the last "
-                   f"{FLOOR_VERSIONS} versions gave {floored[1]:.4f}")
-        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{why}",
+        after = " (after a fold: no worse is taken)" if folded else ""
+        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
                        offence=blamed, conclusive=blamed), judged
-
-    def _above_floor(self, states: Sequence[FragmentState], theirs: Sequence[float],
-                     ours: Sequence[float]) -> tuple[float, float] | None:
-        """A downloaded phi held to the loss floors (``LossFloor``) of the fragments it would replace, as a round's
-        average is (``CATCH_UP_FLOOR_SLACK``): its mean loss and the floors' on the batches where every fragment has
-        one, when it is worse past the slack; else None. Records our losses per batch into the floors first."""
-        for st in states:
-            for b, loss in enumerate(ours):
-                self.floor.record(st.index, b, st.version, loss)
-        floors = {}
-        for b in range(len(theirs)):
-            per = [self.floor.floor(st.index, b, st.version) for st in states]
-            if all(f is not None for f in per):
-                floors[b] = max(per)
-        if not floors:
-            return None
-        floor = sum(floors.values()) / len(floors)
-        mean = sum(theirs[b] for b in floors) / len(floors)
-        return (mean, floor) if self.judge.harmful(mean, floor, slack=CATCH_UP_FLOOR_SLACK) else None
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
@@ -1064,7 +972,6 @@ class OuterLoop:
             st.phi.copy_(snap.phi.to(st.phi.device))
             st.momentum.copy_(snap.momentum.to(st.momentum.device))
             st.version = snap.version
-            self.floor.forget(st.index)
             st.set_theta(st.phi - progress)
         self.stats.refused += len(refused)
         return refused
@@ -1119,7 +1026,6 @@ class OuterLoop:
         in flight afterwards; a missing residual (error feedback is a local setting) restores zero."""
         tensors = state["tensors"]
         records = {int(r["index"]): r for r in state["fragments"]}
-        self.floor = LossFloor(FLOOR_VERSIONS)  # losses of the phis this node held before, not of these
         for st in self.states:
             st.phi.copy_(tensors[f"{st.index}/phi"])
             st.momentum.copy_(tensors[f"{st.index}/momentum"])
@@ -1134,7 +1040,7 @@ class OuterLoop:
             st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
-            st.folded, st.effect_refused_at = False, None
+            st.folded = False
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)

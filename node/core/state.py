@@ -51,7 +51,6 @@ class FragmentState:
     refused_rounds: int = 0                # of those, rounds this node failed by refusing what peers sent
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
     folded: bool = False                   # progress folded into phi since the last merged round or catch-up
-    effect_refused_at: int | None = None   # version at which this node last refused a round's average for its effect
     access: ThetaAccess | None = field(default=None, repr=False, compare=False)
 
     @classmethod
