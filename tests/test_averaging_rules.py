@@ -438,6 +438,31 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     assert stub._state_source("QmHonest")
 
 
+def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups_again() -> None:
+    """A node on a lineage of its own meets a suspected holder in no round, so no score would ever clear the
+    suspicion: once the newest of its scores is older than ``SUSPECT_SOURCE_S`` the peer may serve a catch-up
+    again (a CI run held an honest node 140 versions behind the others for 120 s). A suspect still judged in
+    this node's rounds stays suspected: each score renews it."""
+    from locoswarm.node.swarm.averaging import SUSPECT_SOURCE, SUSPECT_SOURCE_S
+    from locoswarm.node.swarm.reputation import Reputation
+
+    now = [1000.0]
+    rep = Reputation(threshold=3, now=lambda: now[0])
+    stub = SimpleNamespace(reputation=rep, _refused_sources={})
+    judge = dict(window=8, ban_below=-0.9, good_from=0.0)
+    for _ in range(2):
+        rep.judge("QmSuspect", "direction", -0.4, **judge)
+    assert rep.suspects("QmSuspect", SUSPECT_SOURCE) and not rep.is_banned("QmSuspect")
+    assert not SwarmTransport._state_source(stub, "QmSuspect")
+    now[0] += 0.9 * SUSPECT_SOURCE_S
+    rep.judge("QmSuspect", "reduction", -0.2, **judge)  # judged again: renewed
+    now[0] += 0.9 * SUSPECT_SOURCE_S
+    assert not SwarmTransport._state_source(stub, "QmSuspect")
+    now[0] += 0.2 * SUSPECT_SOURCE_S
+    assert SwarmTransport._state_source(stub, "QmSuspect")
+    assert rep.suspects("QmSuspect", SUSPECT_SOURCE)  # without a bound on age (following bans) it still counts
+
+
 def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_long(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An honest swarm's phi moves every round: a holder whose phi measured worse than ours is asked again

@@ -739,6 +739,23 @@ def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_
             assert folded_at == [] and swarm.loops[0].stats.folds == 0 and st.version == 0
 
 
+def test_a_fold_stops_holding_catch_ups_to_its_own_phi_once_rounds_fail_for_want_of_peers(base_model) -> None:
+    """After a fold a catch-up must do no worse than the node's own phi (``FOLDED_SLACK``), but only while the node
+    is refusing its peers: a later streak of rounds that failed for want of peers (nobody meets it at its version)
+    drops its progress and ends that, so a node alone on a folded lineage can take the swarm's phi again."""
+    swarm = Swarm(base_model, 1, _outer(h=2, max_carry=3), drops={0: set(range(100))})
+    st = swarm.loops[0].states[0]
+    seen = []
+    for t in range(1, 13):
+        swarm.transports[0].refuses = t <= 6  # the first streak is refused here, the second fails for want of peers
+        swarm.train()
+        events = swarm.sync(t)
+        if t % 2 == 0:
+            seen.append((t, [e.kind for e in events[0] if e.kind in ("folded", "dropped")], st.folded))
+    assert seen == [(2, [], False), (4, [], False), (6, ["folded"], True),
+                    (8, [], True), (10, [], True), (12, ["dropped"], False)]
+
+
 def test_behind_worker_catches_up_before_sending(base_model) -> None:
     # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
     # and merge of the step-4 sync.

@@ -79,15 +79,30 @@ def wait_until(predicate, timeout: float, what: str, nodes: list[NodeProc]) -> N
         if predicate():
             return
         time.sleep(0.3)
-    tails = "\n".join(f"--- {n.name}\n{n.tail(15)}" for n in nodes)
+    tails = "\n".join(f"--- {n.name}\n{n.tail(15)}\n--- {n.name}: its last catch-ups, refusals and bans\n"
+                      + "\n".join(_decisions(n)) for n in nodes)
     try:
         views = "\n".join(f"{n.name}: {v}" for n, v in zip(nodes, phi_views(nodes), strict=True))
         counts = ("syncs_ok", "syncs_failed", "solo_steps", "catch_ups", "stalls_cut", "standing_rounds")
+        statuses = [n.status() for n in nodes]
         views += "\n" + "\n".join(f"{n.name}: " + " ".join(f"{k}={st.get(k)}" for k in counts)
-                                  for n, st in zip(nodes, [n.status() for n in nodes], strict=True))
+                                  for n, st in zip(nodes, statuses, strict=True))
+        views += "\n" + "\n".join(f"{n.name} of {peer[:12]}: {rep}" for n, st in zip(nodes, statuses, strict=True)
+                                  for peer, rep in st.get("reputation", {}).get("peers", {}).items())
     except Exception as exc:  # a node that died cannot answer; its tail says why
         views = f"(status unavailable: {exc})"
     raise AssertionError(f"timed out waiting for {what}\nfragment (version, phi hash) per node:\n{views}\n{tails}")
+
+
+def _decisions(node: NodeProc, n: int = 12) -> list[str]:
+    """The last ``n`` lines of a node's log that say why it holds the phi it holds (a failure's diagnosis: a node
+    stuck on a lineage of its own either refused the others' phi, had no source to take it from, or was banned)."""
+    try:
+        lines = node.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    words = ("caught_up:", "refused:", "banned", "folded:", "state download")
+    return [line[:300] for line in lines if any(w in line for w in words)][-n:]
 
 
 def test_three_nodes_average_agree_and_learn_then_a_fourth_joins(tmp_path):

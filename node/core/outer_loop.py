@@ -102,7 +102,10 @@ SNAPSHOT_SLACK = 0.5
 # own phi since its last merged round (``_fold``): it refused the rounds of the peers it would now download from, so
 # their phi is no lineage it must follow unless it does better than its own. Why: in 2 + 2 drift runs each honest
 # node folded, then caught up from a drifter, again and again (fold, catch-up, fold: nine catch-ups in 14 s, each
-# 0.1-13% worse than its own phi), and its phi went from 2.73 to 3.5 (robustness bench, 3374a9e).
+# 0.1-13% worse than its own phi), and its phi went from 2.73 to 3.5 (robustness bench, 3374a9e). Only until the
+# fragment's rounds fail for want of peers long enough to drop their progress (``_bound_carry``): the node is then
+# alone on its lineage, not refusing anyone, and holding out for a phi no worse than its own would keep it there
+# for good (no round of the swarm's version can include it, and the swarm's phi need not do better on its data).
 FOLDED_SLACK = 0.0
 
 
@@ -615,6 +618,7 @@ class OuterLoop:
                                     "they carried is folded into phi by an outer step on it alone")]
         st.set_theta(st.phi)
         self._carry_nothing(st)
+        st.folded = False  # these rounds failed for want of peers, not by refusals: no longer a fold (FOLDED_SLACK)
         return [SyncEvent("dropped", st.index, step, st.version,
                           error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
                                 "(theta <- phi)")]

@@ -50,7 +50,7 @@ class FragmentState:
     failed_rounds: int = 0                 # consecutive failed (or refused) rounds: the progress carried
     refused_rounds: int = 0                # of those, rounds this node failed by refusing what peers sent
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
-    folded: bool = False                   # progress folded into phi since the last merged round or catch-up
+    folded: bool = False                   # progress folded into phi since the last merge, catch-up or drop
     access: ThetaAccess | None = field(default=None, repr=False, compare=False)
 
     @classmethod

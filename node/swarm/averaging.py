@@ -159,6 +159,12 @@ FOLLOWED_OFFENCES = ("bad_contribution", "bad_weight", "bad_part", "bad_header",
 # banned it (robustness bench, 2 + 2 drift, 74dfbf2). A suspect's phi is no better evidence of the swarm's than its
 # parts were: the node stays on its own lineage (or takes another holder's) until the suspicion clears or bans.
 SUSPECT_SOURCE = ("direction", "reduction", "reduction_other_phi")
+# ... for as long as that suspicion is renewed: once the newest of those scores is older than SUSPECT_SOURCE_S the
+# peer may serve catch-ups again. A node on a lineage of its own meets the suspect in no round, so nothing would
+# ever clear the suspicion, and with every holder suspected it never rejoins: a CI run of the low-rank joiner test
+# held one honest node 140 versions behind the other two for the test's last 120 s. An attacker in this node's
+# rounds is judged at every one of them (seconds apart), so its suspicion stays fresh.
+SUSPECT_SOURCE_S = 60.0
 
 
 # The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
@@ -860,7 +866,7 @@ class SwarmTransport(Transport):
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
         (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
-        by this node's own judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
+        by this node's own recent judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
         of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
         malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
         short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
@@ -870,7 +876,8 @@ class SwarmTransport(Transport):
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
                                                or self.reputation.offended(peer, "bad_state")
-                                               or self.reputation.suspects(peer, SUSPECT_SOURCE))
+                                               or self.reputation.suspects(peer, SUSPECT_SOURCE,
+                                                                          within_s=SUSPECT_SOURCE_S))
 
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is

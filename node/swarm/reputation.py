@@ -44,6 +44,7 @@ The object is shared by the network thread and the training thread; every method
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -103,6 +104,7 @@ class _PeerRecord:
         self.bans = 0                            # bans so far (the next cool-down doubles with each)
         self.first_banned: float | None = None   # wall time of its first ban (reports: time to the first ban)
         self.scores: dict[str, deque[float]] = {}  # kind -> the last judged scores (``Reputation.judge``)
+        self.scored_at: dict[str, float] = {}    # kind -> when its last score came (``Reputation.suspects``)
         self.good = 0                            # good judgements since its last offence (or forgiveness)
         self.forgiven = 0
 
@@ -223,6 +225,7 @@ class Reputation:
                     return False
                 scores = rec.scores[kind] = deque(maxlen=MAX_SCORES)
             scores.append(float(score))
+            rec.scored_at[kind] = self._now()
             recent = list(scores)[-window:]
             n = _evidence_length(recent, window, ban_below, accumulate)
             if n == 0:
@@ -293,15 +296,21 @@ class Reputation:
             rec.expire(self._now(), self.window_s)
             return any(k == kind for _, k, _ in rec.offences)
 
-    def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8) -> bool:
+    def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8, within_s: float | None = None) -> bool:
         """Whether this node's own judgements of ``peer`` lean against it: the last ``recent`` scores of each of
         ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below 0. Not a ban by itself; the evidence
         a node asks of its own before it follows other members' bans (``averaging.majority_excluded``), and what
-        keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``)."""
+        keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``). With ``within_s``, only where the
+        newest of those scores is at most that old: a suspicion nothing renews lapses (a node that no longer meets
+        the peer in rounds, on a lineage of its own, gathers no evidence either way)."""
         with self._lock:
             rec = self._peers.get(peer_key(peer))
             if rec is None:
                 return False
+            if within_s is not None:
+                newest = max((rec.scored_at.get(k, -math.inf) for k in kinds), default=-math.inf)
+                if self._now() - newest > within_s:
+                    return False
             scores = [s for k in kinds for s in list(rec.scores.get(k, ()))[-recent:]]
         return len(scores) >= MIN_EVIDENCE and sum(scores) / len(scores) < 0.0
 
