@@ -331,7 +331,7 @@ def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_i
     from locoswarm.node.core.transport import AverageResult, PartOrigin
 
     refusals: list[tuple[str, bool]] = []
-    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM),
+    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM), _refused_sources={},
                            _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
     res = AverageResult(ok=True)
     for _ in range(2):
@@ -488,6 +488,33 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
     assert source("QmBroken")
 
 
+def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduced part refused as pointing against this node's progress (where it is evidence), or for its effect,
+    pauses its reducer as a catch-up source for TURNED_SOURCE_S (2 + 2 drift: an honest node caught up from a
+    drifter seconds after refusing its parts, each phi worse); a pair's part, which is no evidence, does not; nor
+    does an honest part; the pause ends by itself."""
+    import locoswarm.node.swarm.averaging as averaging
+    from locoswarm.node.core.transport import AverageResult, PartOrigin
+
+    now = [1000.0]
+    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, _unlined_harm=EveryNth(UNLINED_HARM),
+                           _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
+    source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
+    check = SwarmTransport._check_reduced_direction
+    check(stub, "QmHonest", 0.4, same_lineage=True)
+    with pytest.raises(PartRefused):
+        check(stub, "QmTurned", -0.2, same_lineage=True)
+    with pytest.raises(PartRefused):
+        check(stub, "QmPartner", -0.6, same_lineage=True, evidence=False)
+    SwarmTransport.reject_part(stub, AverageResult(ok=True), PartOrigin("QmHarm", 0, 8, one_lineage=True), "harm")
+    assert source("QmHonest") and source("QmPartner")
+    assert not source("QmTurned") and not source("QmHarm")
+    now[0] += averaging.TURNED_SOURCE_S + 0.1
+    assert source("QmTurned") and source("QmHarm")
+
+
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:
     """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round."""
     from locoswarm.node.swarm.averaging import MAX_WINDOW_S, WINDOW_STEPS
@@ -613,7 +640,7 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, refusals=[])
+    stub = SimpleNamespace(reputation=rep, refusals=[], _refused_sources={})
     stub._judge_reduction = lambda peer, agreement, same_lineage=True: SwarmTransport._judge_reduction(
         stub, peer, agreement, same_lineage=same_lineage)
     stub._offence = lambda peer, kind, detail, offence=True, conclusive=False: SwarmTransport._offence(

@@ -180,9 +180,25 @@ MAX_JOINERS = 256            # joining peers tracked for that (first come; a flo
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
 WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
+# A reducer whose part this node refused, as pointing against its own progress or for its effect on the held-out
+# loss, serves it no catch-up for this long (``_state_source``): a phi is no better evidence of the swarm's than
+# the part its holder just reduced. Why: in a 2 + 2 drift run an honest node refused a drifter's reduced parts
+# (agreement -0.15 to -0.28) and caught up from that same drifter two seconds later, three times in 10 s, each
+# phi 4-16% worse than its own, its held-out loss 2.63 to 3.82 before the bans (robustness bench, a31b1f9). As
+# short as ``WORSE_SOURCE_S``, and only where the part is evidence (not a pair's: there honest members' parts
+# point against each other), so an honest reducer misjudged once is a source again within seconds.
+TURNED_SOURCE_S = 20.0
 
 
 SHUNNED_CUT = "; this node dropped: every other member excludes it"
+
+
+def _pause_source(paused: dict[str, float], peer: str, seconds: float) -> None:
+    """``peer`` serves no catch-up for ``seconds`` from now (``SwarmTransport._state_source``); a longer pause
+    already set stands. At most ``MAX_JOINERS`` peers are held, the oldest entry going first."""
+    paused[peer] = max(time.monotonic() + seconds, paused.get(peer, -math.inf))
+    while len(paused) > MAX_JOINERS:
+        paused.pop(next(iter(paused)))
 
 
 @dataclass
@@ -868,7 +884,8 @@ class SwarmTransport(Transport):
         (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
         by this node's own recent judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
         of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
-        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
+        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours (and for
+        ``TURNED_SOURCE_S`` after a reduced part of its that this node refused). The latter is
         short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
         average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
         its own until it asks again."""
@@ -951,10 +968,7 @@ class SwarmTransport(Transport):
         if snapshot.source:
             self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence,
                           conclusive=conclusive)
-            self._refused_sources[snapshot.source] = time.monotonic() + (REFUSED_SOURCE_S if offence
-                                                                           else WORSE_SOURCE_S)
-            while len(self._refused_sources) > MAX_JOINERS:
-                self._refused_sources.pop(next(iter(self._refused_sources)))
+            _pause_source(self._refused_sources, snapshot.source, REFUSED_SOURCE_S if offence else WORSE_SOURCE_S)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -1603,6 +1617,8 @@ class SwarmTransport(Transport):
         reason = f"a reduced part that points against this node's own progress (agreement {agreement:+.2f})"
         if not same_lineage:
             self._offence(peer, "reduction", f"{reason}, from another phi", offence=False)
+        if evidence:
+            _pause_source(self._refused_sources, peer, TURNED_SOURCE_S)
         raise PartRefused(f"peer {peer[:12]} sent {reason}")
 
     def _judge_reduction(self, peer: str, agreement: float, *, same_lineage: bool = True) -> None:
@@ -1625,6 +1641,7 @@ class SwarmTransport(Transport):
         # check for good by claiming another lineage.
         offence = part.one_lineage or self._unlined_harm.offence(part.reducer)
         self._offence(part.reducer, "bad_effect", reason, offence=offence)
+        _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
 
     def _drop_from_round(self, remote: str, fragment: int, round_: int) -> None:
         """``remote``'s stream for a round was refused, so its part will not come: a reducer that has it
