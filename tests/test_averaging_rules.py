@@ -515,6 +515,34 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
     assert source("QmTurned") and source("QmHarm")
 
 
+def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
+    """A catch-up started before its source's ban lands after it: its snapshot is not handed to the outer loop
+    (2 + 2 drift: an honest node adopted a drifter's phi, 36% worse, one second after banning it); a download
+    from a source still trusted, or one that failed, is handed over as before."""
+    import concurrent.futures
+
+    from locoswarm.node.core.transport import FragmentSnapshot
+    from locoswarm.node.swarm.averaging import _BackgroundFetch
+
+    rep = Reputation(threshold=1)
+    stub = SimpleNamespace(reputation=rep, _refused_sources={})
+
+    def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(snapshot)
+        return _BackgroundFetch(future, lambda peer: SwarmTransport._state_source(stub, peer))
+
+    def served(peer: str) -> FragmentSnapshot:
+        return FragmentSnapshot(0, 9, torch.zeros(3), torch.zeros(3), source=peer)
+
+    drifter, honest = landed(served("QmDrifter")), landed(served("QmHonest"))
+    rep.refuse("QmDrifter", "direction", "mean -0.3 over its last 2", conclusive=True)
+    assert rep.is_banned("QmDrifter")
+    assert drifter.done() and drifter.result() is None
+    assert honest.result() is not None and honest.result().source == "QmHonest"
+    assert landed(None).result() is None
+
+
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:
     """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round."""
     from locoswarm.node.swarm.averaging import MAX_WINDOW_S, WINDOW_STEPS
