@@ -898,11 +898,10 @@ class SwarmTransport(Transport):
         (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
         by this node's own recent judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
         of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
-        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours (and for
-        ``TURNED_SOURCE_S`` after a reduced part of its that this node refused). The latter is
+        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
         short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
         average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
-        its own until it asks again."""
+        its own until it asks again. A reducer whose part this node refused pauses for ``TURNED_SOURCE_S``."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
