@@ -6,6 +6,7 @@ these guards are the last line, independent of it)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -283,11 +284,14 @@ class _CoupledJudge(EffectJudge):
     ``new_loss`` when all come from the swarm's ``snaps``), and absurdly badly with a mix (``10.0``)."""
 
     def __init__(self, loop: OuterLoop, snaps: dict[int, FragmentSnapshot | None], new_loss: float = 1.0,
-                 relative: float = 0.0) -> None:
-        self.loop, self.snaps, self.new_loss, self.relative = loop, snaps, new_loss, relative
+                 relative: float = 0.0, nothing: float = math.inf) -> None:
+        self.loop, self.snaps, self.new_loss, self.relative, self.nothing = loop, snaps, new_loss, relative, nothing
 
     def tolerance(self, reference: float) -> float:
         return self.relative * abs(reference)
+
+    def knowing_nothing(self) -> float:
+        return self.nothing
 
     def joint_losses(self, states, candidates) -> list[float]:
         out = []
@@ -299,7 +303,7 @@ class _CoupledJudge(EffectJudge):
         return out
 
 
-def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0):
+def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0, nothing: float = math.inf):
     """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served``."""
     outer = OuterSection(method="replace", h=2, fragments=2, tau=0, codec="fp32", error_feedback=False,
                          schedule="fixed", consensus_every=0)
@@ -314,7 +318,7 @@ def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 
         phi = loop.snapshot(p).phi.clone()
         snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder") if p in served \
             else None
-    loop.judge = _CoupledJudge(loop, snaps, new_loss, relative)
+    loop.judge = _CoupledJudge(loop, snaps, new_loss, relative, nothing)
     events = []
     for t in range(1, 9):
         loop.add_tokens(10.0)
@@ -341,6 +345,21 @@ def test_a_node_far_behind_judges_its_catch_ups_as_one_model() -> None:
     assert "fragments [0, 1] together" in events[0].error
     assert transport.rejected == [(0, True, False), (1, False, False)]
     assert loop.version(0) == loop.version(1) == 5
+
+
+def test_an_absurd_catch_up_is_conclusive_only_when_it_does_worse_than_knowing_nothing() -> None:
+    """Four times this node's loss and more is an offence of its source; a ban at once only where the phi also
+    does worse than a model that knows nothing (uniform over the vocabulary: a liar's garbage). An honest holder's
+    phi that low-rank re-encoded rounds had damaged measured 4.44 against 1.105, below the 5.55 of knowing nothing,
+    and the honest node banned for it at once sat alone for the rest of a CI run."""
+    for theirs, conclusive in ((4.5, False), (10.0, True)):
+        loop, transport, events = _far_behind_node({0, 1}, new_loss=theirs, nothing=5.0)
+        assert sorted((e.kind, e.fragment) for e in events) == [("refused", 0), ("refused", 1)], events
+        assert transport.rejected == [(0, True, conclusive), (1, False, False)], theirs
+        assert loop.version(0) == loop.version(1) == 5
+    judge = LossJudge(build_model(ModelSection(), VOCAB), [torch.zeros(1, 4, dtype=torch.long)], "cpu",
+                      relative_tolerance=1.0)
+    assert judge.knowing_nothing() == pytest.approx(math.log(VOCAB))
 
 
 def test_a_catch_up_never_takes_a_phi_much_worse_than_its_own_and_says_whence_it_came() -> None:

@@ -62,6 +62,11 @@ class EffectJudge(ABC):
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
         return 0.0
 
+    def knowing_nothing(self) -> float:
+        """The loss of a model that knows nothing (uniform over the vocabulary): training, even damaged by a bad
+        round, leaves an honest model below it; infinite where the judge cannot tell."""
+        return math.inf
+
     def harmful(self, loss: float, reference: float, slack: float = 1.0) -> bool:
         """Whether ``loss`` is worse than ``reference`` by more than ``slack`` times the tolerance (or not finite)."""
         return not math.isfinite(loss) or loss > reference + slack * self.tolerance(reference)
@@ -85,6 +90,10 @@ class LossJudge(EffectJudge):
 
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)
+
+    def knowing_nothing(self) -> float:
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return math.log(vocab) if isinstance(vocab, int) and vocab > 1 else math.inf
 
     def joint_losses(self, states: Sequence[FragmentState],
                      candidates: Sequence[Sequence[torch.Tensor]]) -> list[float]:

@@ -74,10 +74,12 @@ MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under 
 # damaged too: the effect check lets an average do up to twice the loss (``effect_tolerance`` 1.0) and a hostile
 # reducer's part got into one such round before its ban; an honest peer measured a partner's phi 2.2x its own
 # (a CI run of the hostile-node tests) and, once, 4.02x (low-rank re-encoded rounds had set a pair's phi back; the
-# honest node it banned sat alone for the rest of a CI run). So 4x is an offence, never conclusive alone: its source
-# serves no state and is believed no version claim for the reputation's window (``Reputation.offended``) and is
-# banned at the reputation's threshold of offences, while an honest one's damage heals in the rounds it still takes
-# part in. A reversal (``FAR_COSINE``) and a non-finite loss are conclusive.
+# honest node it banned sat alone for the rest of a CI run; it measured 4.44, below the 5.55 of a model that knows
+# nothing). So 4x is an offence, conclusive only when the phi also does worse than knowing nothing
+# (``EffectJudge.knowing_nothing``: uniform over the vocabulary; a liar's garbage phi): otherwise its source serves
+# no state and is believed no version claim for the reputation's window (``Reputation.offended``) and is banned at
+# the reputation's threshold of offences, while an honest one's damage heals in the rounds it still takes part in.
+# A reversal (``FAR_COSINE``) and a non-finite loss are conclusive.
 ABSURD_WORSE = 3.0
 # A downloaded phi whose cosine with our own trained phi is below FAR_COSINE (it points against ours), at most
 # FAR_GAP versions ahead of ours, is no honest holder's, whatever it measures: a state liar's negated phi has cosine
@@ -931,8 +933,9 @@ class OuterLoop:
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
         another way than ours is not blamed); an offence when they give a held-out loss ``ABSURD_WORSE`` above
-        ours (conclusive when it is not finite), all came from one source and no other fragment of ours is far
-        behind (``stale``: the comparison then mixes fragments of distant versions). Stricter right after a fold
+        ours (conclusive when it is not finite or worse than knowing nothing), all came from one source and no
+        other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
+        versions). Stricter right after a fold
         (``FOLDED_SLACK``). With the verdict, the two losses in words (for the log: what a catch-up did to this
         node's model)."""
         if self.judge is None:
@@ -947,7 +950,7 @@ class OuterLoop:
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
-        conclusive = blamed and not math.isfinite(theirs)
+        conclusive = blamed and (not math.isfinite(theirs) or theirs > self.judge.knowing_nothing())
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         after = " (after a fold: no worse is taken)" if folded else ""
         return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
