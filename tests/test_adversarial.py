@@ -165,9 +165,10 @@ class Watch:
 
 
 # Out of bounds, then inside them (a direction flip, a reducer that negates its part, a replay of earlier
-# rounds' averages, a state liar within the swarm clock's bound): each is refused or judged, and banned.
+# rounds' averages, state liars within the swarm clock's bound, serving a reversal or noise): each is refused
+# or judged, and banned.
 NODE_ATTACKS = ["weight", "values", "nan", "reducer", "state", "clock", "forge", "flip", "badreduce", "replay",
-                "stateliar"]
+                "stateliar", "statenoise"]
 
 
 @pytest.mark.parametrize("attack", NODE_ATTACKS)

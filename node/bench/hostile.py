@@ -29,6 +29,8 @@ memory and the version rules can tell:
 - ``badreduce``:   as a reducer, returns its part of the average negated and scaled by 3;
 - ``stateliar``:   heartbeats claim version +2 of every fragment (inside the swarm clock's bound), with the
   digest of what its state server serves at that version: its phi negated (finite, ordinary norm);
+- ``statenoise``:  the same, serving noise of its phi's norm instead (no reversal: a cosine of about 0 with an
+  honest phi, so only its effect gives it away);
 - ``versionliar``: the same with version +1000 (far beyond the swarm clock's bound).
 
 A hostile *client* never publishes a heartbeat nor enters matchmaking; it joins the DHT with its own
@@ -67,6 +69,10 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("locoswarm.hostile")
 
@@ -495,17 +501,34 @@ class StateLiarAttack(NodeAttack):
         from locoswarm.node.swarm.versions import state_digest
 
         publish = Node._publish
-        lie = self.lie
+        lie, poison = self.lie, self.poison
 
         @functools.wraps(publish)
         def poisoned_publish(node, fragment: int) -> None:
             publish(node, fragment)
             snap = node.published[fragment]
-            poisoned = FragmentSnapshot(fragment, snap.version + lie, -snap.phi, snap.momentum.clone())
+            poisoned = FragmentSnapshot(fragment, snap.version + lie, poison(snap.phi, snap.version),
+                                        snap.momentum.clone())
             node._digests[fragment] = state_digest(poisoned.phi, poisoned.momentum)
             node.published[fragment] = poisoned
 
         Node._publish = poisoned_publish
+
+    @staticmethod
+    def poison(phi: torch.Tensor, version: int) -> torch.Tensor:
+        return -phi
+
+
+class StateNoiseAttack(StateLiarAttack):
+    name = "statenoise"
+    help = "as stateliar, but it serves noise of its phi's norm (no reversal: cosine about 0 with honest phis)"
+
+    @staticmethod
+    def poison(phi: torch.Tensor, version: int) -> torch.Tensor:
+        import torch
+
+        noise = torch.randn(phi.shape, generator=torch.Generator().manual_seed(version), dtype=phi.dtype)
+        return (noise * (phi.norm() / noise.norm().clamp_min(1e-12))).to(phi.device)
 
 
 class VersionLiarAttack(StateLiarAttack):
@@ -517,7 +540,8 @@ class VersionLiarAttack(StateLiarAttack):
 NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (WeightAttack, ValuesAttack, NanAttack, ReducerAttack,
                                                                    StateAttack, ClockAttack, ForgeAttack, FlipAttack,
                                                                    IpmAttack, DriftAttack, SleeperAttack, ReplayAttack,
-                                                                   BadReduceAttack, StateLiarAttack, VersionLiarAttack)}
+                                                                   BadReduceAttack, StateLiarAttack, StateNoiseAttack,
+                                                                   VersionLiarAttack)}
 
 
 # ---- client attacks: a peer that never joins matchmaking --------------------------------------------
