@@ -63,8 +63,8 @@ class EffectJudge(ABC):
         return 0.0
 
     def knowing_nothing(self) -> float:
-        """The loss of a model that knows nothing (uniform over the vocabulary): training, even damaged by a bad
-        round, leaves an honest model below it; infinite where the judge cannot tell."""
+        """The loss of a model that knows nothing (uniform over the vocabulary): honest training, even set back by
+        a bad round, was measured below it; infinite where the judge cannot tell."""
         return math.inf
 
     def harmful(self, loss: float, reference: float, slack: float = 1.0) -> bool:
