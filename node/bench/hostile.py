@@ -27,6 +27,7 @@ memory and the version rules can tell:
 - ``replay``:      sends, as its contribution, the reduced chunks its group agreed on two rounds before (honest
   members' averages, byte for byte);
 - ``badreduce``:   as a reducer, returns its part of the average negated and scaled by 3;
+- ``reducedrift``: as a reducer, adds 2x its part's rms times a fixed sign pattern to its part, every round;
 - ``stateliar``:   heartbeats claim version +2 of every fragment (inside the swarm clock's bound), with the
   digest of what its state server serves at that version: its phi negated (finite, ordinary norm);
 - ``statenoise``:  the same, serving noise of its phi's norm instead (no reversal: a cosine of about 0 with an
@@ -489,6 +490,36 @@ class BadReduceAttack(NodeAttack):
         averaging._Reduction._reduce = reduce
 
 
+class ReduceDriftAttack(NodeAttack):
+    name = "reducedrift"
+    help = "as a reducer, adds 2x its part's rms times a fixed sign pattern to its part of the average, every round"
+    keeps_peers = True
+
+    def apply(self) -> None:
+        import torch
+
+        from locoswarm.node.swarm import averaging
+
+        original = averaging._Reduction._reduce
+
+        @functools.wraps(original)
+        def reduce(session):
+            result = original(session)
+            if not session.consensus:
+                drifted = {}
+                for c, data in result.chunks.items():
+                    x = session.codec.decode(data, session.sizes[c])
+                    # the same pattern for this chunk of this fragment in every round: its effect adds up
+                    gen = torch.Generator().manual_seed(2000 + 1000 * session.key[0] + c)
+                    pattern = torch.randint(0, 2, x.shape, generator=gen).to(x.dtype) * 2 - 1
+                    rms = float(x.norm()) / max(1, x.numel()) ** 0.5
+                    drifted[c] = session.codec.encode(x + 2.0 * rms * pattern)
+                result.chunks = drifted
+            return result
+
+        averaging._Reduction._reduce = reduce
+
+
 class StateLiarAttack(NodeAttack):
     name = "stateliar"
     help = "heartbeats claim version +2 (inside the clock's bound) and its state server serves its phi negated"
@@ -540,7 +571,8 @@ class VersionLiarAttack(StateLiarAttack):
 NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (WeightAttack, ValuesAttack, NanAttack, ReducerAttack,
                                                                    StateAttack, ClockAttack, ForgeAttack, FlipAttack,
                                                                    IpmAttack, DriftAttack, SleeperAttack, ReplayAttack,
-                                                                   BadReduceAttack, StateLiarAttack, StateNoiseAttack,
+                                                                   BadReduceAttack, ReduceDriftAttack, StateLiarAttack,
+                                                                   StateNoiseAttack,
                                                                    VersionLiarAttack)}
 
 
