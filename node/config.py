@@ -205,6 +205,11 @@ class RobustSection:
                                      help="clipped_mean: a member whose deviation from the group's centre points the "
                                           "same way round after round (a drift) gets a clip radius smaller by the "
                                           "cosine of its deviation with its remembered ones")
+    drift_ceiling: float = setting(1.0, shared=True, min=0.0, max=1.0,
+                                   help="a sender whose standing drift (persistence of its difference from the "
+                                        "reducer's own) is above this has no pull whatever the senders' median, and "
+                                        "one muted round after round shares no group with the reducer and serves it "
+                                        "no state; 1 is off (experimental: 0.75 measured in the robustness bench)")
     trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
                                    help="trimmed_mean: share of members dropped from each side per coordinate")
     consensus_tolerance: float = setting(0.1, shared=True, min=0.0, max=1.0,

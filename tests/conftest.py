@@ -2,33 +2,8 @@
 
 from __future__ import annotations
 
-
-def _private_tempdir() -> None:
-    """Every temporary file of this test session, and of the processes its tests start, lies under one directory
-    of its own, removed when the session ends. Tests SIGKILL node processes on purpose, and a killed process
-    leaves its ``pymp-*`` (multiprocessing) and ``torch-shm-dir-*`` directories behind: a full suite left about
-    150 of them in /tmp. (hivemind's daemon sockets stay under /tmp: their path is fixed; the tests that make
-    them remove them.) Set up first of all: before pytest picks its own ``tmp_path`` root (so that lies here too),
-    and before anything imports ``multiprocessing``, whose exit handler removes its own directory and must run
-    before this one (``atexit`` runs the last registered first)."""
-    import atexit
-    import os
-    import shutil
-    import tempfile
-
-    if os.environ.get("LOCOSWARM_TEST_TMPDIR"):  # a suite run by a test: the outer session's directory serves
-        return
-    private = tempfile.mkdtemp(prefix="locoswarm-tests-")
-    atexit.register(shutil.rmtree, private, True)
-    os.environ["TMPDIR"] = os.environ["LOCOSWARM_TEST_TMPDIR"] = private
-    tempfile.tempdir = private
-
-
-_private_tempdir()
-
-
-import pytest  # noqa: E402 - after the temporary directory is set
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def _import_this_checkout() -> None:
@@ -79,8 +54,6 @@ def _sigterm_unwinds() -> None:
 
 
 _sigterm_unwinds()
-
-
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -13,6 +13,7 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chunks
+from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     FOLLOWED_EVIDENCE,
@@ -36,7 +37,7 @@ from locoswarm.node.swarm.averaging import (
     plausible_version,
 )
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
-from locoswarm.node.transport.groups import form_groups
+from locoswarm.node.transport.groups import form_groups, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
@@ -59,6 +60,22 @@ def test_a_banned_peer_never_shares_a_group_with_who_bans_it(round_: int) -> Non
     assert sorted(itertools.chain(*groups)) == sorted(members)
     assert [banned] in groups                      # everyone bans it: it is alone
     assert sorted(p for p in members if p != banned) in groups   # the honest four still average together
+
+
+@pytest.mark.parametrize("round_", range(12))
+def test_a_doubted_peer_never_shares_a_group_with_its_doubter_and_a_liars_doubts_split_no_honest_pair(
+        round_: int) -> None:
+    """Placement keeps a member apart from the peers it mutes for their standing drift (``kept_apart``), as from
+    those it bans: 2 honest members doubting 2 drifters average only with each other; drifters that doubt the
+    honest members back keep only themselves apart."""
+    h1, h2, d1, d2 = PEERS[:4]
+    doubted = {h1: [d1, d2], h2: [d1, d2], d1: [h1, h2], d2: [h1, h2]}
+    for size in (2, 4):
+        groups = form_groups([h1, h2, d1, d2], 0, round_, size, kept_apart({}, doubted))
+        assert sorted([h1, h2]) in groups, groups
+        assert not any({h1, h2} & set(g) and {d1, d2} & set(g) for g in groups), groups
+    apart = kept_apart({h1: [d1]}, {h1: [d1, d2], h2: [d2]})
+    assert apart == {h1: [d1, d2], h2: [d2]}
 
 
 @pytest.mark.parametrize("round_", range(12))
@@ -332,6 +349,7 @@ def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_i
 
     refusals: list[tuple[str, bool]] = []
     stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM), _refused_sources={},
+                           deviations=DeviationMemory(),
                            _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
     res = AverageResult(ok=True)
     for _ in range(2):
@@ -396,7 +414,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={})
+                           _refused_sources={}, deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
@@ -419,7 +437,7 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
-                           _refused_sources={})
+                           _refused_sources={}, deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
     assert set(SUSPECT_SOURCE) >= {"direction", "reduction", "reduction_other_phi"}
@@ -438,6 +456,21 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     assert stub._state_source("QmHonest")
 
 
+def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up() -> None:
+    """A drifter's phi carries the drift it spread (2 + 2 drift runs: catch-ups from the drifters 2-24% worse than
+    the node's own, again and again): with a ceiling, a peer muted round after round serves no state, also once its
+    published doubt lapsed. Without one (the default), nothing changes."""
+    from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
+
+    for ceiling, refused in ((0.75, True), (1.0, False)):
+        stub = SimpleNamespace(reputation=None, _refused_sources={}, deviations=DeviationMemory(ceiling=ceiling))
+        for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
+            stub.deviations.standing_drift(["QmDrifter", "QmHonest"], [0.95, 0.3], now=0.0)
+        assert stub.deviations.apart() == [], "the doubt lapsed (stamped at 0, long ago)"
+        assert SwarmTransport._state_source(stub, "QmDrifter") is not refused
+        assert SwarmTransport._state_source(stub, "QmHonest")
+
+
 def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups_again() -> None:
     """A node on a lineage of its own meets a suspected holder in no round, so no score would ever clear the
     suspicion: once the newest of its scores is older than ``SUSPECT_SOURCE_S`` the peer may serve a catch-up
@@ -448,7 +481,7 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, _refused_sources={})
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
         rep.judge("QmSuspect", "direction", -0.4, **judge)
@@ -473,7 +506,8 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, _offence=lambda *args, **kwargs: None)
+    stub = SimpleNamespace(reputation=None, _refused_sources={},
+                           deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
 
     def served(peer: str) -> FragmentSnapshot:
@@ -499,7 +533,8 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, _unlined_harm=EveryNth(UNLINED_HARM),
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+                           deviations=DeviationMemory(), _unlined_harm=EveryNth(UNLINED_HARM),
                            _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
     check = SwarmTransport._check_reduced_direction
@@ -525,7 +560,7 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     from locoswarm.node.swarm.averaging import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={})
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -668,7 +703,7 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, refusals=[], _refused_sources={})
+    stub = SimpleNamespace(reputation=rep, refusals=[], _refused_sources={}, deviations=DeviationMemory())
     stub._judge_reduction = lambda peer, agreement, same_lineage=True: SwarmTransport._judge_reduction(
         stub, peer, agreement, same_lineage=same_lineage)
     stub._offence = lambda peer, kind, detail, offence=True, conclusive=False: SwarmTransport._offence(

@@ -168,3 +168,64 @@ def test_doubted_senders_are_the_muted_ones_and_leave_only_well_below_the_bound(
     assert memory.doubted() == []
     memory.standing_drift(senders, [0.3, 0.3, 0.3, None])  # not measured: no change either way
     assert memory.doubted() == []
+
+
+def test_without_an_honest_majority_a_ceiling_mutes_a_shared_pattern_and_never_the_honest_sender() -> None:
+    """2 honest members (the reducer and h) and 2 drifters sharing one pattern: of the three senders judged, the
+    median is a drifter's, so the median's bound alone mutes nobody. With a ceiling (``[robust] drift_ceiling``)
+    both drifters are muted once judged, never h, and, muted round after round, kept apart (``apart``)."""
+    from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
+
+    def run(ceiling: float) -> tuple[DeviationMemory, set[str]]:
+        gen = torch.Generator().manual_seed(11)
+        bias = {name: 0.3 * torch.randn(M, generator=gen) for name in ("r", "h", "d1", "d2")}
+        pattern = torch.randint(0, 2, (M,), generator=gen).float() * 2 - 1
+        memory, settings = DeviationMemory(ceiling=ceiling), RobustSection()
+        names = ["r", "h", "d1", "d2"]
+        late: set[str] = set()
+        for step in range(DRIFT_ROUNDS + SUSTAINED_MUTES + 2):
+            base = torch.randn(M, generator=gen)
+            rows = [base + 0.5 * torch.randn(M, generator=gen) + bias[n] + (pattern if n[0] == "d" else 0.0)
+                    for n in names]
+            cons = [PartContribution(n, 1.0, dict(enumerate(encode_chunks(CODEC, x))))
+                    for n, x in zip(names, rows, strict=True)]
+            screening = screen_part(CODEC, cons, SIZES, settings, trusted=0, memory=memory, fragment=0)
+            muted = {names[i] for i, why in zip(screening.accepted, screening.muted, strict=True)
+                     if why and "persists" in why}
+            assert "h" not in muted, (step, screening.muted)
+            if step > DRIFT_ROUNDS:
+                late |= muted
+        return memory, late
+
+    memory, late = run(0.75)
+    assert late == {"d1", "d2"}
+    assert memory.apart() == ["d1", "d2"] and memory.drifting("d1") and not memory.drifting("h")
+    memory, late = run(1.0)  # off (the default): the median is the drifters', nobody is muted or kept apart
+    assert late == set() and memory.apart() == [] and not memory.drifting("d1")
+
+
+def test_only_a_sender_muted_round_after_round_is_kept_apart_and_its_doubt_lapses() -> None:
+    """Kept apart (and no state source) is a drift: muted in SUSTAINED_MUTES of its last SUSTAINED_OF judged rounds.
+    A sender muted now and then (an honest member after an attack disturbed its rounds) never is. Kept apart, the
+    two meet in no round, so the published doubt lapses DOUBT_S after the last mute; the record stays (no state
+    source), and one more round together keeps it apart again at once."""
+    from locoswarm.node.core.persistence import DOUBT_S, DRIFT_ROUNDS, SUSTAINED_MUTES, SUSTAINED_OF
+
+    memory = DeviationMemory(ceiling=0.75)
+    t = 0.0
+    for _ in range(DRIFT_ROUNDS - 1):
+        memory.standing_drift(["x"], [0.95], now=t)
+    for _ in range(SUSTAINED_MUTES - 1):
+        assert memory.standing_drift(["x"], [0.95], now=t)[0] is not None, "a pair: the ceiling alone mutes"
+    assert memory.apart(now=t) == [], "muted, not yet round after round"
+    memory.standing_drift(["x"], [0.95], now=t)
+    assert memory.apart(now=t) == ["x"] and memory.drifting("x")
+    assert memory.apart(now=t + 0.5 * DOUBT_S) == ["x"]
+    assert memory.apart(now=t + 1.1 * DOUBT_S) == [] and memory.drifting("x")
+    assert memory.standing_drift(["x"], [0.9], now=t + 2 * DOUBT_S)[0] is not None
+    assert memory.apart(now=t + 2 * DOUBT_S) == ["x"], "one more round together: kept apart again at once"
+    # a sender at the bound now and then: muted in at most one round of three, never kept apart
+    other = DeviationMemory(ceiling=0.75)
+    for i in range(DRIFT_ROUNDS + 3 * SUSTAINED_OF):
+        other.standing_drift(["y"], [0.95 if i % 3 == 0 else 0.6], now=t)
+        assert other.apart(now=t) == [] and not other.drifting("y")

@@ -182,3 +182,54 @@ def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(
         assert [t.standing.used for t in transports] == [1, 1, 1, 1], "the second round took the standing members"
     finally:
         _stop(transports, runtimes, dhts)
+
+
+@pytest.mark.timeout(240)
+def test_with_a_drift_ceiling_a_member_the_others_keep_apart_is_in_none_of_their_groups(tmp_path) -> None:
+    """Four real transports, room for all in one group, ``[robust] drift_ceiling`` set: three have muted the fourth
+    round after round for its standing drift (fed to their memories as the reductions would). Placement keeps it
+    out of their group (``groups.kept_apart``): its rounds fail for want of a peer, the three merge their own
+    mean, matchmade and then standing."""
+    import dataclasses
+
+    from locoswarm.node.config import RobustSection
+    from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
+    from locoswarm.node.core.transport import NO_PEER_IN_GROUP
+
+    robust = dataclasses.replace(RobustSection(), drift_ceiling=0.75)
+    dhts, runtimes, transports = [], [], []
+    try:
+        dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
+        for i in range(1, 4):
+            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
+        runtimes = [NetworkRuntime(d) for d in dhts]
+        ids = [r.peer_id for r in runtimes]
+        drifter = ids[3]
+        codec, N = get_codec("fp32", 16), 8192
+        for i, runtime in enumerate(runtimes):
+            others = [p for p in ids if p != ids[i]]
+            transports.append(SwarmTransport(
+                runtime, swarm_key="locoswarm/apart-test/fp/", fingerprint="fp", codec=codec, group_size=4,
+                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=others: o, robust=robust,
+                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
+            if i < 3:
+                honest = [p for p in ids[:3] if p != ids[i]]
+                for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
+                    transports[i].deviations.standing_drift([*honest, "QmOther", drifter], [0.3, 0.3, 0.3, 0.95])
+        assert [t.deviations.apart() for t in transports[:3]] == [[drifter]] * 3
+
+        def round_(number: int) -> list:
+            handles = [t.start_average(AverageRequest(
+                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((N,), float(i + 1) + number / 100)),
+                numel=N, weight=1.0, version=1)) for i, t in enumerate(transports)]
+            return [h.result(60) for h in handles]
+
+        for number in (10, 20):
+            results = round_(number)
+            assert all(r.ok for r in results[:3]), [r.error for r in results]
+            assert not results[3].ok and NO_PEER_IN_GROUP in (results[3].error or ""), results[3].error
+            assert all({o.reducer for o in r.parts} == set(ids[:3]) for r in results[:3])
+            assert torch.allclose(results[0].average, torch.full((N,), 2.0 + number / 100)), results[0].average[:4]
+        assert [t.standing.used for t in transports[:3]] == [1, 1, 1], "the second round took the standing members"
+    finally:
+        _stop(transports, runtimes, dhts)

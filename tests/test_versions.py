@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
     VERSION_SLACK,
@@ -103,7 +104,8 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
 
     fetched = []
     belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, _probed={},
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={},
+                           deviations=DeviationMemory(), _probed={},
                            _latest_versions=lambda fragment: belief,
                            _fetch=lambda *args: fetched.append(args))
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)

@@ -52,28 +52,9 @@ def local_swarm_runs(what: str, total: int, console) -> Iterator[tuple[Path, obj
     signal.signal(signal.SIGTERM, _interrupt)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
                TimeElapsedColumn()]
-    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, _temporaries_in(tmp), \
+    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, \
             Progress(*columns, console=console) as progress:
         yield Path(tmp), progress, progress.add_task(what, total=total)
-
-
-@contextlib.contextmanager
-def _temporaries_in(path: str) -> Iterator[None]:
-    """The node processes a benchmark starts put their temporary files (``TMPDIR``) in its scratch directory: the
-    benchmark kills them at the end of each item, and a killed process leaves its ``pymp-*`` (multiprocessing) and
-    ``torch-shm-dir-*`` directories behind (a robustness run of three scenarios left 30 in /tmp). The scratch
-    directory is removed afterwards, with whatever they left."""
-    import os
-
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
 
 
 def keep_logs(root: Path, dest: Path) -> None:

@@ -709,7 +709,7 @@ class InjectClient(HostileClient):
         return out
 
     async def inject_round(self, fragment: int, round_: int) -> None:
-        from locoswarm.node.transport.groups import form_groups
+        from locoswarm.node.transport.groups import form_groups, kept_apart
 
         entries = await self.entries(fragment, round_)
         if len(entries) < 2:
@@ -718,7 +718,9 @@ class InjectClient(HostileClient):
         self.note("rounds_found")
         members = sorted(entries)
         excluded = {p: list(entries[p].excluded) for p in members}
-        groups = form_groups(members, fragment, round_, self.cfg.network.group_size, excluded)
+        doubted = {p: list(entries[p].doubted) for p in members}
+        apart = kept_apart(excluded, doubted) if self.cfg.robust.drift_ceiling < 1 else excluded
+        groups = form_groups(members, fragment, round_, self.cfg.network.group_size, apart)
         jobs = []
         for group in groups:
             if len(group) < 2:

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +62,11 @@ DRIFT_ROUNDS = 4
 DRIFT_PEERS = 3
 DRIFT_MARGIN = 0.25
 MAX_SENDERS = 1024
+#: With a ceiling (``[robust] drift_ceiling`` below 1, :class:`DeviationMemory`): a sender muted in SUSTAINED_MUTES of
+#: its last SUSTAINED_OF judged rounds is kept apart (``DeviationMemory.apart``) until DOUBT_S after its last mute.
+SUSTAINED_MUTES = 6
+SUSTAINED_OF = 8
+DOUBT_S = 60.0
 
 Key = tuple[str, str, int, int]  # (space, sender, fragment, chunk)
 
@@ -72,15 +78,27 @@ def sample_index(size: int, samples: int = SAMPLES) -> torch.Tensor:
 
 class DeviationMemory:
     """Per (sender, fragment, chunk): the exponential average of a sample of the sender's deviations from its
-    groups' centres (see the module docstring). One per reducer (it judges only what it reduced itself)."""
+    groups' centres (see the module docstring). One per reducer (it judges only what it reduced itself).
 
-    def __init__(self, decay: float = DECAY, samples: int = SAMPLES, max_entries: int = MAX_ENTRIES) -> None:
+    ``ceiling`` (``[robust] drift_ceiling``; 1 is off): the standing-drift bound is never above it, whatever the
+    senders' median, and a sender muted round after round is kept apart (:meth:`apart`, :meth:`drifting`)."""
+
+    def __init__(self, decay: float = DECAY, samples: int = SAMPLES, max_entries: int = MAX_ENTRIES,
+                 ceiling: float = 1.0) -> None:
+        self.ceiling = float(ceiling)
         self.decay = float(decay)
         self.samples = int(samples)
         self.max_entries = int(max_entries)
         self._mem: OrderedDict[Key, torch.Tensor] = OrderedDict()
         self._drift: OrderedDict[str, tuple[float, int]] = OrderedDict()  # sender -> (standing drift, rounds)
         self._doubted: set[str] = set()  # senders muted for their standing drift, until they fall well below it
+        self._mutes: dict[str, deque[bool]] = {}  # sender -> whether it was muted, in its last judged rounds
+        self._last_mute: dict[str, float] = {}  # sender -> when it was last muted (monotonic seconds)
+
+    @property
+    def keeps_apart(self) -> bool:
+        """Whether a sender muted round after round is kept out of this node's groups and catch-ups (a ceiling)."""
+        return self.ceiling < 1.0
 
     def round(self, fragment: int, senders: Sequence[str], chunks: Sequence[int]) -> DeviationRound:
         """A reduction of ``chunks`` (global chunk indices, in the part's order) of ``fragment`` with one row per
@@ -92,38 +110,73 @@ class DeviationMemory:
         their deviations from the centre); feed its persistence to :meth:`standing_drift`."""
         return DeviationRound(self, fragment, list(senders), list(chunks), space="own")
 
-    def standing_drift(self, senders: Sequence[str], persistence: Sequence[float | None]) -> list[str | None]:
+    def standing_drift(self, senders: Sequence[str], persistence: Sequence[float | None], *,
+                       now: float | None = None) -> list[str | None]:
         """Fold each sender's persistence of its difference from our own (None: not measured, e.g. our own row or
-        no history yet) into its standing drift, and say per sender why it has no pull (None: it keeps it)."""
+        no history yet) into its standing drift, and say per sender why it has no pull (None: it keeps it). The
+        bound is the judged senders' median plus ``DRIFT_MARGIN``, never above the ceiling (without ``DRIFT_PEERS``
+        judged senders, the ceiling alone). ``now`` (monotonic seconds) stamps a mute."""
+        now = time.monotonic() if now is None else now
         for sender, p in zip(senders, persistence, strict=True):
             if p is None:
                 continue
             level, rounds = self._drift.pop(sender, (p, 0))
             self._drift[sender] = (DRIFT_DECAY * level + (1 - DRIFT_DECAY) * p if rounds else p, rounds + 1)
             while len(self._drift) > MAX_SENDERS:
-                self._doubted.discard(self._drift.popitem(last=False)[0])
+                gone = self._drift.popitem(last=False)[0]
+                self._doubted.discard(gone)
+                self._mutes.pop(gone, None)
+                self._last_mute.pop(gone, None)
         judged = [level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS]
-        if len(judged) < DRIFT_PEERS:
+        ref = statistics.median(judged) if len(judged) >= DRIFT_PEERS else None
+        if ref is None and not self.keeps_apart:
             return [None] * len(senders)
-        ref = statistics.median(judged)
+        bound = self.ceiling if ref is None else ref + DRIFT_MARGIN
+        if self.keeps_apart:
+            bound = min(bound, self.ceiling)
         out: list[str | None] = []
         for sender, p in zip(senders, persistence, strict=True):
             level, rounds = self._drift.get(sender, (0.0, 0))
-            if p is not None and rounds >= DRIFT_ROUNDS and level > ref + DRIFT_MARGIN:
+            muted = p is not None and rounds >= DRIFT_ROUNDS and level > bound
+            if p is not None and rounds >= DRIFT_ROUNDS:
+                self._mutes.setdefault(sender, deque(maxlen=SUSTAINED_OF)).append(muted)
+            if muted:
                 self._doubted.add(sender)
-                out.append(f"its difference from this reducer's own persists ({level:.2f} over rounds, the senders' "
-                           f"median {ref:.2f})")
+                self._last_mute[sender] = now
+                against = (f"the senders' median {ref:.2f}" if ref is not None and bound < self.ceiling else
+                           f"above the ceiling {self.ceiling:.2f}")
+                out.append(f"its difference from this reducer's own persists ({level:.2f} over rounds, {against})")
             else:
-                if p is not None and level < ref + DRIFT_MARGIN / 2:
+                if p is not None and level < bound - DRIFT_MARGIN / 2:
                     self._doubted.discard(sender)
                 out.append(None)
         return out
 
     def doubted(self) -> list[str]:
         """The senders this reducer mutes for their standing drift, as its match entries publish them: a sender
-        enters when it is muted and leaves only once its standing drift falls below half the margin, so that a
-        sender near the bound does not flip the round's reducers (``averaging.idle_reducers``) round after round."""
+        enters when it is muted and leaves only once its standing drift falls below half the margin, so that a sender
+        near the bound does not flip the round's reducers (``averaging.idle_reducers``) round after round."""
         return sorted(self._doubted)
+
+    def drifting(self, sender: str) -> bool:
+        """With a ceiling: whether ``sender`` was muted in at least ``SUSTAINED_MUTES`` of its last ``SUSTAINED_OF``
+        judged rounds here. Such a sender serves this node no state (``averaging.SwarmTransport._state_source``),
+        whether or not its doubt lapsed: its phi carries the drift it spread (2 + 2 drift runs: an honest node took
+        a drifter's phi, 2-15% worse than its own, six times in 12 s). Round after round, because an honest member
+        whose rounds an attack disturbed is muted now and then too (3 + 1 flip: 0.74-0.80 against each other)."""
+        history = self._mutes.get(sender)
+        return self.keeps_apart and history is not None and sum(history) >= SUSTAINED_MUTES
+
+    def apart(self, *, now: float | None = None) -> list[str]:
+        """With a ceiling, what the match entries publish as doubted: the senders :meth:`drifting` last muted at most
+        ``DOUBT_S`` ago. The round's placement keeps each of them out of this node's groups
+        (``groups.kept_apart``), where it also reduces no part, so nothing would renew or clear the doubt: the lapse
+        lets the two meet again, and one more round together mutes it again at once (its standing drift is
+        remembered) or finds it changed. Without a ceiling: :meth:`doubted`."""
+        if not self.keeps_apart:
+            return self.doubted()
+        now = time.monotonic() if now is None else now
+        return sorted(s for s, at in self._last_mute.items() if now - at <= DOUBT_S and self.drifting(s))
 
     def get(self, key: Key) -> torch.Tensor | None:
         return self._mem.get(key)

@@ -78,7 +78,7 @@ from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
 from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from locoswarm.node.transport.groups import form_groups, group_basis, majority_shunned
+from locoswarm.node.transport.groups import form_groups, group_basis, kept_apart, majority_shunned
 from locoswarm.node.transport.reduce import PartContribution, combine_part, reducer_parts, screen_part
 from locoswarm.protocol import swarm_pb2
 
@@ -814,7 +814,7 @@ class SwarmTransport(Transport):
         self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
         self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
         # what this node's reductions saw of each sender's deviations (``locoswarm.node.core.persistence``)
-        self.deviations = DeviationMemory()
+        self.deviations = DeviationMemory(ceiling=self.robust.drift_ceiling)
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
         self._tasks: set[asyncio.Task] = set()
         self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
@@ -901,8 +901,12 @@ class SwarmTransport(Transport):
         malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
         short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
         average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
-        its own until it asks again. A reducer whose part this node refused pauses for ``TURNED_SOURCE_S``."""
+        its own until it asks again. A reducer whose part this node refused pauses for ``TURNED_SOURCE_S``. With a
+        drift ceiling, a peer this node muted round after round for its standing drift serves none
+        (``DeviationMemory.drifting``)."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
+            return False
+        if self.deviations.drifting(peer):  # with a drift ceiling: its phi carries the drift it spread
             return False
         return self.reputation is None or not (self.reputation.is_banned(peer)
                                                or self.reputation.offended(peer, "bad_state")
@@ -1019,7 +1023,8 @@ class SwarmTransport(Transport):
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
         members, versions, excluded, bases, doubted = matched
         self._follow_majority_bans(members, excluded, banned)
-        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, excluded)
+        apart = kept_apart(excluded, doubted) if self.deviations.keeps_apart else excluded
+        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart)
                      if self.peer_id in g)
         if len(group) < 2:
             self._not_in_round(req.fragment, req.round)
@@ -1082,7 +1087,7 @@ class SwarmTransport(Transport):
             self.standing.forget(req.fragment)  # someone falls behind: matchmaking gives it only the grace
             return None
         # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
-        doubted = self.deviations.doubted()
+        doubted = self.deviations.apart()
         standing = self.standing.take(req.fragment, req.round, expected, banned, doubted)
         if standing is None:
             return None
@@ -1253,7 +1258,7 @@ class SwarmTransport(Transport):
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
         me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate,
-                         self.deviations.doubted())
+                         self.deviations.apart())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
