@@ -209,7 +209,7 @@ class RobustSection:
                                    help="a sender whose standing drift (persistence of its difference from the "
                                         "reducer's own) is above this has no pull whatever the senders' median, and "
                                         "one muted round after round shares no group with the reducer and serves it "
-                                        "no state; 1 is off (experimental: 0.75 measured in the robustness bench)")
+                                        "no state; 1 is off (experimental, see docs/security.md)")
     trim_fraction: float = setting(0.25, shared=True, min=0.0, max=0.5,
                                    help="trimmed_mean: share of members dropped from each side per coordinate")
     consensus_tolerance: float = setting(0.1, shared=True, min=0.0, max=1.0,
