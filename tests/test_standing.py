@@ -136,6 +136,40 @@ def test_a_list_holding_a_peer_this_node_bans_does_not_stand() -> None:
     assert standing.take(0, 16, {"B", "C"}, banned=["X"]) is not None
 
 
+CODEC, N = get_codec("fp32", 16), 8192  # 8 chunks: parts for three reducers
+
+
+def _three_doubt_the_fourth(tmp_path, swarm_key: str, rounds: int, dhts: list, runtimes: list, transports: list,
+                            robust=None) -> list[str]:
+    """Four real transports in one DHT, room for all in one group; the first three have judged the fourth's standing
+    drift ``rounds`` times (fed to their memories as the reductions would). Fills the lists (the caller stops them)
+    and returns the peer ids, the fourth the drifter's."""
+    dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
+    for i in range(1, 4):
+        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
+    runtimes.extend(NetworkRuntime(d) for d in dhts)
+    ids = [r.peer_id for r in runtimes]
+    for i, runtime in enumerate(runtimes):
+        others = [p for p in ids if p != ids[i]]
+        transports.append(SwarmTransport(
+            runtime, swarm_key=swarm_key, fingerprint="fp", codec=CODEC, group_size=4, matchmaking_timeout=5.0,
+            round_timeout=20.0, live_peers=lambda o=others: o, robust=robust, latest_versions=lambda fragment: Belief(),
+            fetch=lambda fragment, holders, least, digest: None))
+        if i < 3:
+            honest = [p for p in ids[:3] if p != ids[i]]
+            for _ in range(rounds):
+                transports[i].deviations.standing_drift([*honest, "QmOther", ids[3]], [0.3, 0.3, 0.3, 0.95])
+    return ids
+
+
+def _average_round(transports: list, number: int) -> list:
+    """One round of fragment 0 on every transport, member ``i`` contributing ``i + 1 + number / 100`` everywhere."""
+    handles = [t.start_average(AverageRequest(
+        fragment=0, round=number, chunks=encode_chunks(CODEC, torch.full((N,), float(i + 1) + number / 100)),
+        numel=N, weight=1.0, version=1)) for i, t in enumerate(transports)]
+    return [h.result(60) for h in handles]
+
+
 @pytest.mark.timeout(240)
 def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(tmp_path) -> None:
     """Four real transports, one group: three doubt the fourth for its standing drift (fed to their memories as
@@ -145,33 +179,12 @@ def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(
 
     dhts, runtimes, transports = [], [], []
     try:
-        dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
-        for i in range(1, 4):
-            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
-        runtimes = [NetworkRuntime(d) for d in dhts]
-        ids = [r.peer_id for r in runtimes]
+        ids = _three_doubt_the_fourth(tmp_path, "locoswarm/idle-test/fp/", DRIFT_ROUNDS, dhts, runtimes, transports)
         drifter = ids[3]
-        codec, N = get_codec("fp32", 16), 8192  # 8 chunks: parts for three reducers
-        for i, runtime in enumerate(runtimes):
-            others = [p for p in ids if p != ids[i]]
-            transports.append(SwarmTransport(
-                runtime, swarm_key="locoswarm/idle-test/fp/", fingerprint="fp", codec=codec, group_size=4,
-                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=others: o,
-                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
-            if i < 3:
-                honest = [p for p in ids[:3] if p != ids[i]]
-                for _ in range(DRIFT_ROUNDS):
-                    transports[i].deviations.standing_drift([*honest, "QmOther", drifter], [0.3, 0.3, 0.3, 0.95])
         assert [t.deviations.doubted() for t in transports[:3]] == [[drifter]] * 3
 
-        def round_(number: int) -> list:
-            handles = [t.start_average(AverageRequest(
-                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((N,), float(i + 1) + number / 100)),
-                numel=N, weight=1.0, version=1)) for i, t in enumerate(transports)]
-            return [h.result(60) for h in handles]
-
         for number in (10, 20):
-            results = round_(number)
+            results = _average_round(transports, number)
             assert all(r.ok for r in results), [r.error for r in results]
             reducers = [{o.reducer for o in r.parts} for r in results]
             assert all(rs == set(ids[:3]) for rs in reducers), (number, reducers)
@@ -199,33 +212,12 @@ def test_with_a_drift_ceiling_a_member_the_others_keep_apart_is_in_none_of_their
     robust = dataclasses.replace(RobustSection(), drift_ceiling=0.75)
     dhts, runtimes, transports = [], [], []
     try:
-        dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
-        for i in range(1, 4):
-            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
-        runtimes = [NetworkRuntime(d) for d in dhts]
-        ids = [r.peer_id for r in runtimes]
-        drifter = ids[3]
-        codec, N = get_codec("fp32", 16), 8192
-        for i, runtime in enumerate(runtimes):
-            others = [p for p in ids if p != ids[i]]
-            transports.append(SwarmTransport(
-                runtime, swarm_key="locoswarm/apart-test/fp/", fingerprint="fp", codec=codec, group_size=4,
-                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=others: o, robust=robust,
-                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
-            if i < 3:
-                honest = [p for p in ids[:3] if p != ids[i]]
-                for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
-                    transports[i].deviations.standing_drift([*honest, "QmOther", drifter], [0.3, 0.3, 0.3, 0.95])
-        assert [t.deviations.apart() for t in transports[:3]] == [[drifter]] * 3
-
-        def round_(number: int) -> list:
-            handles = [t.start_average(AverageRequest(
-                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((N,), float(i + 1) + number / 100)),
-                numel=N, weight=1.0, version=1)) for i, t in enumerate(transports)]
-            return [h.result(60) for h in handles]
+        ids = _three_doubt_the_fourth(tmp_path, "locoswarm/apart-test/fp/", DRIFT_ROUNDS + SUSTAINED_MUTES, dhts,
+                                      runtimes, transports, robust=robust)
+        assert [t.deviations.apart() for t in transports[:3]] == [[ids[3]]] * 3
 
         for number in (10, 20):
-            results = round_(number)
+            results = _average_round(transports, number)
             assert all(r.ok for r in results[:3]), [r.error for r in results]
             assert not results[3].ok and NO_PEER_IN_GROUP in (results[3].error or ""), results[3].error
             assert all({o.reducer for o in r.parts} == set(ids[:3]) for r in results[:3])

@@ -469,55 +469,57 @@ class ReplayAttack(NodeAttack):
         averaging.SwarmTransport.start_average = start_average
 
 
-class BadReduceAttack(NodeAttack):
-    name = "badreduce"
-    help = "as a reducer, returns its part of the average negated and scaled by 3"
+class _PartAttack(NodeAttack):
+    """As a reducer, it reduces honestly, then changes each chunk of its part of the average (:meth:`turn`) before
+    it streams the part back; rounds that average phi itself are left alone."""
+
     keeps_peers = True
 
     def apply(self) -> None:
         from locoswarm.node.swarm import averaging
 
         original = averaging._Reduction._reduce
+        turn = self.turn
 
         @functools.wraps(original)
         def reduce(session):
             result = original(session)
             if not session.consensus:
-                result.chunks = {c: session.codec.encode(-3.0 * session.codec.decode(data, session.sizes[c]))
+                result.chunks = {c: session.codec.encode(turn(session.key[0], c,
+                                                              session.codec.decode(data, session.sizes[c])))
                                  for c, data in result.chunks.items()}
             return result
 
         averaging._Reduction._reduce = reduce
 
+    @staticmethod
+    @abstractmethod
+    def turn(fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
+        """What it sends instead of the reduced ``values`` of ``chunk`` of ``fragment``."""
 
-class ReduceDriftAttack(NodeAttack):
+
+class BadReduceAttack(_PartAttack):
+    name = "badreduce"
+    help = "as a reducer, returns its part of the average negated and scaled by 3"
+
+    @staticmethod
+    def turn(fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
+        return -3.0 * values
+
+
+class ReduceDriftAttack(_PartAttack):
     name = "reducedrift"
     help = "as a reducer, adds 2x its part's rms times a fixed sign pattern to its part of the average, every round"
-    keeps_peers = True
 
-    def apply(self) -> None:
+    @staticmethod
+    def turn(fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
         import torch
 
-        from locoswarm.node.swarm import averaging
-
-        original = averaging._Reduction._reduce
-
-        @functools.wraps(original)
-        def reduce(session):
-            result = original(session)
-            if not session.consensus:
-                drifted = {}
-                for c, data in result.chunks.items():
-                    x = session.codec.decode(data, session.sizes[c])
-                    # the same pattern for this chunk of this fragment in every round: its effect adds up
-                    gen = torch.Generator().manual_seed(2000 + 1000 * session.key[0] + c)
-                    pattern = torch.randint(0, 2, x.shape, generator=gen).to(x.dtype) * 2 - 1
-                    rms = float(x.norm()) / max(1, x.numel()) ** 0.5
-                    drifted[c] = session.codec.encode(x + 2.0 * rms * pattern)
-                result.chunks = drifted
-            return result
-
-        averaging._Reduction._reduce = reduce
+        # the same pattern for this chunk of this fragment in every round: its effect adds up
+        gen = torch.Generator().manual_seed(2000 + 1000 * fragment + chunk)
+        pattern = torch.randint(0, 2, values.shape, generator=gen).to(values.dtype) * 2 - 1
+        rms = float(values.norm()) / max(1, values.numel()) ** 0.5
+        return values + 2.0 * rms * pattern
 
 
 class StateLiarAttack(NodeAttack):
