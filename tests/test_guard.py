@@ -15,7 +15,7 @@ from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.guard import GuardLimits, check_average, check_outer_step, check_shift, check_snapshot
 from locoswarm.node.core.judge import EffectJudge, LossJudge
-from locoswarm.node.core.outer_loop import SNAPSHOT_SLACK, OuterLoop
+from locoswarm.node.core.outer_loop import DOUBTED_SLACK, SNAPSHOT_SLACK, OuterLoop
 from locoswarm.node.core.state import FragmentState
 from locoswarm.node.core.transport import (
     AverageHandle,
@@ -303,8 +303,10 @@ class _CoupledJudge(EffectJudge):
         return out
 
 
-def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0, nothing: float = math.inf):
-    """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served``."""
+def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0, nothing: float = math.inf,
+                     doubted: bool = False):
+    """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served`` (``doubted``: the transport
+    doubts the holder)."""
     outer = OuterSection(method="replace", h=2, fragments=2, tau=0, codec="fp32", error_feedback=False,
                          schedule="fixed", consensus_every=0)
     model = build_model(ModelSection(), VOCAB)
@@ -316,8 +318,8 @@ def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 
                        for p in range(2)], keep_progress=False) == {}
     for p in range(2):
         phi = loop.snapshot(p).phi.clone()
-        snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder") if p in served \
-            else None
+        snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder",
+                                    doubted=doubted) if p in served else None
     loop.judge = _CoupledJudge(loop, snaps, new_loss, relative, nothing)
     events = []
     for t in range(1, 9):
@@ -376,6 +378,23 @@ def test_a_catch_up_never_takes_a_phi_much_worse_than_its_own_and_says_whence_it
     assert sorted((e.kind, e.fragment) for e in events) == [("caught_up", 0), ("caught_up", 1)], events
     assert loop.version(0) == loop.version(1) == 105
     assert "from QmHolder" in events[0].error and "held-out loss" in events[0].error
+
+
+def test_a_catch_up_from_a_source_the_transport_doubts_may_do_only_a_little_worse() -> None:
+    """A source the transport muted lately for its standing drift (``FragmentSnapshot.doubted``) serves a phi at
+    most ``DOUBTED_SLACK`` times the tolerance worse: 2 + 2 drift runs took a drifter's phi 22% worse. Refused without
+    blame (an honest member disturbed by an attack is muted now and then too); a phi about as good is still taken."""
+    worse = 1.0 + (DOUBTED_SLACK + SNAPSHOT_SLACK) / 2     # the undoubted bound would take it
+    loop, transport, events = _far_behind_node({0, 1}, new_loss=worse, relative=1.0, doubted=True)
+    assert sorted((e.kind, e.fragment) for e in events) == [("refused", 0), ("refused", 1)], events
+    assert "muted lately" in events[0].error
+    assert transport.rejected == [(0, False, False), (1, False, False)]
+    assert loop.version(0) == loop.version(1) == 5
+    loop, _, events = _far_behind_node({0, 1}, new_loss=worse, relative=1.0)
+    assert sorted((e.kind, e.fragment) for e in events) == [("caught_up", 0), ("caught_up", 1)], events
+    loop, _, events = _far_behind_node({0, 1}, new_loss=1.0 + DOUBTED_SLACK / 2, relative=1.0, doubted=True)
+    assert sorted((e.kind, e.fragment) for e in events) == [("caught_up", 0), ("caught_up", 1)], events
+    assert loop.version(0) == loop.version(1) == 105
 
 
 def test_the_pooled_loss_is_the_mean_over_every_held_out_batch_and_leaves_the_model_as_it_was() -> None:

@@ -218,6 +218,8 @@ def test_only_a_sender_muted_round_after_round_is_kept_apart_and_its_doubt_lapse
     for _ in range(SUSTAINED_MUTES - 1):
         assert memory.standing_drift(["x"], [0.95], now=t)[0] is not None, "a pair: the ceiling alone mutes"
     assert memory.apart(now=t) == [], "muted, not yet round after round"
+    assert memory.muted_lately("x", now=t + 0.5 * DOUBT_S) and not memory.muted_lately("x", now=t + 1.1 * DOUBT_S)
+    assert not memory.muted_lately("nobody", now=t)
     memory.standing_drift(["x"], [0.95], now=t)
     assert memory.apart(now=t) == ["x"] and memory.drifting("x")
     assert memory.apart(now=t + 0.5 * DOUBT_S) == ["x"]

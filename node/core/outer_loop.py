@@ -113,6 +113,12 @@ SNAPSHOT_SLACK = 0.5
 # alone on its lineage, not refusing anyone, and holding out for a phi no worse than its own would keep it there
 # for good (no round of the swarm's version can include it, and the swarm's phi need not do better on its data).
 FOLDED_SLACK = 0.0
+# ... and past DOUBTED_SLACK times the tolerance (5% worse at the default tolerance) where the transport doubts the
+# source (``FragmentSnapshot.doubted``: it muted that peer lately for its standing drift): its phi carries the drift
+# that was muted. Why: in a 2 + 2 drift run both honest nodes caught up from a drifter they had muted 4 times in the
+# 10 s before, its phi 22% worse on their held-out batches than their own, and their eval rose 20% above clean
+# (robustness bench, drift_ceiling 0.75, 9e0975f); honest catch-ups in clean runs measured -1.3% to +2.6%.
+DOUBTED_SLACK = 0.05
 
 
 @dataclass
@@ -935,7 +941,8 @@ class OuterLoop:
         another way than ours is not blamed); an offence when they give a held-out loss ``ABSURD_WORSE`` above
         ours (conclusive when it is not finite or worse than knowing nothing), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
-        versions). Stricter right after a fold (``FOLDED_SLACK``). With the verdict, the two losses in words (for
+        versions). Stricter right after a fold (``FOLDED_SLACK``) and from a source the transport doubts
+        (``DOUBTED_SLACK``). With the verdict, the two losses in words (for
         the log: what a catch-up did to this node's model)."""
         if self.judge is None:
             return None, ""
@@ -944,14 +951,18 @@ class OuterLoop:
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
-        if not self.judge.harmful(theirs, ours, slack=FOLDED_SLACK if folded else SNAPSHOT_SLACK):
+        doubted = any(s.doubted for s in snaps)
+        slack = FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else SNAPSHOT_SLACK
+        if not self.judge.harmful(theirs, ours, slack=slack):
             return None, judged
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         conclusive = blamed and (not math.isfinite(theirs) or theirs > self.judge.knowing_nothing())
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
-        after = " (after a fold: no worse is taken)" if folded else ""
+        after = (" (after a fold: no worse is taken)" if folded else
+                 f" (from a source this node muted lately: at most {DOUBTED_SLACK:.0%} of the tolerance worse)"
+                 if doubted else "")
         return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
                        offence=blamed, conclusive=conclusive), judged
 

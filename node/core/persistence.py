@@ -178,6 +178,13 @@ class DeviationMemory:
         now = time.monotonic() if now is None else now
         return sorted(s for s, at in self._last_mute.items() if now - at <= DOUBT_S and self.drifting(s))
 
+    def muted_lately(self, sender: str, *, within_s: float = DOUBT_S, now: float | None = None) -> bool:
+        """Whether this reducer muted ``sender`` for its standing drift at most ``within_s`` seconds ago (with or
+        without a ceiling): a state it serves carries the drift that was muted (``FragmentSnapshot.doubted``)."""
+        at = self._last_mute.get(sender)
+        now = time.monotonic() if now is None else now
+        return at is not None and now - at <= within_s
+
     def get(self, key: Key) -> torch.Tensor | None:
         return self._mem.get(key)
 

@@ -103,6 +103,9 @@ class FragmentSnapshot:
     phi: torch.Tensor
     momentum: torch.Tensor
     source: str = ""          # the peer it came from (a transport's own bookkeeping)
+    # The transport doubts its source: it muted that peer's contributions lately for their standing drift
+    # (``DeviationMemory.muted_lately``). The effect check then allows it less (``outer_loop.DOUBTED_SLACK``).
+    doubted: bool = False
     # The source's claim of its swarm clock and inner steps when it sent the state, and this node's wall
     # time then (None: not told): judged by the swarm clock like a heartbeat before a joiner takes a clock.
     clock: int | None = None

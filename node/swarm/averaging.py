@@ -970,7 +970,10 @@ class SwarmTransport(Transport):
             self._probed[(fragment, peer)] = time.monotonic()
         while len(self._probed) > MAX_JOINERS:
             self._probed.pop(next(iter(self._probed)))
-        return self._fetch(fragment, belief.holders, belief.version, belief.digest)
+        snapshot = self._fetch(fragment, belief.holders, belief.version, belief.digest)
+        if snapshot is not None and snapshot.source:
+            snapshot.doubted = self.deviations.muted_lately(snapshot.source)
+        return snapshot
 
     def start_fetch(self, fragment: int) -> FetchHandle:
         """Download in a background thread (one at a time: they share the link): a catch-up of a few MB
