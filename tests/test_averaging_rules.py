@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -469,6 +470,26 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
         assert stub.deviations.apart() == [], "the doubt lapsed (stamped at 0, long ago)"
         assert SwarmTransport._state_source(stub, "QmDrifter") is not refused
         assert SwarmTransport._state_source(stub, "QmHonest")
+
+
+def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> None:
+    """A snapshot says whether this node muted its source lately for its standing drift (the outer loop's effect
+    check then allows it only ``DOUBTED_SLACK`` worse): its phi carries the drift that was muted."""
+    from locoswarm.node.core.persistence import DOUBT_S, DRIFT_ROUNDS
+    from locoswarm.node.core.transport import FragmentSnapshot
+    from locoswarm.node.swarm.versions import Belief
+
+    for ceiling in (0.75, 1.0):
+        memory = DeviationMemory(ceiling=ceiling)
+        for _ in range(DRIFT_ROUNDS + 1):   # with honest partners the median mutes it, without them the ceiling
+            memory.standing_drift(["QmDrifter", "QmHonest", "QmOther"], [0.95, 0.3, 0.35])
+        for source, doubted in (("QmDrifter", True), ("QmHonest", False)):
+            def served(fragment: int, holders: list[str], version: int, digest: bytes, source: str = source):
+                return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=source)
+            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served,
+                                   _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]))
+            assert SwarmTransport.fetch_fragment(stub, 0).doubted is doubted, (ceiling, source)
+        assert not memory.muted_lately("QmDrifter", now=time.monotonic() + 2 * DOUBT_S), "the doubt lapses"
 
 
 def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups_again() -> None:
