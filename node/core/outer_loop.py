@@ -942,8 +942,8 @@ class OuterLoop:
         ours (conclusive when it is not finite or worse than knowing nothing), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
         versions). Stricter right after a fold (``FOLDED_SLACK``) and from a source the transport doubts
-        (``DOUBTED_SLACK``). With the verdict, the two losses in words (for
-        the log: what a catch-up did to this node's model)."""
+        (``DOUBTED_SLACK``). With the verdict, the two losses in words (for the log: what a catch-up did to this
+        node's model)."""
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1

@@ -175,8 +175,7 @@ class DeviationMemory:
         remembered) or finds it changed. Without a ceiling: :meth:`doubted`."""
         if not self.keeps_apart:
             return self.doubted()
-        now = time.monotonic() if now is None else now
-        return sorted(s for s, at in self._last_mute.items() if now - at <= DOUBT_S and self.drifting(s))
+        return sorted(s for s in self._last_mute if self.muted_lately(s, now=now) and self.drifting(s))
 
     def muted_lately(self, sender: str, *, within_s: float = DOUBT_S, now: float | None = None) -> bool:
         """Whether this reducer muted ``sender`` for its standing drift at most ``within_s`` seconds ago (with or
