@@ -696,7 +696,7 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
     and agrees with it; a part a reducer negated does not (REDUCED_AGREEMENT), and three such parts ban it."""
     from locoswarm.node.core.payload import chunk_bounds, encode_chunks
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, reduced_agreement
+    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, part_geometry
     from locoswarm.node.swarm.reputation import Reputation
 
     own, other = _honest(0), _honest(1)
@@ -705,14 +705,88 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
     part = range(len(bounds))
     honest_part = dict(enumerate(encode_chunks(CODEC, (own + other) / 2)))
     turned = dict(enumerate(encode_chunks(CODEC, -3.0 * (own + other) / 2)))
-    assert reduced_agreement(CODEC, req, {c: honest_part[c] for c in part}, bounds) > 0.5
-    assert reduced_agreement(CODEC, req, {c: turned[c] for c in part}, bounds) < REDUCED_AGREEMENT
+    def agreement(chunks: dict[int, bytes]) -> float:
+        return part_geometry(CODEC, req, {c: chunks[c] for c in part}, bounds).agreement
+
+    assert agreement(honest_part) > 0.5
+    assert agreement(turned) < REDUCED_AGREEMENT
     rep = Reputation()
     stub = SimpleNamespace(reputation=rep)
     for _ in range(REDUCED_WINDOW):
-        SwarmTransport._judge_reduction(stub, "QmBad", reduced_agreement(CODEC, req, turned, bounds))
-        SwarmTransport._judge_reduction(stub, "QmGood", reduced_agreement(CODEC, req, honest_part, bounds))
+        SwarmTransport._judge_reduction(stub, "QmBad", agreement(turned))
+        SwarmTransport._judge_reduction(stub, "QmGood", agreement(honest_part))
     assert rep.is_banned("QmBad") and not rep.is_banned("QmGood")
+
+
+def _spread_round(seed: int, members: int, drift: float = 0.0, pattern_seed: int = 99):
+    """One round's reduced part and this member's (member 0's) contribution to it: the mean of ``members`` honest
+    contributions, plus ``drift`` times its rms in a fixed sign pattern (the bench's ``reducedrift``)."""
+    from locoswarm.node.core.transport import AverageRequest
+
+    contributions = [_honest(1000 * seed + m) for m in range(members)]
+    mean = sum(contributions) / members
+    pattern = torch.randint(0, 2, (NUMEL,), generator=torch.Generator().manual_seed(pattern_seed)) * 2.0 - 1
+    reduced = mean + drift * float(mean.norm()) / NUMEL ** 0.5 * pattern
+    req = AverageRequest(fragment=0, round=seed, chunks=encode_chunks(CODEC, contributions[0]), numel=NUMEL,
+                         weight=1.0, version=1)
+    return req, dict(enumerate(encode_chunks(CODEC, reduced)))
+
+
+def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banned_an_honest_one_never() -> None:
+    """A reducer that adds a fixed pattern (twice its part's rms) keeps its part's agreement with ours positive, so
+    the direction check passes it; but its part spreads away from our contribution about three times as far as
+    the part we reduced ourselves from the same members. Parts beyond SPREAD_REFUSE are refused, and the evidence
+    bans it within SPREAD_WINDOW rounds; honest reducers' parts (the same mixing, other draws) never are, over
+    many rounds, and neither is anything judged in a pair (not evidence there)."""
+    from locoswarm.node.swarm.averaging import (
+        REDUCED_AGREEMENT,
+        SPREAD_REFUSE,
+        SPREAD_WINDOW,
+        _PartResult,
+        part_geometry,
+    )
+
+    def part(reducer: str, seed: int, drift: float = 0.0) -> _PartResult:
+        req, chunks = _spread_round(seed, 4, drift)
+        return _PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)))
+
+    pair = SimpleNamespace(judges_reduced_part=lambda reducer: False)
+
+    def transport(view=None) -> SimpleNamespace:
+        return SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: view)
+
+    honest = transport()
+    for r in range(40):  # honest reducers of other parts: the same mixing as ours, never refused or banned
+        SwarmTransport._judge_spreads(honest, 0, r, part("QmMe", 3 * r), [part("QmB", 3 * r + 1),
+                                                                           part("QmC", 3 * r + 2)])
+    assert not honest.reputation.is_banned("QmB") and not honest.reputation.is_banned("QmC")
+
+    drifted = part("QmD", 1, drift=2.0)
+    assert drifted.geometry.agreement > REDUCED_AGREEMENT  # what the direction check alone lets through
+    hostile = transport()
+    refused = 0
+    for r in range(SPREAD_WINDOW):
+        try:
+            SwarmTransport._judge_spreads(hostile, 0, r, part("QmMe", 3 * r), [part("QmB", 3 * r + 1),
+                                                                                part("QmD", 3 * r + 2, 2.0)])
+        except PartRefused as exc:
+            assert "QmD" in str(exc) and f"at most {SPREAD_REFUSE:g}x" in str(exc)
+            refused += 1
+        if hostile.reputation.is_banned("QmD"):
+            break
+    assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
+    assert refused >= 1 and "QmD" in hostile._refused_sources
+
+    in_pair = transport(view=pair)
+    for r in range(2 * SPREAD_WINDOW):
+        SwarmTransport._judge_spreads(in_pair, 0, r, part("QmMe", 3 * r), [part("QmD", 3 * r + 2, 2.0)])
+    assert not in_pair.reputation.is_banned("QmD")
+    # no reference: our own part holds only our own contribution
+    alone = transport()
+    for r in range(2 * SPREAD_WINDOW):
+        SwarmTransport._judge_spreads(alone, 0, r, _PartResult("QmMe", {}, 1.0, [], None),
+                                      [part("QmD", 3 * r + 2, 2.0)])
+    assert not alone.reputation.is_banned("QmD")
 
 
 def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:

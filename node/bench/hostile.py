@@ -28,6 +28,7 @@ memory and the version rules can tell:
   members' averages, byte for byte);
 - ``badreduce``:   as a reducer, returns its part of the average negated and scaled by 3;
 - ``reducedrift``: as a reducer, adds 2x its part's rms times a fixed sign pattern to its part, every round;
+- ``reducenudge``: the same at 0.8x its part's rms, which keeps the part's spread inside what honest parts show;
 - ``stateliar``:   heartbeats claim version +2 of every fragment (inside the swarm clock's bound), with the
   digest of what its state server serves at that version: its phi negated (finite, ordinary norm);
 - ``statenoise``:  the same, serving noise of its phi's norm instead (no reversal: a cosine of about 0 with an
@@ -510,16 +511,24 @@ class BadReduceAttack(_PartAttack):
 class ReduceDriftAttack(_PartAttack):
     name = "reducedrift"
     help = "as a reducer, adds 2x its part's rms times a fixed sign pattern to its part of the average, every round"
+    scale = 2.0
 
-    @staticmethod
-    def turn(fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def turn(cls, fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
         import torch
 
         # the same pattern for this chunk of this fragment in every round: its effect adds up
         gen = torch.Generator().manual_seed(2000 + 1000 * fragment + chunk)
         pattern = torch.randint(0, 2, values.shape, generator=gen).to(values.dtype) * 2 - 1
         rms = float(values.norm()) / max(1, values.numel()) ** 0.5
-        return values + 2.0 * rms * pattern
+        return values + cls.scale * rms * pattern
+
+
+class ReduceNudgeAttack(ReduceDriftAttack):
+    name = "reducenudge"
+    help = ("reducedrift at 0.8x its part's rms: a part that spreads about 1.5x as far from a member's contribution "
+            "as the member's own part, inside the ban's bound of 1.8x")
+    scale = 0.8
 
 
 class StateLiarAttack(NodeAttack):
@@ -570,12 +579,10 @@ class VersionLiarAttack(StateLiarAttack):
     lie = VERSION_LIE
 
 
-NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (WeightAttack, ValuesAttack, NanAttack, ReducerAttack,
-                                                                   StateAttack, ClockAttack, ForgeAttack, FlipAttack,
-                                                                   IpmAttack, DriftAttack, SleeperAttack, ReplayAttack,
-                                                                   BadReduceAttack, ReduceDriftAttack, StateLiarAttack,
-                                                                   StateNoiseAttack,
-                                                                   VersionLiarAttack)}
+NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (
+    WeightAttack, ValuesAttack, NanAttack, ReducerAttack, StateAttack, ClockAttack, ForgeAttack, FlipAttack, IpmAttack,
+    DriftAttack, SleeperAttack, ReplayAttack, BadReduceAttack, ReduceDriftAttack, ReduceNudgeAttack, StateLiarAttack,
+    StateNoiseAttack, VersionLiarAttack)}
 
 
 # ---- client attacks: a peer that never joins matchmaking --------------------------------------------

@@ -32,8 +32,8 @@ from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 
 OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
-IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "stateliar", "statenoise",
-            "versionliar")
+IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
+            "statenoise", "versionliar")
 KINDS = ("clean", *OUT_OF_BOUND, *IN_BOUND)
 CLIENT_KINDS = ("inject", "flood", "download")
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns

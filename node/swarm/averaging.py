@@ -105,9 +105,9 @@ MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
-# A reduced part whose agreement with this member's own contribution (``reduced_agreement``) is below this is
+# A reduced part whose agreement with this member's own contribution (``part_geometry``) is below this is
 # not applied (the round fails), and reducers whose last REDUCED_WINDOW parts average below it are banned.
-# Honest parts of one lineage were never below -0.04 (``reduced_agreement``; of another, see UNLINED_TURNED); a
+# Honest parts of one lineage were never below -0.04 (``part_geometry``; of another, see UNLINED_TURNED); a
 # hostile reducer's negated part scattered from -0.31 to -0.58 where refused at -0.3, and those above it were
 # applied (a CI run of the hostile-node tests).
 REDUCED_AGREEMENT = -0.1
@@ -119,6 +119,18 @@ UNLINED_HARM = 8
 # reducers of another lineage sent parts down to -0.34 while a state liar disrupted the swarm (robustness bench,
 # 180 s), a reducer that negates its part -0.7 to -0.96 (hostile-node tests), -0.27 to -0.90 (the bench, 180 s).
 UNLINED_TURNED = -0.5
+# A reducer's part and this member's own part of one round reduce the same members' contributions, so an honest
+# reducer's part spreads away from this member's contribution about as much as the part this member reduced itself
+# (``spread_ratio``; in-process runs of the tiny preset, 3-6 members, 2,800 honest parts: median 0.98-1.0, the
+# largest 1.6-2.4; the geometric mean of 3 in a row at most 1.75). A reducer that adds a fixed pattern of twice its
+# part's rms (the bench's ``reducedrift``) spread 1.4-7.9 times as much (median 3.1). Reducers whose last
+# SPREAD_WINDOW parts spread more than SPREAD_BAN times as much on the whole (the log ratio's sum, accumulated:
+# ``Reputation.judge``) are banned; a part beyond SPREAD_REFUSE is not applied (the round fails, no offence alone).
+# An own part that spreads less than SPREAD_FLOOR (its members nearly agreed with ours) is taken as SPREAD_FLOOR.
+SPREAD_WINDOW = 4
+SPREAD_BAN = 1.8
+SPREAD_REFUSE = 3.0
+SPREAD_FLOOR = 0.05
 # A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
 # member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
 # mostly noise (it has little pull anyway).
@@ -460,10 +472,19 @@ def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, byte
     return None
 
 
-def reduced_agreement(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
-                      bounds: list[tuple[int, int]]) -> float | None:
-    """The cosine of a reducer's part with this member's own contribution to it (None: ours is zero there). The
-    honest mean of a part includes ours: on the tiny presets its cosine with each member's own was at least
+@dataclass(frozen=True)
+class PartGeometry:
+    """A reduced part seen from this member's own contribution ``c`` to it: ``agreement``, the cosine of the part
+    with ``c``; ``spread``, the norm of the part's component orthogonal to ``c`` over the norm of ``c``."""
+
+    agreement: float
+    spread: float
+
+
+def part_geometry(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
+                  bounds: list[tuple[int, int]]) -> PartGeometry | None:
+    """The geometry of a reduced part against this member's own contribution to it (None: either is zero there).
+    The honest mean of a part includes ours: on the tiny presets its cosine with each member's own was at least
     -0.04 (4 and 6 members), where a negated part gives about -0.5."""
     dot = own_sq = red_sq = 0.0
     for c, data in chunks.items():
@@ -475,7 +496,14 @@ def reduced_agreement(codec: Codec, req: AverageRequest, chunks: dict[int, bytes
         red_sq += float(red @ red)
     if own_sq <= 0 or red_sq <= 0:
         return None
-    return dot / math.sqrt(own_sq * red_sq)
+    return PartGeometry(agreement=dot / math.sqrt(own_sq * red_sq),
+                        spread=math.sqrt(max(0.0, red_sq - dot * dot / own_sq) / own_sq))
+
+
+def spread_ratio(part: PartGeometry, own: PartGeometry) -> float:
+    """How much more a reducer's part spreads away from this member's contribution than this member's own part,
+    which it reduced itself from the same members' contributions (``SwarmTransport._judge_spreads``)."""
+    return part.spread / max(own.spread, SPREAD_FLOOR)
 
 
 def _finite(values: Iterable[float]) -> bool:
@@ -494,6 +522,16 @@ def _nonzero(codec: Codec, data: bytes, numel: int) -> bool:
 
 def _nonzero_chunks(codec: Codec, chunks: Mapping[int, bytes], sizes: Mapping[int, int]) -> list[bytes]:
     return [data for c, data in sorted(chunks.items()) if _nonzero(codec, data, sizes[c])]
+
+
+class _PartResult(NamedTuple):
+    """One reduced part of a round as this member received it (its own included)."""
+
+    reducer: str
+    chunks: dict[int, bytes]
+    total_weight: float
+    extras: list[float]
+    geometry: PartGeometry | None  # against this member's own contribution (``part_geometry``)
 
 
 @dataclass
@@ -1357,17 +1395,21 @@ class SwarmTransport(Transport):
         for peer in self._refused_early.pop((req.fragment, req.round), ()):
             session.drop(peer, "its stream was refused")
 
-        async def own_part():
+        async def own_part() -> _PartResult:
             reduced = await session.done
             if reduced.total_weight <= 0:
                 raise RuntimeError("every contribution to this node's part was refused")
-            return me, reduced.chunks, reduced.total_weight, reduced.extras
+            # our part is the reference of the others' spread only where it mixes others' contributions in
+            mixed = not req.digest and reduced.total_weight > req.weight * (1 + 1e-6)
+            geometry = part_geometry(codec, req, reduced.chunks, bounds) if mixed else None
+            return _PartResult(self.peer_id, reduced.chunks, reduced.total_weight, reduced.extras, geometry)
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
                                 for j in range(n) if j != me]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
+            self._judge_spreads(req.fragment, req.round, results[0], results[1:])
         except Exception as exc:
             session.fail(str(exc) or type(exc).__name__)
             sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
@@ -1380,9 +1422,9 @@ class SwarmTransport(Transport):
             loop.call_later(self.round_timeout, self._end_session, key)
         reduced: dict[int, bytes] = {}
         total_weight, avg_extras = 0.0, extras
-        for _, chunks, total, ex in results:
-            reduced.update(chunks)
-            total_weight, avg_extras = total, ex
+        for r in results:
+            reduced.update(r.chunks)
+            total_weight, avg_extras = r.total_weight, r.extras
         if len(reduced) != len(bounds):
             return AverageResult.failed("incomplete group result", own_weight=req.weight)
         self._remember_payload(req, reduced.items(), averaged=True)
@@ -1461,14 +1503,13 @@ class SwarmTransport(Transport):
             # a consensus part far from our phi may be an honest member's of another lineage: refused, no blame
             self._offence(peer, "bad_reduction", reason, offence=not req.digest)
             raise PartRefused(f"peer {peer[:12]} sent a bad reduced part: {reason}")
-        if not req.digest:
-            agreement = reduced_agreement(codec, req, chunks, bounds)
-            if agreement is not None:
-                view = self._local_view(req.fragment, req.round)
-                self._check_reduced_direction(peer, agreement, same_lineage=int(h.lineage) == req.lineage,
-                                              evidence=view is None or view.judges_reduced_part(peer))
+        geometry = None if req.digest else part_geometry(codec, req, chunks, bounds)
+        if geometry is not None:
+            view = self._local_view(req.fragment, req.round)
+            self._check_reduced_direction(peer, geometry.agreement, same_lineage=int(h.lineage) == req.lineage,
+                                          evidence=view is None or view.judges_reduced_part(peer))
         self._remember_payload(req, chunks.items(), averaged=True)
-        return part, chunks, h.total_weight, list(h.extras)
+        return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry)
 
     def _codec(self, name: str) -> Codec:
         from locoswarm.node.core.codecs import get_codec
@@ -1616,7 +1657,7 @@ class SwarmTransport(Transport):
 
     def _check_reduced_direction(self, peer: str, agreement: float, *, same_lineage: bool,
                                  evidence: bool = True) -> None:
-        """A reduced part's agreement with this member's own contribution to it (``reduced_agreement``): evidence
+        """A reduced part's agreement with this member's own contribution to it (``part_geometry``): evidence
         against its reducer, and a part below ``REDUCED_AGREEMENT`` is not applied (raises, the round fails).
         Within one lineage its last REDUCED_WINDOW parts ban it when they average below REDUCED_AGREEMENT. The
         lineage is the reducer's own claim, and a reducer that turned every part and named another phi failed
@@ -1650,6 +1691,30 @@ class SwarmTransport(Transport):
         kind, bound = ("reduction", REDUCED_AGREEMENT) if same_lineage else ("reduction_other_phi", UNLINED_TURNED)
         self.reputation.judge(peer, kind, agreement, window=REDUCED_WINDOW, ban_below=bound, good_from=0.0,
                               detail="agreement of its reduced parts with this node's own progress")
+
+    def _judge_spreads(self, fragment: int, round_: int, own: _PartResult, parts: Iterable[_PartResult]) -> None:
+        """Each reducer's part against the part this member reduced itself (``spread_ratio``, SPREAD_WINDOW): evidence
+        against a reducer that adds its own pattern to the average, which no check of one part's size or
+        direction alone sees (twice its rms in a fixed sign pattern kept the part's agreement near +0.3). Raises
+        ``PartRefused`` for a part beyond SPREAD_REFUSE or from a reducer this judgement just banned. Not evidence
+        where ``_check_reduced_direction``'s is not (a pair), and none without a reference: our own part must mix
+        others' contributions in. A member cannot frame an honest reducer far: what it sends that reducer moves
+        the part by at most its share of the group's weight times the clip radius."""
+        if own.geometry is None or self.reputation is None:
+            return
+        view = self._local_view(fragment, round_)
+        for part in parts:
+            if part.geometry is None or (view is not None and not view.judges_reduced_part(part.reducer)):
+                continue
+            ratio = spread_ratio(part.geometry, own.geometry)
+            banned = self.reputation.judge(
+                part.reducer, "reduction_spread", -math.log(max(ratio, 1e-6)), window=SPREAD_WINDOW,
+                ban_below=-math.log(SPREAD_BAN), good_from=-math.log(SPREAD_BAN) / 2, accumulate=True,
+                detail=f"log of how much more its reduced parts spread than this node's own, {ratio:.2f}x last")
+            if banned or ratio > SPREAD_REFUSE:
+                _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
+                raise PartRefused(f"peer {part.reducer[:12]} sent a reduced part that spreads {ratio:.2f}x as far "
+                                  f"from this node's contribution as its own part (at most {SPREAD_REFUSE:g}x)")
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
         """The outer loop refused ``result`` for ``part``'s effect on its held-out loss: an offence of its
