@@ -735,57 +735,62 @@ def _spread_round(seed: int, members: int, drift: float = 0.0, pattern_seed: int
 def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banned_an_honest_one_never() -> None:
     """A reducer that adds a fixed pattern (twice its part's rms) keeps its part's agreement with ours positive, so
     the direction check passes it; but its part spreads away from our contribution about three times as far as
-    the part we reduced ourselves from the same members. Parts beyond SPREAD_REFUSE are refused, and the evidence
-    bans it within SPREAD_WINDOW rounds; honest reducers' parts (the same mixing, other draws) never are, over
-    many rounds, and neither is anything judged in a pair (not evidence there)."""
+    the part we reduced ourselves from the same members, and the evidence bans it within SPREAD_WINDOW rounds. A
+    part beyond SPREAD_REFUSE (a larger pattern) is refused at once. Honest reducers' parts (the same mixing, other
+    draws) never are, over many rounds, and nothing judged in a pair is evidence."""
     from locoswarm.node.swarm.averaging import (
         REDUCED_AGREEMENT,
         SPREAD_REFUSE,
         SPREAD_WINDOW,
         _PartResult,
         part_geometry,
+        spread_ratio,
     )
 
     def part(reducer: str, seed: int, drift: float = 0.0) -> _PartResult:
         req, chunks = _spread_round(seed, 4, drift)
         return _PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)))
 
-    pair = SimpleNamespace(judges_reduced_part=lambda reducer: False)
-
     def transport(view=None) -> SimpleNamespace:
         return SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: view)
 
+    def judge(t: SimpleNamespace, r: int, *others: _PartResult) -> str | None:
+        try:
+            SwarmTransport._judge_spreads(t, 0, r, part("QmMe", 3 * r), list(others))
+        except PartRefused as exc:
+            return str(exc)
+        return None
+
     honest = transport()
     for r in range(40):  # honest reducers of other parts: the same mixing as ours, never refused or banned
-        SwarmTransport._judge_spreads(honest, 0, r, part("QmMe", 3 * r), [part("QmB", 3 * r + 1),
-                                                                           part("QmC", 3 * r + 2)])
+        assert judge(honest, r, part("QmB", 3 * r + 1), part("QmC", 3 * r + 2)) is None
     assert not honest.reputation.is_banned("QmB") and not honest.reputation.is_banned("QmC")
 
     drifted = part("QmD", 1, drift=2.0)
     assert drifted.geometry.agreement > REDUCED_AGREEMENT  # what the direction check alone lets through
+    assert 2.0 < spread_ratio(drifted.geometry, part("QmMe", 3).geometry) < SPREAD_REFUSE
     hostile = transport()
-    refused = 0
     for r in range(SPREAD_WINDOW):
-        try:
-            SwarmTransport._judge_spreads(hostile, 0, r, part("QmMe", 3 * r), [part("QmB", 3 * r + 1),
-                                                                                part("QmD", 3 * r + 2, 2.0)])
-        except PartRefused as exc:
-            assert "QmD" in str(exc) and f"at most {SPREAD_REFUSE:g}x" in str(exc)
-            refused += 1
+        refused = judge(hostile, r, part("QmB", 3 * r + 1), part("QmD", 3 * r + 2, 2.0))
         if hostile.reputation.is_banned("QmD"):
+            assert refused is not None and "QmD" in refused  # the part of the banning judgement is not applied
             break
+        assert refused is None
     assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
-    assert refused >= 1 and "QmD" in hostile._refused_sources
+    assert "QmD" in hostile._refused_sources
 
-    in_pair = transport(view=pair)
+    louder = transport()
+    refused = judge(louder, 0, part("QmB", 1), part("QmD", 2, 4.0))
+    assert refused is not None and "QmD" in refused and f"at most {SPREAD_REFUSE:g}x" in refused
+    assert not louder.reputation.is_banned("QmD")  # one part is no ban
+
+    in_pair = transport(view=SimpleNamespace(judges_reduced_part=lambda reducer: False))
     for r in range(2 * SPREAD_WINDOW):
-        SwarmTransport._judge_spreads(in_pair, 0, r, part("QmMe", 3 * r), [part("QmD", 3 * r + 2, 2.0)])
+        assert judge(in_pair, r, part("QmD", 3 * r + 2, 4.0)) is None
     assert not in_pair.reputation.is_banned("QmD")
-    # no reference: our own part holds only our own contribution
-    alone = transport()
+    alone = transport()  # no reference: our own part holds only our own contribution
     for r in range(2 * SPREAD_WINDOW):
-        SwarmTransport._judge_spreads(alone, 0, r, _PartResult("QmMe", {}, 1.0, [], None),
-                                      [part("QmD", 3 * r + 2, 2.0)])
+        SwarmTransport._judge_spreads(alone, 0, r, _PartResult("QmMe", {}, 1.0, [], None), [part("QmD", r, 4.0)])
     assert not alone.reputation.is_banned("QmD")
 
 
