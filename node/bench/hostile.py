@@ -28,7 +28,7 @@ memory and the version rules can tell:
   members' averages, byte for byte);
 - ``badreduce``:   as a reducer, returns its part of the average negated and scaled by 3;
 - ``reducedrift``: as a reducer, adds 2x its part's rms times a fixed sign pattern to its part, every round;
-- ``reducenudge``: the same at 0.8x its part's rms, which keeps the part's spread inside what honest parts show;
+- ``reducenudge``: the same at 0.8x its part's rms (a smaller pattern, for the spread check's sensitivity);
 - ``stateliar``:   heartbeats claim version +2 of every fragment (inside the swarm clock's bound), with the
   digest of what its state server serves at that version: its phi negated (finite, ordinary norm);
 - ``statenoise``:  the same, serving noise of its phi's norm instead (no reversal: a cosine of about 0 with an
@@ -526,8 +526,8 @@ class ReduceDriftAttack(_PartAttack):
 
 class ReduceNudgeAttack(ReduceDriftAttack):
     name = "reducenudge"
-    help = ("reducedrift at 0.8x its part's rms: a part that spreads about 1.5x as far from a member's contribution "
-            "as the member's own part, inside the ban's bound of 1.8x")
+    help = ("reducedrift at 0.8x its part's rms: a smaller pattern, for the spread check's sensitivity (3.3-3.8x a "
+            "member's own part's spread in groups of 4, about 1x in groups of 6)")
     scale = 0.8
 
 

@@ -1717,8 +1717,9 @@ class SwarmTransport(Transport):
                 detail=f"log of how much more its reduced parts spread than this node's own, {ratio:.2f}x last")
             if banned or ratio > SPREAD_REFUSE:
                 _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
+                why = "its parts' spread banned it" if banned else f"at most {SPREAD_REFUSE:g}x"
                 raise PartRefused(f"peer {part.reducer[:12]} sent a reduced part that spreads {ratio:.2f}x as far "
-                                  f"from this node's contribution as its own part (at most {SPREAD_REFUSE:g}x)")
+                                  f"from this node's contribution as its own part ({why})")
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
         """The outer loop refused ``result`` for ``part``'s effect on its held-out loss: an offence of its
