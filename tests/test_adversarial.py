@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from swarm_util import REPO, NodeProc, bootstrap_addr, run_bench, write_config, write_corpus
 
+from locoswarm.node.bench.hostile import CARRIED_OUT
+
 pytestmark = pytest.mark.timeout(240)
 
 NODE_ATTACK_S = 30.0     # seconds of attack once the hostile node trains
@@ -183,6 +185,9 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
         assert hostile.proc.poll() is None, f"the hostile node itself died:\n{hostile.tail()}"
     finally:
         hostile.stop()
+    # A patch that no longer fits the code it wraps fails inside the hostile node's tasks: it then runs as an
+    # honest node, and the checks below would pass (or fail) for nothing.
+    assert CARRIED_OUT in hostile.log_path.read_text(errors="replace"), f"the attack never ran:\n{hostile.tail()}"
     if attack != "state":  # refused (or judged), and repeated until the attacker is banned
         after = watch.check_honest(attacker, banned=True)
         for name, st in after.items():  # a liar's clock never drags the honest clocks along
@@ -307,6 +312,10 @@ def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> No
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}
     assert rows["slow x2"][3:5] == ["+50.0%", "+14.5%"]  # 3.0 against 2.0 at the end; 3.15 against 2.75
     assert rows["weight"][3:5] == ["-", "-"] and rows["clean x2"][4] == "-"
+    # a hostile node whose patches never ran is an honest node: its row says so next to the refusals
+    results["far x2"]["attack_carried_out"], results["slow x2"]["attack_carried_out"] = 1, 2
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}
+    assert rows["far x2"][10] == "3 (attack ran in 1/2 hostile nodes)" and rows["slow x2"][10] == "3"
 
 
 def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_round() -> None:

@@ -82,6 +82,7 @@ ABSURD = 1e30            # the weight/values/reduced values of the attacks
 VERSION_LIE = 1000       # ``state``: versions claimed above the real ones
 CLOCK_JUMP = 10_000      # ``clock``: clock claimed above the real one, once more per period
 ATTACK_ENV = "LOCOSWARM_ATTACK"
+CARRIED_OUT = "attack carried out"  # logged once a patch changed what the node sends (NodeAttack.carried_out)
 MIB = 1 << 20
 
 
@@ -126,6 +127,15 @@ class NodeAttack(ABC):
 
     def __init__(self, period: float) -> None:
         self.period = period
+        self._carried_out = False
+
+    def carried_out(self) -> None:
+        """Log once that a patch really changed what this node sends or serves. A patch that no longer fits
+        the code it wraps fails inside the node's tasks, not at start, and the node goes on as an honest
+        one: the adversarial tests look for this line to know the attack ran at all."""
+        if not self._carried_out:
+            self._carried_out = True
+            log.warning("hostile node: %s: %r", CARRIED_OUT, self.name)
 
     def install(self) -> None:
         """The attack's patches, and for an attacker that keeps its peers, a reputation that bans nobody: the
@@ -156,8 +166,9 @@ class _ContributionAttack(NodeAttack):
 
         @functools.wraps(original)
         async def send_part(transport, peer, req, ghash, part, bounds, *rest):
-            return await original(transport, peer, attack.rewrite(transport, req, part, bounds), ghash, part,
-                                  bounds, *rest)
+            forged = attack.rewrite(transport, req, part, bounds)
+            attack.carried_out()
+            return await original(transport, peer, forged, ghash, part, bounds, *rest)
 
         SwarmTransport._send_part = send_part
 
@@ -206,11 +217,13 @@ class ReducerAttack(NodeAttack):
         from locoswarm.node.swarm import averaging
 
         original = averaging._Reduction._reduce
+        attack = self
 
         @functools.wraps(original)
         def reduce(session):
             result = original(session)
             result.chunks = {c: absurd_chunk(session.codec, session.sizes[c]) for c in result.chunks}
+            attack.carried_out()
             return result
 
         averaging._Reduction._reduce = reduce
@@ -227,6 +240,7 @@ class StateAttack(NodeAttack):
         from locoswarm.node.daemon import Node
 
         publish, heartbeat = Node._publish, Node._heartbeat
+        attack = self
 
         @functools.wraps(publish)
         def poisoned_publish(node, fragment: int) -> None:
@@ -234,6 +248,7 @@ class StateAttack(NodeAttack):
             snap = node.published[fragment]
             nan = torch.full_like(snap.phi, math.nan)
             node.published[fragment] = FragmentSnapshot(fragment, snap.version + VERSION_LIE, nan, nan.clone())
+            attack.carried_out()
 
         @functools.wraps(heartbeat)
         def plausible_heartbeat(node, leaving: bool = False):
@@ -255,11 +270,13 @@ class ClockAttack(NodeAttack):
         heartbeat = Node._heartbeat
         started = time.monotonic()
         period = self.period
+        attack = self
 
         @functools.wraps(heartbeat)
         def lying_heartbeat(node, leaving: bool = False):
             hb = heartbeat(node, leaving)
             hb.clock += CLOCK_JUMP * (1 + int((time.monotonic() - started) // period))
+            attack.carried_out()
             return hb
 
         Node._heartbeat = lying_heartbeat
@@ -274,6 +291,7 @@ class ForgeAttack(NodeAttack):
 
         original_init, original_open = averaging.SwarmTransport.__init__, averaging.open_stream
         transports: list = []
+        attack = self
 
         @functools.wraps(original_init)
         def init(transport, *args, **kwargs):
@@ -289,6 +307,8 @@ class ForgeAttack(NodeAttack):
             async for msg in requests:
                 if msg.HasField("header"):
                     msg.header.sender = forged_sender(reducer)
+                    if msg.header.sender != reducer:
+                        attack.carried_out()
                 yield msg
 
         @functools.wraps(original_open)
@@ -325,7 +345,10 @@ class _RequestAttack(NodeAttack):
         def start_average(transport, request):
             if request.digest or not attack.active():
                 return attack.watch(transport, request, original(transport, request))
-            return attack.watch(transport, request, original(transport, attack.rewrite(transport, request)))
+            forged = attack.rewrite(transport, request)
+            if forged is not request:
+                attack.carried_out()
+            return attack.watch(transport, request, original(transport, forged))
 
         SwarmTransport.start_average = start_average
 
@@ -432,6 +455,7 @@ class ReplayAttack(NodeAttack):
         original_send, original_reduce = averaging.SwarmTransport._send_part, averaging._Reduction._reduce
         original_start = averaging.SwarmTransport.start_average
         current: dict[tuple[int, int], dict[int, bytes]] = {}
+        attack = self
 
         def keep(fragment: int, round_: int, chunks: dict[int, bytes]) -> None:
             rounds = current.setdefault((fragment, round_), {})
@@ -443,10 +467,10 @@ class ReplayAttack(NodeAttack):
 
         @functools.wraps(original_send)
         async def send_part(transport, peer, req, *rest):
-            part, chunks, total, extras = await original_send(transport, peer, req, *rest)
+            result = await original_send(transport, peer, req, *rest)
             if not req.digest:
-                keep(req.fragment, req.round, chunks)
-            return part, chunks, total, extras
+                keep(req.fragment, req.round, result.chunks)
+            return result
 
         @functools.wraps(original_reduce)
         def reduce(session):
@@ -463,6 +487,8 @@ class ReplayAttack(NodeAttack):
                 return original_start(transport, req)
             chunks = [old.get(c, data) if len(old.get(c, b"")) == len(data) else data
                       for c, data in enumerate(req.chunks)]
+            if chunks != list(req.chunks):
+                attack.carried_out()
             return original_start(transport, dataclasses.replace(req, chunks=chunks))
 
         averaging.SwarmTransport._send_part = send_part
@@ -480,7 +506,7 @@ class _PartAttack(NodeAttack):
         from locoswarm.node.swarm import averaging
 
         original = averaging._Reduction._reduce
-        turn = self.turn
+        turn, attack = self.turn, self
 
         @functools.wraps(original)
         def reduce(session):
@@ -489,6 +515,7 @@ class _PartAttack(NodeAttack):
                 result.chunks = {c: session.codec.encode(turn(session.key[0], c,
                                                               session.codec.decode(data, session.sizes[c])))
                                  for c, data in result.chunks.items()}
+                attack.carried_out()
             return result
 
         averaging._Reduction._reduce = reduce
@@ -543,7 +570,7 @@ class StateLiarAttack(NodeAttack):
         from locoswarm.node.swarm.versions import state_digest
 
         publish = Node._publish
-        lie, poison = self.lie, self.poison
+        lie, poison, attack = self.lie, self.poison, self
 
         @functools.wraps(publish)
         def poisoned_publish(node, fragment: int) -> None:
@@ -553,6 +580,7 @@ class StateLiarAttack(NodeAttack):
                                         snap.momentum.clone())
             node._digests[fragment] = state_digest(poisoned.phi, poisoned.momentum)
             node.published[fragment] = poisoned
+            attack.carried_out()
 
         Node._publish = poisoned_publish
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from locoswarm.node.bench.hostile import CARRIED_OUT
 from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
@@ -149,6 +150,7 @@ class Outcome:
     samples: list[Sample] = field(default_factory=list)
     honest: list[dict] = field(default_factory=list)
     attackers: list[str] = field(default_factory=list)
+    carried_out: int | None = None  # hostile nodes whose log says their attack ran (None: clean or a client)
     error: str = ""
 
     def summary(self) -> dict:
@@ -157,7 +159,7 @@ class Outcome:
         refused = sum(h["attacker_refused"] for h in self.honest)
         return {
             "kind": self.scenario.kind, "hostile": self.scenario.hostile, "error": self.error,
-            "attackers": self.attackers, "honest": self.honest,
+            "attackers": self.attackers, "attack_carried_out": self.carried_out, "honest": self.honest,
             "honest_alive": sum(1 for h in self.honest if h["alive"]),
             "final_eval": sum(finals) / len(finals) if finals else None,
             "max_eval_during": max(during) if during else None,
@@ -242,6 +244,7 @@ class ScenarioRun:
             started = time.time()
             outcome.samples = self.sample(started)
             outcome.attackers = self.attacker_ids()
+            outcome.carried_out = self.carried_out()
             honest_ids = [st0.get("peer_id", "") for st0 in before]
             slots = self.slots_per_step()
             outcome.honest = []
@@ -353,6 +356,14 @@ class ScenarioRun:
             elif proc.status().get("peer_id"):
                 ids.append(proc.status()["peer_id"])
         return ids
+
+    def carried_out(self) -> int | None:
+        """Hostile nodes whose attack really ran: a patch that no longer fits the node fails inside its tasks
+        and leaves an honest node, whose scenario would read as a perfect defence."""
+        if self.scenario.kind == "clean" or self.scenario.kind in CLIENT_KINDS:
+            return None
+        return sum(1 for p in self.extra
+                   if p.log_path.is_file() and CARRIED_OUT in p.log_path.read_text(errors="replace"))
 
     @staticmethod
     def collect(proc: LocalProc, before: dict, rss0: float, started: float, attackers: list[str],
@@ -671,6 +682,9 @@ def markdown_table(results: dict[str, dict]) -> str:
         rel_worst = "-" if worst is None else f"{100 * worst:+.1f}%"
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
+        ran = r.get("attack_carried_out")
+        if attack and ran is not None and ran < r["hostile"]:
+            refused += f" (attack ran in {ran}/{r['hostile']} hostile nodes)"
         to_ban = "-"
         if attack and r.get("max_seconds_to_ban") is not None:
             rounds = r.get("max_rounds_to_ban")
