@@ -104,13 +104,16 @@ class Book:
 
     refused: list[tuple[str, str, bool]] = field(default_factory=list)  # (peer, kind, offence)
     bad: list[tuple[str, str, str]] = field(default_factory=list)  # (peer, kind, detail)
+    bad_offences: list[str] = field(default_factory=list)  # the peers of those that counted as offences
 
     def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> bool:
         self.refused.append((peer, kind, offence))
         return False
 
-    def on_bad(self, peer: str, kind: str, detail: str) -> None:
+    def on_bad(self, peer: str, kind: str, detail: str, *, offence: bool = True) -> None:
         self.bad.append((peer, kind, detail))
+        if offence:
+            self.bad_offences.append(peer)
 
 
 def _server(swarm: Swarm, p2p: P2P, book: Book, *, live: Callable[[str], bool] = lambda p: True,
@@ -302,8 +305,10 @@ def test_stream_cap_refusals_are_retried_not_counted(swarm):
 
 def test_a_download_must_match_the_digest_its_version_was_announced_with(swarm):
     """Heartbeats announce each fragment's digest (``versions.state_digest``): a holder that serves another
-    state under the announced version is a bad source (the download moves on), and a newer version than the
-    one announced is taken (it has no announced digest yet: the effect check judges it)."""
+    state under the announced version is a bad source (the download moves on; every DIGEST_MISMATCHES-th time
+    an offence, since an honest holder that just followed its group's version serves one now and then), and a
+    newer version than the one announced is taken (it has no announced digest yet: the effect check judges it)."""
+    from locoswarm.node.swarm.state_sync import DIGEST_MISMATCHES
     from locoswarm.node.swarm.versions import state_digest
 
     book = Book()
@@ -314,8 +319,11 @@ def test_a_download_must_match_the_digest_its_version_was_announced_with(swarm):
         right = state_digest(snaps[0].phi, snaps[0].momentum)
         got = _client(swarm, book).fetch(0, [good], snaps[0].version, digest=right)
         assert got is not None and _same(got, snaps[0]) and book.bad == []
-        assert _client(swarm, book, timeout=3.0).fetch(0, [good], snaps[0].version, digest=b"x" * 16) is None
-        assert [(p, kind) for p, kind, _ in book.bad] == [(good, "bad_state")] and "digest" in book.bad[0][2]
+        client = _client(swarm, book, timeout=3.0)
+        for _ in range(DIGEST_MISMATCHES):
+            assert client.fetch(0, [good], snaps[0].version, digest=b"x" * 16) is None
+        assert [(p, kind) for p, kind, _ in book.bad] == [(good, "digest_mismatch")] * DIGEST_MISMATCHES
+        assert "digest" in book.bad[0][2] and book.bad_offences == [good]  # refused each time, one offence
         book.bad.clear()
         assert _client(swarm, book).fetch(0, [good], snaps[0].version - 1, digest=b"x" * 16) is not None
         assert book.bad == []
