@@ -125,8 +125,9 @@ UNLINED_TURNED = -0.5
 # median 1.01, 99% below 1.51, at most 2.73 (in the first seconds of training); of 4 + 2 runs (groups of up to 6,
 # 9,247 honest parts) at most 3.74, the geometric mean of 2, 3 and 4 in a row at most 2.80, 2.16 and 2.00. A
 # reducer that adds a fixed pattern of 2x its part's rms (the bench's ``reducedrift``) measured 3.2-8.2x, while its
-# parts' agreement stayed positive; 0.8x of it (``reducenudge``) 3.3-3.8x in groups of 4 but a median 1.03 in
-# groups of 6, where its effect stayed inside the honest noise (-3.1% at equal progress, unbanned). Reducers whose
+# parts' agreement stayed positive. 0.8x of it (``reducenudge``) is not caught: 3.3-3.8x in in-process draws of
+# groups of 4, but in real 3 + 1 runs at most 1.73x after the first seconds, unbanned at +8.0% and +19.9% at equal
+# progress (docs/security.md, open gaps); a median 1.03 in groups of 6. Reducers whose
 # last SPREAD_WINDOW parts spread more than SPREAD_BAN times as much on the whole (the log ratio's sum,
 # accumulated: two parts at 6.25x, three at 3.97x, four at 2.5x; ``Reputation.judge``) are banned; a part beyond
 # SPREAD_REFUSE is not applied (the round fails). An own part that spreads less than SPREAD_FLOOR (its members
