@@ -794,6 +794,70 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     assert not alone.reputation.is_banned("QmD")
 
 
+def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
+    """Rounds of four members (this node, QmB, QmC, QmD) whose contributions are a common direction, a bias of each
+    member's own data (the same every round: why honest residuals persist) and minibatch noise; each member reduces
+    two of eight chunks honestly, except that QmD adds ``nudge`` times its part's rms in a fixed sign pattern (the
+    bench's ``reducenudge`` at 0.8). Yields (request, parts) per round, this node's own part first."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import _PartResult, part_geometry
+
+    numel, members = 8 * 1024, ["QmMe", "QmB", "QmC", "QmD"]
+    gen = torch.Generator().manual_seed(seed)
+    common, bias = torch.randn(numel, generator=gen), [0.8 * torch.randn(numel, generator=gen) for _ in members]
+    pattern = torch.randint(0, 2, (numel,), generator=gen) * 2.0 - 1
+    bounds = chunk_bounds(numel, 64)
+    for r in range(rounds):
+        contributions = [0.01 * (common + b + torch.randn(numel, generator=gen)) for b in bias]
+        mean = sum(contributions) / len(members)
+        req = AverageRequest(fragment=0, round=r, chunks=encode_chunks(CODEC, contributions[0]), numel=numel,
+                             weight=1.0, version=1)
+        parts = []
+        for j, reducer in enumerate(members):
+            lo, hi = bounds[2 * j][0], bounds[2 * j + 1][1]
+            values = mean.clone()
+            if reducer == "QmD":
+                values[lo:hi] += nudge * float(values[lo:hi].norm()) / (hi - lo) ** 0.5 * pattern[lo:hi]
+            encoded = encode_chunks(CODEC, values)
+            chunks = {c: encoded[c] for c in (2 * j, 2 * j + 1)}
+            parts.append(_PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, bounds)))
+        yield req, bounds, parts
+
+
+def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence_an_honest_one_never() -> None:
+    """``reducenudge`` (0.8x its part's rms in a fixed pattern) stays inside the spread bounds, but its part's
+    residual (orthogonal to our contribution) persists round after round more than the honest reducers' (whose
+    persistence is their members' data, the same for our own part): it is banned within a few rounds. Honest reducers
+    whose members' data differ persistently are never banned over many rounds, nor is anyone judged in a pair."""
+    from locoswarm.node.swarm.averaging import SPREAD_BAN, spread_ratio
+
+    def transport(view=None) -> SimpleNamespace:
+        return SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: view,
+                               part_drift=DeviationMemory(), peer_id="QmMe")
+
+    honest = transport()
+    for req, bounds, parts in _persistence_rounds(60, nudge=0.0):
+        SwarmTransport._judge_persistence(honest, req, CODEC, bounds, parts)
+    assert honest.part_drift.reference() is not None  # it judged: the reducers' median is known
+    assert not any(honest.reputation.is_banned(p) for p in ("QmB", "QmC", "QmD"))
+
+    hostile, ratios = transport(), []
+    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=1):
+        ratios.append(spread_ratio(parts[3].geometry, parts[0].geometry))
+        SwarmTransport._judge_persistence(hostile, req, CODEC, bounds, parts)
+        if hostile.reputation.is_banned("QmD"):
+            break
+    assert hostile.reputation.is_banned("QmD") and len(ratios) <= 12, len(ratios)
+    assert "QmD" in hostile._refused_sources
+    assert not hostile.reputation.is_banned("QmB") and not hostile.reputation.is_banned("QmC")
+    assert sorted(ratios)[len(ratios) // 2] < SPREAD_BAN  # what the spread check alone lets through
+
+    in_pair = transport(view=SimpleNamespace(judges_reduced_part=lambda reducer: False))
+    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=2):
+        SwarmTransport._judge_persistence(in_pair, req, CODEC, bounds, parts)
+    assert not in_pair.reputation.is_banned("QmD")
+
+
 def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:
     """A reducer that turns every part is refused each time; within one lineage REDUCED_WINDOW parts averaging below
     REDUCED_AGREEMENT ban it, and naming another phi (its own claim) does not save it: there REDUCED_WINDOW parts

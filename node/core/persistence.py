@@ -117,18 +117,8 @@ class DeviationMemory:
         bound is the judged senders' median plus ``DRIFT_MARGIN``, never above the ceiling (without ``DRIFT_PEERS``
         judged senders, the ceiling alone). ``now`` (monotonic seconds) stamps a mute."""
         now = time.monotonic() if now is None else now
-        for sender, p in zip(senders, persistence, strict=True):
-            if p is None:
-                continue
-            level, rounds = self._drift.pop(sender, (p, 0))
-            self._drift[sender] = (DRIFT_DECAY * level + (1 - DRIFT_DECAY) * p if rounds else p, rounds + 1)
-            while len(self._drift) > MAX_SENDERS:
-                gone = self._drift.popitem(last=False)[0]
-                self._doubted.discard(gone)
-                self._mutes.pop(gone, None)
-                self._last_mute.pop(gone, None)
-        judged = [level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS]
-        ref = statistics.median(judged) if len(judged) >= DRIFT_PEERS else None
+        self.fold(senders, persistence)
+        ref = self.reference()
         if ref is None and not self.keeps_apart:
             return [None] * len(senders)
         bound = self.ceiling if ref is None else ref + DRIFT_MARGIN
@@ -151,6 +141,30 @@ class DeviationMemory:
                     self._doubted.discard(sender)
                 out.append(None)
         return out
+
+    def fold(self, senders: Sequence[str], persistence: Sequence[float | None]) -> None:
+        """Fold each sender's persistence (None: not measured) into its standing drift."""
+        for sender, p in zip(senders, persistence, strict=True):
+            if p is None:
+                continue
+            level, rounds = self._drift.pop(sender, (p, 0))
+            self._drift[sender] = (DRIFT_DECAY * level + (1 - DRIFT_DECAY) * p if rounds else p, rounds + 1)
+            while len(self._drift) > MAX_SENDERS:
+                gone = self._drift.popitem(last=False)[0]
+                self._doubted.discard(gone)
+                self._mutes.pop(gone, None)
+                self._last_mute.pop(gone, None)
+
+    def reference(self) -> float | None:
+        """The median standing drift of the senders judged in ``DRIFT_ROUNDS`` rounds or more (None: fewer than
+        ``DRIFT_PEERS`` of them)."""
+        judged = [level for level, rounds in self._drift.values() if rounds >= DRIFT_ROUNDS]
+        return statistics.median(judged) if len(judged) >= DRIFT_PEERS else None
+
+    def level(self, sender: str) -> float | None:
+        """``sender``'s standing drift once judged in ``DRIFT_ROUNDS`` rounds or more (else None)."""
+        level, rounds = self._drift.get(sender, (0.0, 0))
+        return level if rounds >= DRIFT_ROUNDS else None
 
     def doubted(self) -> list[str]:
         """The senders this reducer mutes for their standing drift, as its match entries publish them: a sender
