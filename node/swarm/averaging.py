@@ -53,7 +53,7 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
-from locoswarm.node.core.persistence import DeviationMemory
+from locoswarm.node.core.persistence import DeviationMemory, sample_index
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.transport import (
@@ -522,16 +522,23 @@ def part_geometry(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
 
 def part_residuals(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
                    bounds: list[tuple[int, int]]) -> dict[int, torch.Tensor] | None:
-    """Per chunk of a reduced part, its component orthogonal to this member's own contribution to the whole part
-    (None: our contribution is zero there): what a reducer adds to the part beyond our own direction, the
-    honest members' differences from us plus anything of the reducer's own (``PartPersistence``)."""
-    red = {c: codec.decode(data, bounds[c][1] - bounds[c][0]).to(torch.float64) for c, data in chunks.items()}
-    own = {c: codec.decode(req.chunks[c], bounds[c][1] - bounds[c][0]).to(torch.float64) for c in chunks}
-    own_sq = sum(float(v @ v) for v in own.values())
+    """Per chunk of a reduced part, the evenly spaced sample (``sample_index``) of its component orthogonal to this
+    member's own contribution to the whole part (None: our contribution is zero there): what a reducer adds to the
+    part beyond our own direction, the honest members' differences from us plus anything of the reducer's own
+    (``SwarmTransport._judge_persistence``). Chunk by chunk, so that a large fragment is never held decoded twice."""
+    dot = own_sq = 0.0
+    samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for c in sorted(chunks):
+        n = bounds[c][1] - bounds[c][0]
+        red, own = codec.decode(chunks[c], n).to(torch.float32), codec.decode(req.chunks[c], n).to(torch.float32)
+        dot += float(red.double() @ own.double())
+        own_sq += float(own.double() @ own.double())
+        at = sample_index(n)
+        samples[c] = (red[at], own[at])
     if own_sq <= 0:
         return None
-    a = sum(float(red[c] @ own[c]) for c in chunks) / own_sq
-    return {c: red[c] - a * own[c] for c in sorted(chunks)}
+    a = dot / own_sq
+    return {c: red - a * own for c, (red, own) in samples.items()}
 
 
 def spread_ratio(part: PartGeometry, own: PartGeometry) -> float:
