@@ -136,11 +136,11 @@ SPREAD_WINDOW = 4
 SPREAD_BAN = 2.5
 SPREAD_REFUSE = 4.0
 SPREAD_FLOOR = 0.15
-# A reducer's residual (its part's component orthogonal to this member's contribution, ``part_residuals``) persists
-# round after round as much as the members' data differ, about equally for every honest reducer; a fixed pattern
-# added to the part persists more (``SwarmTransport._judge_persistence``). Measured in robustness-bench runs of real
-# nodes (3 + 0 and 3 + 1, tiny preset, standing levels after the first minute): honest reducers at most 0.13 above
-# the median of the reducers' levels (99% within 0.10); ``reducenudge`` (0.8x its part's rms) 0.3-0.36 above it
+# A reducer's residual (its part's component orthogonal to this member's contribution, ``PartGeometry.residuals``)
+# persists round after round as much as the members' data differ, about equally for every honest reducer; a fixed
+# pattern added to the part persists more (``SwarmTransport._judge_persistence``). Measured in robustness-bench runs
+# of real nodes (3 + 0 and 3 + 1, tiny preset, standing levels after the first minute): honest reducers at most 0.13
+# above the median of the reducers' levels (99% within 0.10); ``reducenudge`` (0.8x its part's rms) 0.3-0.36 above it
 # in its first minute, later less as the honest members' progress corrects the pattern it added. A reducer whose
 # last PERSISTENCE_WINDOW levels exceed the median by more than PERSISTENCE_BAN on the whole (accumulated: two at
 # 0.36, three at 0.24) is banned.
@@ -495,50 +495,38 @@ def check_reduced_part(codec: Codec, req: AverageRequest, chunks: dict[int, byte
 @dataclass(frozen=True)
 class PartGeometry:
     """A reduced part seen from this member's own contribution ``c`` to it: ``agreement``, the cosine of the part
-    with ``c``; ``spread``, the norm of the part's component orthogonal to ``c`` over the norm of ``c``."""
+    with ``c``; ``spread``, the norm of the part's component orthogonal to ``c`` over the norm of ``c``;
+    ``residuals``, per chunk the evenly spaced sample (``sample_index``) of that orthogonal component, what a
+    reducer adds beyond our own direction (``SwarmTransport._judge_persistence``)."""
 
     agreement: float
     spread: float
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 def part_geometry(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
                   bounds: list[tuple[int, int]]) -> PartGeometry | None:
     """The geometry of a reduced part against this member's own contribution to it (None: either is zero there).
     The honest mean of a part includes ours: on the tiny presets its cosine with each member's own was at least
-    -0.04 (4 and 6 members), where a negated part gives about -0.5."""
+    -0.04 (4 and 6 members), where a negated part gives about -0.5. Chunk by chunk, keeping only samples for the
+    residuals, so that a large fragment is never held decoded."""
     dot = own_sq = red_sq = 0.0
-    for c, data in chunks.items():
+    samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for c in sorted(chunks):
         n = bounds[c][1] - bounds[c][0]
-        red = codec.decode(data, n).to(torch.float64)
+        red = codec.decode(chunks[c], n).to(torch.float64)
         own = codec.decode(req.chunks[c], n).to(torch.float64)
         dot += float(red @ own)
         own_sq += float(own @ own)
         red_sq += float(red @ red)
-    if own_sq <= 0 or red_sq <= 0:
-        return None
-    return PartGeometry(agreement=dot / math.sqrt(own_sq * red_sq),
-                        spread=math.sqrt(max(0.0, red_sq - dot * dot / own_sq) / own_sq))
-
-
-def part_residuals(codec: Codec, req: AverageRequest, chunks: dict[int, bytes],
-                   bounds: list[tuple[int, int]]) -> dict[int, torch.Tensor] | None:
-    """Per chunk of a reduced part, the evenly spaced sample (``sample_index``) of its component orthogonal to this
-    member's own contribution to the whole part (None: our contribution is zero there): what a reducer adds to the
-    part beyond our own direction, the honest members' differences from us plus anything of the reducer's own
-    (``SwarmTransport._judge_persistence``). Chunk by chunk, so that a large fragment is never held decoded twice."""
-    dot = own_sq = 0.0
-    samples: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for c in sorted(chunks):
-        n = bounds[c][1] - bounds[c][0]
-        red, own = codec.decode(chunks[c], n).to(torch.float32), codec.decode(req.chunks[c], n).to(torch.float32)
-        dot += float(red.double() @ own.double())
-        own_sq += float(own.double() @ own.double())
         at = sample_index(n)
         samples[c] = (red[at], own[at])
-    if own_sq <= 0:
+    if own_sq <= 0 or red_sq <= 0:
         return None
     a = dot / own_sq
-    return {c: red - a * own for c, (red, own) in samples.items()}
+    return PartGeometry(agreement=dot / math.sqrt(own_sq * red_sq),
+                        spread=math.sqrt(max(0.0, red_sq - dot * dot / own_sq) / own_sq),
+                        residuals={c: (red - a * own).to(torch.float32) for c, (red, own) in samples.items()})
 
 
 def spread_ratio(part: PartGeometry, own: PartGeometry) -> float:
@@ -1763,7 +1751,7 @@ class SwarmTransport(Transport):
 
     def _judge_persistence(self, req: AverageRequest, codec: Codec, bounds: list[tuple[int, int]],
                            parts: Sequence[_PartResult]) -> None:
-        """Each reducer's residual (``part_residuals``) against its own past ones, chunk by chunk
+        """Each reducer's residual (``PartGeometry.residuals``) against its own past ones, chunk by chunk
         (``DeviationMemory``): a reducer that adds a fixed pattern to its part, however small, has a residual that
         persists more than the others' do, whose persistence is the members' data and is about the same for every
         honest reducer, this node's own part included. A reducer whose standing persistence exceeds the median of
@@ -1778,9 +1766,7 @@ class SwarmTransport(Transport):
             if part.geometry is None or (part.reducer != self.peer_id and view is not None
                                          and not view.judges_reduced_part(part.reducer)):
                 continue
-            residuals = part_residuals(codec, req, part.chunks, bounds)
-            if residuals is None:
-                continue
+            residuals = part.geometry.residuals
             obs = self.part_drift.round(req.fragment, [part.reducer], list(residuals))
             for k, e in enumerate(residuals.values()):
                 obs.observe(k, e.unsqueeze(0))
