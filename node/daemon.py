@@ -31,6 +31,7 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,6 +79,7 @@ class NodeOptions:
     host: str = "127.0.0.1"
     port: int = 0
     announce: list[str] | None = None  # multiaddrs peers should dial instead of the listen address
+    reachability: str = "auto"     # auto (a dial-back check), public or outbound-only (swarm/reachability.py)
     bootstrap: list[str] | None = None
     bootstrap_attempts: int | None = None
     max_steps: int | None = None
@@ -116,6 +118,9 @@ class Node:
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
         self.certificate = b""
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
+        from locoswarm.node.swarm.reachability import Reachability
+
+        self.reachability = Reachability(opts.reachability)  # checked when the network starts
         self.state = "starting"              # starting, training, leaving, stopped
         self.loss: float | None = None       # of the last inner step
         self.tokens_per_s = 0.0              # over the last few seconds, as heartbeats announce it
@@ -215,18 +220,55 @@ class Node:
         return 0
 
     def _start_network(self) -> None:
-        from locoswarm.node.swarm.dht import join_command, start_dht, visible_maddrs
+        from locoswarm.node.swarm.dht import join_command, maddr_port, start_dht, visible_maddrs
         from locoswarm.node.swarm.membership import Membership, swarm_key
+        from locoswarm.node.swarm.reachability import (
+            FIRST_CHECK_S,
+            OUTBOUND_ONLY,
+            PUBLIC,
+            RECHECK_S,
+            ReachServer,
+            keep_checking,
+            peer_ids_of,
+        )
+        from locoswarm.node.swarm.reachability import check as check_reachability
         from locoswarm.node.swarm.runtime import NetworkRuntime
 
         o = self.opts
         bootstrap = o.bootstrap or []
         extra = {"announce_maddrs": list(o.announce)} if o.announce else {}
-        self.dht = start_dht(bootstrap, host=o.host, port=self._listen_port(),
-                             identity_path=o.state_dir / "identity.key", attempts=o.bootstrap_attempts,
-                             log=lambda line: log.warning(line), stop=self.stop, **extra)
-        self.runtime = NetworkRuntime(self.dht)
+        client_mode = self.reachability.dht_client_mode(bool(bootstrap))
+
+        def start(port: int, client_mode: bool) -> None:
+            self.dht = start_dht(bootstrap, host=o.host, port=port, identity_path=o.state_dir / "identity.key",
+                                 attempts=o.bootstrap_attempts, log=lambda line: log.warning(line), stop=self.stop,
+                                 client_mode=client_mode, **extra)
+            self.runtime = NetworkRuntime(self.dht)
+
+        start(self._listen_port(), client_mode)
         self.peer_id = self.runtime.peer_id
+        if o.reachability == "auto" and bootstrap:
+            # Joined as a DHT client (safe either way); a node the check shows public restarts as a DHT server,
+            # so that the DHT has servers beyond the swarm's first nodes.
+            port = self._announced_port()
+            self.reachability.take(self.runtime.call(check_reachability(self.runtime, peer_ids_of(bootstrap),
+                                                                        port), timeout=60))
+            log.info("reachability: %s (%d of %d peers that checked could dial port %d%s)",
+                     self.reachability.state, self.reachability.verdict.reachable,
+                     self.reachability.verdict.answered, port,
+                     f", {self.reachability.verdict.no_answer} gave no answer" if self.reachability.verdict.no_answer
+                     else "")
+            if self.reachability.state != OUTBOUND_ONLY:
+                self._restart_dht(start, maddr_port(visible_maddrs(self.dht)[0]) or 0)
+        elif not bootstrap:
+            self.reachability.assume(PUBLIC, "assumed: the swarm's first node, which peers join by dialling it")
+        self.reach_server = ReachServer(self.runtime, self.reachability)
+        self._tell_reachability()
+        if o.reachability != OUTBOUND_ONLY:  # a router may change, and a first node is checked once peers come
+            first = RECHECK_S if self.reachability.checked_at else FIRST_CHECK_S
+            self.runtime.submit(keep_checking(self.runtime, self.reachability, self._dialable_peers,
+                                              self._announced_port(), on_change=self._tell_reachability,
+                                              first_after=first))
         self.membership = Membership(self.dht, self.cfg, self.peer_id, admission=self.admission,
                                      certificate=self.certificate)
         self.membership.check_fingerprint()
@@ -238,6 +280,54 @@ class Node:
         if not bootstrap:
             log.info("started a new swarm %r (fingerprint %s); to join it from another machine run:\n  %s",
                      self.cfg.swarm.name, self.fingerprint, join_command(self.maddrs, o.config_path))
+
+    def _tell_reachability(self) -> None:
+        """Log (and record as an event) what this node's reachability means for it, once per state."""
+        line = self.reachability.advice(self._announced_port())
+        if line:
+            log.warning("%s", line)
+            self._event("reachability", line)
+
+    def _dialable_peers(self) -> list[str]:
+        """Live peers whose heartbeats say peers can dial them (the checkers a dial-back asks; an outbound-only
+        checker's answer would be as good, but those are most volunteers, and public ones know their own)."""
+        from locoswarm.node.swarm.reachability import OUTBOUND_ONLY
+
+        return [p for p, hb in self.peer_table.items() if hb.reachability != OUTBOUND_ONLY and not hb.leaving]
+
+    def _outbound_peers(self) -> set[str]:
+        """Live peers whose heartbeats say nobody can dial them: they serve no state and reduce no part."""
+        from locoswarm.node.swarm.reachability import OUTBOUND_ONLY
+
+        return {p for p, hb in self.peer_table.items() if hb.reachability == OUTBOUND_ONLY}
+
+    def _inbound_streams(self) -> int:
+        """Streams peers opened to this node (averaging and state; an outbound-only node's stay 0)."""
+        served = self.transport.streams_served()
+        return served + (self.state_server.streams_served() if self.state_server is not None else 0)
+
+    def _announced_port(self) -> int:
+        """The TCP port peers should dial: the first ``--announce`` address's, else the one p2pd listens on."""
+        from locoswarm.node.swarm.dht import maddr_port, visible_maddrs
+
+        for addr in [*(self.opts.announce or []), *visible_maddrs(self.dht)]:
+            port = maddr_port(addr)
+            if port:
+                return port
+        return 0
+
+    def _restart_dht(self, start: Callable[[int, bool], None], port: int) -> None:
+        """Stop the client-mode DHT and start it again as a DHT server on the same port and identity."""
+        from locoswarm.node.swarm.dht import tcp_port_free
+
+        self.runtime.stop()
+        self.dht.shutdown()
+        deadline = time.monotonic() + 10.0
+        while port and not tcp_port_free(self.opts.host, port) and time.monotonic() < deadline:
+            time.sleep(0.1)  # p2pd lets go of the port when it has exited
+        start(port if port and tcp_port_free(self.opts.host, port) else 0, False)
+        if self.runtime.peer_id != self.peer_id:
+            raise RuntimeError("the DHT came back with another peer id")
 
     def _listen_port(self) -> int:
         """``--port``, or (0: any) the port this state dir listened on last time when it is free: a restarted
@@ -367,7 +457,8 @@ class Node:
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
             standing_members=cfg.network.standing_members,
             joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound,
-            admission=self.admission, certificate=self.certificate)
+            admission=self.admission, certificate=self.certificate, reachability=self.reachability,
+            outbound_peers=self._outbound_peers)
         self.transport.counters = self.counters
         judge = None
         if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
@@ -731,7 +822,12 @@ class Node:
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
-        return believe(claims, bound=bound)
+        belief = believe(claims, bound=bound)
+        # Nobody can dial an outbound-only holder: a download from it would wait for a dial that cannot succeed
+        # (it still counts as a claimant). Only where no other holder has the version is it asked at all.
+        outbound = self._outbound_peers()
+        dialable = [p for p in belief.holders if p not in outbound]
+        return dataclasses.replace(belief, holders=dialable or belief.holders)
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
@@ -764,7 +860,7 @@ class Node:
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
             loss=float(self.loss or 0.0), fragments=self._fragment_statuses(), time=get_dht_time(), leaving=leaving,
             has_state=self.state == "training", control_port=self.opts.control_port,
-            shared_r=list(schedule.shared_r or ()))
+            shared_r=list(schedule.shared_r or ()), reachability=self.reachability.state)
 
     def _fragment_statuses(self) -> list[swarm_pb2.FragmentStatus]:
         """Per published fragment: version, phi's hash and norm, last send (the heartbeat's part; hashing
@@ -853,6 +949,7 @@ class Node:
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),
             memory=self._memory(),
+            reachability=dataclasses.replace(self.reachability.status(), inbound_streams=self._inbound_streams()),
             bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,
                              sent_by_peer=dict(counters.sent_by_peer),
                              received_by_peer=dict(counters.received_by_peer),

@@ -242,6 +242,7 @@ class PeerStatus(Record):
     control_port: int = 0
     has_state: bool = False
     fragments: dict[int, int] = field(default_factory=dict)   # fragment -> version it holds
+    reachability: str = ""                   # public, relayed, outbound-only, unknown ("": an older node)
 
     PROTO: ClassVar[Any] = control_pb2.Peer
 
@@ -251,7 +252,8 @@ class PeerStatus(Record):
         return cls(clock=int(hb.clock), inner_step=int(hb.inner_step), tokens_per_s=float(hb.tokens_per_s),
                    time=float(hb.time), loss=float(hb.loss), tokens=int(hb.tokens),
                    control_port=int(hb.control_port), has_state=bool(hb.has_state),
-                   fragments={int(fs.fragment): int(fs.version) for fs in hb.fragments})
+                   fragments={int(fs.fragment): int(fs.version) for fs in hb.fragments},
+                   reachability=str(hb.reachability))
 
     def to_proto(self, peer_id: str = "") -> control_pb2.Peer:
         msg = super().to_proto()
@@ -315,6 +317,27 @@ class MemoryStatus(FlatRecord):
     device_total: int | None = None           # the accelerator's capacity
 
     PREFIX: ClassVar[str] = "memory_"
+
+
+@dataclass(frozen=True)
+class ReachabilityStatus(FlatRecord):
+    """Whether peers can dial this node (``locoswarm.node.swarm.reachability``): ``state`` is public, relayed,
+    outbound-only or unknown; ``source`` says how it is known (declared, checked, or assumed). On the wire: the
+    ``reachability_*`` fields of ``Status``."""
+
+    state: str = "unknown"
+    mode: str = "auto"                        # what --reachability asked for: auto (checked), public, outbound-only
+    source: str = ""
+    relay: str | None = None                  # the relay's peer id where it is reachable through one
+    checked_at: float | None = None           # wall-clock time of the last dial-back check
+    reachable: int = 0                        # ... how many checkers reached it
+    unreachable: int = 0                      # ... how many could not
+    no_answer: int = 0                        # ... how many gave no answer
+    checks_served: int = 0                    # dial-back checks this node ran for peers
+    relayed_bytes: int = 0                    # bytes this node relayed for others
+    inbound_streams: int = 0                  # averaging and state streams peers opened to this node
+
+    PREFIX: ClassVar[str] = "reachability_"
 
 
 @dataclass(frozen=True)
@@ -435,6 +458,7 @@ class NodeStatus(Record):
     strangers: int = 0                       # a closed swarm: peers without a certificate it refused
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     memory: MemoryStatus = field(default_factory=MemoryStatus)
+    reachability: ReachabilityStatus = field(default_factory=ReachabilityStatus)
     bytes: ByteStatus = field(default_factory=ByteStatus)
     refusals: list[str] = field(default_factory=list)
     reputation: ReputationStatus = field(default_factory=ReputationStatus)
@@ -461,6 +485,7 @@ class NodeStatus(Record):
         msg.peers.extend(p.to_proto(pid) for pid, p in self.peers.items())
         self.consensus.into_proto(msg)
         self.memory.into_proto(msg)
+        self.reachability.into_proto(msg)
         msg.bytes.CopyFrom(self.bytes.to_proto())
         self.reputation.into_proto(msg)
         msg.events.extend(e.to_proto() for e in self.events)
@@ -474,7 +499,7 @@ class NodeStatus(Record):
                    fragments=[FragmentStatus.from_proto(f) for f in msg.fragments],
                    peers={p.peer_id: NodePeerStatus.from_proto(p) for p in msg.peers},
                    consensus=ConsensusStatus.from_proto(msg), memory=MemoryStatus.from_proto(msg),
-                   bytes=ByteStatus.from_proto(msg.bytes),
+                   reachability=ReachabilityStatus.from_proto(msg), bytes=ByteStatus.from_proto(msg.bytes),
                    reputation=ReputationStatus.from_proto(msg),
                    events=[StatusEvent.from_proto(e) for e in msg.events])
 
@@ -506,6 +531,7 @@ __all__ = [
     "NodeStatus",
     "PeerReputation",
     "PeerStatus",
+    "ReachabilityStatus",
     "Record",
     "ReputationStatus",
     "Spread",

@@ -109,7 +109,7 @@ class PeerFragment(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("peer_id", "clock", "inner_step", "tokens_per_s", "time", "loss", "tokens", "control_port", "has_state", "fragments", "bytes_sent", "bytes_received", "refused", "banned")
+    __slots__ = ("peer_id", "clock", "inner_step", "tokens_per_s", "time", "loss", "tokens", "control_port", "has_state", "fragments", "bytes_sent", "bytes_received", "refused", "banned", "reachability")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class Peer(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     clock: int
     inner_step: int
@@ -138,7 +139,8 @@ class Peer(_message.Message):
     bytes_received: int
     refused: int
     banned: bool
-    def __init__(self, peer_id: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., time: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., control_port: _Optional[int] = ..., has_state: _Optional[bool] = ..., fragments: _Optional[_Iterable[_Union[PeerFragment, _Mapping]]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., refused: _Optional[int] = ..., banned: _Optional[bool] = ...) -> None: ...
+    reachability: str
+    def __init__(self, peer_id: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., time: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., control_port: _Optional[int] = ..., has_state: _Optional[bool] = ..., fragments: _Optional[_Iterable[_Union[PeerFragment, _Mapping]]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., refused: _Optional[int] = ..., banned: _Optional[bool] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class PeerList(_message.Message):
     __slots__ = ("peers", "now")
@@ -269,7 +271,7 @@ class PeerReputation(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., refused: _Optional[int] = ..., offences: _Optional[int] = ..., banned: _Optional[bool] = ..., banned_for_s: _Optional[float] = ..., last: _Optional[str] = ..., by_kind: _Optional[_Mapping[str, int]] = ..., first_banned: _Optional[float] = ..., scores: _Optional[_Mapping[str, float]] = ..., forgiven: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds", "memory_rss", "memory_peak_rss", "memory_device", "memory_device_allocated", "memory_device_peak", "memory_device_total", "effect_checks", "effect_refused", "strangers")
+    __slots__ = ("peer_id", "fingerprint", "swarm", "addrs", "pid", "uptime_s", "clock", "inner_step", "tokens", "state", "loss", "tokens_per_s", "compute_utilization", "eval_curve", "loss_history", "fragments", "peers", "syncs_ok", "syncs_failed", "catch_ups", "consensus_rounds", "consensus_last_shift", "bytes", "refusals", "events", "now", "control_port", "metrics_port", "solo_steps", "reputation", "refused_total", "banned_peers", "consensus_failed", "consensus_last_error", "catch_up_loops", "stalls_cut", "standing_rounds", "memory_rss", "memory_peak_rss", "memory_device", "memory_device_allocated", "memory_device_peak", "memory_device_total", "effect_checks", "effect_refused", "strangers", "reachability_state", "reachability_mode", "reachability_source", "reachability_relay", "reachability_checked_at", "reachability_reachable", "reachability_unreachable", "reachability_no_answer", "reachability_checks_served", "reachability_relayed_bytes", "reachability_inbound_streams")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SWARM_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,17 @@ class Status(_message.Message):
     EFFECT_CHECKS_FIELD_NUMBER: _ClassVar[int]
     EFFECT_REFUSED_FIELD_NUMBER: _ClassVar[int]
     STRANGERS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_STATE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_MODE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_RELAY_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_CHECKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_NO_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_CHECKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_INBOUND_STREAMS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     fingerprint: str
     swarm: str
@@ -362,4 +375,15 @@ class Status(_message.Message):
     effect_checks: int
     effect_refused: int
     strangers: int
-    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ..., memory_rss: _Optional[int] = ..., memory_peak_rss: _Optional[int] = ..., memory_device: _Optional[str] = ..., memory_device_allocated: _Optional[int] = ..., memory_device_peak: _Optional[int] = ..., memory_device_total: _Optional[int] = ..., effect_checks: _Optional[int] = ..., effect_refused: _Optional[int] = ..., strangers: _Optional[int] = ...) -> None: ...
+    reachability_state: str
+    reachability_mode: str
+    reachability_source: str
+    reachability_relay: str
+    reachability_checked_at: float
+    reachability_reachable: int
+    reachability_unreachable: int
+    reachability_no_answer: int
+    reachability_checks_served: int
+    reachability_relayed_bytes: int
+    reachability_inbound_streams: int
+    def __init__(self, peer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., swarm: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., state: _Optional[str] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., compute_utilization: _Optional[float] = ..., eval_curve: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., loss_history: _Optional[_Iterable[_Union[LossSample, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., catch_ups: _Optional[int] = ..., consensus_rounds: _Optional[int] = ..., consensus_last_shift: _Optional[float] = ..., bytes: _Optional[_Union[Bytes, _Mapping]] = ..., refusals: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., now: _Optional[float] = ..., control_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., solo_steps: _Optional[int] = ..., reputation: _Optional[_Iterable[_Union[PeerReputation, _Mapping]]] = ..., refused_total: _Optional[int] = ..., banned_peers: _Optional[int] = ..., consensus_failed: _Optional[int] = ..., consensus_last_error: _Optional[str] = ..., catch_up_loops: _Optional[int] = ..., stalls_cut: _Optional[int] = ..., standing_rounds: _Optional[int] = ..., memory_rss: _Optional[int] = ..., memory_peak_rss: _Optional[int] = ..., memory_device: _Optional[str] = ..., memory_device_allocated: _Optional[int] = ..., memory_device_peak: _Optional[int] = ..., memory_device_total: _Optional[int] = ..., effect_checks: _Optional[int] = ..., effect_refused: _Optional[int] = ..., strangers: _Optional[int] = ..., reachability_state: _Optional[str] = ..., reachability_mode: _Optional[str] = ..., reachability_source: _Optional[str] = ..., reachability_relay: _Optional[str] = ..., reachability_checked_at: _Optional[float] = ..., reachability_reachable: _Optional[int] = ..., reachability_unreachable: _Optional[int] = ..., reachability_no_answer: _Optional[int] = ..., reachability_checks_served: _Optional[int] = ..., reachability_relayed_bytes: _Optional[int] = ..., reachability_inbound_streams: _Optional[int] = ...) -> None: ...

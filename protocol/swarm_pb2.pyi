@@ -31,7 +31,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., phi_hash: _Optional[int] = ..., phi_norm: _Optional[float] = ..., last_send: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r", "certificate")
+    __slots__ = ("peer_id", "addrs", "fingerprint", "clock", "inner_step", "tokens", "tokens_per_s", "loss", "fragments", "time", "leaving", "has_state", "control_port", "shared_r", "certificate", "reachability")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Heartbeat(_message.Message):
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     SHARED_R_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     addrs: _containers.RepeatedScalarFieldContainer[str]
     fingerprint: str
@@ -62,10 +63,11 @@ class Heartbeat(_message.Message):
     control_port: int
     shared_r: _containers.RepeatedScalarFieldContainer[float]
     certificate: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ..., certificate: _Optional[bytes] = ...) -> None: ...
+    reachability: str
+    def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ..., certificate: _Optional[bytes] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class MatchEntry(_message.Message):
-    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window", "certificate", "doubted")
+    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window", "certificate", "doubted", "outbound_only")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class MatchEntry(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     DOUBTED_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     arrival: float
     weight: float
@@ -96,7 +99,8 @@ class MatchEntry(_message.Message):
     window: float
     certificate: bytes
     doubted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ..., doubted: _Optional[_Iterable[str]] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ..., doubted: _Optional[_Iterable[str]] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
     __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis", "lineage")
@@ -143,20 +147,22 @@ class AverageRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class ReduceHeader(_message.Message):
-    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks", "lineage")
+    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks", "lineage", "version")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     total_weight: float
     extras: _containers.RepeatedScalarFieldContainer[float]
     n_chunks: int
     lineage: int
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., lineage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AverageReply(_message.Message):
     __slots__ = ("header", "chunk")
@@ -205,3 +211,19 @@ class StateChunk(_message.Message):
     inner_step: int
     momentum_precision: MomentumPrecision
     def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ...) -> None: ...
+
+class ReachRequest(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
+
+class ReachReply(_message.Message):
+    __slots__ = ("reachable", "observed", "error")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    observed: str
+    error: str
+    def __init__(self, reachable: _Optional[bool] = ..., observed: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

@@ -18,7 +18,7 @@ import pytest
 from locoswarm.node.bench.swarm import netns, spec
 from locoswarm.node.bench.swarm.proxy import DelayProxy
 from locoswarm.node.bench.swarm.report import FILES, summarize, write_report
-from locoswarm.node.bench.swarm.runner import failure_reason, node_metrics
+from locoswarm.node.bench.swarm.runner import failure_reason, node_metrics, reachability
 from locoswarm.node.config import load_config
 from locoswarm.node.errors import UserError
 from tests.swarm_util import REPO, write_config, write_corpus
@@ -97,6 +97,109 @@ def test_bad_flag_is_one_line_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("value", "nodes", "want"), [("0", 4, 0), ("3", 4, 3), (" 1 ", 2, 1), (2, 3, 2)])
+def test_nat_count_from_0_to_nodes_minus_1(value, nodes: int, want: int) -> None:
+    assert spec.parse_nat(value, nodes) == want
+
+
+@pytest.mark.parametrize(("value", "nodes"), [("4", 4), ("9", 4), ("-1", 4), ("x", 4), ("1.5", 4), ("", 4), ("1", 1)])
+def test_bad_nat_count_names_flag_value_and_range(value: str, nodes: int) -> None:
+    with pytest.raises(UserError) as err:
+        spec.parse_nat(value, nodes)
+    text = str(err.value)
+    assert "--nat" in text and repr(value) in text and f"from 0 to {nodes - 1}" in text and "\n" not in text
+
+
+@pytest.mark.parametrize("value", ["3", "-1"])
+def test_bad_nat_flag_is_one_line_exit_2(tmp_path: Path, value: str) -> None:
+    """--nat K must leave node 0 (the bootstrap) public: K = nodes is refused before anything is made."""
+    proc = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "bench", "swarm", "--out", str(tmp_path / "o"),
+                           "--nodes", "3", f"--nat={value}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "--nat" in err and repr(value) in err and "from 0 to 2" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_nat_without_iptables_is_a_one_line_error_before_anything_is_made(monkeypatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_which", lambda tool: None if tool == "iptables" else f"/usr/sbin/{tool}")
+    made: list[list[str]] = []
+    monkeypatch.setattr(netns, "_run", lambda cmd, **kw: made.append(list(cmd)))
+    with pytest.raises(UserError, match="--nat needs the 'iptables' command") as err:
+        netns.check_possible(nat=True)
+    assert "\n" not in str(err.value) and made == []
+
+
+def test_the_last_k_nodes_are_natted_and_listen_on_their_private_address(monkeypatch) -> None:
+    assert netns.natted_nodes(4, 0) == [] and netns.natted_nodes(4, 2) == [2, 3] and netns.natted_nodes(3, 2) == [1, 2]
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="node 0 stays public"):
+            netns.natted_nodes(3, bad)
+    topo = netns.Topology(4, tag="4242", nat=2)
+    assert [topo.natted(i) for i in range(4)] == [False, False, True, True]
+    assert [topo.address(i) for i in range(4)] == ["10.77.0.11", "10.77.0.12", "10.78.2.2", "10.78.3.2"]
+    assert [topo.public_address(i) for i in range(4)] == ["10.77.0.11", "10.77.0.12", "10.77.0.13", "10.77.0.14"]
+    assert topo.link_ns(1) == topo.ns(1) == "lsb4242n1" and topo.link_ns(3) == topo.router(3) == "lsb4242r3"
+    assert netns.router_address(3) == "10.78.3.1"
+    assert netns.Topology(2, tag="1").address(1) == "10.77.0.12"  # no --nat: as before
+    with pytest.raises(ValueError):
+        netns.Topology(3, tag="1", nat=3).create()  # refused before anything is made
+    # the routers' namespaces are the bench's too (stale ones are found and removed)
+    monkeypatch.setattr(netns, "list_namespaces", lambda: ["lsb4242h", "lsb4242n0", "lsb4242r3", "lsb4242probe",
+                                                           "lsb99r1", "other"])
+    assert netns.bench_namespaces(4242) == ["lsb4242h", "lsb4242n0", "lsb4242r3"]
+    assert netns.bench_namespaces() == ["lsb4242h", "lsb4242n0", "lsb4242r3", "lsb99r1"]
+
+
+def test_router_rules_masquerade_out_and_let_only_replies_in() -> None:
+    rules = [" ".join(r) for r in netns.router_rules()]
+    assert rules[0] == "-t nat -A POSTROUTING -o eth0 -j MASQUERADE"
+    forward = [r for r in rules if " FORWARD " in f" {r} "]
+    assert forward == ["-A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
+                       "-A FORWARD -i lan0 -j ACCEPT", "-A FORWARD -j DROP"]  # the drop last: no port forward
+    assert [r for r in rules if "INPUT" in r] == [
+        "-A INPUT -i eth0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT", "-A INPUT -i eth0 -j DROP"]
+
+
+def test_a_natted_node_gets_no_announce_address_and_no_proxy(monkeypatch, tmp_path: Path) -> None:
+    """Public nodes keep their proxy and announce it; a NATed one listens on its private address, announces
+    nothing and has no proxy."""
+    from locoswarm.node.bench.swarm import runner
+
+    started: dict[str, list[str]] = {}
+
+    class FakeProc:
+        def __init__(self, name: str, argv: list[str], log_path: Path, into: list, env=None) -> None:
+            started[name] = argv
+            into.append(self)
+
+    monkeypatch.setattr(runner, "BenchProc", FakeProc)
+    topo = netns.Topology(3, tag="4242", nat=1)
+    settings = runner.RunSettings(nodes=3, seconds=5, warmup=0, ready_timeout=10, work_dir=tmp_path, data=[],
+                                  eval_every=0, latency_ms=20)
+    run = runner.ConfigRun("c", runner.PeerLaunch(["locoswarm.node.cli", "run"], tmp_path / "p.toml"), topo, settings,
+                           proxied=True)
+    for i in range(3):
+        if run._proxied(i):
+            run._start_proxy(i)
+        run._start_peer(i, None if i == 0 else "/ip4/10.77.0.11/tcp/31338/p2p/Qmx")
+    assert sorted(started) == ["c/node0", "c/node1", "c/node2", "proxy0", "proxy1"]
+
+    def flag(argv: list[str], name: str) -> list[str]:
+        return [argv[k + 1] for k, a in enumerate(argv) if a == name]
+
+    for i in (0, 1):
+        argv = started[f"c/node{i}"]
+        assert flag(argv, "--host") == ["127.0.0.1"]
+        assert flag(argv, "--announce") == [f"/ip4/{topo.public_address(i)}/tcp/31338"]
+    natted = started["c/node2"]
+    assert natted[:4] == ["ip", "netns", "exec", "lsb4242n2"]
+    assert flag(natted, "--host") == ["10.78.2.2"] and flag(natted, "--announce") == []
+    assert flag(natted, "--bootstrap") == ["/ip4/10.77.0.11/tcp/31338/p2p/Qmx"]
+
+
 # ---- measurement arithmetic and report -----------------------------------------------------------
 
 
@@ -148,6 +251,54 @@ def test_report_files(tmp_path: Path) -> None:
     assert "could not run" in table and "| diloco |" in table
     assert (tmp_path / "swarm.png").read_bytes()[:4] == b"\x89PNG"
     assert summarize({"x": {"nodes": []}})["x"]["summary"] is None
+
+
+def test_reachability_relayed_bytes_and_rounds_by_kind() -> None:
+    before = _status(10.0, 0.5, 100, 1, 0, 1000, standing_rounds=0,
+                     reachability={"state": "outbound-only", "relayed_bytes": 1000})
+    after = _status(30.0, 0.6, 300, 6, 2, 5000, standing_rounds=3,
+                    reachability={"state": "relayed", "relayed_bytes": 51000})
+    events = [{"kind": "dropped", "detail": "fragment 0"}, {"kind": "dropped", "detail": "fragment 1"},
+              {"kind": "merged", "detail": "fragment 0 round v5 group 2"}]
+    m = node_metrics(before, after, events)
+    assert (m["reachability"], m["relayed_bytes"], m["relayed_bytes_total"]) == ("relayed", 50000, 51000)
+    # 5 merged + 2 failed rounds ended in the window, 3 of them took standing members
+    assert (m["rounds_ok"], m["rounds_failed"], m["standing_rounds"], m["matchmade_rounds"], m["dropped"]) == \
+        (5, 2, 3, 4, 2)
+    # a node that reports no reachability (yet): unknown, nothing relayed
+    bare = node_metrics(_status(10.0, 0.5, 100, 1, 0, 1000), _status(30.0, 0.6, 300, 2, 0, 5000), [])
+    assert (bare["reachability"], bare["relayed_bytes"], bare["dropped"], bare["matchmade_rounds"]) == \
+        ("unknown", 0, 0, 1)
+    assert reachability({"reachability": {"relayed_bytes": None}}) == ("unknown", 0)
+    assert reachability({"reachability": "public"}) == ("unknown", 0)
+    assert reachability({"reachability": {"state": "public"}}) == ("public", 0)
+
+
+def test_report_shows_nat_reachability_and_rounds_by_kind(tmp_path: Path) -> None:
+    base = {"utilization": 0.8, "steps_per_s": 5.0, "step_time_s": 0.16, "rounds_ok": 3, "rounds_failed": 1,
+            "failure_reasons": {}, "catch_ups": 0, "sent_bytes_per_s": 1e4, "received_bytes_per_s": 1e4,
+            "eval_loss": 3.2, "standing_rounds": 2, "matchmade_rounds": 2, "dropped": 0}
+    nodes = [{**base, "behind_nat": False, "reachability": "public", "relayed_bytes": 250_000},
+             {**base, "behind_nat": True, "reachability": "relayed", "dropped": 3},
+             {**base, "behind_nat": True}]  # a node that reported no reachability
+    setup = {"nodes": 3, "nat": 2, "natted_nodes": [1, 2], "seconds": 20, "warmup": 2, "preset": "tiny",
+             "params": 1e6, "link": {"description": "up 20 Mbit/s"}}
+    write_report(tmp_path, setup, {"recommended": {"nodes": nodes, "predicted": 0.9}})
+    md = (tmp_path / "report.md").read_text()
+    assert "Nodes behind NAT: 2 of 3 (nodes 1, 2;" in md
+    header = next(line for line in md.splitlines() if line.startswith("| configuration | node |"))
+    for col in ("behind NAT", "reachability", "relayed kB", "standing / matchmade", "dropped", "rounds ok / failed",
+                "eval loss"):
+        assert f"| {col} |" in header, col
+    rows = [line for line in md.split("## Per node")[1].splitlines() if line.startswith("| recommended | ")]
+    assert rows[0].startswith("| recommended | 0 | no | public |") and "| 250.0 |" in rows[0]
+    assert rows[1].startswith("| recommended | 1 | yes | relayed |") and "| 2 / 2 | 3 |" in rows[1]
+    assert rows[2].startswith("| recommended | 2 | yes | unknown |")
+    summary = json.loads((tmp_path / "results.json").read_text())["configs"]["recommended"]["summary"]
+    assert (summary["behind_nat"], summary["dropped"], summary["relayed_bytes"]) == (2, 3, 250_000)
+    assert summary["reachability"] == {"public": 1, "relayed": 1, "unknown": 1}
+    write_report(tmp_path, {**setup, "nat": 0, "natted_nodes": []}, {"recommended": {"nodes": nodes[:1]}})
+    assert "Nodes behind NAT: 0" in (tmp_path / "report.md").read_text()
 
 
 # ---- the latency proxy ----------------------------------------------------------------------------
@@ -270,9 +421,9 @@ def test_the_ipc_files_of_a_process_in_another_network_namespace_are_found_and_r
 # ---- one short real run ----------------------------------------------------------------------------
 
 
-def _namespaces_reason(*, loss: bool = False) -> str | None:
+def _namespaces_reason(*, loss: bool = False, nat: bool = False) -> str | None:
     try:
-        netns.check_possible(loss=loss)
+        netns.check_possible(loss=loss, nat=nat)
     except UserError as exc:
         return str(exc)
     return None
@@ -289,6 +440,90 @@ def _our_processes(marker: str) -> list[str]:
             if marker in cmd:
                 out.append(f"{entry.name}: {cmd[:160]}")
     return out
+
+
+_LISTEN = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(16)
+s.settimeout(0.2)
+print("listening", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    try:
+        c, addr = s.accept()
+    except OSError:
+        continue
+    c.sendall(addr[0].encode())  # who the listener saw: the NATed node's router, after masquerading
+    c.close()
+"""
+
+_CONNECT = """
+import socket, sys
+try:
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    c.settimeout(float(sys.argv[3]))
+    print("ok " + c.recv(64).decode())
+except OSError as exc:
+    print("fail " + type(exc).__name__)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_natted_nodes_dial_out_and_nobody_dials_in() -> None:
+    """Topology(nodes=3, nat=2): the two NATed nodes reach the public node 0 (seen with their routers'
+    addresses); node 0 reaches neither (private address: no route; router address: dropped), nor does one NATed
+    node reach the other; close() leaves no namespace behind."""
+    reason = _namespaces_reason(nat=True)
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(f"network namespaces with NAT routers cannot be made here: {reason}")
+    port, t0 = 31399, time.monotonic()
+    topo = netns.Topology(3, nat=2)
+    listeners: list[subprocess.Popen] = []
+
+    def connect(prefix: list[str], host: str, timeout: float = 5.0) -> str:
+        proc = subprocess.run([*prefix, sys.executable, "-c", _CONNECT, host, str(port), str(timeout)],
+                              capture_output=True, text=True, timeout=timeout + 15)
+        return proc.stdout.strip() or f"no output: {proc.stderr.strip()[-300:]}"
+
+    try:
+        topo.create()
+        assert sorted(netns.bench_namespaces(int(topo.tag))) == sorted(
+            [topo.hub, *(topo.ns(i) for i in range(3)), topo.router(1), topo.router(2)])
+        for i in range(3):
+            proc = subprocess.Popen([*topo.exec_prefix(i), sys.executable, "-c", _LISTEN, str(port), "30"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            listeners.append(proc)
+            assert proc.stdout.readline().strip() == "listening", f"listener {i}: {proc.stdout.read()}"
+        router = ["ip", "netns", "exec"]
+        # the listeners behind NAT are up: each one's own router reaches it on its private address
+        for i in (1, 2):
+            assert connect([*router, topo.router(i)], topo.address(i)) == f"ok {netns.router_address(i)}"
+        # out through NAT: node 0 sees the router's address, not the private one
+        for i in (1, 2):
+            assert connect(topo.exec_prefix(i), topo.address(0)) == f"ok {topo.public_address(i)}"
+        # in: node 0 to either address of a NATed node, and one NATed node to the other; a router drops a new
+        # connection to itself silently (a timeout, not a refusal)
+        for src, dst in ((0, 1), (0, 2), (1, 2), (2, 1)):
+            assert connect(topo.exec_prefix(src), topo.address(dst), 1.0).startswith("fail OSError"), (src, dst)
+            assert connect(topo.exec_prefix(src), topo.public_address(dst), 1.0) == "fail TimeoutError", (src, dst)
+        # ... and where node 0 routes a private subnet through its router, the router forwards nothing new
+        for i in (1, 2):
+            subprocess.run(["ip", "-n", topo.ns(0), "route", "add", f"{netns.PRIVATE_NET}.{i}.0/24", "via",
+                            topo.public_address(i)], check=True, capture_output=True, timeout=10)
+            assert connect(topo.exec_prefix(0), topo.address(i), 1.0) == "fail TimeoutError", i
+    finally:
+        for proc in listeners:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait(10)
+        topo.close()
+    left = [n for n in netns.list_namespaces() if n.startswith(f"{netns.PREFIX}{topo.tag}")]
+    assert left == [] and netns.bench_namespaces(int(topo.tag)) == []
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.slow

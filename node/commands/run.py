@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
                    help="address peers should dial instead of the listen address, e.g. /ip4/203.0.113.5/tcp/31337 "
                         "behind a port forward or a proxy (repeatable; default: the listen address)")
+    p.add_argument("--reachability", default=env("LOCOSWARM_REACHABILITY", "auto"),
+                   choices=("auto", "public", "outbound-only"),
+                   help="whether peers can dial this node: auto (default; peers check by dialling it back), public "
+                        "(a port forward or a server), outbound-only (behind NAT: it reduces no part and serves no "
+                        "state, but trains and averages fully) (env LOCOSWARM_REACHABILITY)")
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
                    help="a peer to join through (repeatable; env LOCOSWARM_BOOTSTRAP; default [swarm] bootstrap)")
     p.add_argument("--bootstrap-attempts", type=int, default=None,
@@ -112,9 +117,12 @@ def run_node(args: argparse.Namespace) -> int:
     control_port, control_port_default = control_port_from_args(args.control_port)
     check_control_options(args.control_host, {"--control-port": control_port, "--metrics-port": args.metrics_port},
                           args.allow_remote_control, may_be_taken={"--control-port"} if control_port_default else ())
+    if args.reachability not in ("auto", "public", "outbound-only"):  # from the environment: argparse checks flags
+        raise UserError(f"LOCOSWARM_REACHABILITY={args.reachability!r} is not a reachability; use auto, public or "
+                        "outbound-only (or unset it for auto)")
     opts = daemon.NodeOptions(
         state_dir=Path(args.state_dir), data=data_paths(args), device=args.device, host=args.host, port=args.port,
-        announce=_announce_addrs(args.announce),
+        announce=_announce_addrs(args.announce), reachability=args.reachability,
         bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
         bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, eval_batches=args.eval_batches,

@@ -43,7 +43,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
@@ -84,6 +84,7 @@ from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
     from locoswarm.node.swarm.admission import Admission
+    from locoswarm.node.swarm.reachability import Reachability
 
 log = logging.getLogger("locoswarm.averaging")
 
@@ -288,6 +289,7 @@ class Matched(NamedTuple):
     excluded: dict[str, list[str]]    # each member's bans
     bases: dict[str, bytes]           # each member's low-rank basis tag
     doubted: dict[str, list[str]]     # whom each member mutes for their standing drift
+    outbound: frozenset[str] = frozenset()  # members peers cannot dial (``locoswarm.node.swarm.reachability``)
 
 
 class RoundRefused(RuntimeError):
@@ -350,11 +352,12 @@ class ScheduleHint:
 
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
                 excluded: Iterable[str] = (), expected: Iterable[str] = (),
-                window: float = 0.0, certificate: bytes = b"", doubted: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
+                window: float = 0.0, certificate: bytes = b"", doubted: Iterable[str] = (),
+                outbound_only: bool = False) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
                                  digest=req.digest, fragment=req.fragment, basis=req.basis, window=window,
-                                 certificate=certificate)
+                                 certificate=certificate, outbound_only=outbound_only)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     entry.doubted.extend(sorted(doubted)[:MAX_EXCLUDED])
     entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
@@ -448,6 +451,19 @@ def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], grou
     shunned = majority_shunned(members, doubted, min_voters=FOLLOWED_VOTERS, share=FOLLOWED_SHARE)
     idle = frozenset(p for p in group if p in shunned)
     return idle if len(idle) < len(group) else frozenset()
+
+
+def unreachable_idle(group: list[str], idle: frozenset[str], outbound: Iterable[str]) -> frozenset[str]:
+    """``idle`` with the group's outbound-only members (``locoswarm.node.swarm.reachability``): nobody can open a
+    stream to them, so they reduce no part. Where that would idle the whole group, the members peers can dial
+    reduce even if the round mutes them (a drifter's part beats a round nobody can reach); a group of
+    outbound-only members alone (a round without a dialable member) reduces as before, through whatever
+    connections exist."""
+    unreachable = frozenset(outbound) & set(group)
+    if not unreachable or len(unreachable) == len(group):
+        return idle
+    both = idle | unreachable
+    return both if len(both) < len(group) else unreachable
 
 
 def group_hash(members: list[str], idle: Iterable[str] = ()) -> bytes:
@@ -832,8 +848,12 @@ class SwarmTransport(Transport):
                  joining_peers: Callable[[], list[str]] | None = None,
                  serving_peers: Callable[[], list[str]] | None = None,
                  version_bound: Callable[[], int | None] | None = None,
-                 admission: Admission | None = None, certificate: bytes = b"") -> None:
+                 admission: Admission | None = None, certificate: bytes = b"",
+                 reachability: Reachability | None = None,
+                 outbound_peers: Callable[[], Collection[str]] | None = None) -> None:
         self.runtime = runtime
+        self.reachability = reachability
+        self.outbound_peers = outbound_peers or (lambda: ())
         self.admission = admission
         self.certificate = certificate
         self.version_bound = version_bound or (lambda: None)
@@ -962,6 +982,15 @@ class SwarmTransport(Transport):
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
 
+    def streams_served(self) -> int:
+        """Averaging streams peers opened to this node since its start (it reduced their parts)."""
+        return self._server.served
+
+    def outbound_only(self) -> bool:
+        """Whether peers cannot dial this node (``locoswarm.node.swarm.reachability``): its match entries say so,
+        and it reduces no part."""
+        return self.reachability is not None and self.reachability.outbound_only
+
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
         (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
@@ -974,6 +1003,8 @@ class SwarmTransport(Transport):
         drift ceiling, a peer this node muted round after round for its standing drift serves none
         (``DeviationMemory.drifting``)."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
+            return False
+        if peer in self.outbound_peers():  # nobody can dial it: a download from it would only time out
             return False
         if self.deviations.drifting(peer):  # with a drift ceiling: its phi carries the drift it spread
             return False
@@ -1093,10 +1124,10 @@ class SwarmTransport(Transport):
             if view is not None and view.cut.endswith(SHUNNED_CUT):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
-        members, versions, excluded, bases, doubted = matched
+        members, versions, excluded, bases, doubted, outbound = matched
         self._follow_majority_bans(members, excluded, banned)
         apart = kept_apart(excluded, doubted) if self.deviations.keeps_apart else excluded
-        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart)
+        group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart, outbound)
                      if self.peer_id in g)
         if len(group) < 2:
             self._not_in_round(req.fragment, req.round)
@@ -1125,7 +1156,8 @@ class SwarmTransport(Transport):
         if idle:
             log.info("fragment %d round %d: %s reduce no part: most of the round mutes them for their standing drift",
                      req.fragment, req.round, ", ".join(p[:12] for p in sorted(idle)))
-        result = await self._exchange(req, group, claims, accused, idle)
+        idle = unreachable_idle(group, idle, outbound)
+        result = await self._exchange(req, group, claims, accused, idle, idle & outbound)
         if result.ok:
             max_version = result.max_version
         result.max_version = max_version
@@ -1133,7 +1165,8 @@ class SwarmTransport(Transport):
             await self._explain_mismatch(req)
         if result.ok:
             self.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
-                                 doubted.get(self.peer_id, ()))  # what our entry said, as the others hold it
+                                 doubted.get(self.peer_id, ()),  # what our entry said, as the others hold it
+                                 outbound)
             known = self.recent.get(req.fragment, (-1, []))[0]
             if max_version + 1 >= known:
                 self.recent[req.fragment] = (max_version + 1, group)
@@ -1160,11 +1193,13 @@ class SwarmTransport(Transport):
             return None
         # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
         doubted = self.deviations.apart()
-        standing = self.standing.take(req.fragment, req.round, expected, banned, doubted)
+        standing = self.standing.take(req.fragment, req.round, expected, banned, doubted, own=self.peer_id,
+                                      own_outbound=self.outbound_only())
         if standing is None:
             return None
         now = get_dht_time()
-        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate, doubted)
+        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate, doubted,
+                         self.outbound_only())
         key = self._match_key(req.fragment, req.round)
         self._background(self._store_quietly(key, me.SerializeToString(), now + 300))
         members = list(standing.members)
@@ -1176,7 +1211,7 @@ class SwarmTransport(Transport):
         # ours for theirs kept a member a version behind for good with the same phi (its "group version"
         # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
         return Matched(members, {self.peer_id: req.version}, excluded, {p: b"" for p in members},
-                       {p: list(standing.doubted.get(p, ())) for p in members})
+                       {p: list(standing.doubted.get(p, ())) for p in members}, standing.outbound)
 
     async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
         with contextlib.suppress(Exception):
@@ -1330,7 +1365,7 @@ class SwarmTransport(Transport):
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
         me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate,
-                         self.deviations.apart())
+                         self.deviations.apart(), self.outbound_only())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
@@ -1378,7 +1413,8 @@ class SwarmTransport(Transport):
         excluded = {p: list(entries[p].excluded)[:MAX_EXCLUDED] for p in members}
         bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
         doubted = {p: list(entries[p].doubted)[:MAX_EXCLUDED] for p in members}
-        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted)
+        outbound = frozenset(p for p in members if entries[p].outbound_only)
+        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted, outbound)
 
     def standing_rounds(self) -> int:
         """Rounds that took a standing member list instead of matchmaking (``locoswarm.node.swarm.standing``)."""
@@ -1389,19 +1425,22 @@ class SwarmTransport(Transport):
         return self._exchanges > 0
 
     async def _exchange(self, req: AverageRequest, group: list[str], claims: dict[str, int],
-                        accused: Iterable[str] = (), idle: frozenset[str] = frozenset()) -> AverageResult:
+                        accused: Iterable[str] = (), idle: frozenset[str] = frozenset(),
+                        unreachable: frozenset[str] = frozenset()) -> AverageResult:
         """The group's average of ``req``; its ``max_version`` is the plausible version of the members'
         ``claims`` (from their match entries) as their headers in this exchange updated them. ``accused``: group
         members that another member of the round excludes (``_Reduction.accused``); ``idle``: members that reduce
-        no part (``idle_reducers``)."""
+        no part (``idle_reducers``); ``unreachable``: idle members nobody can dial (``unreachable_idle``), to which
+        nobody opens a stream."""
         self._exchanges += 1
         try:
-            return await self._exchange_parts(req, group, claims, accused, idle)
+            return await self._exchange_parts(req, group, claims, accused, idle, unreachable)
         finally:
             self._exchanges -= 1
 
     async def _exchange_parts(self, req: AverageRequest, group: list[str], claims: dict[str, int],
-                              accused: Iterable[str] = (), idle: frozenset[str] = frozenset()) -> AverageResult:
+                              accused: Iterable[str] = (), idle: frozenset[str] = frozenset(),
+                              unreachable: frozenset[str] = frozenset()) -> AverageResult:
         ghash = group_hash(group, idle)
         n = len(group)
         me = group.index(self.peer_id)
@@ -1427,6 +1466,8 @@ class SwarmTransport(Transport):
             session.drop(peer, "its stream was refused")
 
         async def own_part() -> _PartResult:
+            if self.peer_id in unreachable:  # an empty part nobody streams to: nothing to wait for
+                return _PartResult(self.peer_id, {}, req.weight, extras, None)
             reduced = await session.done
             if reduced.total_weight <= 0:
                 raise RuntimeError("every contribution to this node's part was refused")
@@ -1437,7 +1478,7 @@ class SwarmTransport(Transport):
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
-                                for j in range(n) if j != me]
+                                for j in range(n) if j != me and group[j] not in unreachable]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.round_timeout)
             self._judge_spreads(req.fragment, req.round, results[0], results[1:])
@@ -1466,8 +1507,9 @@ class SwarmTransport(Transport):
                    for j in range(n) if len(parts[j])]
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(session.all_replied(session.expected_replies()), timeout=5.0)
+        if self.peer_id not in unreachable:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.all_replied(session.expected_replies()), timeout=5.0)
         sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
@@ -1512,6 +1554,9 @@ class SwarmTransport(Transport):
                 if not (math.isfinite(h.total_weight) and h.total_weight > 0) or len(h.extras) != len(extras) \
                         or not _finite(h.extras) or h.n_chunks != len(part):
                     raise RoundRefused("bad_reduction", "malformed reduce header")
+                view = self._local_view(req.fragment, req.round)
+                if view is not None and peer not in view.versions:  # nobody streamed to us (outbound only)
+                    view.claim_version(peer, int(h.version), int(h.lineage))
                 async for msg in stream:
                     self.counters.received(peer, req.fragment, req.round, msg.ByteSize())
                     c = msg.chunk.index
@@ -1634,7 +1679,7 @@ class SwarmTransport(Transport):
                                   same_lineage=session.lineages.get(remote) == session.lineages.get(self.peer_id))
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks),
-            lineage=session.lineages.get(self.peer_id, 0)))
+            lineage=session.lineages.get(self.peer_id, 0), version=session.versions.get(self.peer_id, 0)))
         self.counters.sent(remote, h.fragment, h.round, header.ByteSize())
         yield header
         for c in sorted(result.chunks):

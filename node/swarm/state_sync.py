@@ -377,6 +377,10 @@ class StateServer:
         with contextlib.suppress(Exception):
             self._runtime.call(self._server.stop(), timeout=5)
 
+    def streams_served(self) -> int:
+        """State streams peers opened to this node since its start."""
+        return self._server.served
+
     def open_streams(self, peer: str | None = None) -> int:
         """Downloads being served now, to ``peer`` or to anyone."""
         return self._server.open_streams(peer)

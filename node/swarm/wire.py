@@ -325,6 +325,7 @@ class WireServer:
         self._max_lingering = max_streams
         self._lingering = 0
         self._tarpitted = 0
+        self.served = 0  # streams admitted since the start (an outbound-only node's stay 0: nobody can dial it)
 
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(self.name, self._on_stream)
@@ -353,6 +354,7 @@ class WireServer:
             if refusal is not None:
                 await self._refuse(remote, refusal, reader, writer)
                 return
+            self.served += 1
             try:
                 await self._serve(remote, reader, writer)
             finally:

@@ -9,15 +9,22 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from fractions import Fraction
 
 PLACEMENT_TRIES = 32  # orders tried when bans conflict (members are few: cheap)
 
 
 def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
-                excluded: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
+                excluded: Mapping[str, Iterable[str]] | None = None,
+                outbound: Collection[str] = ()) -> list[list[str]]:
     """Balanced random groups, the same on every member that saw the same entries.
+
+    ``outbound``: members peers cannot dial (behind NAT, ``locoswarm.node.swarm.reachability``). Every group
+    gets a member that is not among them, where the round has any: all streams of a round go from a member to a
+    reducer, and outbound-only members reduce no part, so two of them never need a connection with each other.
+    Where the round has fewer dialable members than groups of ``group_size`` would need, groups are fewer and
+    larger (a NAT-heavy swarm's public members reduce more parts) rather than some left with nobody to reduce.
 
     Groups have at most ``group_size`` members (3 members in pairs: 2 + 1, the lone one's round fails).
     Merging the lone member into a pair was tried: a group of 3 then waits for a member that formed no
@@ -49,6 +56,11 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     order = sorted(members)
     rng.shuffle(order)
     n_groups = max(1, -(-len(order) // group_size))
+    unreachable = frozenset(outbound) & set(order)
+    anchors = len(order) - len(unreachable)
+    if unreachable and anchors:
+        n_groups = min(n_groups, anchors)
+        order = _dialable_first(order, unreachable)  # striped or placed first: one of them in every group
     if not excluded or not any(excluded.values()):
         return [sorted(order[g::n_groups]) for g in range(n_groups)]
     conflicts: dict[str, set[str]] = defaultdict(set)
@@ -66,7 +78,8 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     for attempt in range(PLACEMENT_TRIES):
         if attempt:
             rng.shuffle(order)
-        groups = _place(order, n_groups, capacity, conflicts)
+            order = _dialable_first(order, unreachable)
+        groups = _place(order, n_groups, capacity, conflicts, unreachable if anchors else frozenset())
         alone = [g[0] for g in groups if len(g) == 1 and g[0] not in shunned]
         score = (len(alone), sum(1 for p in alone if p not in accused),
                  sum(1 for g in groups if shunned & set(g) for p in g if p not in shunned), len(groups))
@@ -101,11 +114,19 @@ def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str
     return out
 
 
-def _place(order: list[str], n_groups: int, capacity: int, conflicts: Mapping[str, set[str]]) -> list[list[str]]:
-    """One greedy pass: each member, in ``order``, into the smallest of the groups with room and no conflict."""
+def _dialable_first(order: list[str], unreachable: frozenset[str]) -> list[str]:
+    """``order`` with the members peers can dial first (each part's order kept)."""
+    return [p for p in order if p not in unreachable] + [p for p in order if p in unreachable]
+
+
+def _place(order: list[str], n_groups: int, capacity: int, conflicts: Mapping[str, set[str]],
+           unreachable: frozenset[str] = frozenset()) -> list[list[str]]:
+    """One greedy pass: each member, in ``order``, into the smallest of the groups with room and no conflict; an
+    ``unreachable`` member only into a group that holds a dialable one (else alone)."""
     groups: list[list[str]] = [[] for _ in range(n_groups)]
     for peer in order:
-        fits = [g for g in groups if len(g) < capacity and not conflicts.get(peer, set()) & set(g)]
+        fits = [g for g in groups if len(g) < capacity and not conflicts.get(peer, set()) & set(g)
+                and (peer not in unreachable or any(q not in unreachable for q in g))]
         if fits:
             min(fits, key=len).append(peer)
         else:

@@ -3,7 +3,9 @@
 Order of work, and why: every flag is checked first (a bad value costs nothing and names itself);
 then whether namespaces can be made at all (root, ``ip netns add``), both as one line and exit 2.
 The topology is created once; each configuration gets fresh nodes (a swarm of its own) on the same
-links, shaped for every configuration but ``unshaped``. The report is rewritten after each
+links, shaped for every configuration but ``unshaped``. With ``--nat K`` the last K nodes (never node 0,
+the bootstrap) each sit behind a router of their own that lets no connection in: they listen on their
+private address, announce no other and have no latency proxy. The report is rewritten after each
 configuration, so an interrupted session still leaves what it measured.
 
 Cleanup: a SIGTERM, SIGHUP or Ctrl+C raises ``KeyboardInterrupt`` once (further ones are ignored
@@ -55,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--download", default=None, help="download cap per node (default: --bandwidth)")
     p.add_argument("--latency-ms", default="0", help="one-way latency added by a TCP proxy per node (default 0)")
     p.add_argument("--loss", default="0", help="random packet loss per direction: 0.01 or 1%% (default 0)")
+    p.add_argument("--nat", default="0", metavar="K",
+                   help="put the last K nodes each behind a NAT router of its own (outbound connections only, no "
+                        "port forward); 0 to nodes-1, node 0 (the bootstrap) stays public (default 0)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma-separated configurations (default {DEFAULT_CONFIGS}; known: {','.join(CONFIGS)})")
     p.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)} (default tiny)")
@@ -126,6 +131,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     # ---- every flag first: one clear line, exit 2 ----
     configs = spec.parse_configs(args.configs)
     spec.check_range("--nodes", args.nodes, 2, 16, "a node count")
+    nat = spec.parse_nat(args.nat, args.nodes)
     spec.check_range("--seconds", args.seconds, 5, 3600, "seconds")
     spec.check_range("--warmup", args.warmup, 0, 600, "seconds")
     spec.check_range("--eval-every", args.eval_every, 0, 1_000_000, "inner steps")
@@ -140,7 +146,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory; give a directory for the report")
-    netns.check_possible(loss=link.loss > 0)
+    netns.check_possible(loss=link.loss > 0, nat=nat > 0)
     netns.remove_stale()
 
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +155,8 @@ def run_swarm(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     setup = {
         "command": _command_line(sys.argv),
-        "nodes": args.nodes, "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
+        "nodes": args.nodes, "nat": nat, "natted_nodes": netns.natted_nodes(args.nodes, nat),
+        "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
         "params": params, "workers_per_group": workers, "configs": configs,
         "link": {"upload_bps": up, "download_bps": down, "latency_ms": link.latency_ms, "loss": link.loss,
                  "description": link.describe()},
@@ -166,7 +173,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                TextColumn("{task.completed:>4.0f}/{task.total:.0f} s"), TimeElapsedColumn()]
     try:
         with tempfile.TemporaryDirectory(prefix="locoswarm-swarm-bench-") as tmp, \
-                netns.Topology(args.nodes) as topo, Progress(*columns, console=console) as progress:
+                netns.Topology(args.nodes, nat=nat) as topo, Progress(*columns, console=console) as progress:
             tasks = {name: progress.add_task(f"{name}: waiting", total=args.seconds) for name in configs}
             settings = RunSettings(nodes=args.nodes, seconds=args.seconds, warmup=args.warmup,
                                    ready_timeout=args.ready_timeout, work_dir=Path(tmp), data=data,
@@ -179,7 +186,10 @@ def run_swarm(args: argparse.Namespace) -> int:
                     topo.shape(netns.Shaping(up, down, link.loss))
                 else:
                     topo.unshape()
-                conf["qdiscs"] = topo.describe()[topo.ns(0)]
+                links = topo.describe()
+                conf["qdiscs"] = links[topo.ns(0)]
+                if nat:  # every node's link, the NATed ones' on their routers
+                    conf["links"] = links
                 pick = None
                 if name == "planner":
                     step_time = next((r["summary"]["step_time_s"] for r in results.values()

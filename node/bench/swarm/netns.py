@@ -6,13 +6,27 @@ Topology (one per benchmark run, every name carries the bench's pid so parallel 
                                                           │ (veth pair)
     node namespace lsb<pid>n<i>:                eth0 ─────┘  10.77.0.<11+i>/24, lo
 
-Each node lives in its own namespace and reaches the others only through the bridge, so every byte
-a node sends or receives crosses its own veth pair, where it is shaped:
+With ``nat=K`` the last K nodes (never node 0, the bootstrap) each sit behind a router of their own::
 
-- upload cap: a TBF qdisc on the egress of the node-side veth (``eth0`` in the node's namespace);
+    hub namespace    lsb<pid>h:   bridge br0 ── veth h<i> ──┐
+    router namespace lsb<pid>r<i>:                 eth0 ───┘  10.77.0.<11+i>/24 (the node's public address)
+                                                   lan0 ───┐  10.78.<i>.1/24
+    node namespace   lsb<pid>n<i>:                 eth0 ───┘  10.78.<i>.2/24, default route via .1
+
+The router masquerades what leaves through ``eth0`` and lets in only replies (conntrack ESTABLISHED,
+RELATED): a new inbound connection, to the router's address or the node's private one, is dropped
+(no port forward), as behind a home router. A NATed node reaches the others only by dialing out.
+
+Each node lives in its own namespace and reaches the others only through the bridge, so every byte
+a node sends or receives crosses its own veth pair to the bridge, where it is shaped (for a NATed node
+that pair is its router's):
+
+- upload cap: a TBF qdisc on the egress of the node-side veth (``eth0`` in the node's namespace, or in
+  its router's);
 - download cap: a TBF qdisc on the egress of the hub-side veth (towards the node);
-- random loss: an iptables ``statistic`` rule dropping packets arriving on ``eth0`` (so each
-  direction of every path sees the loss once).
+- random loss: an iptables ``statistic`` rule dropping packets arriving on that ``eth0`` (so each
+  direction of every path sees the loss once; in a router in ``mangle PREROUTING``, which forwarded
+  packets cross, in a public node in ``INPUT``).
 
 The kernel here has no netem, so latency is not done here but by :mod:`locoswarm.node.bench.swarm.proxy`.
 
@@ -38,8 +52,9 @@ PREFIX = "lsb"  # locoswarm swarm bench
 SUBNET = "10.77.0"
 PREFIX_LEN = 24
 FIRST_HOST = 11  # node i gets SUBNET.(FIRST_HOST + i)
+PRIVATE_NET = "10.78"  # a NATed node i: PRIVATE_NET.i.0/24, its router .1, the node .2
 MAX_NODES = 32
-_NAME_RE = re.compile(rf"^{PREFIX}(\d+)[hn]\d*$")
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)[hnr]\d*$")  # hub, node i, router i
 
 
 class NetnsError(RuntimeError):
@@ -80,9 +95,10 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def check_possible(*, loss: bool = False) -> None:
+def check_possible(*, loss: bool = False, nat: bool = False) -> None:
     """Raise :class:`UserError` (one line) when this process cannot create network namespaces (or, with
-    ``loss``, drop packets at random: that needs ``iptables``, which a fresh Debian lacks)."""
+    ``loss``, drop packets at random: that needs ``iptables``, which a fresh Debian lacks; or, with ``nat``,
+    put nodes behind masquerading routers: ``iptables`` with the kernel's NAT and conntrack)."""
     if os.geteuid() != 0:
         raise UserError("bench swarm needs root: it creates network namespaces, veth pairs and tc qdiscs; "
                         "run it as root (e.g. sudo locoswarm bench swarm ...)")
@@ -92,9 +108,29 @@ def check_possible(*, loss: bool = False) -> None:
     if loss and _which("iptables") is None:
         raise UserError("bench swarm --loss needs the 'iptables' command (it drops packets with a statistic "
                         "rule); install iptables, or run without --loss")
+    if nat and _which("iptables") is None:
+        raise UserError("bench swarm --nat needs the 'iptables' command (each NATed node's router masquerades "
+                        "and drops inbound connections); install iptables, or run without --nat")
+    if nat and _which("sysctl") is None:
+        raise UserError("bench swarm --nat needs the 'sysctl' command (procps: a router forwards with "
+                        "net.ipv4.ip_forward=1); install procps, or run without --nat")
     probe = f"{PREFIX}{os.getpid()}probe"
     proc = _run(["ip", "netns", "add", probe], check=False)
-    _run(["ip", "netns", "del", probe], check=False)
+    try:
+        probes = [["-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE"],
+                  ["-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
+        if loss:  # a router's loss rule (forwarded packets never reach INPUT)
+            probes.append(["-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-m", "statistic", "--mode", "random",
+                           "--probability", "0.5", "-j", "DROP"])
+        if proc.returncode == 0 and nat:
+            for rule in probes:
+                got = _run(["ip", "netns", "exec", probe, "iptables", "-w", *rule], check=False)
+                if got.returncode != 0:
+                    raise UserError(f"bench swarm --nat cannot add a router's rule 'iptables {' '.join(rule)}' "
+                                    f"({(got.stderr or got.stdout).strip()[:160]}); this kernel lacks NAT, "
+                                    f"conntrack or mangle: run without --nat")
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
     if proc.returncode != 0:
         raise UserError(f"bench swarm cannot create a network namespace ('ip netns add' said: "
                         f"{proc.stderr.strip()[:200]}); run it as root on Linux with namespaces enabled")
@@ -125,14 +161,54 @@ def tbf_args(rate_bps: float) -> list[str]:
     return ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "100ms"]
 
 
+def natted_nodes(nodes: int, nat: int) -> list[int]:
+    """The indices of the nodes behind NAT: the last ``nat`` of ``nodes`` (node 0, the bootstrap, never is)."""
+    if not 0 <= nat < max(1, nodes):
+        raise ValueError(f"nat must be in 0..{max(0, nodes - 1)} (node 0 stays public), not {nat}")
+    return list(range(nodes - nat, nodes)) if nat else []
+
+
+def public_address(i: int) -> str:
+    """The address node ``i`` has on the bridge's subnet: its own, or its router's when it is NATed."""
+    return f"{SUBNET}.{FIRST_HOST + i}"
+
+
+def private_address(i: int) -> str:
+    """The address a NATed node ``i`` has behind its router (the router is ``.1`` of the same /24)."""
+    return f"{PRIVATE_NET}.{i}.2"
+
+
+def router_address(i: int) -> str:
+    """The inner address of NATed node ``i``'s router: the node's default gateway."""
+    return f"{PRIVATE_NET}.{i}.1"
+
+
+def router_rules(outer: str = "eth0", inner: str = "lan0") -> list[list[str]]:
+    """The ``iptables`` arguments of a NATed node's router, in order: masquerade what leaves through ``outer``;
+    forward replies and whatever comes from ``inner``, drop every other forwarded packet (no port forward);
+    accept on ``outer`` only replies to the router itself."""
+    return [
+        ["-t", "nat", "-A", "POSTROUTING", "-o", outer, "-j", "MASQUERADE"],
+        ["-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        ["-A", "FORWARD", "-i", inner, "-j", "ACCEPT"],
+        ["-A", "FORWARD", "-j", "DROP"],
+        ["-A", "INPUT", "-i", outer, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        ["-A", "INPUT", "-i", outer, "-j", "DROP"],
+    ]
+
+
 @dataclass
 class Topology:
-    """The namespaces of one benchmark run; use as a context manager (``close`` on exit)."""
+    """The namespaces of one benchmark run; use as a context manager (``close`` on exit).
+
+    ``nat``: how many nodes (the last ones) sit behind a router namespace of their own (see the module
+    docstring); 0 to ``nodes - 1``, node 0 stays public."""
 
     nodes: int
     tag: str = field(default_factory=lambda: str(os.getpid()))
     created: list[str] = field(default_factory=list)
     shaping: Shaping = field(default_factory=Shaping)
+    nat: int = 0
 
     @property
     def hub(self) -> str:
@@ -142,13 +218,36 @@ class Topology:
         """The namespace of node ``i``."""
         return f"{PREFIX}{self.tag}n{i}"
 
+    def router(self, i: int) -> str:
+        """The namespace of NATed node ``i``'s router."""
+        return f"{PREFIX}{self.tag}r{i}"
+
+    def natted(self, i: int) -> bool:
+        """Whether node ``i`` sits behind NAT (its own router)."""
+        return self.nat > 0 and self.nodes - self.nat <= i < self.nodes
+
+    def link_ns(self, i: int) -> str:
+        """The namespace holding the node-side end (``eth0``) of node ``i``'s veth pair to the bridge: its
+        own, or its router's."""
+        return self.router(i) if self.natted(i) else self.ns(i)
+
+    def address(self, i: int) -> str:
+        """The IPv4 address node ``i`` itself has and listens on (no prefix length): its private address
+        behind its router when it is NATed, else its address on the bridge's subnet."""
+        return private_address(i) if self.natted(i) else public_address(i)
+
     @staticmethod
-    def address(i: int) -> str:
-        """The IPv4 address of node ``i`` (no prefix length)."""
-        return f"{SUBNET}.{FIRST_HOST + i}"
+    def public_address(i: int) -> str:
+        """The address node ``i`` is seen with on the bridge's subnet (its router's when it is NATed)."""
+        return public_address(i)
 
     def _hub_dev(self, i: int) -> str:
         return f"h{i}"
+
+    def _temps(self, i: int) -> tuple[str, ...]:
+        """The temporary veth names of node ``i`` in the root namespace: unique per run (pid), at most 15
+        characters; ``a``/``b``: the pair to the bridge, ``c``/``d``: a NATed node's pair to its router."""
+        return tuple(f"{PREFIX}{self.tag}{x}{i}"[:15] for x in "abcd")
 
     def exec_prefix(self, i: int) -> list[str]:
         """Prefix a command with this to run it in node ``i``'s namespace."""
@@ -162,9 +261,11 @@ class Topology:
         self.close()
 
     def create(self) -> None:
-        """Make the hub with its bridge and one namespace per node, wired and up (unshaped)."""
+        """Make the hub with its bridge, one namespace per node and a router per NATed node, wired and up
+        (unshaped)."""
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in 1..{MAX_NODES}")
+        natted_nodes(self.nodes, self.nat)  # raises on a bad count
         try:
             self._add_ns(self.hub)
             hub = ["ip", "-n", self.hub]
@@ -172,64 +273,96 @@ class Topology:
             _run([*hub, "link", "set", "br0", "up"])
             _run([*hub, "link", "set", "lo", "up"])
             for i in range(self.nodes):
-                ns = self.ns(i)
-                self._add_ns(ns)
-                # temporary names in the root namespace: unique per run (pid) and at most 15 characters
-                a, b = f"{PREFIX}{self.tag}a{i}"[:15], f"{PREFIX}{self.tag}b{i}"[:15]
-                _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
-                try:
-                    _run(["ip", "link", "set", a, "netns", ns])
-                    _run(["ip", "link", "set", b, "netns", self.hub])
-                except NetnsError:
-                    _run(["ip", "link", "del", a], check=False)
-                    raise
-                node = ["ip", "-n", ns]
-                _run([*node, "link", "set", a, "name", "eth0"])
-                _run([*node, "addr", "add", f"{self.address(i)}/{PREFIX_LEN}", "dev", "eth0"])
-                _run([*node, "link", "set", "eth0", "up"])
-                _run([*node, "link", "set", "lo", "up"])
-                _run([*hub, "link", "set", b, "name", self._hub_dev(i)])
+                self._add_ns(self.ns(i))
+                if self.natted(i):
+                    self._add_ns(self.router(i))
+                a, b, c, d = self._temps(i)
+                # the pair to the bridge: eth0 in the node's namespace (or its router's), h<i> in the hub
+                self._veth(a, self.link_ns(i), "eth0", b, self.hub, self._hub_dev(i))
+                _run(["ip", "-n", self.link_ns(i), "addr", "add", f"{public_address(i)}/{PREFIX_LEN}", "dev", "eth0"])
                 _run([*hub, "link", "set", self._hub_dev(i), "master", "br0"])
                 _run([*hub, "link", "set", self._hub_dev(i), "up"])
+                _run(["ip", "-n", self.link_ns(i), "link", "set", "eth0", "up"])
+                _run(["ip", "-n", self.link_ns(i), "link", "set", "lo", "up"])
+                if self.natted(i):
+                    self._wire_router(i, c, d)
         except BaseException:
             self.close()
             raise
+
+    def _veth(self, a: str, ns_a: str, name_a: str, b: str, ns_b: str, name_b: str) -> None:
+        """A veth pair made in the root namespace as ``a``/``b``, moved to ``ns_a``/``ns_b`` and renamed."""
+        _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
+        try:
+            _run(["ip", "link", "set", a, "netns", ns_a])
+            _run(["ip", "link", "set", b, "netns", ns_b])
+        except NetnsError:
+            _run(["ip", "link", "del", a], check=False)
+            raise
+        _run(["ip", "-n", ns_a, "link", "set", a, "name", name_a])
+        _run(["ip", "-n", ns_b, "link", "set", b, "name", name_b])
+
+    def _wire_router(self, i: int, c: str, d: str) -> None:
+        """NATed node ``i``: the pair node eth0 -- router lan0 on its private subnet, the node's default
+        route via the router, forwarding and the router's rules."""
+        node, router = ["ip", "-n", self.ns(i)], ["ip", "-n", self.router(i)]
+        self._veth(c, self.ns(i), "eth0", d, self.router(i), "lan0")
+        _run([*node, "addr", "add", f"{private_address(i)}/24", "dev", "eth0"])
+        _run([*router, "addr", "add", f"{router_address(i)}/24", "dev", "lan0"])
+        _run([*node, "link", "set", "eth0", "up"])
+        _run([*node, "link", "set", "lo", "up"])
+        _run([*router, "link", "set", "lan0", "up"])
+        _run([*node, "route", "add", "default", "via", router_address(i)])
+        _run(["ip", "netns", "exec", self.router(i), "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        for rule in router_rules():
+            _run(["ip", "netns", "exec", self.router(i), "iptables", "-w", *rule])
 
     def _add_ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
 
+    def _loss_chain(self, i: int) -> list[str]:
+        """The iptables table and chain of node ``i``'s loss rule: in a router the packets arriving on eth0
+        are mostly forwarded ones, which INPUT never sees, so there it is mangle PREROUTING."""
+        return ["-t", "mangle", "PREROUTING"] if self.natted(i) else ["INPUT"]
+
     def shape(self, shaping: Shaping) -> None:
-        """Apply ``shaping`` to every node's link (replacing what was there)."""
+        """Apply ``shaping`` to every node's link to the bridge (replacing what was there)."""
         self.unshape()
         for i in range(self.nodes):
+            link = self.link_ns(i)
             if shaping.upload_bps is not None:
-                _run(["tc", "-n", self.ns(i), "qdisc", "replace", "dev", "eth0", "root",
-                      *tbf_args(shaping.upload_bps)])
+                _run(["tc", "-n", link, "qdisc", "replace", "dev", "eth0", "root", *tbf_args(shaping.upload_bps)])
             if shaping.download_bps is not None:
                 _run(["tc", "-n", self.hub, "qdisc", "replace", "dev", self._hub_dev(i), "root",
                       *tbf_args(shaping.download_bps)])
             if shaping.loss > 0:
-                _run([*self.exec_prefix(i), "iptables", "-w", "-A", "INPUT", "-i", "eth0", "-m", "statistic",
-                      "--mode", "random", "--probability", f"{shaping.loss:.6f}", "-j", "DROP"])
+                *table, chain = self._loss_chain(i)
+                _run(["ip", "netns", "exec", link, "iptables", "-w", *table, "-A", chain, "-i", "eth0", "-m",
+                      "statistic", "--mode", "random", "--probability", f"{shaping.loss:.6f}", "-j", "DROP"])
         self.shaping = shaping
 
     def unshape(self) -> None:
-        """Remove every qdisc and loss rule of this run (links at full veth speed)."""
+        """Remove every qdisc and loss rule of this run (links at full veth speed; a router's NAT rules stay)."""
         for i in range(self.nodes):
-            _run(["tc", "-n", self.ns(i), "qdisc", "del", "dev", "eth0", "root"], check=False)
+            link = self.link_ns(i)
+            _run(["tc", "-n", link, "qdisc", "del", "dev", "eth0", "root"], check=False)
             _run(["tc", "-n", self.hub, "qdisc", "del", "dev", self._hub_dev(i), "root"], check=False)
             if self.shaping.loss > 0:
-                _run([*self.exec_prefix(i), "iptables", "-w", "-F", "INPUT"], check=False)
+                *table, chain = self._loss_chain(i)
+                _run(["ip", "netns", "exec", link, "iptables", "-w", *table, "-F", chain], check=False)
         self.shaping = Shaping()
 
     def describe(self) -> dict:
-        """What is installed now, from the kernel (qdiscs and loss rules per node), for the report."""
+        """What is installed now, from the kernel (qdiscs per node), and whether each node is behind NAT,
+        for the report."""
         out = {}
         for i in range(self.nodes):
-            up = _run(["tc", "-n", self.ns(i), "qdisc", "show", "dev", "eth0"], check=False).stdout.strip()
+            up = _run(["tc", "-n", self.link_ns(i), "qdisc", "show", "dev", "eth0"], check=False).stdout.strip()
             down = _run(["tc", "-n", self.hub, "qdisc", "show", "dev", self._hub_dev(i)], check=False).stdout.strip()
-            out[self.ns(i)] = {"upload_qdisc": up, "download_qdisc": down}
+            out[self.ns(i)] = {"upload_qdisc": up, "download_qdisc": down, "behind_nat": self.natted(i),
+                               "address": self.address(i), "public_address": public_address(i),
+                               "router": self.router(i) if self.natted(i) else None}
         return out
 
     def close(self) -> None:
@@ -239,7 +372,7 @@ class Topology:
                 _run(["ip", "netns", "del", name], check=False)
         # the hub side of a veth dies with its peer; a half-made pair left in the root namespace:
         for i in range(self.nodes):
-            for temp in (f"{PREFIX}{self.tag}a{i}"[:15], f"{PREFIX}{self.tag}b{i}"[:15]):
+            for temp in self._temps(i):
                 if os.path.exists(f"/sys/class/net/{temp}"):
                     _run(["ip", "link", "del", temp], check=False)
         self.created.clear()

@@ -4,7 +4,8 @@
 shows: each node's utilization relative to the *same node's* unshaped utilization (the ceiling of
 this machine, which shares its cores among all peers), the per-configuration mean and range, steps/s,
 rounds ok/failed with the failure reasons counted, bytes/s, catch-ups, the last eval loss, and the
-planner's predicted utilization next to each measurement.
+planner's predicted utilization next to each measurement. Per node also whether it sat behind NAT
+(``--nat``), the reachability it reported, the bytes relayed and its rounds by kind.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def summarize(configs: dict[str, dict]) -> dict[str, dict]:
             "failure_reasons": dict(reasons.most_common()),
             "catch_ups": sum(n.get("catch_ups", 0) for n in nodes),
             "standing_rounds": sum(n.get("standing_rounds", 0) for n in nodes),
+            "matchmade_rounds": sum(n.get("matchmade_rounds", 0) for n in nodes),
+            "dropped": sum(n.get("dropped", 0) for n in nodes),
+            "relayed_bytes": sum(n.get("relayed_bytes", 0) for n in nodes),
+            "behind_nat": sum(1 for n in nodes if n.get("behind_nat")),
+            "reachability": dict(Counter(str(n.get("reachability") or "unknown") for n in nodes).most_common()),
             "catch_up_loops": sum(n.get("catch_up_loops", 0) for n in nodes),
             "sent_bytes_per_s": _mean([n.get("sent_bytes_per_s") for n in nodes]),
             "received_bytes_per_s": _mean([n.get("received_bytes_per_s") for n in nodes]),
@@ -118,20 +124,44 @@ def markdown_table(configs: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def node_row(name: str, i: int, n: dict, predicted: float | None = None) -> str:
+    """The per-node table's row of node ``i`` of configuration ``name``."""
+    sent = None if n.get("sent_bytes_per_s") is None else n["sent_bytes_per_s"] / 1e3
+    recv = None if n.get("received_bytes_per_s") is None else n["received_bytes_per_s"] / 1e3
+    relayed = (n.get("relayed_bytes") or 0) / 1e3
+    nat = "yes" if n.get("behind_nat") else "no"
+    reach = str(n.get("reachability") or "unknown").replace("|", "/")
+    return (f"| {name} | {i} | {nat} | {reach} | {_f(n.get('utilization'))} | {_f(n.get('relative'))} | "
+            f"{_f(n.get('predicted', predicted))} | {_f(n.get('steps_per_s'), '.2f')} | "
+            f"{_f(n.get('step_time_s'), '.3f')} | {n.get('rounds_ok', 0)} / {n.get('rounds_failed', 0)} | "
+            f"{n.get('standing_rounds', 0)} / {n.get('matchmade_rounds', 0)} | {n.get('dropped', 0)} | "
+            f"{_f(sent, '.1f')} | {_f(recv, '.1f')} | {_f(relayed, '.1f')} | {n.get('catch_ups', 0)} | "
+            f"{_f(n.get('eval_loss'))} |")
+
+
 def node_table(configs: dict[str, dict]) -> str:
     """One row per node and configuration."""
-    rows = ["| configuration | node | utilization | vs unshaped | predicted | steps/s | step time (s) | rounds ok / "
-            "failed | sent kB/s | received kB/s | catch-ups | eval loss |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| configuration | node | behind NAT | reachability | utilization | vs unshaped | predicted | steps/s | "
+            "step time (s) | rounds ok / failed | standing / matchmade | dropped | sent kB/s | received kB/s | "
+            "relayed kB | catch-ups | eval loss |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, conf in configs.items():
         for i, n in enumerate(conf.get("nodes") or []):
-            sent = None if n.get("sent_bytes_per_s") is None else n["sent_bytes_per_s"] / 1e3
-            recv = None if n.get("received_bytes_per_s") is None else n["received_bytes_per_s"] / 1e3
-            rows.append(f"| {name} | {i} | {_f(n.get('utilization'))} | {_f(n.get('relative'))} | "
-                        f"{_f(n.get('predicted', conf.get('predicted')))} | {_f(n.get('steps_per_s'), '.2f')} | "
-                        f"{_f(n.get('step_time_s'), '.3f')} | {n.get('rounds_ok', 0)} / {n.get('rounds_failed', 0)} | "
-                        f"{_f(sent, '.1f')} | {_f(recv, '.1f')} | {n.get('catch_ups', 0)} | {_f(n.get('eval_loss'))} |")
+            rows.append(node_row(name, i, n, conf.get("predicted")))
     return "\n".join(rows)
+
+
+def nat_sentence(setup: dict) -> str:
+    """The report's line on ``--nat``: how many nodes (which) sat behind NAT, and what that means."""
+    nat = int(setup.get("nat") or 0)
+    if not nat:
+        return "Nodes behind NAT: 0 (every node public)."
+    which = ", ".join(str(i) for i in setup.get("natted_nodes") or [])
+    return (f"Nodes behind NAT: {nat} of {setup.get('nodes')} (node{'s' if nat > 1 else ''} {which or '?'}; node 0, "
+            "the bootstrap, is public): each sits behind a router namespace of its own that masquerades its "
+            "outbound connections and drops every inbound one (no port forward), listens on its private address "
+            "without a latency proxy (its connections cross the proxies of the public nodes it dials) and is given "
+            "no address to announce.")
 
 
 def _load(avg: list[float] | tuple[float, ...] | None) -> str:
@@ -149,7 +179,7 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         f"all configurations share the same links in one session (wall time {setup.get('wall_s', 0) / 60:.1f} min). "
         f"Machine: {setup.get('machine', '-')}, load average {_load(setup.get('load_average_start'))} at the start "
         f"and {_load(setup.get('load_average_end'))} at the end (other work on the machine slows every node alike "
-        f"but makes short windows noisy).", "",
+        f"but makes short windows noisy). {nat_sentence(setup)}", "",
         "*Utilization* is the share of wall time a node spends in inner steps over the window (its "
         "`compute_utilization` differenced between two statuses); *vs unshaped* divides it by the same node's "
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
@@ -163,7 +193,12 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "rounds that took the last merged round's members without DHT matchmaking); *round s (matchmaking s)*: the "
         "mean wall time of a merged round from its start to its result, and to its member list; failure reasons with "
         "peer ids and numbers replaced. *Eval loss*: a node's last periodic evaluation (every `eval_every` local "
-        "steps), '-' for a node that made none after its initial one.", "",
+        "steps), '-' for a node that made none after its initial one. Per node: *behind NAT* (`--nat`), "
+        "*reachability* as the node reports it at the window's end (`reachability.state` in its status: public, "
+        "relayed, outbound-only; unknown where it reports none), *relayed kB*: the growth of its "
+        "`reachability.relayed_bytes` over the window; *standing / matchmade*: its rounds that took standing "
+        "members and those that matchmade (merged + failed - standing); *dropped*: its `dropped` events (stale "
+        "progress thrown away).", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",

@@ -168,9 +168,29 @@ def _compute_seconds(st: dict) -> float:
     return float(st.get("compute_utilization") or 0.0) * float(st.get("uptime_s") or 0.0)
 
 
+def reachability(st: dict) -> tuple[str, int]:
+    """A status's reachability: its ``reachability.state`` (public, relayed, outbound-only or unknown; "unknown"
+    where the node reports none) and its ``reachability.relayed_bytes`` (0 where it reports none)."""
+    r = st.get("reachability")
+    if not isinstance(r, dict):
+        return "unknown", 0
+    state = r.get("state")
+    try:
+        relayed = max(0, int(r.get("relayed_bytes") or 0))
+    except (TypeError, ValueError):
+        relayed = 0
+    return (state if isinstance(state, str) and state else "unknown"), relayed
+
+
 def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
     """Figures of one peer over the window between two of its statuses; ``events`` are the events it
-    reported in the window (each once)."""
+    reported in the window (each once).
+
+    Rounds by kind: ``rounds_ok`` (merged) and ``rounds_failed`` from the node's counters, ``standing_rounds``
+    (rounds that took the last merged round's members), ``matchmade_rounds`` (the others that ended in the
+    window: merged + failed - standing, or the status's own ``matchmade_rounds`` where it has one) and
+    ``dropped`` (``dropped`` events: stale progress thrown away). ``reachability`` is the state in the
+    *after* status, ``relayed_bytes`` the growth of its counter over the window."""
     wall = float(after.get("uptime_s", 0.0)) - float(before.get("uptime_s", 0.0))
     compute = _compute_seconds(after) - _compute_seconds(before)
     steps = int(after.get("inner_step", 0)) - int(before.get("inner_step", 0))
@@ -186,6 +206,13 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
     kinds = Counter(str(e.get("kind")) for e in events)
     curve = after.get("eval_curve") or []
     ok = wall > 0
+    state, relayed_after = reachability(after)
+    _, relayed_before = reachability(before)
+    standing = delta("standing_rounds")
+    if "matchmade_rounds" in after:
+        matchmade = delta("matchmade_rounds")
+    else:
+        matchmade = max(0, delta("syncs_ok") + delta("syncs_failed") - standing)
     return {
         "peer_id": after.get("peer_id"),
         "window_s": wall,
@@ -197,8 +224,13 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         "rounds_failed": delta("syncs_failed"),
         "failure_reasons": dict(reasons.most_common()),
         "catch_ups": delta("catch_ups"),
-        "standing_rounds": delta("standing_rounds"),
+        "standing_rounds": standing,
+        "matchmade_rounds": matchmade,
+        "dropped": kinds.get("dropped", 0),
         "catch_up_loops": kinds.get("catch_up_loop", 0),
+        "reachability": state,
+        "relayed_bytes": max(0, relayed_after - relayed_before),
+        "relayed_bytes_total": relayed_after,
         "sent_bytes_per_s": bytes_delta("sent") / wall if ok else None,
         "received_bytes_per_s": bytes_delta("received") / wall if ok else None,
         "event_counts": dict(kinds.most_common()),
@@ -268,13 +300,20 @@ class ConfigRun:
                 "--delay-ms", f"{self.s.latency_ms:g}"]
         BenchProc(f"proxy{i}", argv, self.root / f"proxy{i}.log", self.proxies, self._env())
 
+    def _proxied(self, i: int) -> bool:
+        """Whether node ``i`` listens behind a latency proxy: a NATed node has none, since nobody can dial it
+        (its outbound connections cross the proxies of the public nodes they dial)."""
+        return self.proxied and not self.topo.natted(i)
+
     def _start_peer(self, i: int, bootstrap: str | None) -> None:
-        host = "127.0.0.1" if self.proxied else self.topo.address(i)
+        # a NATed node listens on its private address and announces nothing else: no address that pretends
+        # to be reachable (what it reports of its reachability is the node's own finding)
+        host = "127.0.0.1" if self._proxied(i) else self.topo.address(i)
         args = ["--config", str(self.launch.config_path), "--state-dir", str(self.state_dir(i)),
                 "--threads", "1", "--host", host, "--port", str(NODE_PORT), "--seed", str(i),
                 "--checkpoint-every", "0", "--eval-every", str(self.s.eval_every), "--control-port", "0",
                 "--device", "cpu", *self.launch.extra_args]
-        if self.proxied:
+        if self._proxied(i):
             args += ["--announce", f"/ip4/{self.topo.address(i)}/tcp/{PROXY_PORT}"]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
@@ -325,8 +364,8 @@ class ConfigRun:
         n = self.s.nodes
         result: dict = {"proxied": self.proxied}
         try:
-            if self.proxied:
-                for i in range(n):
+            for i in range(n):
+                if self._proxied(i):
                     self._start_proxy(i)
             self.on_progress("starting", 0.0)
             self._start_peer(0, None)
@@ -344,8 +383,9 @@ class ConfigRun:
             after = self.statuses()
             self._check_alive()
             # events of the window (a status lags its events by at most one heartbeat: 1 s of slack)
-            result["nodes"] = [node_metrics(before[i], after[i], [e for e in seen[i].values()
-                                                                  if float(e.get("time", 0.0)) >= window_start - 1.0])
+            window = [[e for e in seen[i].values() if float(e.get("time", 0.0)) >= window_start - 1.0]
+                      for i in range(n)]
+            result["nodes"] = [{**node_metrics(before[i], after[i], window[i]), "behind_nat": self.topo.natted(i)}
                                for i in range(n)]
         except Exception as exc:  # a configuration that could not run is reported; the others still run
             result["error"] = f"{type(exc).__name__}: {exc}"[:600]

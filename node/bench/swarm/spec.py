@@ -120,6 +120,20 @@ def parse_configs(text: str) -> list[str]:
     return sorted(names, key=lambda n: order[n])
 
 
+def parse_nat(value: str | int, nodes: int, flag: str = "--nat") -> int:
+    """How many nodes sit behind NAT (``--nat K``): an integer from 0 to ``nodes - 1``, since node 0, the
+    bootstrap the others join through, stays public (K = nodes - 1: one public node)."""
+    text = str(value).strip()
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if not 0 <= k < nodes:
+        raise UserError(f"{flag}: cannot use {value!r}; expected a count of nodes behind NAT from 0 to {nodes - 1} "
+                        f"(fewer than the {nodes} nodes: node 0, the bootstrap, stays public)")
+    return k
+
+
 def check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
     """One line naming ``flag`` when ``value`` is outside ``[low, high]``."""
     if not (isinstance(value, int | float) and math.isfinite(value) and low <= value <= high):
