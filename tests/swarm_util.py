@@ -58,7 +58,7 @@ class NodeProc:
     a node's arguments, e.g. ``["locoswarm.node.bench.hostile", "--attack", "nan"]``)."""
 
     def __init__(self, name: str, state_dir: Path, args: list[str], log_path: Path,
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None, prefix: list[str] | None = None) -> None:
         self.name = name
         self.state_dir = state_dir
         self.log_path = log_path
@@ -66,9 +66,10 @@ class NodeProc:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         entry = command or ["locoswarm.node.cli", "run"]
-        self.proc = subprocess.Popen([sys.executable, "-m", *entry, "--state-dir", str(state_dir), "--threads", "1",
-                                      *args], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # ``prefix``: e.g. ``ip netns exec NS`` (it execs the command, so the process group stays the node's)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", *entry, "--state-dir", str(state_dir),
+                                      "--threads", "1", *args], cwd=REPO, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.pgid = self.proc.pid
         # IPC files of this node's processes recorded before a SIGKILL of its group (which takes its
         # watchdog too); stop() removes them once every process is dead

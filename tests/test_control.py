@@ -242,7 +242,7 @@ def test_tui_without_refusals_or_reputation(fake):
     text = text_of(dataclasses.replace(st, reputation=ReputationStatus(), peers=peers), 120)
     assert "peers  0 refused   0 banned" in text and "refused / banned peers" not in text
     row = next(line for line in text.splitlines() if line.startswith(" " + short_id(PEER, 24)))
-    assert re.search(r"v7 v6 +0 +\d+s ago *$", row), row
+    assert re.search(r"v7 v6 +— +0 +\d+s ago *$", row), row  # no reachability in its heartbeat: "—"
 
 
 def test_tui_swarm_mode_and_helpers():
@@ -251,11 +251,13 @@ def test_tui_swarm_mode_and_helpers():
 
     cfg = load_config(None, [])
     hb = swarm_pb2.Heartbeat(peer_id=PEER, clock=50, inner_step=48, tokens_per_s=1500, loss=2.0, time=99.0,
-                             fragments=[swarm_pb2.FragmentStatus(fragment=0, version=3, phi_hash=1, phi_norm=1.0)])
+                             fragments=[swarm_pb2.FragmentStatus(fragment=0, version=3, phi_hash=1, phi_norm=1.0)],
+                             reachability="outbound-only")
     text = text_of(swarm_view({PEER: hb}, cfg, f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", now=100.0), 120)
     assert "swarm (1 peer in the DHT)" in text and "1.5k" in text and "1s ago" in text and "v3" in text
     assert "(this node)" not in text and "alone (max v3)" in text
-    assert re.search(r"v3 +— +1s ago", text), text  # refusals are a node's own judgement: none in the swarm view
+    # its reachability as its heartbeat says; refusals are a node's own judgement: none in the swarm view
+    assert re.search(r"v3 +outbound-only +— +1s ago", text), text
     empty = text_of(swarm_view({}, cfg, "/ip4/127.0.0.1/tcp/1", now=100.0), 120)
     assert "is --config the swarm's peers.toml?" in empty
     assert sparkline([3.0, 2.0, 1.0], 10) == "█▅▁" and sparkline([], 5) == ""

@@ -87,6 +87,12 @@ def render_metrics(st: NodeStatus) -> str:
                  "its peak since the start, and the device's capacity.",
                  [({"device": m.device, "kind": kind}, value) for kind, value in
                   (("allocated", m.device_allocated), ("peak", m.device_peak), ("total", m.device_total))])
+    r = st.reachability
+    w.metric("locoswarm_reachability", "gauge", "1 for this node's reachability: public (peers can dial it), "
+             "relayed, outbound-only (behind NAT: it reduces no part and serves no state) or unknown.",
+             [({"state": state}, int(r.state == state)) for state in ("public", "relayed", "outbound-only", "unknown")])
+    w.one("locoswarm_inbound_streams_total", "counter", "Averaging and state streams peers opened to this node.",
+          r.inbound_streams)
     peers = sorted(st.peers.items())
     w.one("locoswarm_peers", "gauge", "Live peers of the swarm seen in the DHT (this node excluded).", len(peers))
     w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",

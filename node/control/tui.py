@@ -25,6 +25,7 @@ from locoswarm.node.status import (
     NodeStatus,
     PeerReputation,
     PeerStatus,
+    ReachabilityStatus,
     Spread,
     StatusEvent,
     SwarmView,
@@ -155,7 +156,23 @@ def _network_panel(st: NodeStatus) -> Panel:
                                      (f"{banned} banned", "bold red" if banned else "")))
     if st.solo_steps:
         g.add_row("alone", f"{st.solo_steps} outer steps with no peer")
+    g.add_row("reach", _reach_text(st.reachability))
     return Panel(g, title="network", title_align="left", box=box.ROUNDED)
+
+
+def _reach_text(r: ReachabilityStatus) -> Text:
+    """``outbound-only (checked: 0 of 2 peers could dial it)``: the state, how it is known, what it means."""
+    style = {"public": "green", "outbound-only": "yellow"}.get(r.state, "dim")
+    text = Text(r.state, style=style)
+    if r.source == "checked":
+        text.append(f" (checked: {r.reachable} of {r.reachable + r.unreachable} peers could dial it)")
+    elif r.source:
+        text.append(f" ({r.source})", style="dim")
+    if r.state == "outbound-only":
+        text.append("   reduces no part, serves no state", style="dim")
+    elif r.inbound_streams:
+        text.append(f"   {r.inbound_streams} streams from peers", style="dim")
+    return text
 
 
 def _spread_text(sp: Spread | None) -> Text:
@@ -208,8 +225,10 @@ def _peer_row(pid: str, peer: PeerStatus, now: float, id_width: int, this_node: 
         name.append(" banned", style="bold red")
     refused = "" if this_node else str(peer.refused) if judged else "—"
     refused_text = Text(refused, style="yellow" if judged and peer.refused else "dim")
+    reach = Text(peer.reachability or "—", style="yellow" if peer.reachability == "outbound-only" else
+                 "dim" if peer.reachability in ("", "unknown") else "")
     return [name, f"{peer.inner_step:,}", f"{peer.clock:,}", human_count(peer.tokens_per_s), _loss_text(peer.loss),
-            versions, refused_text, "now" if this_node else ago(peer.time, now)]
+            versions, reach, refused_text, "now" if this_node else ago(peer.time, now)]
 
 
 def _swarm_table(peers: Mapping[str, PeerStatus], now: float, width: int, title: str,
@@ -225,6 +244,7 @@ def _swarm_table(peers: Mapping[str, PeerStatus], now: float, width: int, title:
     t.add_column("tok/s", justify="right", no_wrap=True)
     t.add_column("loss", justify="right", no_wrap=True)
     t.add_column("fragments", no_wrap=True, overflow="ellipsis", ratio=1)
+    t.add_column("reach", no_wrap=True)
     t.add_column("refused", justify="right", no_wrap=True)
     t.add_column("last seen", justify="right", no_wrap=True)
     if this_node is not None:
@@ -233,7 +253,7 @@ def _swarm_table(peers: Mapping[str, PeerStatus], now: float, width: int, title:
         t.add_row(*_peer_row(pid, peer, now, id_width))
     if not peers:
         t.add_row(Text("no other peer has a live heartbeat" if this_node else "no peer has a live heartbeat",
-                       style="dim"), "", "", "", "", "", "", "")
+                       style="dim"), "", "", "", "", "", "", "", "")
     return t
 
 
@@ -242,7 +262,8 @@ def _own_row(st: NodeStatus) -> tuple[str, PeerStatus] | None:
     if not st.peer_id:
         return None
     return st.peer_id, PeerStatus(clock=st.clock, inner_step=st.inner_step, tokens_per_s=st.tokens_per_s,
-                                  loss=st.loss, fragments={f.fragment: f.version for f in st.fragments})
+                                  loss=st.loss, fragments={f.fragment: f.version for f in st.fragments},
+                                  reachability=st.reachability.state)
 
 
 def _kinds_text(r: PeerReputation) -> Text:

@@ -1,0 +1,147 @@
+"""Two public nodes and two that nobody can dial, as real ``locoswarm run`` processes: on loopback with the
+outbound-only ones declared (``--reachability outbound-only``), and in network namespaces behind real NAT
+routers (MASQUERADE, inbound connections dropped) where every node finds out for itself.
+
+Every node must merge rounds, the four must agree on phi, and nobody may have opened a stream to an
+outbound-only node (its ``reachability.inbound_streams`` stays 0): rounds never depend on a connection that
+cannot exist."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from swarm_util import NodeProc, bootstrap_addr, write_config, write_corpus
+
+pytestmark = pytest.mark.timeout(300)
+
+SLOW = ("--throttle", "3", "--eval-every", "0")
+
+
+def _merged(status: dict) -> list[dict]:
+    return [e for e in status.get("events", []) if e["kind"] == "merged"]
+
+
+def _views(nodes: list[NodeProc]) -> list[dict[int, tuple[int, int]]]:
+    return [{f["fragment"]: (f["version"], f["phi_hash"]) for f in n.status().get("fragments", [])} for n in nodes]
+
+
+def _wait_agree(nodes: list[NodeProc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        views = _views(nodes)
+        if all(v == views[0] for v in views[1:]) and views[0]:
+            return
+        time.sleep(0.3)
+    tails = "\n".join(f"--- {n.name}\n{n.tail(20)}" for n in nodes)
+    raise AssertionError(f"the four never agreed on phi: {_views(nodes)}\n{tails}")
+
+
+def _check_round_roles(nodes: list[NodeProc], public: list[NodeProc], outbound: list[NodeProc],
+                       reachabilities: dict[str, str]) -> None:
+    """Rounds merged everywhere, agreement, nobody dialled the outbound-only nodes, and every node's status and
+    its peers' heartbeats name each node's reachability."""
+    for node in nodes:  # both fragments merged a few times on every node
+        node.wait_status(lambda s: {e["fragment"] for e in _merged(s)} == {0, 1} and len(_merged(s)) >= 6, 180,
+                         "six merged rounds of both fragments")
+    _wait_agree(nodes, 90)
+    statuses = {n.name: n.status() for n in nodes}
+    for node in nodes:
+        st = statuses[node.name]
+        assert st["reachability"]["state"] == reachabilities[node.name], (node.name, st["reachability"])
+        seen = {pid: peer["reachability"] for pid, peer in st["peers"].items()}
+        for other in nodes:
+            if other is not node:
+                assert seen[statuses[other.name]["peer_id"]] == reachabilities[other.name], (node.name, seen)
+    for node in outbound:  # it took part in every merged round without anybody opening a stream to it
+        assert statuses[node.name]["reachability"]["inbound_streams"] == 0, statuses[node.name]["reachability"]
+    for node in public:  # the public members reduced the parts
+        assert statuses[node.name]["reachability"]["inbound_streams"] > 0
+    for node in nodes:
+        assert not [e for e in statuses[node.name]["events"] if e["kind"] == "dropped"
+                    and e["time"] > statuses[node.name]["now"] - 20], node.tail()
+
+
+def test_two_outbound_only_nodes_average_through_two_public_ones_on_loopback(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
+                                                            "round_timeout": 10.0, "heartbeat_interval": 0.5})
+    data = write_corpus(tmp_path / "data")
+    nodes: list[NodeProc] = []
+
+    def start(name: str, *extra: str) -> NodeProc:
+        node = NodeProc(name, tmp_path / name, ["--config", str(config), "--data", str(data), *SLOW, *extra],
+                        tmp_path / f"{name}.log")
+        nodes.append(node)
+        return node
+
+    try:
+        first = start("public0")
+        boot = bootstrap_addr(first.wait_status(lambda s: s.get("addrs"), 90, "its addresses"))
+        second = start("public1", "--bootstrap", boot)
+        natted = [start(f"outbound{i}", "--bootstrap", boot, "--reachability", "outbound-only") for i in (2, 3)]
+        st = second.wait_status(lambda s: s.get("reachability", {}).get("source") == "checked", 90, "its check")
+        assert st["reachability"]["state"] == "public" and st["reachability"]["reachable"] >= 1
+        _check_round_roles(nodes, [first, second], natted,
+                           {"public0": "public", "public1": "public", "outbound2": "outbound-only",
+                            "outbound3": "outbound-only"})
+        assert "outbound-only" in natted[0].status()["reachability"]["mode"]
+    finally:
+        for node in nodes:
+            node.stop()
+    assert not any(n.group_alive() for n in nodes), "processes left behind"
+
+
+def _netns_reason() -> str | None:
+    from locoswarm.node.bench.swarm import netns
+    from locoswarm.node.errors import UserError
+
+    try:
+        netns.check_possible(nat=True)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_two_nodes_behind_nat_routers_find_out_and_average_through_two_public_ones(tmp_path: Path) -> None:
+    reason = _netns_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(f"network namespaces with NAT routers cannot be made here: {reason}")
+    from locoswarm.node.bench.swarm import netns
+
+    config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
+                                                            "round_timeout": 10.0, "heartbeat_interval": 0.5})
+    data = write_corpus(tmp_path / "data")
+    topo = netns.Topology(4, nat=2)
+    nodes: list[NodeProc] = []
+    port = 31337
+    try:
+        topo.create()
+
+        def start(i: int, *extra: str) -> NodeProc:
+            args = ["--config", str(config), "--data", str(data), "--host", topo.address(i), "--port", str(port),
+                    *SLOW, *extra]
+            node = NodeProc(f"node{i}", tmp_path / f"node{i}", args, tmp_path / f"node{i}.log",
+                            prefix=topo.exec_prefix(i))
+            nodes.append(node)
+            return node
+
+        first = start(0)
+        addrs = first.wait_status(lambda s: s.get("addrs"), 90, "its addresses")["addrs"]
+        boot = next(a for a in addrs if f"/{topo.address(0)}/" in a)
+        others = [start(i, "--bootstrap", boot) for i in (1, 2, 3)]
+        for node in others:  # each one checked by node 0 through the address its connection came from
+            node.wait_status(lambda s: s.get("reachability", {}).get("source") == "checked", 90, "its check")
+        _check_round_roles(nodes, [first, others[0]], others[1:],
+                           {"node0": "public", "node1": "public", "node2": "outbound-only",
+                            "node3": "outbound-only"})
+        told = [e for e in others[1].status()["events"] if e["kind"] == "reachability"]
+        assert told and "forward TCP port" in told[0]["detail"], others[1].tail()
+    finally:
+        for node in nodes:
+            node.stop()
+        topo.close()
+    assert not any(n.group_alive() for n in nodes), "processes left behind"
+    assert netns.bench_namespaces(int(topo.tag)) == []
