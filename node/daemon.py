@@ -285,8 +285,7 @@ class Node:
         """Log (and record as an event) what this node's reachability means for it, once per state."""
         line = self.reachability.advice(self._announced_port())
         if line:
-            log.warning("%s", line)
-            self._event("reachability", line)
+            self._event("reachability", line)  # logged as "reachability: ..."
 
     def _dialable_peers(self) -> list[str]:
         """Live peers whose heartbeats say peers can dial them (the checkers a dial-back asks; an outbound-only
@@ -822,12 +821,10 @@ class Node:
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
-        belief = believe(claims, bound=bound)
-        # Nobody can dial an outbound-only holder: a download from it would wait for a dial that cannot succeed
-        # (it still counts as a claimant). Only where no other holder has the version is it asked at all.
+        # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
+        # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
         outbound = self._outbound_peers()
-        dialable = [p for p in belief.holders if p not in outbound]
-        return dataclasses.replace(belief, holders=dialable or belief.holders)
+        return believe({p: c for p, c in claims.items() if p not in outbound}, bound=bound)
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it

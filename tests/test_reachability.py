@@ -43,6 +43,11 @@ def test_every_group_holds_a_member_peers_can_dial(n: int, outbound: int, group_
         assert len(groups) == min(-(-n // group_size), dialable)
 
 
+def test_a_round_of_outbound_only_members_alone_forms_no_group() -> None:
+    members = PEERS[:4]
+    assert form_groups(members, 0, 3, 4, outbound=set(members)) == [[p] for p in members]
+
+
 def test_without_outbound_members_the_groups_are_unchanged() -> None:
     for round_ in range(20):
         assert form_groups(PEERS[:8], 1, round_, 3) == form_groups(PEERS[:8], 1, round_, 3, outbound=())

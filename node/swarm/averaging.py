@@ -1133,6 +1133,9 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             if len(members) == 1 and not req.digest and self._alone():
                 return self._solo(req)
+            if len(members) > 1 and outbound >= set(members):
+                return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
+                                            "(behind NAT): none can open a stream to another", own_weight=req.weight)
             return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight)
         agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
         if agreed is None:

@@ -131,11 +131,11 @@ class Reachability:
         if self.state != OUTBOUND_ONLY or self._told:
             return None
         self._told = True
-        return (f"reachability: outbound only (peers cannot dial this node; {self.verdict.unreachable} of "
-                f"{self.verdict.answered} that checked could not). It still trains and averages through public "
-                f"peers, but reduces no part and serves no state. To make it public, forward TCP port {port} on "
-                f"your router to this machine and start with --port {port} --announce "
-                f"/ip4/<your public IP>/tcp/{port}")
+        why = ("declared with --reachability outbound-only" if self.source == "declared" else
+               f"{self.verdict.unreachable} of {self.verdict.answered} peers that checked could not dial it")
+        return (f"outbound only ({why}): this node trains and averages through public peers, but reduces no part "
+                f"and serves no state. To make it public, forward TCP port {port} on your router to this machine "
+                f"and start with --port {port} --announce /ip4/<your public IP>/tcp/{port}")
 
     def status(self) -> ReachabilityStatus:
         """What ``status.json``, the control API and the metrics show under ``reachability``."""

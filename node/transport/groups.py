@@ -24,7 +24,9 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     gets a member that is not among them, where the round has any: all streams of a round go from a member to a
     reducer, and outbound-only members reduce no part, so two of them never need a connection with each other.
     Where the round has fewer dialable members than groups of ``group_size`` would need, groups are fewer and
-    larger (a NAT-heavy swarm's public members reduce more parts) rather than some left with nobody to reduce.
+    larger (a NAT-heavy swarm's public members reduce more parts) rather than some left with nobody to reduce;
+    where it has none, every member is alone (its round fails at once instead of waiting on dials that cannot
+    succeed).
 
     Groups have at most ``group_size`` members (3 members in pairs: 2 + 1, the lone one's round fails).
     Merging the lone member into a pair was tried: a group of 3 then waits for a member that formed no
@@ -58,7 +60,9 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     n_groups = max(1, -(-len(order) // group_size))
     unreachable = frozenset(outbound) & set(order)
     anchors = len(order) - len(unreachable)
-    if unreachable and anchors:
+    if unreachable and not anchors:
+        return [[p] for p in sorted(order)]  # nobody to open a stream to: no group (each member's round fails)
+    if unreachable:
         n_groups = min(n_groups, anchors)
         order = _dialable_first(order, unreachable)  # striped or placed first: one of them in every group
     if not excluded or not any(excluded.values()):
