@@ -37,14 +37,15 @@ def test_no_cap(text: str) -> None:
     assert spec.parse_link_rate(text, "--bandwidth") is None
 
 
-def test_loss_without_iptables_is_a_one_line_error_before_anything_is_made(monkeypatch) -> None:
-    """A fresh Debian has no iptables: --loss says so at once instead of failing inside a namespace."""
+@pytest.mark.parametrize("flag", ["loss", "nat"])
+def test_loss_or_nat_without_iptables_is_a_one_line_error_before_anything_is_made(monkeypatch, flag: str) -> None:
+    """A fresh Debian has no iptables: --loss and --nat say so at once instead of failing inside a namespace."""
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(netns, "_which", lambda tool: None if tool == "iptables" else f"/usr/sbin/{tool}")
     made: list[list[str]] = []
     monkeypatch.setattr(netns, "_run", lambda cmd, **kw: made.append(list(cmd)))
-    with pytest.raises(UserError, match="--loss needs the 'iptables' command") as err:
-        netns.check_possible(loss=True)
+    with pytest.raises(UserError, match=f"--{flag} needs the 'iptables' command") as err:
+        netns.check_possible(**{flag: True})
     assert "\n" not in str(err.value) and made == []
 
 
@@ -120,16 +121,6 @@ def test_bad_nat_flag_is_one_line_exit_2(tmp_path: Path, value: str) -> None:
     assert err.count("\n") == 0 and "--nat" in err and repr(value) in err and "from 0 to 2" in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
-
-
-def test_nat_without_iptables_is_a_one_line_error_before_anything_is_made(monkeypatch) -> None:
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netns, "_which", lambda tool: None if tool == "iptables" else f"/usr/sbin/{tool}")
-    made: list[list[str]] = []
-    monkeypatch.setattr(netns, "_run", lambda cmd, **kw: made.append(list(cmd)))
-    with pytest.raises(UserError, match="--nat needs the 'iptables' command") as err:
-        netns.check_possible(nat=True)
-    assert "\n" not in str(err.value) and made == []
 
 
 def test_the_last_k_nodes_are_natted_and_listen_on_their_private_address(monkeypatch) -> None:

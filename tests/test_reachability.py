@@ -4,7 +4,9 @@ rounds place members that nobody can dial (``form_groups``, ``unreachable_idle``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,10 +17,12 @@ from locoswarm.node.swarm.reachability import (
     UNKNOWN,
     Reachability,
     Verdict,
+    check,
     dial,
     peer_ids_of,
     tcp_target,
 )
+from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.transport.groups import form_groups
 from locoswarm.node.transport.reduce import reducer_parts
 
@@ -142,12 +146,12 @@ def test_dial_tells_a_listener_from_a_closed_port() -> None:
 # ---- the check between two real p2pd daemons ------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
-def test_a_peer_dials_back_the_port_it_was_told_at_the_address_the_connection_comes_from() -> None:
+@contextlib.contextmanager
+def _checker_and_asker() -> Iterator[tuple[NetworkRuntime, NetworkRuntime, Reachability]]:
+    """A public DHT node serving dial-back checks, and a client-mode one connected to it (real p2pd daemons)."""
     from hivemind import DHT
 
-    from locoswarm.node.swarm.reachability import ReachServer, check
-    from locoswarm.node.swarm.runtime import NetworkRuntime
+    from locoswarm.node.swarm.reachability import ReachServer
 
     checker_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     asker_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
@@ -158,13 +162,7 @@ def test_a_peer_dials_back_the_port_it_was_told_at_the_address_the_connection_co
         runtimes += [checker, asker]
         served = Reachability("auto")
         ReachServer(checker, served)
-        listen_port = int(str(asker_dht.get_visible_maddrs()[0]).split("/tcp/")[1].split("/")[0])
-        verdict = asker.call(check(asker, [checker.peer_id, asker.peer_id], listen_port), timeout=60)
-        assert (verdict.reachable, verdict.unreachable, verdict.no_answer) == (1, 0, 0), verdict
-        assert verdict.observed == [f"127.0.0.1:{listen_port}"]
-        # the same requester again at once: refused (one check per CHECK_EVERY_S), not dialled
-        again = asker.call(check(asker, [checker.peer_id], listen_port), timeout=60)
-        assert again.no_answer == 1 and served.checks_served == 1
+        yield checker, asker, served
     finally:
         for rt in runtimes:
             rt.stop()
@@ -173,28 +171,25 @@ def test_a_peer_dials_back_the_port_it_was_told_at_the_address_the_connection_co
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_dials_back_the_port_it_was_told_at_the_address_the_connection_comes_from() -> None:
+    with _checker_and_asker() as (checker, asker, served):
+        listen_port = int(str(asker.dht.get_visible_maddrs()[0]).split("/tcp/")[1].split("/")[0])
+        verdict = asker.call(check(asker, [checker.peer_id, asker.peer_id], listen_port), timeout=60)
+        assert (verdict.reachable, verdict.unreachable, verdict.no_answer) == (1, 0, 0), verdict
+        assert verdict.observed == [f"127.0.0.1:{listen_port}"]
+        # the same requester again at once: refused (one check per CHECK_EVERY_S), not dialled
+        again = asker.call(check(asker, [checker.peer_id], listen_port), timeout=60)
+        assert again.no_answer == 1 and served.checks_served == 1
+
+
+@pytest.mark.timeout(120)
 def test_a_port_nobody_listens_on_is_reported_unreachable() -> None:
-    from hivemind import DHT
-
-    from locoswarm.node.swarm.reachability import ReachServer, check
-    from locoswarm.node.swarm.runtime import NetworkRuntime
-
-    checker_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    asker_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
-                    initial_peers=[str(a) for a in checker_dht.get_visible_maddrs()])
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
-    runtimes: list[NetworkRuntime] = []
     try:
-        checker, asker = NetworkRuntime(checker_dht), NetworkRuntime(asker_dht)
-        runtimes += [checker, asker]
-        ReachServer(checker, Reachability("auto"))
-        verdict = asker.call(check(asker, [checker.peer_id], closed.getsockname()[1]), timeout=60)
-        assert (verdict.reachable, verdict.unreachable) == (0, 1), verdict
-        assert verdict.state == OUTBOUND_ONLY
+        with _checker_and_asker() as (checker, asker, _):
+            verdict = asker.call(check(asker, [checker.peer_id], closed.getsockname()[1]), timeout=60)
+            assert (verdict.reachable, verdict.unreachable) == (0, 1), verdict
+            assert verdict.state == OUTBOUND_ONLY
     finally:
         closed.close()
-        for rt in runtimes:
-            rt.stop()
-        asker_dht.shutdown()
-        checker_dht.shutdown()
