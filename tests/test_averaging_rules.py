@@ -415,7 +415,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={}, deviations=DeviationMemory())
+                           _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
@@ -438,7 +438,7 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
-                           _refused_sources={}, deviations=DeviationMemory())
+                           _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
     assert set(SUSPECT_SOURCE) >= {"direction", "reduction", "reduction_other_phi"}
@@ -464,7 +464,8 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
     from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
 
     for ceiling, refused in ((0.75, True), (1.0, False)):
-        stub = SimpleNamespace(reputation=None, _refused_sources={}, deviations=DeviationMemory(ceiling=ceiling))
+        stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set,
+                               deviations=DeviationMemory(ceiling=ceiling))
         for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
             stub.deviations.standing_drift(["QmDrifter", "QmHonest"], [0.95, 0.3], now=0.0)
         assert stub.deviations.apart() == [], "the doubt lapsed (stamped at 0, long ago)"
@@ -502,7 +503,7 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory())
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
         rep.judge("QmSuspect", "direction", -0.4, **judge)
@@ -527,7 +528,7 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, _refused_sources={},
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set,
                            deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
 
@@ -554,7 +555,7 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, outbound_peers=set,
                            deviations=DeviationMemory(), _unlined_harm=EveryNth(UNLINED_HARM),
                            _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
@@ -581,7 +582,7 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     from locoswarm.node.swarm.averaging import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory())
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
         future: concurrent.futures.Future = concurrent.futures.Future()

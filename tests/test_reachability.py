@@ -193,3 +193,15 @@ def test_a_port_nobody_listens_on_is_reported_unreachable() -> None:
             assert verdict.state == OUTBOUND_ONLY
     finally:
         closed.close()
+
+
+def test_an_outbound_only_peer_serves_no_catch_up() -> None:
+    from types import SimpleNamespace
+
+    from locoswarm.node.core.persistence import DeviationMemory
+    from locoswarm.node.swarm.averaging import SwarmTransport
+
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=lambda: {"QmNatted"},
+                           deviations=DeviationMemory())
+    assert not SwarmTransport._state_source(stub, "QmNatted")
+    assert SwarmTransport._state_source(stub, "QmPublic")

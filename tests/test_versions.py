@@ -104,7 +104,7 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
 
     fetched = []
     belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={},
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, outbound_peers=set,
                            deviations=DeviationMemory(), _probed={},
                            _latest_versions=lambda fragment: belief,
                            _fetch=lambda *args: fetched.append(args))

@@ -17,7 +17,8 @@ A round of fragment ``p`` started at swarm step ``r``:
    A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
 2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``locoswarm.node.transport.reduce``):
    member ``i`` streams its chunks of part ``j`` to member ``j`` (a member that most of the round doubts for its
-   standing drift reduces no part: ``idle_reducers``), which screens every member's part
+   standing drift reduces no part: ``idle_reducers``; nor does one peers cannot dial, to which nobody opens a
+   stream: ``unreachable_idle``, ``locoswarm.node.swarm.reachability``), which screens every member's part
    (finite, weight within bounds, norm against the group's) and combines the accepted ones with the
    swarm's robust aggregator, re-encodes the result and streams it back to each member.
 3. **Atomicity**: a member applies a result only when it holds every reduced part, each checked
