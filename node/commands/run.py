@@ -13,6 +13,7 @@ from locoswarm.node.commands import add_config_args, load_config_from_args
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 from locoswarm.node.ranks import DEFAULT_TIMEOUT_S, ENGINES, RankGroup, RankLauncher, check_nproc
+from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,8 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
                    help="address peers should dial instead of the listen address, e.g. /ip4/203.0.113.5/tcp/31337 "
                         "behind a port forward or a proxy (repeatable; default: the listen address)")
-    p.add_argument("--reachability", default=env("LOCOSWARM_REACHABILITY", "auto"),
-                   choices=("auto", "public", "outbound-only"),
+    p.add_argument("--reachability", default=env("LOCOSWARM_REACHABILITY", "auto"), choices=REACHABILITY_MODES,
                    help="whether peers can dial this node: auto (default; peers check by dialling it back), public "
                         "(a port forward or a server), outbound-only (behind NAT: it reduces no part and serves no "
                         "state, but trains and averages fully) (env LOCOSWARM_REACHABILITY)")
@@ -117,7 +117,7 @@ def run_node(args: argparse.Namespace) -> int:
     control_port, control_port_default = control_port_from_args(args.control_port)
     check_control_options(args.control_host, {"--control-port": control_port, "--metrics-port": args.metrics_port},
                           args.allow_remote_control, may_be_taken={"--control-port"} if control_port_default else ())
-    if args.reachability not in ("auto", "public", "outbound-only"):  # from the environment: argparse checks flags
+    if args.reachability not in REACHABILITY_MODES:  # from the environment: argparse checks only the flag
         raise UserError(f"LOCOSWARM_REACHABILITY={args.reachability!r} is not a reachability; use auto, public or "
                         "outbound-only (or unset it for auto)")
     opts = daemon.NodeOptions(

@@ -457,9 +457,8 @@ def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], grou
 def unreachable_idle(group: list[str], idle: frozenset[str], outbound: Iterable[str]) -> frozenset[str]:
     """``idle`` with the group's outbound-only members (``locoswarm.node.swarm.reachability``): nobody can open a
     stream to them, so they reduce no part. Where that would idle the whole group, the members peers can dial
-    reduce even if the round mutes them (a drifter's part beats a round nobody can reach); a group of
-    outbound-only members alone (a round without a dialable member) reduces as before, through whatever
-    connections exist."""
+    reduce even if the round mutes them (a drifter's part beats a round nobody can reach). ``form_groups`` never
+    makes a group of outbound-only members alone; for one, nothing changes."""
     unreachable = frozenset(outbound) & set(group)
     if not unreachable or len(unreachable) == len(group):
         return idle

@@ -83,7 +83,7 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
         if attempt:
             rng.shuffle(order)
             order = _dialable_first(order, unreachable)
-        groups = _place(order, n_groups, capacity, conflicts, unreachable if anchors else frozenset())
+        groups = _place(order, n_groups, capacity, conflicts, unreachable)
         alone = [g[0] for g in groups if len(g) == 1 and g[0] not in shunned]
         score = (len(alone), sum(1 for p in alone if p not in accused),
                  sum(1 for g in groups if shunned & set(g) for p in g if p not in shunned), len(groups))
