@@ -112,14 +112,11 @@ class Reachability:
             return
         self.verdict = verdict
         self.checked_at = time.time()
-        if self.mode != "auto":
-            if verdict.answered and verdict.state != self.state:
-                log.warning("reachability is declared %s, but %d of %d peers that checked could%s dial this node",
-                            self.state, verdict.reachable, verdict.answered,
-                            "" if verdict.reachable else " not")
-            return
-        if verdict.state != UNKNOWN:
+        if self.mode == "auto":
             self.state, self.source = verdict.state, "checked"
+        elif verdict.state != self.state:
+            log.warning("reachability is declared %s, but %d of %d peers that checked could%s dial this node",
+                        self.state, verdict.reachable, verdict.answered, "" if verdict.reachable else " not")
 
     def assume(self, state: str, why: str) -> None:
         """A state without a check (e.g. the first node of a swarm, which others join by dialling it)."""
