@@ -710,6 +710,8 @@ class InjectClient(HostileClient):
         self.schedule = make_schedule("fixed", self.cfg.outer.h, self.cfg.outer.fragments)
         self.rng = random.Random(opts.seed)
         self.done: set[tuple[int, int]] = set()
+        self.own_answered = False  # a reducer has answered a stream under its own id
+        self.forged_sent = 0
 
     async def attack(self, deadline: float) -> None:
         if self.cfg.outer.schedule != "fixed":
@@ -763,11 +765,12 @@ class InjectClient(HostileClient):
             if len(group) < 2:
                 continue
             for j, reducer in enumerate(group):
-                # Its own id first: a forged sender is a conclusive offence (banned at once), so the
-                # non-member path is tried on the first round, while nobody bans it yet; then forged.
-                found = self.counts.get("rounds_found", 0)
-                forged = found == 2 or (found > 2 and self.rng.random() < 0.5)
+                # Its own id until one such stream has been answered: a forged sender is a conclusive
+                # offence (banned at once), so a forged stream that overtook the first own-id one would
+                # leave the non-member path untried (a CI run, 2026-12-03). Then forged, then either.
+                forged = self.own_answered and (self.forged_sent == 0 or self.rng.random() < 0.5)
                 sender = next(m for m in group if m != reducer) if forged else self.peer_id
+                self.forged_sent += forged
                 jobs.append(self.send_part(fragment, round_, group, j, sender, entries[reducer]))
         await asyncio.gather(*jobs, return_exceptions=True)
 
@@ -808,6 +811,8 @@ class InjectClient(HostileClient):
             self.note(f"refused_{how}")
         except WireError as exc:
             self.note("errors", f"{how}: {exc}")
+        finally:
+            self.own_answered |= how == "own_id"
 
 
 class FloodClient(HostileClient):
