@@ -173,20 +173,22 @@ class AverageReply(_message.Message):
     def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat", "momentum_precision")
+    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat", "momentum_precision", "spread")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     offset: int
     min_version: int
     heartbeat: Heartbeat
     momentum_precision: MomentumPrecision
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ...) -> None: ...
+    spread: bool
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ..., spread: _Optional[bool] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step", "momentum_precision")

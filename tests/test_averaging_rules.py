@@ -38,7 +38,7 @@ from locoswarm.node.swarm.averaging import (
     plausible_version,
 )
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
-from locoswarm.node.transport.groups import form_groups, kept_apart
+from locoswarm.node.transport.groups import consensus_members, form_groups, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
@@ -50,6 +50,48 @@ def test_groups_without_exclusions_are_balanced_partitions(n: int, size: int) ->
     assert sorted(itertools.chain(*groups)) == sorted(PEERS[:n])
     assert max(map(len, groups)) <= size and max(map(len, groups)) - min(map(len, groups)) <= 1
     assert groups == form_groups(list(reversed(PEERS[:n])), 1, 7, size)  # order of arrival is irrelevant
+
+
+def test_a_consensus_round_averages_the_members_at_the_version_most_of_them_hold() -> None:
+    """Two members behind (joiners one version late) sit out, whatever the order; a tie goes to the newer version;
+    a lone liar's claim takes nothing over; a member with no claim counts as version -1."""
+    a, b, c, d = PEERS[:4]
+    assert consensus_members([a, b, c, d], {a: 5, b: 5, c: 4, d: 5}) == [a, b, d]
+    assert consensus_members([d, c, b, a], {a: 4, b: 4, c: 5, d: 5}) == [d, c]  # tie: the newer
+    assert consensus_members([a, b, c], {a: 7, b: 7, c: 10**9}) == [a, b]
+    assert consensus_members([a, b, c], {a: 3, b: 3}) == [a, b]
+    assert consensus_members([a], {a: 0}) == [a]
+
+
+def test_a_behind_member_sits_out_an_in_process_consensus_round_and_the_others_move_no_bytes() -> None:
+    from locoswarm.node.core.transport import NOT_AT_CONSENSUS_VERSION, AverageRequest
+    from locoswarm.node.transport.inprocess import InProcessHub
+
+    codec = get_codec("fp32")
+    hub = InProcessHub(codec, 4, robust=RobustSection())
+    same, stale = torch.ones(8), torch.zeros(8)
+    handles = []
+    for w, (state, version) in enumerate([(same, 3), (same, 3), (stale, 2), (same, 3)]):
+        handles.append(hub.transport(w).start_average(AverageRequest(
+            fragment=4, round=9, chunks=encode_chunks(codec, state), numel=8, weight=1.0, version=version,
+            codec="fp32", digest=bytes([version]))))
+    hub.flush()
+    results = [h.result(timeout=1) for h in handles]
+    assert not results[2].ok and NOT_AT_CONSENSUS_VERSION in results[2].error
+    for r in (results[0], results[1], results[3]):
+        assert r.ok and r.average is None and r.group_size == 3 and r.bytes_sent == 0
+
+
+def test_holders_are_asked_in_an_order_of_the_downloader_own() -> None:
+    """Rendezvous order: a permutation, stable per downloader and fragment, different between downloaders (so
+    that two nodes catching up at once do not both start with the first holder listed)."""
+    from locoswarm.node.swarm.averaging import holder_order
+
+    holders = PEERS[:4]
+    orders = {own: holder_order(own, 0, holders) for own in PEERS[4:]}
+    assert all(sorted(o) == sorted(holders) for o in orders.values())
+    assert holder_order(PEERS[4], 0, list(reversed(holders))) == orders[PEERS[4]]
+    assert len({o[0] for o in orders.values()}) >= 2, orders
 
 
 @pytest.mark.parametrize("round_", range(12))
@@ -487,7 +529,7 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
         for source, doubted in (("QmDrifter", True), ("QmHonest", False)):
             def served(fragment: int, holders: list[str], version: int, digest: bytes, source: str = source):
                 return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=source)
-            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served,
+            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf",
                                    _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]))
             assert SwarmTransport.fetch_fragment(stub, 0).doubted is doubted, (ceiling, source)
         assert not memory.muted_lately("QmDrifter", now=time.monotonic() + 2 * DOUBT_S), "the doubt lapses"

@@ -181,11 +181,12 @@ def test_a_download_carries_the_servers_clock_as_it_sent_the_state(swarm):
 class _Probe:
     """A raw download stream that acknowledges only when told (``ack``) and counts the chunks it got."""
 
-    def __init__(self, swarm: Swarm, server: P2P, fragment: int, version: int) -> None:
+    def __init__(self, swarm: Swarm, server: P2P, fragment: int, version: int, origin: P2P | None = None) -> None:
         self.request = swarm_pb2.StateRequest(fingerprint=FP, fragment=fragment, min_version=version)
         self.acks: asyncio.Queue = asyncio.Queue()
         self.seen: list[int] = []
         self._swarm, self._server = swarm, server
+        self._origin = origin or swarm.client  # the peer the stream is opened from
 
     def ack(self) -> None:
         self.acks.put_nowait(self.request)
@@ -196,7 +197,7 @@ class _Probe:
             while (ack := await self.acks.get()) is not None:
                 yield ack
 
-        async with wire.open_stream(self._swarm.client, self._swarm.id(self._server), STATE_HANDLER, requests(),
+        async with wire.open_stream(self._origin, self._swarm.id(self._server), STATE_HANDLER, requests(),
                                     swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES, idle_timeout=10) as stream:
             reader = asyncio.create_task(self._read(stream))
             await done.wait()
@@ -286,6 +287,45 @@ def test_concurrent_downloads_share_the_servers_credit(swarm):
         assert small.credit.high_water == 2
     finally:
         small.close()
+
+
+def test_a_holder_busy_with_another_download_passes_a_catch_up_on_to_another_holder(swarm):
+    """Downloads spread over the holders (module docstring): a holder that sends another peer a download refuses
+    ``busy`` to a request that has other holders to ask, which then serves it; a lone holder serves it anyway,
+    and so does a busy one when every holder is busy. Nothing of it is an offence or a backoff."""
+    snaps = _snaps()
+    good_book, other_book = Book(), Book()
+    good = _server(swarm, swarm.good, good_book, snaps=snaps)
+    other = _server(swarm, swarm.other, other_book, snaps=snaps)
+    backoff = HolderBackoff()
+    client = _client(swarm, Book(), backoff=backoff)
+    holders = [swarm.id(swarm.good), swarm.id(swarm.other)]
+
+    async def busy_while(probes: list[tuple[P2P, P2P]], fetch: Callable[[], Any]) -> Any:
+        dones = [asyncio.Event() for _ in probes]
+        runs = [_Probe(swarm, server, 1, 0, origin=origin) for server, origin in probes]
+        tasks = [asyncio.create_task(r.run(d)) for r, d in zip(runs, dones, strict=True)]
+        while not all(r.seen for r in runs):  # each server has started sending its download
+            await asyncio.sleep(0.05)
+        try:
+            return await asyncio.to_thread(fetch)
+        finally:
+            for d in dones:
+                d.set()
+            await asyncio.gather(*tasks)
+
+    try:
+        snap = swarm.run(busy_while([(swarm.good, swarm.other)], lambda: client.fetch(0, holders)))
+        assert _same(snap, snaps[0]) and snap.source == swarm.id(swarm.other), snap.source
+        alone = swarm.run(busy_while([(swarm.good, swarm.other)], lambda: client.fetch(0, holders[:1])))
+        assert _same(alone, snaps[0]) and alone.source == swarm.id(swarm.good)
+        both = swarm.run(busy_while([(swarm.good, swarm.other), (swarm.other, swarm.good)],
+                                    lambda: client.fetch(0, holders)))
+        assert _same(both, snaps[0]) and both.source == swarm.id(swarm.good)
+        assert backoff.waiting(swarm.id(swarm.good)) == 0 and not good_book.refused and not other_book.refused
+    finally:
+        good.close()
+        other.close()
 
 
 def test_stream_cap_refusals_are_retried_not_counted(swarm):

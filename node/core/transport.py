@@ -63,7 +63,9 @@ NOT_IN_ROUND = "this peer is not in the round"
 GROUP_MISMATCH = "group mismatch"
 BASIS_MISMATCH = "low-rank basis mismatch"
 EXCLUDED_BY_ALL = "every other member of the round excludes this node (banned there)"
-UNSENT_FAILURES = (NO_PEER_IN_GROUP, LATE_FOR_ROUND, NOT_IN_ROUND, GROUP_MISMATCH, BASIS_MISMATCH, EXCLUDED_BY_ALL)
+NOT_AT_CONSENSUS_VERSION = "not at the consensus round's version"
+UNSENT_FAILURES = (NO_PEER_IN_GROUP, LATE_FOR_ROUND, NOT_IN_ROUND, GROUP_MISMATCH, BASIS_MISMATCH, EXCLUDED_BY_ALL,
+                   NOT_AT_CONSENSUS_VERSION)
 
 
 @dataclass

@@ -63,6 +63,7 @@ from locoswarm.node.core.transport import (
     GROUP_MISMATCH,
     LATE_FOR_ROUND,
     NO_PEER_IN_GROUP,
+    NOT_AT_CONSENSUS_VERSION,
     NOT_IN_ROUND,
     AverageHandle,
     AverageRequest,
@@ -79,7 +80,13 @@ from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
 from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
-from locoswarm.node.transport.groups import form_groups, group_basis, kept_apart, majority_shunned
+from locoswarm.node.transport.groups import (
+    consensus_members,
+    form_groups,
+    group_basis,
+    kept_apart,
+    majority_shunned,
+)
 from locoswarm.node.transport.reduce import PartContribution, combine_part, reducer_parts, screen_part
 from locoswarm.protocol import swarm_pb2
 
@@ -373,6 +380,15 @@ def peer_tag(peer: str) -> int:
     """A peer id in 4 bytes, for the awaited lists of match entries (a round's key holds every member's
     entry, and DHT values must stay small)."""
     return int.from_bytes(hashlib.blake2b(peer.encode(), digest_size=4).digest(), "big")
+
+
+def holder_order(own: str, fragment: int, holders: Sequence[str]) -> list[str]:
+    """The order in which ``own`` asks ``holders`` for a fragment: a hash of the pair (rendezvous hashing), so
+    that nodes catching up at once start with different holders instead of all with the first one listed."""
+    def rank(holder: str) -> bytes:
+        return hashlib.blake2b(f"{own}/{fragment}/{holder}".encode(), digest_size=8).digest()
+
+    return sorted(holders, key=rank)
 
 
 def awaited(own: set[str], entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> set[int]:
@@ -1070,7 +1086,8 @@ class SwarmTransport(Transport):
             self._probed[(fragment, peer)] = time.monotonic()
         while len(self._probed) > MAX_JOINERS:
             self._probed.pop(next(iter(self._probed)))
-        snapshot = self._fetch(fragment, belief.holders, belief.version, belief.digest)
+        snapshot = self._fetch(fragment, holder_order(self.peer_id, fragment, belief.holders), belief.version,
+                               belief.digest)
         if snapshot is not None and snapshot.source:
             snapshot.doubted = self.deviations.muted_lately(snapshot.source)
         return snapshot
@@ -1125,6 +1142,13 @@ class SwarmTransport(Transport):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
         members, versions, excluded, bases, doubted, outbound = matched
+        if req.digest:  # a consensus round: only the members at the round's common version (consensus_members)
+            members = consensus_members(members, versions)
+            if self.peer_id not in members:
+                self._not_in_round(req.fragment, req.round)
+                self._digests.pop((req.fragment, req.round), None)
+                return AverageResult.failed(f"{NOT_AT_CONSENSUS_VERSION}: its members hold another version than "
+                                            f"this node's {req.version}; it catches up instead", own_weight=req.weight)
         self._follow_majority_bans(members, excluded, banned)
         apart = kept_apart(excluded, doubted) if self.deviations.keeps_apart else excluded
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart, outbound)

@@ -32,7 +32,11 @@ uplink with the download, its own round waited behind it, and training stalled a
 F = 1, a catch-up is the whole model). A download still gets the link between rounds.
 
 The client is resumable: when a peer fails mid-stream it continues from the last element received with
-another peer holding the same version. A joiner spreads its fragments over several peers.
+another peer holding the same version. A joiner spreads its fragments over several peers, and any download
+with more than one holder to ask spreads over them: its first pass asks each holder with ``spread`` set, which
+a holder that is sending another peer a download refuses (``busy``), and only if every holder did is the
+download asked again of those, without it. Two nodes behind NAT that caught up at once from the same one of
+their two public holders otherwise took the whole of its 5 Mbit/s link for 30 s.
 
 Both ends use the bounded framing of ``locoswarm.node.swarm.wire``: a request is at most ``MAX_REQUEST_BYTES``, a
 chunk at most ``MAX_CHUNK_BYTES``, each message must arrive within ``IDLE_TIMEOUT``, and the server caps
@@ -124,6 +128,7 @@ NO_STATE = "no-state"
 OLD_VERSION = "old-version"
 BAD_OFFSET = "bad-offset"
 BAD_REQUEST = "bad-request"
+BUSY = "busy"  # serving another download now, to a request that says it has other holders (``spread``)
 _PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
 _STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
 
@@ -367,6 +372,7 @@ class StateServer:
         self._on_refused = on_refused
         self._limiter = StateRateLimiter(requests_per_minute, now=now)
         self._runtime = runtime
+        self._serving: dict[str, int] = {}  # peer -> downloads being sent to it now (past admission)
         self._server = runtime.call(wire.serve(
             runtime.p2p, STATE_HANDLER, self._handle, swarm_pb2.StateRequest, max_request_bytes=MAX_REQUEST_BYTES,
             idle_timeout=IDLE_TIMEOUT, max_streams_per_peer=max_streams_per_peer, max_streams=MAX_STREAMS,
@@ -401,16 +407,29 @@ class StateServer:
         refusal = self._admit(remote, request, await self._live(remote))
         if refusal is None:
             snap = self.snapshot(request.fragment)
-            refusal = self._unservable(request, snap)
+            refusal = self._unservable(request, snap) or self._busy(remote, request)
         if refusal is not None:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
             return  # the wire writes END and holds the stream until the client has closed it
         assert snap is not None
         # Closed here, not left to the garbage collector: its end gives back the shared credit it holds.
-        async with contextlib.aclosing(self._chunks(remote, request, snap, requests)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        self._serving[remote] = self._serving.get(remote, 0) + 1
+        try:
+            async with contextlib.aclosing(self._chunks(remote, request, snap, requests)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if (left := self._serving.pop(remote) - 1) > 0:
+                self._serving[remote] = left
         self.served += 1
+
+    def _busy(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
+        """``BUSY`` for a request that could go to another holder (``spread``) while this node sends a download
+        to another peer: two nodes behind NAT that caught up from the same one of two public holders at 5 Mbit/s
+        took 9 MB off its link at once, and its rounds and DHT calls stalled for 30 s (a bench run)."""
+        if request.spread and any(peer != remote for peer in self._serving):
+            return _refusal(BUSY, "serving another download now; ask another holder first")
+        return None
 
     async def _live(self, remote: str) -> bool:
         """Whether ``remote`` has a live heartbeat in this swarm: in this node's table, or in the DHT now
@@ -603,6 +622,10 @@ class _Passing(Exception):
     """The peer refused for now (not live yet, too many streams): ask it again after a wait."""
 
 
+class _Busy(Exception):
+    """The peer serves another download now, and this request offered to ask another holder first."""
+
+
 class _Download:
     """One fragment's download, resumable across peers: each chunk is checked against the stream so far."""
 
@@ -619,12 +642,13 @@ class _Download:
         self._version: int | None = None
         self._claim: tuple[int, int, float] | None = None  # the last chunk's (clock, inner step, wall time seen)
 
-    def request(self, fingerprint: str) -> swarm_pb2.StateRequest:
+    def request(self, fingerprint: str, spread: bool = False) -> swarm_pb2.StateRequest:
         """The request resuming at the next element (of the version started, if any). The server knows us
-        from our heartbeat in the DHT (a heartbeat in the request proves nothing: see ``StateServer``)."""
+        from our heartbeat in the DHT (a heartbeat in the request proves nothing: see ``StateServer``).
+        ``spread``: other holders could serve it (a busy server refuses it, module docstring)."""
         version = self._version if self._version is not None else self._min_version
         return swarm_pb2.StateRequest(fingerprint=fingerprint, fragment=self.fragment, offset=self._offset,
-                                      min_version=version, momentum_precision=self._precision)
+                                      min_version=version, momentum_precision=self._precision, spread=spread)
 
     def reset(self) -> None:
         """Forget what was received (it came from a source found bad)."""
@@ -637,6 +661,8 @@ class _Download:
             text = _one_line(msg.error)
             if _refusal_code(text) in _PASSING:
                 raise _Passing(text)
+            if _refusal_code(text) == BUSY:
+                raise _Busy(text)
             raise _Refused(_refusal_code(text), text)
         if msg.fragment != self.fragment:
             raise BadSource(f"sent fragment {msg.fragment} for fragment {self.fragment}")
@@ -794,8 +820,12 @@ class StateClient:
         order, wait = list(peers), RETRY_FIRST_S
         if order and all(self._backoff.waiting(p) > 0 for p in order):
             raise _AllWaiting(f"fragment {fragment}: every holder refused this node lately; not asked again yet")
+        # The first pass offers each holder to pass us on while it serves someone else (``spread``); the holders
+        # that did are asked again at once, without the offer, if nobody else served it.
+        spread = len(order) > 1
         while True:
             again: list[str] = []
+            busy: list[str] = []
             for peer in order:
                 if self._is_banned is not None and self._is_banned(peer):
                     errors.append(f"{peer[:12]}: banned here")
@@ -803,12 +833,18 @@ class StateClient:
                 if (left := self._backoff.waiting(peer)) > 0:
                     errors.append(f"{peer[:12]}: refused lately, not asked for {left:.0f} s")
                     continue
-                outcome = await self._try_peer(download, peer, deadline)
+                outcome = await self._try_peer(download, peer, deadline, spread=spread)
                 if isinstance(outcome, FragmentSnapshot):
                     return outcome
+                if outcome.startswith("busy: "):
+                    busy.append(peer)
+                    continue
                 if outcome.startswith("again: "):
                     again.append(peer)
                 errors.append(f"{peer[:12]}: {outcome}")
+            if busy:
+                order, spread = busy + again, False
+                continue
             left = deadline - time.monotonic()
             if not again or left <= 0:
                 break
@@ -816,13 +852,15 @@ class StateClient:
             order, wait = again, min(2 * wait, RETRY_MAX_S)
         raise RuntimeError(f"fragment {fragment}: no peer could serve it ({'; '.join(errors[-8:])})")
 
-    async def _try_peer(self, download: _Download, peer: str, deadline: float) -> FragmentSnapshot | str:
-        """The snapshot, or why not (prefixed ``again: `` when the peer is worth asking again)."""
+    async def _try_peer(self, download: _Download, peer: str, deadline: float, *,
+                        spread: bool = False) -> FragmentSnapshot | str:
+        """The snapshot, or why not (prefixed ``again: `` when the peer is worth asking again, ``busy: `` when it
+        serves someone else and ``spread`` offered to ask another holder first)."""
         acks: asyncio.Queue[swarm_pb2.StateRequest | None] = asyncio.Queue()
 
         async def requests() -> AsyncIterator[swarm_pb2.StateRequest]:
             # the request, then one acknowledgement per chunk received (the server's flow control)
-            yield download.request(self.fingerprint)
+            yield download.request(self.fingerprint, spread)
             while (ack := await acks.get()) is not None:
                 yield ack
 
@@ -848,6 +886,8 @@ class StateClient:
             return self._bad(download, peer, "bad_stream", str(exc))
         except _Passing as exc:
             return f"again: {exc}"
+        except _Busy as exc:
+            return f"busy: {exc}"
         except _Refused as exc:
             wait = self._backoff.refused(peer, exc.code)
             log.info("state download of fragment %d from %s: %s (not asked again for %.0f s)", download.fragment,

@@ -95,6 +95,22 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     return best
 
 
+def consensus_members(members: Sequence[str], versions: Mapping[str, int]) -> list[str]:
+    """The members a consensus round (of outer states) averages: those at the version most of them hold (the
+    newest of equally common ones). A member at another version is on the swarm's lineage at another point, or
+    on another lineage; the mean of its phi and theirs is nobody's state, and a member behind catches up by a
+    download anyway. Two joiners one version behind, behind NAT, once sent their whole stale state (4.5 MB each)
+    into a consensus round at 5 Mbit/s: the two public reducers' links were full for 30 s, every node's training
+    waited, and the NATed nodes refused the mean as pointing against their own progress. Members at the version
+    are usually bit-equal, so the round then moves no bytes at all. A liar needs as many members at one claimed
+    version as the honest ones have to take the round over, and what it takes is consensus rounds, not state."""
+    counts: dict[int, int] = defaultdict(int)
+    for peer in members:
+        counts[versions.get(peer, -1)] += 1
+    version = max(counts, key=lambda v: (counts[v], v))
+    return [p for p in members if versions.get(p, -1) == version]
+
+
 def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str]], *,
                      ignore: Iterable[str] = (), min_voters: int = 1, share: Fraction = Fraction(1, 2)) -> set[str]:
     """The members that more than ``share`` (a strict majority by default) of the round's other members exclude,

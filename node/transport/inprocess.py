@@ -24,6 +24,7 @@ from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.transport import (
     BASIS_MISMATCH,
     NO_PEER_IN_GROUP,
+    NOT_AT_CONSENSUS_VERSION,
     AverageHandle,
     AverageRequest,
     AverageResult,
@@ -31,7 +32,7 @@ from locoswarm.node.core.transport import (
     PartOrigin,
     Transport,
 )
-from locoswarm.node.transport.groups import form_groups, group_basis
+from locoswarm.node.transport.groups import consensus_members, form_groups, group_basis
 from locoswarm.node.transport.reduce import part_ranges, reduce_group
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
@@ -119,7 +120,13 @@ class InProcessHub:
         # The swarm's rule (locoswarm.node.transport.groups): the same split for the same members and round.
         by_id = {f"w{m.worker:06d}": m for m in alive}
         key = alive[0].request
-        for group in form_groups(list(by_id), key.fragment, key.round, self.group_size):
+        ids = list(by_id)
+        if key.digest:  # a consensus round averages the members at its common version only
+            ids = consensus_members(ids, {p: m.request.version for p, m in by_id.items()})
+            for p in set(by_id) - set(ids):
+                by_id[p].handle._result = AverageResult.failed(NOT_AT_CONSENSUS_VERSION,
+                                                               own_weight=by_id[p].request.weight)
+        for group in form_groups(ids, key.fragment, key.round, self.group_size):
             self._reduce([by_id[p] for p in group])
 
     def _reduce(self, group: list[_Pending]) -> None:
