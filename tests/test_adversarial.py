@@ -26,7 +26,8 @@ from locoswarm.node.bench.hostile import CARRIED_OUT
 
 pytestmark = pytest.mark.timeout(240)
 
-NODE_ATTACK_S = 30.0     # seconds of attack once the hostile node trains
+NODE_ATTACK_S = 30.0     # seconds of attack once the hostile node trains (at most: see Watch.run)
+NODE_ATTACK_MIN_S = 15.0
 CLIENT_ATTACK_S = 20.0
 RSS_GROWTH_MB = 300.0    # an honest node's memory may not grow by more than this during an attack
 # Eval loss during an attack (4 held-out batches, so single values scatter by +-20% on a clean swarm): its
@@ -122,12 +123,30 @@ class Watch:
             assert all(v is not None and math.isfinite(v) for v in norms), f"{node.name}: phi norms {norms}"
             self.rss_max[node.name] = max(self.rss_max[node.name], rss_mb(node))
 
-    def run(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+    def run(self, seconds: float, attacker: str | None = None) -> None:
+        """Watch for ``seconds``, or, given the ``attacker``, until it is banned and each honest node has what
+        ``check_honest`` judges (no less than ``NODE_ATTACK_MIN_S``): a banned attacker does no more harm."""
+        start = time.monotonic()
+        while (elapsed := time.monotonic() - start) < seconds:
             self.sample()
+            if attacker is not None and elapsed >= NODE_ATTACK_MIN_S and self.judged(attacker):
+                break
             time.sleep(1.0)
         self.sample()
+
+    def judged(self, attacker: str) -> bool:
+        """Some honest node bans ``attacker``, and each has trained 60 steps, merged 3 rounds and evaluated once
+        since the watch began."""
+        banned = False
+        for node in self.pair.nodes:
+            st, st0 = node.status(), self.before[node.name]
+            merged = [e for e in st["events"] if e["kind"] == "merged" and e["time"] >= self.started
+                      and e.get("group_size", 0) >= 2]
+            if (st["inner_step"] < st0["inner_step"] + 60 or len(merged) < 3
+                    or len(st["eval_curve"]) <= len(st0["eval_curve"])):
+                return False
+            banned |= bool(st["reputation"]["peers"].get(attacker, {}).get("banned"))
+        return banned
 
     def check_honest(self, attacker: str | None, *, banned: bool) -> dict[str, dict]:
         """The honest nodes after the attack; returns their status by name."""
@@ -181,7 +200,7 @@ def test_hostile_node(honest: HonestPair, attack: str, tmp_path: Path) -> None:
     try:
         st = hostile.wait_status(lambda s: s.get("state") == "training", 90, "the hostile node to train")
         attacker = st["peer_id"]
-        watch.run(NODE_ATTACK_S)
+        watch.run(NODE_ATTACK_S, attacker if attack != "state" else None)
         assert hostile.proc.poll() is None, f"the hostile node itself died:\n{hostile.tail()}"
     finally:
         hostile.stop()

@@ -710,8 +710,9 @@ class InjectClient(HostileClient):
         self.schedule = make_schedule("fixed", self.cfg.outer.h, self.cfg.outer.fragments)
         self.rng = random.Random(opts.seed)
         self.done: set[tuple[int, int]] = set()
-        self.own_answered = False  # a reducer has answered a stream under its own id
-        self.forged_sent = 0
+        self.own_round: tuple[int, int] | None = None  # the round attacked under its own id
+        self.own_answered = asyncio.Event()               # ... and answered
+        self.forged_rounds = 0
 
     async def attack(self, deadline: float) -> None:
         if self.cfg.outer.schedule != "fixed":
@@ -755,6 +756,17 @@ class InjectClient(HostileClient):
             return  # not formed yet (or a lone member): try again on the next pass
         self.done.add((fragment, round_))
         self.note("rounds_found")
+        # The first round under its own id, every later one once that round has been answered: a forged sender
+        # is a conclusive offence (banned at once), so a forged stream that overtook the own-id ones left the
+        # non-member path untried, and own-id streams to several rounds at once earned a ban for it before any
+        # forged one was sent (two CI runs, 2026-12-03). Then forged, then either at random.
+        if self.own_round is None:
+            self.own_round = (fragment, round_)
+            forged = False
+        else:
+            await self.own_answered.wait()
+            forged = self.forged_rounds == 0 or self.rng.random() < 0.5
+            self.forged_rounds += forged
         members = sorted(entries)
         excluded = {p: list(entries[p].excluded) for p in members}
         doubted = {p: list(entries[p].doubted) for p in members}
@@ -765,14 +777,11 @@ class InjectClient(HostileClient):
             if len(group) < 2:
                 continue
             for j, reducer in enumerate(group):
-                # Its own id until one such stream has been answered: a forged sender is a conclusive
-                # offence (banned at once), so a forged stream that overtook the first own-id one would
-                # leave the non-member path untried (a CI run, 2026-12-03). Then forged, then either.
-                forged = self.own_answered and (self.forged_sent == 0 or self.rng.random() < 0.5)
                 sender = next(m for m in group if m != reducer) if forged else self.peer_id
-                self.forged_sent += forged
                 jobs.append(self.send_part(fragment, round_, group, j, sender, entries[reducer]))
         await asyncio.gather(*jobs, return_exceptions=True)
+        if not forged:
+            self.own_answered.set()
 
     async def send_part(self, fragment: int, round_: int, group: list[str], j: int, sender: str, entry) -> None:
         import torch
@@ -811,8 +820,6 @@ class InjectClient(HostileClient):
             self.note(f"refused_{how}")
         except WireError as exc:
             self.note("errors", f"{how}: {exc}")
-        finally:
-            self.own_answered |= how == "own_id"
 
 
 class FloodClient(HostileClient):
