@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from locoswarm.node.errors import UserError
+from locoswarm.node.errors import Stopped, UserError
 from locoswarm.node.helptext import describe
 
 
@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"locoswarm: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Stopped as exc:
+        print(f"locoswarm: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("locoswarm: interrupted", file=sys.stderr)

@@ -175,7 +175,8 @@ class Node:
 
         from locoswarm.node.swarm import process
 
-        process.install_signal_handlers(self.stop)
+        process.install_signal_handlers(self.stop, first_words=lambda: "leaving the swarm (Ctrl+C again to force)"
+                                        if self.state == "training" else "stopping (Ctrl+C again to force)")
         if launched():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -946,7 +947,8 @@ class Node:
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,
                                       failed=stats.consensus_failed, last_error=stats.last_consensus_error),
             memory=self._memory(),
-            reachability=dataclasses.replace(self.reachability.status(), inbound_streams=self._inbound_streams()),
+            reachability=dataclasses.replace(self.reachability.status(), inbound_streams=self._inbound_streams(),
+                                             undialable=self.transport.undialable()),
             bytes=ByteStatus(sent=counters.total_sent, received=counters.total_received,
                              sent_by_peer=dict(counters.sent_by_peer),
                              received_by_peer=dict(counters.received_by_peer),

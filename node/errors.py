@@ -13,3 +13,10 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """An invalid swarm descriptor (peers.toml) or node-local setting."""
+
+
+class Stopped(Exception):
+    """The user stopped the node (Ctrl+C, SIGTERM) before it had joined anything to leave: the CLI prints the
+    message as one line, no traceback, and exits 130, as an interrupted command does (not 2: it is no mistake)."""
+
+    exit_code = 130

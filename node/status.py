@@ -336,6 +336,7 @@ class ReachabilityStatus(FlatRecord):
     checks_served: int = 0                    # dial-back checks this node ran for peers
     relayed_bytes: int = 0                    # bytes this node relayed for others
     inbound_streams: int = 0                  # averaging and state streams peers opened to this node
+    undialable: int = 0                       # peers this node failed to dial lately (node/swarm/dial_failures.py)
 
     PREFIX: ClassVar[str] = "reachability_"
 

@@ -67,7 +67,7 @@ class Heartbeat(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., loss: _Optional[float] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., time: _Optional[float] = ..., leaving: _Optional[bool] = ..., has_state: _Optional[bool] = ..., control_port: _Optional[int] = ..., shared_r: _Optional[_Iterable[float]] = ..., certificate: _Optional[bytes] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class MatchEntry(_message.Message):
-    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window", "certificate", "doubted", "outbound_only")
+    __slots__ = ("peer_id", "arrival", "weight", "version", "digest", "fragment", "scheduled", "last_send", "shared_r", "excluded", "basis", "expected", "window", "certificate", "doubted", "outbound_only", "undialable")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class MatchEntry(_message.Message):
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     DOUBTED_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    UNDIALABLE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     arrival: float
     weight: float
@@ -100,7 +101,8 @@ class MatchEntry(_message.Message):
     certificate: bytes
     doubted: _containers.RepeatedScalarFieldContainer[str]
     outbound_only: bool
-    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ..., doubted: _Optional[_Iterable[str]] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    undialable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., arrival: _Optional[float] = ..., weight: _Optional[float] = ..., version: _Optional[int] = ..., digest: _Optional[bytes] = ..., fragment: _Optional[int] = ..., scheduled: _Optional[bool] = ..., last_send: _Optional[_Iterable[int]] = ..., shared_r: _Optional[_Iterable[float]] = ..., excluded: _Optional[_Iterable[str]] = ..., basis: _Optional[bytes] = ..., expected: _Optional[_Iterable[int]] = ..., window: _Optional[float] = ..., certificate: _Optional[bytes] = ..., doubted: _Optional[_Iterable[str]] = ..., outbound_only: _Optional[bool] = ..., undialable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AverageHeader(_message.Message):
     __slots__ = ("fingerprint", "fragment", "round", "group_hash", "sender", "weight", "version", "extras", "n_chunks", "codec", "basis", "lineage")

@@ -532,6 +532,7 @@ def test_real_daemon_peers_tui_and_swarm_view(daemon, fake_peer, tmp_path):
     for needle in (daemon.peer_id, "(this node)", "peer joined", "swarm (1 peer in the DHT)", "4.3k"):
         assert needle in once.stdout, (needle, once.stdout)
     assert max(map(len, once.stdout.splitlines())) <= 120
+    assert "Ctrl+C" not in once.stdout and "refreshed every second" not in once.stdout  # one frame, not a live view
     as_json = cli("status", "--json", env={"LOCOSWARM_CONTROL": f"127.0.0.1:{daemon.control}"})
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["peer_id"] == daemon.peer_id
 

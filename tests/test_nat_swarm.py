@@ -144,3 +144,66 @@ def test_two_nodes_behind_nat_routers_find_out_and_average_through_two_public_on
         topo.close()
     assert not any(n.group_alive() for n in nodes), "processes left behind"
     assert netns.bench_namespaces(int(topo.tag)) == []
+
+
+@pytest.mark.slow
+def test_a_pair_that_cannot_connect_is_kept_apart_and_every_node_keeps_merging(tmp_path: Path) -> None:
+    """Four public nodes, with every packet between nodes 2 and 3 dropped (a firewall between two particular
+    peers): each of the pair learns from its failed dials that it cannot reach the other, and the rounds route
+    around the pair (``locoswarm.node.swarm.dial_failures``). Without that, every round of four failed for both."""
+    reason = _netns_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(f"network namespaces with iptables rules cannot be made here: {reason}")
+    from locoswarm.node.bench.swarm import netns
+
+    config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
+                                                            "round_timeout": 10.0, "heartbeat_interval": 0.5})
+    data = write_corpus(tmp_path / "data")
+    topo = netns.Topology(4, cuts=((2, 3),))
+    nodes: list[NodeProc] = []
+    port = 31337
+    try:
+        topo.create()
+
+        def start(i: int, *extra: str) -> NodeProc:
+            args = ["--config", str(config), "--data", str(data), "--host", topo.address(i), "--port", str(port),
+                    *SLOW, *extra]
+            node = NodeProc(f"node{i}", tmp_path / f"node{i}", args, tmp_path / f"node{i}.log",
+                            prefix=topo.exec_prefix(i))
+            nodes.append(node)
+            return node
+
+        first = start(0)
+        addrs = first.wait_status(lambda s: s.get("addrs"), 90, "its addresses")["addrs"]
+        boot = next(a for a in addrs if f"/{topo.address(0)}/" in a)
+        others = [start(i, "--bootstrap", boot) for i in (1, 2, 3)]
+        pair = others[1:]
+        # one of the two fails to dial the other; they are kept apart from then on, so the other may never try
+        deadline = time.monotonic() + 180
+        while not any(n.status().get("reachability", {}).get("undialable") for n in pair):
+            assert time.monotonic() < deadline, "no failed dial between the pair: " + pair[0].tail()
+            time.sleep(0.3)
+        mark = time.time()  # events keep their wall time (the list holds the last 200)
+        for node in nodes:
+            node.wait_status(lambda s: sum(1 for e in s.get("events", []) if e["time"] >= mark
+                                           and e["kind"] == "merged" and e["group_size"] >= 2) >= 6, 150,
+                             "six merged rounds after the pair's failed dials")
+        for node in nodes:
+            st = node.status()
+            after = [e for e in st["events"] if e["time"] >= mark]
+            merged = [e for e in after if e["kind"] == "merged" and e["group_size"] >= 2]
+            failed = [e for e in after if e["kind"] == "failed"]
+            assert len(failed) < len(merged), (node.name, [e["detail"] for e in failed][:5], node.tail())
+            assert st["reachability"]["state"] == "public", st["reachability"]
+            if node in pair:  # never again in one group with the other: no group of four
+                assert st["reachability"]["undialable"] <= 1, st["reachability"]
+                assert all(e["group_size"] <= 3 for e in merged), [e["group_size"] for e in merged]
+            else:
+                assert st["reachability"]["undialable"] == 0, (node.name, st["reachability"])
+    finally:
+        for node in nodes:
+            node.stop()
+        topo.close()
+    assert not any(n.group_alive() for n in nodes), "processes left behind"
+    assert netns.bench_namespaces(int(topo.tag)) == []

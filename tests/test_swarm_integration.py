@@ -299,6 +299,24 @@ def test_unreachable_bootstrap_retries_with_a_clear_message(swarm):
     assert "Traceback" not in text
 
 
+def test_ctrl_c_before_the_join_stops_quietly_with_130(swarm):
+    """A user who gives up while the bootstrap peer does not answer is not told of an error or of leaving a swarm
+    it never joined."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake = f"/ip4/127.0.0.1/tcp/{port}/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    node = swarm.start("quitter", "--bootstrap", fake, "--bootstrap-attempts", "50", bootstrap=False)
+    deadline = time.monotonic() + 60
+    while "bootstrap: no answer" not in node.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    node.proc.send_signal(signal.SIGINT)
+    assert node.proc.wait(30) == 130
+    text = node.log_path.read_text()
+    assert "stopping (Ctrl+C again to force)" in text and "stopped before joining the swarm" in text, text[-2000:]
+    assert "leaving the swarm" not in text and "locoswarm: error" not in text and "Traceback" not in text, text[-2000:]
+
+
 def test_group_sigkill_leaves_no_process(swarm):
     """`kill -9 -PGID` takes the node and its watchdog at once: the DHT child and p2pd still go."""
     node = swarm.start("n0")

@@ -192,7 +192,7 @@ def _print_once(status: NodeStatus | SwarmView) -> None:
     from locoswarm.node.control.tui import render
 
     console = _console()
-    console.print(render(status, console.width))
+    console.print(render(status, console.width, live=False))
 
 
 def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:

@@ -93,6 +93,8 @@ def render_metrics(st: NodeStatus) -> str:
              [({"state": state}, int(r.state == state)) for state in ("public", "relayed", "outbound-only", "unknown")])
     w.one("locoswarm_inbound_streams_total", "counter", "Averaging and state streams peers opened to this node.",
           r.inbound_streams)
+    w.one("locoswarm_undialable_peers", "gauge", "Peers this node failed to dial lately: rounds keep it out of "
+          "their groups.", r.undialable)
     peers = sorted(st.peers.items())
     w.one("locoswarm_peers", "gauge", "Live peers of the swarm seen in the DHT (this node excluded).", len(peers))
     w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",

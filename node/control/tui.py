@@ -172,6 +172,9 @@ def _reach_text(r: ReachabilityStatus) -> Text:
         text.append("   reduces no part, serves no state", style="dim")
     elif r.inbound_streams:
         text.append(f"   {r.inbound_streams} streams from peers", style="dim")
+    if r.undialable:
+        text.append(f"   cannot dial {r.undialable} peer{'s' if r.undialable > 1 else ''} (kept out of its groups)",
+                    style="yellow")
     return text
 
 
@@ -375,10 +378,11 @@ def _header(swarm: str, fingerprint: str, now: float, via: str = "") -> Text:
     return text
 
 
-def render(status: NodeStatus | SwarmView, width: int = 120) -> RenderableType:
+def render(status: NodeStatus | SwarmView, width: int = 120, live: bool = True) -> RenderableType:
     """One frame of ``locoswarm status`` for a terminal ``width`` columns wide: a node's status (through
-    its control API) or, without a local node (``status --swarm``), the swarm seen from its DHT."""
-    footer = Text(" Ctrl+C to quit · refreshed every second", style="dim")
+    its control API) or, without a local node (``status --swarm``), the swarm seen from its DHT. ``live``: the
+    frame is redrawn every second (its footer says how to quit); ``status --once`` prints one without it."""
+    footer = Text(" Ctrl+C to quit · refreshed every second" if live else "", style="dim")
     if isinstance(status, SwarmView):
         note = [Text(f" {status.note}", style="yellow")] if status.note else []
         return Group(_header(status.swarm, status.fingerprint, status.now, status.via),

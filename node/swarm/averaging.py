@@ -73,19 +73,21 @@ from locoswarm.node.core.transport import (
     PartOrigin,
     Transport,
 )
+from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
-from locoswarm.node.swarm.wire import PeerRefused, RequestStream, WireError, open_stream, serve
+from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
     consensus_members,
     form_groups,
     group_basis,
     kept_apart,
     majority_shunned,
+    route_around,
 )
 from locoswarm.node.transport.reduce import PartContribution, combine_part, reducer_parts, screen_part
 from locoswarm.protocol import swarm_pb2
@@ -102,6 +104,10 @@ AVERAGE_HANDLER = "locoswarm.average.v2"
 PARTIAL_AFTER = 0.6
 MAX_EXTRAS = 1024            # floats of a header's small side vector (CoCoDC's R: one per fragment)
 MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group formed are remembered
+# A stream to a reducer not open after this long when its round ends: the dial hangs (a firewall dropping the
+# packets), counted as a dial failure. Opening a stream on a connection takes a round trip, a new connection a
+# few, well under a second even on a 5 Mbit/s link full of parts.
+DIAL_PATIENCE_S = 5.0
 MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
 MAX_EXPECTED = 64            # awaited peers one match entry may name (4-byte tags: 256 bytes)
 MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a fragment + a hash)
@@ -298,6 +304,7 @@ class Matched(NamedTuple):
     bases: dict[str, bytes]           # each member's low-rank basis tag
     doubted: dict[str, list[str]]     # whom each member mutes for their standing drift
     outbound: frozenset[str] = frozenset()  # members peers cannot dial (``locoswarm.node.swarm.reachability``)
+    undialable: Mapping[str, list[str]] = {}  # whom each member's dials failed to lately (``dial_failures``)
 
 
 class RoundRefused(RuntimeError):
@@ -361,13 +368,14 @@ class ScheduleHint:
 def match_entry(peer_id: str, req: AverageRequest, arrival: float,
                 excluded: Iterable[str] = (), expected: Iterable[str] = (),
                 window: float = 0.0, certificate: bytes = b"", doubted: Iterable[str] = (),
-                outbound_only: bool = False) -> swarm_pb2.MatchEntry:
+                outbound_only: bool = False, undialable: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
     """This member's record in a round's matchmaking key."""
     entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
                                  digest=req.digest, fragment=req.fragment, basis=req.basis, window=window,
                                  certificate=certificate, outbound_only=outbound_only)
     entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
     entry.doubted.extend(sorted(doubted)[:MAX_EXCLUDED])
+    entry.undialable.extend(sorted(undialable)[:MAX_EXCLUDED])
     entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
     if req.schedule is not None:
         entry.scheduled = True
@@ -897,6 +905,7 @@ class SwarmTransport(Transport):
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
+        self.dial_failures = DialFailures()
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
         self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
@@ -1001,6 +1010,10 @@ class SwarmTransport(Transport):
     def streams_served(self) -> int:
         """Averaging streams peers opened to this node since its start (it reduced their parts)."""
         return self._server.served
+
+    def undialable(self) -> int:
+        """How many peers this node's stream opens failed to lately (its match entries keep it apart from them)."""
+        return len(self.dial_failures.peers())
 
     def outbound_only(self) -> bool:
         """Whether peers cannot dial this node (``locoswarm.node.swarm.reachability``): its match entries say so,
@@ -1141,7 +1154,7 @@ class SwarmTransport(Transport):
             if view is not None and view.cut.endswith(SHUNNED_CUT):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
-        members, versions, excluded, bases, doubted, outbound = matched
+        members, versions, excluded, bases, doubted, declared_outbound, undialable = matched
         if req.digest:  # a consensus round: only the members at the round's common version (consensus_members)
             members = consensus_members(members, versions)
             if self.peer_id not in members:
@@ -1151,6 +1164,7 @@ class SwarmTransport(Transport):
                                             f"this node's {req.version}; it catches up instead", own_weight=req.weight)
         self._follow_majority_bans(members, excluded, banned)
         apart = kept_apart(excluded, doubted) if self.deviations.keeps_apart else excluded
+        outbound, apart = route_around(members, declared_outbound, undialable, apart)
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart, outbound)
                      if self.peer_id in g)
         if len(group) < 2:
@@ -1193,7 +1207,7 @@ class SwarmTransport(Transport):
         if result.ok:
             self.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
                                  doubted.get(self.peer_id, ()),  # what our entry said, as the others hold it
-                                 outbound)
+                                 declared_outbound, undialable, own=self.peer_id)
             known = self.recent.get(req.fragment, (-1, []))[0]
             if max_version + 1 >= known:
                 self.recent[req.fragment] = (max_version + 1, group)
@@ -1220,13 +1234,14 @@ class SwarmTransport(Transport):
             return None
         # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
         doubted = self.deviations.apart()
+        undialable = self.dial_failures.peers()
         standing = self.standing.take(req.fragment, req.round, expected, banned, doubted, own=self.peer_id,
-                                      own_outbound=self.outbound_only())
+                                      own_outbound=self.outbound_only(), own_undialable=undialable)
         if standing is None:
             return None
         now = get_dht_time()
         me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate, doubted,
-                         self.outbound_only())
+                         self.outbound_only(), undialable)
         key = self._match_key(req.fragment, req.round)
         self._background(self._store_quietly(key, me.SerializeToString(), now + 300))
         members = list(standing.members)
@@ -1238,7 +1253,8 @@ class SwarmTransport(Transport):
         # ours for theirs kept a member a version behind for good with the same phi (its "group version"
         # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
         return Matched(members, {self.peer_id: req.version}, excluded, {p: b"" for p in members},
-                       {p: list(standing.doubted.get(p, ())) for p in members}, standing.outbound)
+                       {p: list(standing.doubted.get(p, ())) for p in members}, standing.outbound,
+                       {p: list(standing.undialable.get(p, ())) for p in members})
 
     async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
         with contextlib.suppress(Exception):
@@ -1392,7 +1408,7 @@ class SwarmTransport(Transport):
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
         me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate,
-                         self.deviations.apart(), self.outbound_only())
+                         self.deviations.apart(), self.outbound_only(), self.dial_failures.peers())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
@@ -1441,7 +1457,9 @@ class SwarmTransport(Transport):
         bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
         doubted = {p: list(entries[p].doubted)[:MAX_EXCLUDED] for p in members}
         outbound = frozenset(p for p in members if entries[p].outbound_only)
-        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted, outbound)
+        undialable = {p: list(entries[p].undialable)[:MAX_EXCLUDED] for p in members}
+        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted, outbound,
+                       undialable)
 
     def standing_rounds(self) -> int:
         """Rounds that took a standing member list instead of matchmaking (``locoswarm.node.swarm.standing``)."""
@@ -1567,11 +1585,14 @@ class SwarmTransport(Transport):
 
         codec = self._codec(req.codec)
         chunks: dict[int, bytes] = {}
+        stream = open_stream(self.runtime.p2p, peer, AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply,
+                             max_reply_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES),
+                             idle_timeout=self._stream_timeout)
+        opening = time.monotonic()
         try:
-            async with open_stream(self.runtime.p2p, peer, AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply,
-                                   max_reply_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES),
-                                   idle_timeout=self._stream_timeout) as stream:
+            async with stream:
                 first = await anext(stream, None)
+                self.dial_failures.reached(peer)  # the stream opened (whatever its answer)
                 if first is None:
                     raise RuntimeError(f"peer {peer[:12]} closed the stream without an answer")
                 self.counters.received(peer, req.fragment, req.round, first.ByteSize())
@@ -1594,6 +1615,14 @@ class SwarmTransport(Transport):
                     chunks[c] = msg.chunk.data
         except PeerRefused as exc:
             raise RuntimeError(f"peer {peer[:12]} refused: {exc}") from None
+        except DialError as exc:  # no connection to it: the next rounds keep this pair apart (``dial_failures``)
+            self._dial_failed(peer, str(exc))
+            self._offence(peer, "wire", str(exc), offence=False)
+            raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
+        except asyncio.CancelledError:  # the round ended first: a dial that hangs (packets dropped) is no answer
+            if not stream.opened and time.monotonic() - opening >= DIAL_PATIENCE_S:
+                self._dial_failed(peer, f"no stream opened in {time.monotonic() - opening:.0f} s")
+            raise
         except WireError as exc:
             self._offence(peer, "wire", str(exc), offence=False)
             raise RuntimeError(f"peer {peer[:12]}: {exc}") from None
@@ -1614,6 +1643,11 @@ class SwarmTransport(Transport):
                                           evidence=view is None or view.judges_reduced_part(peer))
         self._remember_payload(req, chunks.items(), averaged=True)
         return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry)
+
+    def _dial_failed(self, peer: str, why: str) -> None:
+        if self.dial_failures.failed(peer):
+            log.info("cannot dial %s (%s): rounds keep this node out of its groups for %.0f s", peer[:12], why,
+                     self.dial_failures.ttl_s)
 
     def _codec(self, name: str) -> Codec:
         from locoswarm.node.core.codecs import get_codec

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from locoswarm.node.errors import UserError
+from locoswarm.node.errors import Stopped, UserError
 from locoswarm.node.swarm import process as _proc
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -350,7 +350,7 @@ def _try_start(peers: list[str], host_maddr: str, identity_path: Path, stop: thr
             except TimeoutError:
                 pass
             if stop is not None and stop.is_set():
-                raise UserError("stopped while joining the swarm")
+                raise Stopped("stopped before joining the swarm: nothing to leave")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the DHT did not start in {start_timeout:g} s")
             if not dht.is_alive():
@@ -452,7 +452,7 @@ def start_dht(initial_peers: Sequence[str], *, host: str = "127.0.0.1", port: in
             log(f"bootstrap: no answer from {why}; retrying in {delay:.1f} s (attempt {attempt})")
             if stop is not None:
                 if stop.wait(delay):
-                    raise UserError("stopped while joining the swarm")
+                    raise Stopped("stopped before joining the swarm: nothing to leave")
             else:
                 time.sleep(delay)
             delay = min(delay * 2, hi)

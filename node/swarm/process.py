@@ -444,10 +444,11 @@ def stop_watchdog(pid: int | None) -> None:
 
 # ---- signals ----
 
-def install_signal_handlers(stop: threading.Event, log: Callable[[str], None] | None = None) -> None:
-    """SIGINT and SIGTERM set ``stop`` the first time (a graceful exit; one line is written to stderr,
-    or passed to ``log``); a second one raises KeyboardInterrupt in the main thread, a third exits at
-    once (``os._exit``; the watchdog cleans up). Must run in the main thread; call it again after
+def install_signal_handlers(stop: threading.Event, log: Callable[[str], None] | None = None,
+                            first_words: Callable[[], str] | None = None) -> None:
+    """SIGINT and SIGTERM set ``stop`` the first time (a graceful exit; one line, ``first_words()`` where given,
+    is written to stderr, or passed to ``log``); a second one raises KeyboardInterrupt in the main thread, a
+    third exits at once (``os._exit``; the watchdog cleans up). Must run in the main thread; call it again after
     starting hivemind components, which may replace the SIGINT handler (its averager ignores SIGINT).
     """
     if threading.current_thread() is not threading.main_thread():
@@ -472,7 +473,11 @@ def install_signal_handlers(stop: threading.Event, log: Callable[[str], None] | 
         count[0] += 1
         if count[0] == 1:
             stop.set()
-            say("leaving the swarm (Ctrl+C again to force)")
+            text = "leaving the swarm (Ctrl+C again to force)"
+            if first_words is not None:
+                with contextlib.suppress(Exception):
+                    text = first_words()
+            say(text)
         elif count[0] <= 2:
             count[0] = 2
             say("forced exit")

@@ -40,6 +40,9 @@ class Standing:
     doubted: Mapping[str, list[str]] = field(default_factory=dict)
     own_doubted: frozenset[str] = frozenset()
     outbound: frozenset[str] = frozenset()  # members that said they are outbound only (they reduce no part)
+    # each member's undialable list from its match entry (``dial_failures``), and this node's own then
+    undialable: Mapping[str, list[str]] = field(default_factory=dict)
+    own_undialable: frozenset[str] = frozenset()
 
 
 class StandingMembers:
@@ -53,23 +56,28 @@ class StandingMembers:
 
     def record(self, fragment: int, round_: int, members: Iterable[str], excluded: Mapping[str, list[str]],
                banned: Iterable[str], doubted: Mapping[str, list[str]] | None = None,
-               own_doubted: Iterable[str] = (), outbound: Iterable[str] = ()) -> None:
+               own_doubted: Iterable[str] = (), outbound: Iterable[str] = (),
+               undialable: Mapping[str, list[str]] | None = None, own: str | None = None) -> None:
         """Round ``round_`` of ``fragment`` merged with ``members``: they stand for its next round."""
         if self.enabled:
+            undialable = dict(undialable or {})
             self._by_fragment[fragment] = Standing(round_, tuple(sorted(members)), dict(excluded),
                                                    frozenset(banned), dict(doubted or {}), frozenset(own_doubted),
-                                                   frozenset(outbound))
+                                                   frozenset(outbound), undialable,
+                                                   frozenset(undialable.get(own, ())) if own else frozenset())
 
     def forget(self, fragment: int) -> None:
         self._by_fragment.pop(fragment, None)
 
     def take(self, fragment: int, round_: int, view: set[str], banned: Iterable[str],
-             doubted: Iterable[str] = (), own: str | None = None, own_outbound: bool = False) -> Standing | None:
+             doubted: Iterable[str] = (), own: str | None = None, own_outbound: bool = False,
+             own_undialable: Iterable[str] = ()) -> Standing | None:
         """The standing list for round ``round_`` of ``fragment``, if this node's ``view`` (itself and the live
         peers it would wait for) holds no peer outside its members and its own bans and doubts are unchanged
         (a changed doubt must reach the others' idle reducers through a match entry); else None.
         A change of this node's (``own``, where given) reachability, ``own_outbound``, also matchmakes: the others learn
-        it from its match entry. Either way the list is used up."""
+        it from its match entry, and so does a change of the peers it failed to dial lately (``own_undialable``: the
+        others' groups must keep it apart from a new one). Either way the list is used up."""
         standing = self._by_fragment.pop(fragment, None)
         if standing is None:
             return None
@@ -79,7 +87,8 @@ class StandingMembers:
         # that matchmake drop the peer once everyone bans it (``averaging.shunned_dropped``), so it matchmakes.
         if (round_ <= standing.round or not view <= set(standing.members) or banned != standing.banned
                 or banned & set(standing.members) or frozenset(doubted) != standing.own_doubted
-                or (own is not None and own_outbound != (own in standing.outbound))):
+                or (own is not None and own_outbound != (own in standing.outbound))
+                or frozenset(own_undialable) != standing.own_undialable):
             self.declined += 1
             return None
         self.used += 1

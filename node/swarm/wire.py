@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("locoswarm.wire")
 
 __all__ = [
+    "DialError",
     "FramingViolation",
     "PeerRefused",
     "ReplyStream",
@@ -80,6 +81,11 @@ class WireError(Exception):
 class FramingViolation(WireError):
     """The peer broke the framing rules (unknown marker, oversize or malformed frame): a fault or an
     attack, unlike a timeout or a dropped connection, which the network alone can cause."""
+
+
+class DialError(WireError):
+    """No stream to the peer could be opened: no connection (the network between the two), no such handler on
+    its side, or none within the timeout; nothing the peer sent is at fault."""
 
 
 class PeerRefused(WireError):
@@ -490,6 +496,7 @@ class ReplyStream(Generic[Rep]):
         self._writer: asyncio.StreamWriter | None = None
         self._writing: asyncio.Task[None] | None = None
         self._closed = False
+        self.opened = False  # the stream was opened (a caller cancelled before that learns the peer was not reached)
 
     def __aiter__(self) -> ReplyStream[Rep]:
         return self
@@ -546,9 +553,10 @@ class ReplyStream(Generic[Rep]):
             async with asyncio.timeout(self._idle_timeout):
                 _, self._reader, self._writer = await self._p2p.call_binary_stream_handler(peer, self._name)
         except TimeoutError:
-            raise WireError(f"could not open a stream within {self._idle_timeout:g} s") from None
+            raise DialError(f"could not open a stream within {self._idle_timeout:g} s") from None
         except Exception as exc:
-            raise WireError(f"could not open a stream: {_one_line(str(exc), 120)}") from None
+            raise DialError(f"could not open a stream: {_one_line(str(exc), 120)}") from None
+        self.opened = True
         # Requests go out from their own task even when there is one, so that a server refusing at
         # once (and closing) is read as its refusal rather than as a failed write.
         requests = _as_single(self._requests) if isinstance(self._requests, Message) else self._requests

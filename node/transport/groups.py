@@ -170,6 +170,31 @@ def kept_apart(excluded: Mapping[str, Iterable[str]], doubted: Mapping[str, Iter
     return out
 
 
+def route_around(members: Sequence[str], outbound: Collection[str], undialable: Mapping[str, Iterable[str]],
+                 apart: Mapping[str, Iterable[str]]) -> tuple[frozenset[str], dict[str, list[str]]]:
+    """The round's outbound-only members and whom each member must not share a group with, given the peers each
+    member's dials failed to lately (``undialable``, ``locoswarm.node.swarm.dial_failures``).
+
+    A member that a strict majority of the round's other members cannot dial is taken as outbound only: it
+    reduces no part and nobody opens a stream to it, so it still averages (it dials out). Every other pair named
+    is kept apart, added to ``apart`` (bans and doubts), as a ban keeps a pair apart; a pair with an outbound-only
+    member needs no such care unless it is the outbound-only member that failed to dial (it must reach its
+    reducers). Every member computes the same from the same entries."""
+    present = set(members)
+    named = {p: set(undialable.get(p, ())) & present - {p} for p in members}
+    taken = set(outbound) & present
+    for peer in members:
+        voters = [m for m in members if m != peer]
+        if peer not in taken and voters and 2 * sum(1 for v in voters if peer in named[v]) > len(voters):
+            taken.add(peer)
+    out = {p: list(v) for p, v in apart.items()}
+    for peer in members:
+        for other in sorted(named[peer] - taken):
+            if other not in out.setdefault(peer, []):
+                out[peer].append(other)
+    return frozenset(taken), out
+
+
 def group_basis(tags: Sequence[bytes]) -> bytes | None:
     """The basis a group's low-rank payloads must be projected on (``AverageRequest.basis``), given its members'
     tags in member order (sorted peer ids): None when they all agree (each member sends what it encoded), else
@@ -178,4 +203,4 @@ def group_basis(tags: Sequence[bytes]) -> bytes | None:
     return None if all(t == tags[0] for t in tags) else tags[0]
 
 
-__all__ = ["form_groups", "group_basis", "kept_apart", "majority_shunned"]
+__all__ = ["form_groups", "group_basis", "kept_apart", "majority_shunned", "route_around"]

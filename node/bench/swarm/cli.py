@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nat", default="0", metavar="K",
                    help="put the last K nodes each behind a NAT router of its own (outbound connections only, no "
                         "port forward); 0 to nodes-1, node 0 (the bootstrap) stays public (default 0)")
+    p.add_argument("--cut", default="", metavar="I-J,...",
+                   help="pairs of nodes that cannot connect at all, as behind a firewall between the two (every "
+                        "packet between them dropped), e.g. 2-3 (default: none)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma-separated configurations (default {DEFAULT_CONFIGS}; known: {','.join(CONFIGS)})")
     p.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)} (default tiny)")
@@ -132,6 +135,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     configs = spec.parse_configs(args.configs)
     spec.check_range("--nodes", args.nodes, 2, 16, "a node count")
     nat = spec.parse_nat(args.nat, args.nodes)
+    cuts = spec.parse_cuts(args.cut, args.nodes)
     spec.check_range("--seconds", args.seconds, 5, 3600, "seconds")
     spec.check_range("--warmup", args.warmup, 0, 600, "seconds")
     spec.check_range("--eval-every", args.eval_every, 0, 1_000_000, "inner steps")
@@ -146,7 +150,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory; give a directory for the report")
-    netns.check_possible(loss=link.loss > 0, nat=nat > 0)
+    netns.check_possible(loss=link.loss > 0, nat=nat > 0, cut=bool(cuts))
     netns.remove_stale()
 
     out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +160,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     setup = {
         "command": _command_line(sys.argv),
         "nodes": args.nodes, "nat": nat, "natted_nodes": netns.natted_nodes(args.nodes, nat),
+        "cuts": [list(c) for c in cuts],
         "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
         "params": params, "workers_per_group": workers, "configs": configs,
         "link": {"upload_bps": up, "download_bps": down, "latency_ms": link.latency_ms, "loss": link.loss,
@@ -173,7 +178,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                TextColumn("{task.completed:>4.0f}/{task.total:.0f} s"), TimeElapsedColumn()]
     try:
         with tempfile.TemporaryDirectory(prefix="locoswarm-swarm-bench-") as tmp, \
-                netns.Topology(args.nodes, nat=nat) as topo, Progress(*columns, console=console) as progress:
+                netns.Topology(args.nodes, nat=nat, cuts=cuts) as topo, Progress(*columns, console=console) as progress:
             tasks = {name: progress.add_task(f"{name}: waiting", total=args.seconds) for name in configs}
             settings = RunSettings(nodes=args.nodes, seconds=args.seconds, warmup=args.warmup,
                                    ready_timeout=args.ready_timeout, work_dir=Path(tmp), data=data,
@@ -188,7 +193,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                     topo.unshape()
                 links = topo.describe()
                 conf["qdiscs"] = links[topo.ns(0)]
-                if nat:  # every node's link, the NATed ones' on their routers
+                if nat or cuts:  # every node's link, the NATed ones' on their routers
                     conf["links"] = links
                 pick = None
                 if name == "planner":

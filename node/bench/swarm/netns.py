@@ -95,10 +95,11 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def check_possible(*, loss: bool = False, nat: bool = False) -> None:
+def check_possible(*, loss: bool = False, nat: bool = False, cut: bool = False) -> None:
     """Raise :class:`UserError` (one line) when this process cannot create network namespaces (or, with
     ``loss``, drop packets at random: that needs ``iptables``, which a fresh Debian lacks; or, with ``nat``,
-    put nodes behind masquerading routers: ``iptables`` with the kernel's NAT and conntrack)."""
+    put nodes behind masquerading routers: ``iptables`` with the kernel's NAT and conntrack; or, with ``cut``,
+    drop every packet between two nodes: ``iptables`` with its raw table)."""
     if os.geteuid() != 0:
         raise UserError("bench swarm needs root: it creates network namespaces, veth pairs and tc qdiscs; "
                         "run it as root (e.g. sudo locoswarm bench swarm ...)")
@@ -111,6 +112,9 @@ def check_possible(*, loss: bool = False, nat: bool = False) -> None:
     if nat and _which("iptables") is None:
         raise UserError("bench swarm --nat needs the 'iptables' command (each NATed node's router masquerades "
                         "and drops inbound connections); install iptables, or run without --nat")
+    if cut and _which("iptables") is None:
+        raise UserError("bench swarm --cut needs the 'iptables' command (it drops the packets between the two "
+                        "nodes of a pair); install iptables, or run without --cut")
     if nat and _which("sysctl") is None:
         raise UserError("bench swarm --nat needs the 'sysctl' command (procps: a router forwards with "
                         "net.ipv4.ip_forward=1); install procps, or run without --nat")
@@ -122,6 +126,12 @@ def check_possible(*, loss: bool = False, nat: bool = False) -> None:
         if loss:  # a router's loss rule (forwarded packets never reach INPUT)
             probes.append(["-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-m", "statistic", "--mode", "random",
                            "--probability", "0.5", "-j", "DROP"])
+        if proc.returncode == 0 and cut:
+            got = _run(["ip", "netns", "exec", probe, "iptables", "-w", *cut_rules("192.0.2.1")[0]], check=False)
+            if got.returncode != 0:
+                raise UserError(f"bench swarm --cut cannot add 'iptables {' '.join(cut_rules('192.0.2.1')[0])}' "
+                                f"({(got.stderr or got.stdout).strip()[:160]}); this kernel lacks iptables' raw "
+                                f"table: run without --cut")
         if proc.returncode == 0 and nat:
             for rule in probes:
                 got = _run(["ip", "netns", "exec", probe, "iptables", "-w", *rule], check=False)
@@ -197,6 +207,15 @@ def router_rules(outer: str = "eth0", inner: str = "lan0") -> list[list[str]]:
     ]
 
 
+def cut_rules(other: str) -> list[list[str]]:
+    """The ``iptables`` arguments that drop every packet to and from ``other`` in a node's link namespace (its own,
+    or its router's): in the raw table, which neither the loss rule (filter or mangle) nor NAT touches; PREROUTING
+    sees what arrives and what a NATed node sends through its router, OUTPUT what a public node sends."""
+    return [["-t", "raw", "-A", "PREROUTING", "-s", other, "-j", "DROP"],
+            ["-t", "raw", "-A", "PREROUTING", "-d", other, "-j", "DROP"],
+            ["-t", "raw", "-A", "OUTPUT", "-d", other, "-j", "DROP"]]
+
+
 @dataclass
 class Topology:
     """The namespaces of one benchmark run; use as a context manager (``close`` on exit).
@@ -209,6 +228,9 @@ class Topology:
     created: list[str] = field(default_factory=list)
     shaping: Shaping = field(default_factory=Shaping)
     nat: int = 0
+    # pairs of nodes that cannot connect at all (a firewall between two particular peers): every packet between
+    # their addresses is dropped in the raw table of both link namespaces (``cut_rules``)
+    cuts: tuple[tuple[int, int], ...] = ()
 
     @property
     def hub(self) -> str:
@@ -286,6 +308,10 @@ class Topology:
                 _run(["ip", "-n", self.link_ns(i), "link", "set", "lo", "up"])
                 if self.natted(i):
                     self._wire_router(i, c, d)
+            for i, j in self.cuts:
+                for a, b in ((i, j), (j, i)):
+                    for rule in cut_rules(public_address(b)):
+                        _run(["ip", "netns", "exec", self.link_ns(a), "iptables", "-w", *rule])
         except BaseException:
             self.close()
             raise
@@ -362,8 +388,12 @@ class Topology:
             down = _run(["tc", "-n", self.hub, "qdisc", "show", "dev", self._hub_dev(i)], check=False).stdout.strip()
             out[self.ns(i)] = {"upload_qdisc": up, "download_qdisc": down, "behind_nat": self.natted(i),
                                "address": self.address(i), "public_address": public_address(i),
-                               "router": self.router(i) if self.natted(i) else None}
+                               "router": self.router(i) if self.natted(i) else None,
+                               "cut_from": sorted(b for a, b in self._cut_pairs() if a == i)}
         return out
+
+    def _cut_pairs(self) -> set[tuple[int, int]]:
+        return {(a, b) for i, j in self.cuts for a, b in ((i, j), (j, i))}
 
     def close(self) -> None:
         """Delete every namespace this run created (and with them all veths, qdiscs and rules)."""

@@ -135,16 +135,16 @@ def node_row(name: str, i: int, n: dict, predicted: float | None = None) -> str:
             f"{_f(n.get('predicted', predicted))} | {_f(n.get('steps_per_s'), '.2f')} | "
             f"{_f(n.get('step_time_s'), '.3f')} | {n.get('rounds_ok', 0)} / {n.get('rounds_failed', 0)} | "
             f"{n.get('standing_rounds', 0)} / {n.get('matchmade_rounds', 0)} | {n.get('dropped', 0)} | "
-            f"{_f(sent, '.1f')} | {_f(recv, '.1f')} | {_f(relayed, '.1f')} | {n.get('catch_ups', 0)} | "
-            f"{_f(n.get('eval_loss'))} |")
+            f"{_f(sent, '.1f')} | {_f(recv, '.1f')} | {_f(relayed, '.1f')} | {n.get('undialable', 0)} | "
+            f"{n.get('catch_ups', 0)} | {_f(n.get('eval_loss'))} |")
 
 
 def node_table(configs: dict[str, dict]) -> str:
     """One row per node and configuration."""
     rows = ["| configuration | node | behind NAT | reachability | utilization | vs unshaped | predicted | steps/s | "
             "step time (s) | rounds ok / failed | standing / matchmade | dropped | sent kB/s | received kB/s | "
-            "relayed kB | catch-ups | eval loss |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "relayed kB | undialable | catch-ups | eval loss |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, conf in configs.items():
         for i, n in enumerate(conf.get("nodes") or []):
             rows.append(node_row(name, i, n, conf.get("predicted")))
@@ -164,6 +164,16 @@ def nat_sentence(setup: dict) -> str:
             "no address to announce.")
 
 
+def cut_sentence(setup: dict) -> str:
+    """The report's line on ``--cut``: which pairs of nodes could not connect at all ('' where none)."""
+    cuts = setup.get("cuts") or []
+    if not cuts:
+        return ""
+    pairs = ", ".join(f"{a}-{b}" for a, b in cuts)
+    return (f" Pairs of nodes that cannot connect (`--cut`): {pairs}: every packet between the two is dropped in "
+            "both their namespaces, as by a firewall between two particular peers.")
+
+
 def _load(avg: list[float] | tuple[float, ...] | None) -> str:
     return "-" if not avg else f"{avg[0]:.1f}"
 
@@ -179,7 +189,7 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         f"all configurations share the same links in one session (wall time {setup.get('wall_s', 0) / 60:.1f} min). "
         f"Machine: {setup.get('machine', '-')}, load average {_load(setup.get('load_average_start'))} at the start "
         f"and {_load(setup.get('load_average_end'))} at the end (other work on the machine slows every node alike "
-        f"but makes short windows noisy). {nat_sentence(setup)}", "",
+        f"but makes short windows noisy). {nat_sentence(setup)}{cut_sentence(setup)}", "",
         "*Utilization* is the share of wall time a node spends in inner steps over the window (its "
         "`compute_utilization` differenced between two statuses); *vs unshaped* divides it by the same node's "
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
@@ -196,7 +206,9 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "steps), '-' for a node that made none after its initial one. Per node: *behind NAT* (`--nat`), "
         "*reachability* as the node reports it at the window's end (`reachability.state` in its status: public, "
         "relayed, outbound-only; unknown where it reports none), *relayed kB*: the growth of its "
-        "`reachability.relayed_bytes` over the window; *standing / matchmade*: its rounds that took standing "
+        "`reachability.relayed_bytes` over the window; *undialable*: the peers it failed to dial lately at the "
+        "window's end (`reachability.undialable`: rounds keep it out of their groups); "
+        "*standing / matchmade*: its rounds that took standing "
         "members and those that matchmade (merged + failed - standing); *dropped*: its `dropped` events (stale "
         "progress thrown away).", "",
         markdown_table(configs), "",

@@ -182,6 +182,14 @@ def reachability(st: dict) -> tuple[str, int]:
     return (state if isinstance(state, str) and state else "unknown"), relayed
 
 
+def _count(value: object) -> int:
+    """A non-negative count from a status field (0 where it is missing or not a number)."""
+    try:
+        return max(0, int(value or 0))  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
+
+
 def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
     """Figures of one peer over the window between two of its statuses; ``events`` are the events it
     reported in the window (each once).
@@ -231,6 +239,8 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         "reachability": state,
         "relayed_bytes": max(0, relayed_after - relayed_before),
         "relayed_bytes_total": relayed_after,
+        # peers it failed to dial lately, at the window's end (rounds keep it out of their groups: ``dial_failures``)
+        "undialable": _count((after.get("reachability") or {}).get("undialable")),
         "sent_bytes_per_s": bytes_delta("sent") / wall if ok else None,
         "received_bytes_per_s": bytes_delta("received") / wall if ok else None,
         "event_counts": dict(kinds.most_common()),

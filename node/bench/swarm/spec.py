@@ -134,6 +134,28 @@ def parse_nat(value: str | int, nodes: int, flag: str = "--nat") -> int:
     return k
 
 
+def parse_cuts(value: str, nodes: int, flag: str = "--cut") -> tuple[tuple[int, int], ...]:
+    """The pairs of nodes that cannot connect (``--cut 2-3,0-1``): each two different node numbers from 0 to
+    ``nodes - 1``; '' for none."""
+    text = str(value).strip()
+    if not text:
+        return ()
+    pairs: list[tuple[int, int]] = []
+    for item in text.split(","):
+        a, sep, b = item.strip().partition("-")
+        try:
+            i, j = int(a), int(b)
+        except ValueError:
+            i = j = -1
+        if not sep or not (0 <= i < nodes and 0 <= j < nodes) or i == j:
+            raise UserError(f"{flag}: cannot use {item.strip()!r}; expected pairs of two different node numbers "
+                            f"from 0 to {nodes - 1} joined by '-', comma-separated (e.g. --cut 2-3)")
+        pair = (min(i, j), max(i, j))
+        if pair not in pairs:
+            pairs.append(pair)
+    return tuple(pairs)
+
+
 def check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
     """One line naming ``flag`` when ``value`` is outside ``[low, high]``."""
     if not (isinstance(value, int | float) and math.isfinite(value) and low <= value <= high):
