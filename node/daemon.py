@@ -368,6 +368,10 @@ class Node:
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
             self._state_lock = prepare_state_dir(o.state_dir)
             self._admit_self()
+            if o.port:  # a taken --port is told now, not after the data has loaded (tens of seconds)
+                from locoswarm.node.swarm.dht import check_port_free
+
+                check_port_free(o.host, o.port)
         if o.threads:
             torch.set_num_threads(o.threads)
         self.device = self.ranks.resolve_device(o.device) if self.ranks else resolve_device(o.device)

@@ -317,6 +317,18 @@ def test_ctrl_c_before_the_join_stops_quietly_with_130(swarm):
     assert "leaving the swarm" not in text and "locoswarm: error" not in text and "Traceback" not in text, text[-2000:]
 
 
+def test_a_taken_port_is_told_before_the_data_loads(swarm):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = swarm.start("clash", "--port", str(port), bootstrap=False)
+        assert node.proc.wait(60) == 2
+    text = node.log_path.read_text()
+    assert f"locoswarm: error: port {port} on 127.0.0.1 is already in use" in text, text[-2000:]
+    assert "data:" not in text and "Traceback" not in text, text[-2000:]  # nothing loaded, no DHT started
+
+
 def test_group_sigkill_leaves_no_process(swarm):
     """`kill -9 -PGID` takes the node and its watchdog at once: the DHT child and p2pd still go."""
     node = swarm.start("n0")
