@@ -37,6 +37,7 @@ from locoswarm.node.swarm.averaging import (
     peer_tag,
     plausible_version,
 )
+from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.transport.groups import consensus_members, form_groups, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
@@ -457,7 +458,8 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
+                           _refused_sources={}, outbound_peers=set,
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
@@ -480,7 +482,8 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
+                           _refused_sources={}, outbound_peers=set,
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
     assert set(SUSPECT_SOURCE) >= {"direction", "reduction", "reduction_other_phi"}
@@ -499,6 +502,18 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     assert stub._state_source("QmHonest")
 
 
+def test_a_peer_this_node_failed_to_dial_lately_serves_no_catch_up() -> None:
+    """A cut pair (bench swarm --cut 2-3): a node asked the peer it could not reach for state, twice, and waited for
+    each dial to fail. A peer its dials failed to lately is no catch-up source; once a stream opened, it is again."""
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                           deviations=DeviationMemory())
+    assert SwarmTransport._state_source(stub, "QmCut")
+    stub.dial_failures.failed("QmCut")
+    assert not SwarmTransport._state_source(stub, "QmCut") and SwarmTransport._state_source(stub, "QmOther")
+    stub.dial_failures.reached("QmCut")
+    assert SwarmTransport._state_source(stub, "QmCut")
+
+
 def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up() -> None:
     """A drifter's phi carries the drift it spread (2 + 2 drift runs: catch-ups from the drifters 2-24% worse than
     the node's own, again and again): with a ceiling, a peer muted round after round serves no state, also once its
@@ -506,7 +521,7 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
     from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
 
     for ceiling, refused in ((0.75, True), (1.0, False)):
-        stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set,
+        stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
                                deviations=DeviationMemory(ceiling=ceiling))
         for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
             stub.deviations.standing_drift(["QmDrifter", "QmHonest"], [0.95, 0.3], now=0.0)
@@ -545,7 +560,8 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set,
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
         rep.judge("QmSuspect", "direction", -0.4, **judge)
@@ -570,7 +586,7 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
 
@@ -598,6 +614,7 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
     stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, outbound_peers=set,
+                           dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _unlined_harm=EveryNth(UNLINED_HARM),
                            _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
@@ -624,7 +641,8 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     from locoswarm.node.swarm.averaging import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, deviations=DeviationMemory())
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set,
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
         future: concurrent.futures.Future = concurrent.futures.Future()

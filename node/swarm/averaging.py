@@ -1030,10 +1030,13 @@ class SwarmTransport(Transport):
         average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
         its own until it asks again. A reducer whose part this node refused pauses for ``TURNED_SOURCE_S``. With a
         drift ceiling, a peer this node muted round after round for its standing drift serves none
-        (``DeviationMemory.drifting``)."""
+        (``DeviationMemory.drifting``). Nor does a peer nobody, or this node, can dial (outbound only, or listed by
+        ``dial_failures``): a download from it would only wait for the dial to fail."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
         if peer in self.outbound_peers():  # nobody can dial it: a download from it would only time out
+            return False
+        if peer in self.dial_failures.peers():  # this node could not dial it lately (``dial_failures``)
             return False
         if self.deviations.drifting(peer):  # with a drift ceiling: its phi carries the drift it spread
             return False
