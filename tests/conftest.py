@@ -64,3 +64,51 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- test tiers --------------------------------------------------------------------------------------------------
+# ``pytest -m "not swarm"`` is the fast tier: pure logic and in-process transports. A test is in the ``swarm`` tier
+# when it starts processes or network daemons: it uses a fixture that does, or its body (or a helper of its module
+# that it calls) names one of the calls below. Marked at collection, so that a new test lands in the right tier
+# without anyone remembering to mark it.
+_PROCESS_FIXTURES = frozenset({"honest", "daemon", "fake_peer", "live", "swarm", "pair", "net"})
+_PROCESS_CALLS = ("NodeProc", "subprocess", "Popen", "start_dht", "P2P.create", "start_p2ps", "p2p_nodes", "netns",
+                  "docker", "sys.executable", "cli(")
+
+
+def _starts_processes(source: str) -> bool:
+    return any(call in source for call in _PROCESS_CALLS)
+
+
+def _process_helpers(module) -> frozenset[str]:
+    """The module's own functions and classes whose source names a process-starting call."""
+    import inspect
+
+    names = set()
+    for name, obj in vars(module).items():
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == module.__name__:
+            try:
+                if _starts_processes(inspect.getsource(obj)):
+                    names.add(name)
+            except (OSError, TypeError):
+                continue
+    return frozenset(names)
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    helpers: dict[str, frozenset[str]] = {}
+    for item in items:
+        function, module = getattr(item, "function", None), getattr(item, "module", None)
+        if function is None or module is None:
+            continue
+        if module.__name__ not in helpers:
+            helpers[module.__name__] = _process_helpers(module)
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            source = ""
+        called = any(f"{name}(" in source for name in helpers[module.__name__] if name != function.__name__)
+        if set(item.fixturenames) & _PROCESS_FIXTURES or _starts_processes(source) or called:
+            item.add_marker(pytest.mark.swarm)

@@ -8,7 +8,9 @@ cannot exist."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,61 +98,17 @@ def _netns_reason() -> str | None:
     from locoswarm.node.errors import UserError
 
     try:
-        netns.check_possible(nat=True)
+        netns.check_possible(nat=True, cut=True)
     except UserError as exc:
         return str(exc)
     return None
 
 
-@pytest.mark.slow
-def test_two_nodes_behind_nat_routers_find_out_and_average_through_two_public_ones(tmp_path: Path) -> None:
-    reason = _netns_reason()
-    if reason:
-        print(f"skipped: {reason}")
-        pytest.skip(f"network namespaces with NAT routers cannot be made here: {reason}")
-    from locoswarm.node.bench.swarm import netns
-
-    config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
-                                                            "round_timeout": 10.0, "heartbeat_interval": 0.5})
-    data = write_corpus(tmp_path / "data")
-    topo = netns.Topology(4, nat=2)
-    nodes: list[NodeProc] = []
-    port = 31337
-    try:
-        topo.create()
-
-        def start(i: int, *extra: str) -> NodeProc:
-            args = ["--config", str(config), "--data", str(data), "--host", topo.address(i), "--port", str(port),
-                    *SLOW, *extra]
-            node = NodeProc(f"node{i}", tmp_path / f"node{i}", args, tmp_path / f"node{i}.log",
-                            prefix=topo.exec_prefix(i))
-            nodes.append(node)
-            return node
-
-        first = start(0)
-        addrs = first.wait_status(lambda s: s.get("addrs"), 90, "its addresses")["addrs"]
-        boot = next(a for a in addrs if f"/{topo.address(0)}/" in a)
-        others = [start(i, "--bootstrap", boot) for i in (1, 2, 3)]
-        for node in others:  # each one checked by node 0 through the address its connection came from
-            node.wait_status(lambda s: s.get("reachability", {}).get("source") == "checked", 90, "its check")
-        _check_round_roles(nodes, [first, others[0]], others[1:],
-                           {"node0": "public", "node1": "public", "node2": "outbound-only",
-                            "node3": "outbound-only"})
-        told = [e for e in others[1].status()["events"] if e["kind"] == "reachability"]
-        assert told and "forward TCP port" in told[0]["detail"], others[1].tail()
-    finally:
-        for node in nodes:
-            node.stop()
-        topo.close()
-    assert not any(n.group_alive() for n in nodes), "processes left behind"
-    assert netns.bench_namespaces(int(topo.tag)) == []
-
-
-@pytest.mark.slow
-def test_a_pair_that_cannot_connect_is_kept_apart_and_every_node_keeps_merging(tmp_path: Path) -> None:
-    """Four public nodes, with every packet between nodes 2 and 3 dropped (a firewall between two particular
-    peers): each of the pair learns from its failed dials that it cannot reach the other, and the rounds route
-    around the pair (``locoswarm.node.swarm.dial_failures``). Without that, every round of four failed for both."""
+@contextlib.contextmanager
+def _namespace_swarm(tmp_path: Path, **topology) -> Iterator[list[NodeProc]]:
+    """Four ``locoswarm run`` nodes in the network namespaces of ``netns.Topology(4, **topology)``, node 0 the
+    bootstrap the others join: yields them started. Stops them, deletes the namespaces and checks that nothing of
+    either is left. Skips where namespaces with iptables rules cannot be made here."""
     reason = _netns_reason()
     if reason:
         print(f"skipped: {reason}")
@@ -160,25 +118,53 @@ def test_a_pair_that_cannot_connect_is_kept_apart_and_every_node_keeps_merging(t
     config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
                                                             "round_timeout": 10.0, "heartbeat_interval": 0.5})
     data = write_corpus(tmp_path / "data")
-    topo = netns.Topology(4, cuts=((2, 3),))
+    topo = netns.Topology(4, **topology)
     nodes: list[NodeProc] = []
-    port = 31337
+
+    def start(i: int, *extra: str) -> NodeProc:
+        args = ["--config", str(config), "--data", str(data), "--host", topo.address(i), "--port", "31337",
+                *SLOW, *extra]
+        node = NodeProc(f"node{i}", tmp_path / f"node{i}", args, tmp_path / f"node{i}.log",
+                        prefix=topo.exec_prefix(i))
+        nodes.append(node)
+        return node
+
     try:
         topo.create()
-
-        def start(i: int, *extra: str) -> NodeProc:
-            args = ["--config", str(config), "--data", str(data), "--host", topo.address(i), "--port", str(port),
-                    *SLOW, *extra]
-            node = NodeProc(f"node{i}", tmp_path / f"node{i}", args, tmp_path / f"node{i}.log",
-                            prefix=topo.exec_prefix(i))
-            nodes.append(node)
-            return node
-
         first = start(0)
         addrs = first.wait_status(lambda s: s.get("addrs"), 90, "its addresses")["addrs"]
         boot = next(a for a in addrs if f"/{topo.address(0)}/" in a)
-        others = [start(i, "--bootstrap", boot) for i in (1, 2, 3)]
-        pair = others[1:]
+        for i in (1, 2, 3):
+            start(i, "--bootstrap", boot)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+        topo.close()
+    assert not any(n.group_alive() for n in nodes), "processes left behind"
+    assert netns.bench_namespaces(int(topo.tag)) == []
+
+
+@pytest.mark.slow
+def test_two_nodes_behind_nat_routers_find_out_and_average_through_two_public_ones(tmp_path: Path) -> None:
+    with _namespace_swarm(tmp_path, nat=2) as nodes:
+        first, others = nodes[0], nodes[1:]
+        for node in others:  # each one checked by node 0 through the address its connection came from
+            node.wait_status(lambda s: s.get("reachability", {}).get("source") == "checked", 90, "its check")
+        _check_round_roles(nodes, [first, others[0]], others[1:],
+                           {"node0": "public", "node1": "public", "node2": "outbound-only",
+                            "node3": "outbound-only"})
+        told = [e for e in others[1].status()["events"] if e["kind"] == "reachability"]
+        assert told and "forward TCP port" in told[0]["detail"], others[1].tail()
+
+
+@pytest.mark.slow
+def test_a_pair_that_cannot_connect_is_kept_apart_and_every_node_keeps_merging(tmp_path: Path) -> None:
+    """Four public nodes, with every packet between nodes 2 and 3 dropped (a firewall between two particular
+    peers): each of the pair learns from its failed dials that it cannot reach the other, and the rounds route
+    around the pair (``locoswarm.node.swarm.dial_failures``). Without that, every round of four failed for both."""
+    with _namespace_swarm(tmp_path, cuts=((2, 3),)) as nodes:
+        pair = nodes[2:]
         # one of the two fails to dial the other; they are kept apart from then on, so the other may never try
         deadline = time.monotonic() + 180
         while not any(n.status().get("reachability", {}).get("undialable") for n in pair):
@@ -193,17 +179,15 @@ def test_a_pair_that_cannot_connect_is_kept_apart_and_every_node_keeps_merging(t
             st = node.status()
             after = [e for e in st["events"] if e["time"] >= mark]
             merged = [e for e in after if e["kind"] == "merged" and e["group_size"] >= 2]
-            failed = [e for e in after if e["kind"] == "failed"]
-            assert len(failed) < len(merged), (node.name, [e["detail"] for e in failed][:5], node.tail())
+            # Without the routing every round of the pair fails on its dial to the other (and with it the rounds
+            # of the other members they reduce for); other failures (a member late for a round on a loaded
+            # machine) are not the cut's. One per fragment is allowed: the rounds under way when the first failed
+            # dial was recorded, and a standing list of four the other node of the pair may take once.
+            cut = [e["detail"] for e in after if e["kind"] == "failed" and "could not open a stream" in e["detail"]]
+            assert len(cut) <= 2, (node.name, cut[:5], node.tail())
             assert st["reachability"]["state"] == "public", st["reachability"]
             if node in pair:  # never again in one group with the other: no group of four
                 assert st["reachability"]["undialable"] <= 1, st["reachability"]
                 assert all(e["group_size"] <= 3 for e in merged), [e["group_size"] for e in merged]
             else:
                 assert st["reachability"]["undialable"] == 0, (node.name, st["reachability"])
-    finally:
-        for node in nodes:
-            node.stop()
-        topo.close()
-    assert not any(n.group_alive() for n in nodes), "processes left behind"
-    assert netns.bench_namespaces(int(topo.tag)) == []

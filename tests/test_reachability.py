@@ -200,8 +200,9 @@ def test_an_outbound_only_peer_serves_no_catch_up() -> None:
 
     from locoswarm.node.core.persistence import DeviationMemory
     from locoswarm.node.swarm.averaging import SwarmTransport
+    from locoswarm.node.swarm.dial_failures import DialFailures
 
     stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=lambda: {"QmNatted"},
-                           deviations=DeviationMemory())
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
     assert not SwarmTransport._state_source(stub, "QmNatted")
     assert SwarmTransport._state_source(stub, "QmPublic")

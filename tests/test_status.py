@@ -180,7 +180,7 @@ def test_node_status_snapshot(tmp_path):
     node.counters.sent("QmPeer", 0, 112, 1000)
     node.counters.received("QmPeer", 0, 112, 900)
     node.transport = SimpleNamespace(refusals=deque(["QmPeer: bad_weight: too heavy"]),
-                                     standing_rounds=lambda: 3, streams_served=lambda: 5)
+                                     standing_rounds=lambda: 3, streams_served=lambda: 5, undialable=lambda: 2)
     node.reputation = Reputation(now=lambda: 100.0, log=logging.getLogger("test.reputation"))
     node.reputation.refuse("QmPeer", "bad_weight", "too heavy")
     node.peer_table = {"QmPeer": swarm_pb2.Heartbeat(
@@ -203,6 +203,7 @@ def test_node_status_snapshot(tmp_path):
     assert (peer.clock, peer.fragments, peer.has_state, peer.bytes_sent, peer.refused) == (119, {0: 7}, True, 1000, 1)
     assert st.syncs_ok == 9 - 4 and st.solo_steps == 4 and st.consensus.rounds == 3 and st.standing_rounds == 3
     assert (st.reachability.state, st.reachability.mode, st.reachability.inbound_streams) == ("unknown", "auto", 5)
+    assert st.reachability.undialable == 2
     assert (st.control_port, st.metrics_port, st.state, st.loss) == (7615, 9615, "training", 2.5)
     assert [(p.clock, p.loss) for p in st.eval_curve] == [(0, 5.5), (100, 3.0)]
     assert st.events[-1].own_weight == 8.0 and st.refusals == ["QmPeer: bad_weight: too heavy"]

@@ -100,12 +100,13 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
     from types import SimpleNamespace
 
     from locoswarm.node.swarm.averaging import PROBE_INTERVAL_S, SwarmTransport
+    from locoswarm.node.swarm.dial_failures import DialFailures
     from locoswarm.node.swarm.versions import Belief
 
     fetched = []
     belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
     stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, outbound_peers=set,
-                           deviations=DeviationMemory(), _probed={},
+                           dial_failures=DialFailures(), deviations=DeviationMemory(), _probed={},
                            _latest_versions=lambda fragment: belief,
                            _fetch=lambda *args: fetched.append(args))
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
