@@ -36,7 +36,6 @@ class DialFailures:
         self.ttl_s = ttl_s
         self._clock = clock
         self._failed: OrderedDict[str, float] = OrderedDict()
-        self.noted = 0  # dial failures seen in all (a status counter)
 
     def failed(self, peer: str) -> bool:
         """An open to ``peer`` failed; True when it was not listed (the node's match entries change)."""
@@ -46,7 +45,6 @@ class DialFailures:
         self._failed.move_to_end(peer)
         while len(self._failed) > MAX_LISTED:
             self._failed.popitem(last=False)
-        self.noted += 1
         return new
 
     def reached(self, peer: str) -> None:

@@ -182,17 +182,8 @@ def route_around(members: Sequence[str], outbound: Collection[str], undialable: 
     reducers). Every member computes the same from the same entries."""
     present = set(members)
     named = {p: set(undialable.get(p, ())) & present - {p} for p in members}
-    taken = set(outbound) & present
-    for peer in members:
-        voters = [m for m in members if m != peer]
-        if peer not in taken and voters and 2 * sum(1 for v in voters if peer in named[v]) > len(voters):
-            taken.add(peer)
-    out = {p: list(v) for p, v in apart.items()}
-    for peer in members:
-        for other in sorted(named[peer] - taken):
-            if other not in out.setdefault(peer, []):
-                out[peer].append(other)
-    return frozenset(taken), out
+    taken = (set(outbound) & present) | majority_shunned(members, named)
+    return frozenset(taken), kept_apart(apart, {p: sorted(named[p] - taken) for p in members if named[p] - taken})
 
 
 def group_basis(tags: Sequence[bytes]) -> bytes | None:

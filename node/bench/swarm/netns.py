@@ -308,10 +308,9 @@ class Topology:
                 _run(["ip", "-n", self.link_ns(i), "link", "set", "lo", "up"])
                 if self.natted(i):
                     self._wire_router(i, c, d)
-            for i, j in self.cuts:
-                for a, b in ((i, j), (j, i)):
-                    for rule in cut_rules(public_address(b)):
-                        _run(["ip", "netns", "exec", self.link_ns(a), "iptables", "-w", *rule])
+            for a, b in sorted(self._cut_pairs()):
+                for rule in cut_rules(public_address(b)):
+                    _run(["ip", "netns", "exec", self.link_ns(a), "iptables", "-w", *rule])
         except BaseException:
             self.close()
             raise
