@@ -149,7 +149,7 @@ class AverageRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[AverageHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class ReduceHeader(_message.Message):
-    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks", "lineage", "version")
+    __slots__ = ("ok", "error", "total_weight", "extras", "n_chunks", "lineage", "version", "missing")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class ReduceHeader(_message.Message):
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     total_weight: float
@@ -164,7 +165,8 @@ class ReduceHeader(_message.Message):
     n_chunks: int
     lineage: int
     version: int
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., lineage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    missing: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., total_weight: _Optional[float] = ..., extras: _Optional[_Iterable[float]] = ..., n_chunks: _Optional[int] = ..., lineage: _Optional[int] = ..., version: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
 
 class AverageReply(_message.Message):
     __slots__ = ("header", "chunk")

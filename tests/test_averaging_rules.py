@@ -683,6 +683,65 @@ def test_members_close_the_round_on_the_longest_trusted_window() -> None:
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 18.0
 
 
+def _closed_lists(arrivals: dict[str, float], windows: dict[str, float]) -> dict[str, list[str]]:
+    """Each member's list as ``_matchmake`` closes it on its window (no member expected in full, no grace), every
+    member reading every entry stored by then."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import closed_before
+
+    req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
+    entries = {p: match_entry(p, req, a, window=windows[p]) for p, a in arrivals.items()}
+    lists = {}
+    for me, mine in entries.items():
+        now = mine.arrival
+        while True:
+            seen = {p: e for p, e in entries.items() if e.arrival <= now}
+            closed = closed_before(seen, me)
+            open_ = {p: e for p, e in seen.items() if p not in closed}
+            window = agreed_window(mine.window, open_, set(open_))
+            end = min(max(e.arrival, mine.arrival - window) for e in open_.values()) + window
+            if now >= end:
+                break
+            now = min([end] + [e.arrival for e in entries.values() if e.arrival > now])
+        lists[me] = sorted(p for p, e in entries.items() if e.arrival <= end and p not in closed)
+    return lists
+
+
+def test_a_late_member_drops_the_members_whose_windows_closed_before_it_came() -> None:
+    """Two members arrive together and close their 3 s window without the two that come 6 s later; those still
+    count the early pair's entries in time (a window starts no earlier than one window before its own arrival),
+    and without ``closed_before`` they reduced for the pair and waited for its parts in every round. With it the
+    late pair forms the round without them, as the early pair did."""
+    arrivals = {"QmO2": 100.0, "QmO3": 100.2, "QmP0": 106.0, "QmP1": 106.1}
+    lists = _closed_lists(arrivals, dict.fromkeys(arrivals, 3.0))
+    assert lists["QmO2"] == lists["QmO3"] == ["QmO2", "QmO3"]
+    assert lists["QmP0"] == lists["QmP1"] == ["QmP0", "QmP1"]
+    # a member that closed after this one came is kept; so is every member that came after this one
+    lists = _closed_lists({"QmA": 100.0, "QmB": 102.9, "QmC": 104.0}, {"QmA": 3.0, "QmB": 3.0, "QmC": 3.0})
+    assert lists["QmA"] == lists["QmB"] == ["QmA", "QmB"] and lists["QmC"] == ["QmC"]
+    # a longer window of an entry in time grows the early member's window: the late one is then in it
+    lists = _closed_lists({"QmA": 100.0, "QmB": 101.0, "QmC": 104.0}, {"QmA": 3.0, "QmB": 5.0, "QmC": 3.0})
+    assert lists["QmA"] == lists["QmB"] == lists["QmC"] == ["QmA", "QmB", "QmC"]
+
+
+def test_members_that_close_on_their_windows_agree_on_who_is_in_the_round() -> None:
+    """Whatever the arrivals and windows, a member keeps another exactly when the other keeps it: the property
+    whose lack made a late member wait for parts that never came. (Arrivals, windows and the grace cut of real
+    rounds vary more; this is the rule on the entries themselves.)"""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(300):
+        names = [f"Qm{i}" for i in range(rng.randint(2, 6))]
+        arrivals = {p: rng.uniform(0.0, 12.0) for p in names}
+        windows = {p: rng.choice([2.0, 3.0, 5.0]) for p in names}
+        lists = _closed_lists(arrivals, windows)
+        for a, b in itertools.combinations(names, 2):
+            assert (b in lists[a]) == (a in lists[b]), (trial, arrivals, windows, lists)
+            if b in lists[a]:  # and members of one round hold one list (else their groups differ)
+                assert lists[a] == lists[b], (trial, arrivals, windows, lists)
+
+
 def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
     """A view emptied for a moment (a heartbeat read that failed) is not solitude: a solo outer step then, at
     the version the peers step together, would leave equal versions with different phi. A node that never saw

@@ -12,6 +12,7 @@ from locoswarm.node.core.payload import encode_chunks
 from locoswarm.node.core.transport import AverageRequest
 from locoswarm.node.swarm.averaging import SwarmTransport
 from locoswarm.node.swarm.dht import start_dht, visible_maddrs
+from locoswarm.node.swarm.reachability import Reachability
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief
@@ -120,6 +121,50 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
         assert [r.max_version for r in second] == [6, 6], "both members know the group's newest version"
         assert torch.allclose(second[0].average, torch.full((100,), 1.7))
         assert transports[0].latest_version(0) == 7, "the member behind learns the group's next version"
+    finally:
+        _stop(transports, runtimes, dhts)
+
+
+@pytest.mark.timeout(180)
+def test_a_round_a_reducer_completed_without_a_member_leaves_no_list_standing(tmp_path) -> None:
+    """Three members merge; in the next round one of them does not come (an outbound-only one, which reduces no
+    part: without it the others can still complete the round): the other two stand on the list of three,
+    reduce without it (the partial reduction) and merge, and every member learns from its reducers' headers that
+    a member was missing. That list does not stand: the round after matchmakes. Standing on it kept the lists
+    different for good (a 2 + 2 NAT test: one member failed 40 rounds in a row alone while the others waited for
+    its part in every round)."""
+    dhts, runtimes, transports = [], [], []
+    try:
+        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
+        for name in ("b", "c"):
+            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{name}.key"))
+        runtimes = [NetworkRuntime(d) for d in dhts]
+        ids = [r.peer_id for r in runtimes]
+        codec = get_codec("fp32", 64)
+        for i, runtime in enumerate(runtimes):
+            others = [p for p in ids if p != ids[i]]
+            transports.append(SwarmTransport(
+                runtime, swarm_key="locoswarm/standing-test-missing/fp/", fingerprint="fp", codec=codec,
+                group_size=3, matchmaking_timeout=3.0, round_timeout=5.0, live_peers=lambda o=others: list(o),
+                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None,
+                reachability=Reachability("outbound-only" if i == 2 else "public")))
+
+        def round_(number: int, who: list[int]) -> list:
+            handles = [transports[i].start_average(AverageRequest(
+                fragment=0, round=number, numel=100, weight=1.0, version=number,
+                chunks=encode_chunks(codec, torch.full((100,), float(i + 1) + number / 100)))) for i in who]
+            return [h.result(60) for h in handles]
+
+        first = round_(10, [0, 1, 2])
+        assert all(r.ok and r.group_size == 3 and r.missing == 0 for r in first), [(r.ok, r.error) for r in first]
+        second = round_(20, [0, 1])  # the outbound-only member does not come
+        assert all(r.ok for r in second), [r.error for r in second]
+        assert [t.standing.used for t in transports[:2]] == [1, 1], "the second round stood on the list of three"
+        assert all(r.missing >= 1 for r in second), [r.missing for r in second]
+        third = round_(30, [0, 1, 2])
+        assert all(r.ok and r.group_size == 3 for r in third), [(r.ok, r.error, r.group_size) for r in third]
+        # the two that merged the incomplete round matchmade (the third stood on the first round's list, as before)
+        assert [t.standing.used for t in transports[:2]] == [1, 1], "the round after an incomplete one matchmade"
     finally:
         _stop(transports, runtimes, dhts)
 

@@ -90,6 +90,9 @@ class AverageResult:
     # Failed because this node refused what a peer sent it (a reduced part pointing against its own progress, or
     # malformed), not for want of peers or time: the outer loop then keeps the progress such rounds carried.
     refused: bool = False
+    # Members of the group that some reducer reduced without (their part came late, was refused, or they formed
+    # another group): the members' lists differed, so this round's list is no basis for the next one.
+    missing: int = 0
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0, refused: bool = False) -> AverageResult:

@@ -428,6 +428,50 @@ def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trust
     return window
 
 
+def window_ends(entries: Mapping[str, swarm_pb2.MatchEntry]) -> dict[str, float]:
+    """For each member of ``entries``, the latest moment at which it can have closed its matchmaking window, as
+    ``SwarmTransport._matchmake`` closes it on that member, computed from the entries this node holds: its first
+    arrival among the members whose windows were still open when it came (``closed_before``), clamped to no
+    earlier than one window before its own arrival, plus the longest window of the entries that arrived by then
+    (that window grows as entries arrive, so it is taken to its fixed point). Every entry counts, trusted or not:
+    a member that trusts more entries than this node waits at most as long, so the bound stays an upper one. A
+    member keeps no entry that arrived after its end; it may have closed earlier (the grace cut)."""
+    order = sorted(entries, key=lambda p: (entries[p].arrival, p))
+    arrivals = [(entries[p].arrival, p) for p in order]
+    ends: dict[str, float] = {}
+    for peer in order:  # members that came earlier first: whether they were still open depends on their ends
+        own = entries[peer]
+        # those that came earlier and closed before it came count for nothing on it (``closed_before``)
+        counted = [(a, p) for a, p in arrivals if a >= own.arrival or ends[p] >= own.arrival]
+        window = own.window
+        while True:
+            first = min(max(a, own.arrival - window) for a, p in counted if a <= own.arrival)
+            seen = {p: entries[p] for a, p in counted if a <= first + window}
+            grown = agreed_window(own.window, seen, set(seen))
+            if grown <= window:
+                break
+            window = grown
+        ends[peer] = first + window
+    return ends
+
+
+def closed_before(entries: Mapping[str, swarm_pb2.MatchEntry], own: str) -> set[str]:
+    """The members of ``entries`` that came before ``own`` and whose windows closed before ``own``'s entry arrived
+    (``window_ends``): they formed the round without it, so it forms the round without them, and its own window
+    starts from the first of the others' arrivals.
+
+    A late member's window starts no earlier than one window before its arrival, so it kept every entry of that
+    span, also those of members that closed their windows long before it came, and its window started from
+    theirs: it closed at once, without the members that came just after it. Its member list then held peers whose
+    lists did not hold it: it reduced for them and waited for their parts until the partial reduction (6 s a
+    round), while they failed their rounds alone, and each such round made it later still (a 2 + 2 NAT test: one
+    outbound-only node failed 40 rounds in a row). A member's arrival is its own word: a member that claims an
+    early one is only dropped itself."""
+    arrival = entries[own].arrival
+    ends = window_ends(entries)
+    return {p for p, e in entries.items() if p != own and e.arrival < arrival and ends[p] < arrival}
+
+
 def shunned_dropped(members: list[str], entries: Mapping[str, swarm_pb2.MatchEntry]) -> list[str]:
     """``members`` without those that every other member's entry excludes (a peer the whole round bans).
 
@@ -601,6 +645,7 @@ class _PartResult(NamedTuple):
     total_weight: float
     extras: list[float]
     geometry: PartGeometry | None  # against this member's own contribution (``part_geometry``)
+    missing: int = 0               # group members the reducer went without (``ReduceHeader.missing``)
 
 
 @dataclass
@@ -1207,10 +1252,16 @@ class SwarmTransport(Transport):
         result.max_version = max_version
         if not result.ok and GROUP_MISMATCH in (result.error or ""):
             await self._explain_mismatch(req)
-        if result.ok:
+        # A round some reducer completed without a member (partial reduction) merged, but its members' lists
+        # differed: standing on it kept them different for good. A member that failed alone ("no peer in group",
+        # its window closed before the others came) matchmade, the others stood on the list that held it and
+        # waited for its part until the partial reduction in every round, and so came too late for its window
+        # again (a 2 + 2 NAT test: 40 rounds in a row). Such a round's next one matchmakes.
+        if result.ok and not result.missing:
             self.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
                                  doubted.get(self.peer_id, ()),  # what our entry said, as the others hold it
                                  declared_outbound, undialable, own=self.peer_id)
+        if result.ok:
             known = self.recent.get(req.fragment, (-1, []))[0]
             if max_version + 1 >= known:
                 self.recent[req.fragment] = (max_version + 1, group)
@@ -1416,31 +1467,40 @@ class SwarmTransport(Transport):
                              subkey=self.subkey, return_future=True)
         core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
         trusted = not_banned | {self.peer_id}
-        timeout = own_window
-        grace = min(self.grace(), timeout)
-        # An entry's arrival is the peer's word: no earlier than a window before ours, so that nobody can
-        # close the window for everyone by claiming an arrival in the past.
-        earliest = me.arrival - timeout
+        grace = min(self.grace(), own_window)
+        read: dict[str, swarm_pb2.MatchEntry] = {}
         while True:
-            entries = await self._read_entries(key)
-            entries.setdefault(self.peer_id, me)
+            read.update(await self._read_entries(key))
+            read.setdefault(self.peer_id, me)
+            # members that closed their windows before this node came are not waited for, nor counted in its
+            # window: they came (nobody waits for them) and formed the round without it (``closed_before``)
+            closed = closed_before(read, self.peer_id)
+            entries = {p: e for p, e in read.items() if p not in closed}
             wanted = awaited(own_expected, entries, trusted)
             timeout = agreed_window(own_window, entries, trusted)
-            arrived = {peer_tag(p) for p in entries} >= wanted
-            first = min(max(e.arrival, earliest) for e in entries.values())
+            arrived = {peer_tag(p) for p in read} >= wanted
+            # An entry's arrival is the peer's word: no earlier than the round's window before ours, so that nobody
+            # can close the window for everyone by claiming an arrival in the past. The round's window, not our
+            # own: a member with a shorter one otherwise started its window later than the others and kept a
+            # member they had closed without (a grown window is every member's, ``agreed_window``).
+            first = min(max(e.arrival, me.arrival - timeout) for e in entries.values())
             window_end = first + timeout
             now = get_dht_time()
             if arrived or now >= window_end:
                 cut = "all expected" if arrived else "window"
                 break
-            if set(entries) >= core and now >= first + grace:
+            if set(read) >= core and now >= first + grace:
                 window_end = now  # stragglers are not waited for beyond the grace
                 cut = "grace"
                 break
-            await asyncio.sleep(0.02 if set(entries) >= core else 0.05)
+            await asyncio.sleep(0.02 if set(read) >= core else 0.05)
         if not arrived:
             await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
-            entries.update(await self._read_entries(key))
+            read.update(await self._read_entries(key))
+            closed = closed_before(read, self.peer_id)
+            entries = {p: e for p, e in read.items() if p not in closed}
+        if closed:
+            cut += f", without {len(closed)} that closed before this node came"
         self._background(self._record_no_shows(key, not_banned, live, first + timeout))
         if req.schedule is not None:
             self._check_schedule(req, me, entries)
@@ -1522,7 +1582,8 @@ class SwarmTransport(Transport):
             # our part is the reference of the others' spread only where it mixes others' contributions in
             mixed = not req.digest and reduced.total_weight > req.weight * (1 + 1e-6)
             geometry = part_geometry(codec, req, reduced.chunks, bounds) if mixed else None
-            return _PartResult(self.peer_id, reduced.chunks, reduced.total_weight, reduced.extras, geometry)
+            return _PartResult(self.peer_id, reduced.chunks, reduced.total_weight, reduced.extras, geometry,
+                               len(session.dropped))
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
@@ -1563,7 +1624,7 @@ class SwarmTransport(Transport):
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
             basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
-            parts=origins)
+            parts=origins, missing=sum(r.missing for r in results))
 
     def _end_session(self, key: tuple[int, int, bytes]) -> None:
         session = self._sessions.pop(key, None)
@@ -1645,7 +1706,7 @@ class SwarmTransport(Transport):
             self._check_reduced_direction(peer, geometry.agreement, same_lineage=int(h.lineage) == req.lineage,
                                           evidence=view is None or view.judges_reduced_part(peer))
         self._remember_payload(req, chunks.items(), averaged=True)
-        return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry)
+        return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry, min(h.missing, MAX_EXPECTED))
 
     def _dial_failed(self, peer: str, why: str) -> None:
         if self.dial_failures.failed(peer):
@@ -1743,7 +1804,8 @@ class SwarmTransport(Transport):
                                   same_lineage=session.lineages.get(remote) == session.lineages.get(self.peer_id))
         header = swarm_pb2.AverageReply(header=swarm_pb2.ReduceHeader(
             ok=True, total_weight=result.total_weight, extras=result.extras, n_chunks=len(result.chunks),
-            lineage=session.lineages.get(self.peer_id, 0), version=session.versions.get(self.peer_id, 0)))
+            lineage=session.lineages.get(self.peer_id, 0), version=session.versions.get(self.peer_id, 0),
+            missing=len(session.dropped)))
         self.counters.sent(remote, h.fragment, h.round, header.ByteSize())
         yield header
         for c in sorted(result.chunks):
