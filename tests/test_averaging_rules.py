@@ -212,7 +212,7 @@ def test_a_match_view_explains_which_members_another_view_may_have_had() -> None
                      first=100.0, window_end=103.0, decided=101.5, cut="grace")
     line = view.explain({"QmAAAAAAa": 100.0, "QmBBBBBBb": 100.4, "QmCCCCCCc": 101.0, "QmEEEEEEe": 104.0})
     assert "formed [AAAAAa BBBBBb] (grace, 1.50 s after the first arrival)" in line
-    assert "arrived late [EEEEEe]" in line and "in time but unseen then [CCCCCc]" in line
+    assert "arrived late [EEEEEe+1.0s]" in line and "in time but unseen then [CCCCCc]" in line
     assert "never [DDDDDd]" in line
 
 

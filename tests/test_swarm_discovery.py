@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import hivemind  # noqa: F401 (imported up front so DHT timings exclude the import)
 import pytest
@@ -395,6 +396,43 @@ class _StuckDHT:
 
     def get(self, *args, **kwargs):
         return self._future()
+
+
+class _RefusingDHT:
+    """A DHT that refuses every store and answers reads with ``held``: {subkey: (value, expiration)}."""
+
+    def __init__(self, held: dict):
+        self.held = held
+        self.stores = 0
+
+    @staticmethod
+    def _done(result):
+        future = concurrent.futures.Future()
+        future.set_result(result)
+        return future
+
+    def store(self, *args, **kwargs):
+        self.stores += 1
+        return self._done(False)
+
+    def get(self, *args, **kwargs):
+        items = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in self.held.items()}
+        return self._done(SimpleNamespace(value=items))
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_fingerprint_announcement_is_fine_while_a_peer_holds_it(caplog):
+    from hivemind.utils import get_dht_time
+
+    cfg = _cfg("announce")
+    probe = Membership(_RefusingDHT({}), cfg, "me", expiry=60)
+    held = _RefusingDHT({probe.fingerprint: ("{}", get_dht_time() + 50)})  # another peer announced it later
+    assert Membership(held, cfg, "me", expiry=60).announce_fingerprint() is True
+    assert "announce fingerprint" not in caplog.text
+    stale = _RefusingDHT({probe.fingerprint: ("{}", get_dht_time() + 5), "otherfp": ("{}", get_dht_time() + 50)})
+    assert Membership(stale, cfg, "me", expiry=60).announce_fingerprint() is False
+    assert probe.announce_fingerprint() is False
+    assert "announce fingerprint failed" in caplog.text and "holds no live announcement" in caplog.text
 
 
 @pytest.mark.timeout(10)

@@ -267,8 +267,9 @@ class MatchView:
         late = [p for p, a in entries.items() if p not in self.members and a > self.window_end]
         unseen = [p for p, a in entries.items() if p not in self.members and a <= self.window_end]
         missing = self.expected - set(entries)
+        late_by = "[" + " ".join(f"{p[-6:]}+{entries[p] - self.window_end:.1f}s" for p in sorted(late)) + "]"
         return (f"formed {ids(self.members)} ({self.cut}, {self.decided - self.first:.2f} s after the first "
-                f"arrival); since then arrived late {ids(late)}, in time but unseen then {ids(unseen)}, "
+                f"arrival); since then arrived late {late_by}, in time but unseen then {ids(unseen)}, "
                 f"never {ids(missing)}")
 
 
@@ -1220,6 +1221,7 @@ class SwarmTransport(Transport):
             if len(members) == 1 and not req.digest and self._alone():
                 return self._solo(req)
             if len(members) > 1 and outbound >= set(members):
+                await self._explain_mismatch(req)  # where the public members were: late, unseen, or never came
                 return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
                                             "(behind NAT): none can open a stream to another", own_weight=req.weight)
             return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight)
