@@ -148,9 +148,10 @@ class Node:
         watchdog = process.start_watchdog()
         self._install_signal_handlers()
         try:
-            self._prepare()  # everything a user can get wrong is checked before anything starts
-            self._start_network()
+            self._prepare()  # everything a user can get wrong locally is checked before anything starts
+            self._start_network()  # then the swarm's own verdict (a wrong swarm), before the data loads
             self._install_signal_handlers()  # hivemind may have replaced them
+            self._load()
             self._build()
             self._start_control()
             meta = self._resume()  # before any heartbeat: peers never see a clock from before the checkpoint
@@ -194,6 +195,7 @@ class Node:
         cfg = self.cfg
         try:
             self._prepare()
+            self._load()
             assert self.theta_sync is not None
             engine = self.ranks.engine
             seed, step = self.ranks.broadcast_start(0, 0, layout=self.theta_sync.layout())
@@ -356,13 +358,12 @@ class Node:
                 atomic_write_text(self.opts.state_dir / PORT_FILE, f"{ports.pop()}\n")
 
     def _prepare(self) -> None:
-        """The local half of the node, before any network: the state dir, the device, the data, the model
-        and its fragments. A bad flag or setting fails here, before a DHT starts or a join command prints."""
-        from locoswarm.node.data import eval_batches, load_corpus, load_tokenizer
+        """The checks of the local half, before any network and in seconds: the state dir, a closed swarm's
+        certificate, a taken port, the device, the data's files. A bad flag or setting fails here, before a DHT
+        starts or a join command prints; the data itself loads after the swarm accepted this node (``_load``)."""
+        from locoswarm.node.data import check_data_paths
         from locoswarm.node.fsutil import prepare_state_dir
-        from locoswarm.node.inner import InnerOptimizer
-        from locoswarm.node.model import build_model, resolve_device
-        from locoswarm.node.partition import partition
+        from locoswarm.node.model import resolve_device
 
         o, cfg = self.opts, self.cfg
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
@@ -377,6 +378,17 @@ class Node:
         self.device = self.ranks.resolve_device(o.device) if self.ranks else resolve_device(o.device)
         if self.ranks is not None:
             self.ranks.start(self.device)
+        check_data_paths(o.data, cfg.data)
+
+    def _load(self) -> None:
+        """The local half of the node: the data, the model and its fragments, the inner optimizer (tens of
+        seconds for a large corpus: a wrong swarm is told before it, by ``_start_network``)."""
+        from locoswarm.node.data import eval_batches, load_corpus, load_tokenizer
+        from locoswarm.node.inner import InnerOptimizer
+        from locoswarm.node.model import build_model
+        from locoswarm.node.partition import partition
+
+        o, cfg = self.opts, self.cfg
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.corpus = load_corpus(o.data, cfg.data, tokenizer)
         log.info("data: %s", self.corpus.description)

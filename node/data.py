@@ -438,6 +438,15 @@ def _name_paths(paths: Sequence[str]) -> str:
     return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
 
 
+def check_data_paths(paths: Sequence[str], data_cfg: DataSection) -> None:
+    """Raise the ``UserError`` that :func:`load_corpus` would for paths that do not exist or hold no files
+    of the configured extensions, in a directory walk instead of a read: a node checks its data before it
+    joins, and reads it after (a wrong swarm is told before a large corpus loads)."""
+    if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
+        return  # a prepared directory: its index is read by load_corpus
+    discover_files(paths, data_cfg.extensions)
+
+
 def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
                 min_train_tokens: int = 2, tune_fraction: float = 0.0) -> Corpus:
     """Read, tokenize and split the corpus.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,13 +69,14 @@ def _single_thread():
 
 
 # ---- test tiers --------------------------------------------------------------------------------------------------
-# ``pytest -m "not swarm"`` is the fast tier: pure logic and in-process transports. A test is in the ``swarm`` tier
-# when it starts processes or network daemons: it uses a fixture that does, or its body (or a helper of its module
-# that it calls) names one of the calls below. Marked at collection, so that a new test lands in the right tier
-# without anyone remembering to mark it.
+# ``pytest -m "not swarm and not slow"`` is the fast tier: pure logic and in-process transports, without the few long
+# ones marked ``slow`` by hand. A test is in the ``swarm`` tier when it starts processes or network daemons: it uses
+# a fixture that does, or its body (or a helper it calls, of its module or of the suite's helper modules) names one
+# of the calls below. Marked at collection, so that a new test lands in the right tier without anyone remembering
+# to mark it.
 _PROCESS_FIXTURES = frozenset({"honest", "daemon", "fake_peer", "live", "swarm", "pair", "net"})
 _PROCESS_CALLS = ("NodeProc", "subprocess", "Popen", "start_dht", "P2P.create", "start_p2ps", "p2p_nodes", "netns",
-                  "docker", "sys.executable", "cli(")
+                  "docker", "sys.executable", "cli(", 'get_context("spawn")', "mp.Process(")
 
 
 def _starts_processes(source: str) -> bool:
@@ -81,12 +84,20 @@ def _starts_processes(source: str) -> bool:
 
 
 def _process_helpers(module) -> frozenset[str]:
-    """The module's own functions and classes whose source names a process-starting call."""
+    """The functions and classes of the module, its own or imported from a helper module of the suite
+    (``swarm_util.run_bench``), whose source names a process-starting call."""
     import inspect
 
+    here = Path(__file__).resolve().parent
     names = set()
     for name, obj in vars(module).items():
-        if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == module.__name__:
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue
+        try:
+            source_file = inspect.getsourcefile(inspect.unwrap(obj))  # a @contextmanager helper's own file
+        except TypeError:
+            continue
+        if source_file and Path(source_file).resolve().parent == here:
             try:
                 if _starts_processes(inspect.getsource(obj)):
                     names.add(name)

@@ -451,7 +451,7 @@ def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch)
     node = daemon.Node.__new__(daemon.Node)
     node.stop = SimpleNamespace(is_set=lambda: True, set=lambda: None)
     node.ranks, node.rank_failed = None, False  # a single-process node (``--nproc 1``)
-    for name in ("_prepare", "_start_network", "_build", "_start_control", "_train", "_leave",
+    for name in ("_prepare", "_start_network", "_load", "_build", "_start_control", "_train", "_leave",
                  "_shutdown_network"):
         monkeypatch.setattr(node, name, lambda name=name: order.append(name), raising=False)
     monkeypatch.setattr(node, "_resume", lambda: order.append("_resume") or None, raising=False)
@@ -461,4 +461,5 @@ def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch)
         monkeypatch.setattr(process, name, lambda *a, **k: None)
     node.run()
     assert order.index("_prepare") < order.index("_start_network")  # a user's mistake fails before the network
+    assert order.index("_start_network") < order.index("_load")  # a wrong swarm is told before the data loads
     assert order.index("_resume") < order.index("_start_heartbeats") < order.index("_join_or_resume")

@@ -1305,6 +1305,7 @@ def _spread(swarm: Swarm, n: int) -> float:
     return float((phis - mean).norm(dim=1).max() / mean.norm())
 
 
+@pytest.mark.slow  # about 60 s here: a long gossip run, outside the fast tier
 def test_consensus_keeps_phi_spread_bounded_under_pairwise_gossip(base_model) -> None:
     """Without consensus rounds phi random-walks apart under pairwise gossip (the spread grows); with one
     every 2nd round it stays bounded (measured at 40 and 80 steps)."""

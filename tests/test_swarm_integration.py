@@ -285,6 +285,15 @@ def test_different_fingerprint_is_refused_by_name(swarm, tmp_path):
     text = node.log_path.read_text()
     assert "outer.codec: fp4 vs int8" in text and "fingerprint" in text, text[-2000:]
     assert "Traceback" not in text
+    assert "data:" not in text, text[-2000:]  # told before its data loaded (tens of seconds for a large corpus)
+
+
+def test_a_missing_data_path_is_told_before_any_network(swarm, tmp_path):
+    node = swarm.start("nodata", "--data", str(tmp_path / "missing"), bootstrap=False)
+    assert node.proc.wait(60) == 2
+    text = node.log_path.read_text()
+    assert f"data path {str(tmp_path / 'missing')!r} does not exist" in text, text[-2000:]
+    assert "listening on" not in text and "Traceback" not in text, text[-2000:]  # no DHT started
 
 
 def test_unreachable_bootstrap_retries_with_a_clear_message(swarm):
