@@ -438,13 +438,19 @@ def _name_paths(paths: Sequence[str]) -> str:
     return ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
 
 
+def _prepared_dir(paths: Sequence[str]) -> Path | None:
+    """The directory ``locoswarm data prepare`` wrote, where ``paths`` names exactly one (its ``index.json``)."""
+    if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
+        return Path(paths[0]).expanduser()
+    return None
+
+
 def check_data_paths(paths: Sequence[str], data_cfg: DataSection) -> None:
     """Raise the ``UserError`` that :func:`load_corpus` would for paths that do not exist or hold no files
     of the configured extensions, in a directory walk instead of a read: a node checks its data before it
     joins, and reads it after (a wrong swarm is told before a large corpus loads)."""
-    if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
-        return  # a prepared directory: its index is read by load_corpus
-    discover_files(paths, data_cfg.extensions)
+    if _prepared_dir(paths) is None:  # a prepared directory's index is read by load_corpus
+        discover_files(paths, data_cfg.extensions)
 
 
 def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
@@ -465,8 +471,9 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     documents are not listed), gives the last ``tune_fraction`` of the training tokens instead.
     """
     start = time.perf_counter()
-    if len(paths) == 1 and (Path(paths[0]).expanduser() / "index.json").is_file():
-        corpus = _load_prepared(Path(paths[0]).expanduser(), data_cfg, tokenizer, min_train_tokens, start)
+    prepared = _prepared_dir(paths)
+    if prepared is not None:
+        corpus = _load_prepared(prepared, data_cfg, tokenizer, min_train_tokens, start)
         return _carve_tune_tail(corpus, tune_fraction) if tune_fraction > 0 else corpus
     files = discover_files(paths, data_cfg.extensions)
     reader = _Reader(files, data_cfg.text_field, data_cfg.max_bytes)

@@ -1221,7 +1221,7 @@ class SwarmTransport(Transport):
             if len(members) == 1 and not req.digest and self._alone():
                 return self._solo(req)
             if len(members) > 1 and outbound >= set(members):
-                await self._explain_mismatch(req)  # where the public members were: late, unseen, or never came
+                await self._explain_view(req, "outbound-only members alone")  # the public ones: late, or never
                 return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
                                             "(behind NAT): none can open a stream to another", own_weight=req.weight)
             return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight)
@@ -1253,7 +1253,7 @@ class SwarmTransport(Transport):
             max_version = result.max_version
         result.max_version = max_version
         if not result.ok and GROUP_MISMATCH in (result.error or ""):
-            await self._explain_mismatch(req)
+            await self._explain_view(req)
         # A round some reducer completed without a member (partial reduction) merged, but its members' lists
         # differed: standing on it kept them different for good. A member that failed alone ("no peer in group",
         # its window closed before the others came) matchmade, the others stood on the list that held it and
@@ -1442,16 +1442,17 @@ class SwarmTransport(Transport):
             entries = await asyncio.wait_for(self._read_entries(key), 5.0)
             self.no_shows.record(awaited, set(entries) | {self.peer_id}, live)
 
-    async def _explain_mismatch(self, req: AverageRequest) -> None:
-        """Log how this node's member list for a failed round differs from what the round's key holds now
-        (members' views differ: the dominant failure of rounds on slow links, see issue 10)."""
+    async def _explain_view(self, req: AverageRequest, failure: str = "group mismatch") -> None:
+        """Log, after a round failed with ``failure``, how this node's member list for it differs from what the
+        round's key holds now (members' views differ: the dominant failure of rounds on slow links, see issue 10;
+        a round of outbound-only members alone: where the public members were)."""
         view = self._views.get((req.fragment, req.round))
         if view is None:
             return
         with contextlib.suppress(Exception):
             key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
             entries = await asyncio.wait_for(self._read_entries(key), 5.0)
-            log.info("group mismatch: fragment %d round %d: %s", req.fragment, req.round,
+            log.info("%s: fragment %d round %d: %s", failure, req.fragment, req.round,
                      view.explain({p: e.arrival for p, e in entries.items()}))
 
     async def _matchmake(self, req: AverageRequest) -> Matched | None:
@@ -1997,7 +1998,7 @@ class SwarmTransport(Transport):
 
     def _explain_refused_member(self, session: _Reduction, remote: str) -> None:
         """Log, once per round, why a peer is not in the group this node formed (its side of a mismatch: the
-        refused member logs the other side, ``_explain_mismatch``)."""
+        refused member logs the other side, ``_explain_view``)."""
         fragment, round_ = session.key[0], session.key[1]
         if (fragment, round_) in self._explained:
             return
