@@ -359,11 +359,13 @@ class Node:
 
     def _prepare(self) -> None:
         """The checks of the local half, before any network and in seconds: the state dir, a closed swarm's
-        certificate, a taken port, the device, the data's files. A bad flag or setting fails here, before a DHT
+        certificate, a taken port, the device, the fragments the model splits into (on a ``meta`` copy: names
+        without memory), the data's files and their first text. A bad flag or setting fails here, before a DHT
         starts or a join command prints; the data itself loads after the swarm accepted this node (``_load``)."""
-        from locoswarm.node.data import check_data_paths
+        from locoswarm.node.data import check_data_paths, load_tokenizer
         from locoswarm.node.fsutil import prepare_state_dir
-        from locoswarm.node.model import resolve_device
+        from locoswarm.node.model import build_meta_model, resolve_device
+        from locoswarm.node.partition import partition
 
         o, cfg = self.opts, self.cfg
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
@@ -378,6 +380,7 @@ class Node:
         self.device = self.ranks.resolve_device(o.device) if self.ranks else resolve_device(o.device)
         if self.ranks is not None:
             self.ranks.start(self.device)
+        partition(build_meta_model(cfg.model, load_tokenizer(cfg.model.tokenizer).vocab_size), cfg.outer.fragments)
         check_data_paths(o.data, cfg.data)
 
     def _load(self) -> None:

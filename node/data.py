@@ -445,12 +445,27 @@ def _prepared_dir(paths: Sequence[str]) -> Path | None:
     return None
 
 
+def _no_text(paths: Sequence[str], reader: _Reader, text_field: str) -> UserError:
+    """The error for data paths whose files hold no document: what was passed over, and what is read."""
+    binary = reader.skipped_binary
+    return UserError(f"no text found in {_name_paths(paths)} (skipped {reader.skipped_lines} bad .jsonl lines"
+                     + (f" and {len(binary)} binary file(s), e.g. {binary[0]!r}" if binary else "")
+                     + f"; text field is data.text_field = {text_field!r}); give text files "
+                       "(.txt, .md, source code, .jsonl)")
+
+
 def check_data_paths(paths: Sequence[str], data_cfg: DataSection) -> None:
-    """Raise the ``UserError`` that :func:`load_corpus` would for paths that do not exist or hold no files
-    of the configured extensions, in a directory walk instead of a read: a node checks its data before it
-    joins, and reads it after (a wrong swarm is told before a large corpus loads)."""
-    if _prepared_dir(paths) is None:  # a prepared directory's index is read by load_corpus
-        discover_files(paths, data_cfg.extensions)
+    """Raise the ``UserError`` that :func:`load_corpus` would for paths that do not exist, hold no files of
+    the configured extensions or no text at all, reading only up to the first document: a node checks its
+    data before it joins, and reads it after (a wrong swarm is told before a large corpus loads)."""
+    if _prepared_dir(paths) is not None:  # a prepared directory's index is read by load_corpus
+        return
+    # The first document decides: a reader whose budget is one probe reads files in order only until one
+    # holds text (binary files and bad .jsonl lines are passed over by the rules load_corpus applies).
+    reader = _Reader(discover_files(paths, data_cfg.extensions), data_cfg.text_field,
+                     min(data_cfg.max_bytes, BINARY_PROBE))
+    if next(reader.documents(), None) is None:
+        raise _no_text(paths, reader, data_cfg.text_field)
 
 
 def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
@@ -486,10 +501,7 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     where = _name_paths(paths)
     binary = reader.skipped_binary
     if not docs:
-        raise UserError(f"no text found in {where} (skipped {reader.skipped_lines} bad .jsonl lines"
-                        + (f" and {len(binary)} binary file(s), e.g. {binary[0]!r}" if binary else "")
-                        + f"; text field is data.text_field = {data_cfg.text_field!r}); give text files "
-                          "(.txt, .md, source code, .jsonl)")
+        raise _no_text(paths, reader, data_cfg.text_field)
     warnings = [f"skipped {len(binary)} binary file(s) (not UTF-8 text): {', '.join(binary[:3])}"
                 + (" ..." if len(binary) > 3 else "")] if binary else []
     tune, n_tune_docs = None, 0

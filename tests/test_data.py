@@ -14,6 +14,7 @@ from locoswarm.node.data import (
     SEGMENT_BYTES,
     ByteTokenizer,
     TrainBatches,
+    check_data_paths,
     discover_files,
     eval_batches,
     evaluate,
@@ -207,6 +208,30 @@ def test_binary_files_are_skipped_with_a_warning(tmp_path: Path) -> None:
     assert "1 binary files skipped" in corpus.description
     assert not is_binary("plain text, ünïcödé ✓ and a cut multi-byte character: ✓".encode()[:-1])
     assert is_binary(b"text with a NUL \x00 byte")
+
+
+def test_data_with_no_text_is_refused_by_the_check_before_the_join(tmp_path: Path) -> None:
+    """check_data_paths tells what load_corpus would: no text at all (binary files, .jsonl lines without the
+    text field) is refused with the same line; one text file after binary ones, or a valid line after bad
+    ones, passes."""
+    blob = tmp_path / "blob"
+    blob.mkdir()
+    (blob / "a.txt").write_bytes(bytes(range(256)) * 64)
+    (blob / "b.jsonl").write_text('{"other": "x"}\nnot json\n')
+    cfg = DataSection()
+    with pytest.raises(UserError) as checked:
+        check_data_paths([str(blob)], cfg)
+    with pytest.raises(UserError) as loaded:
+        load_corpus([str(blob)], cfg, ByteTokenizer())
+    assert str(checked.value) == str(loaded.value)
+    assert "2 bad .jsonl lines" in str(checked.value) and "'a.txt'" in str(checked.value)
+    (blob / "b.jsonl").write_text('{"other": "x"}\n{"text": "a document"}\n')
+    check_data_paths([str(blob)], cfg)
+    (blob / "b.jsonl").unlink()
+    (blob / "c.md").write_text("some text " * 100_000)
+    check_data_paths([str(blob)], cfg)
+    with pytest.raises(UserError, match="nowhere"):
+        check_data_paths([str(tmp_path / "nowhere")], cfg)
 
 
 def test_an_odd_split_is_warned_about(tmp_path: Path) -> None:
