@@ -598,6 +598,12 @@ def test_graceful_exit_leaves_nothing(tmp_path, how):
         else:
             os.killpg(info["pgid"], signal.SIGINT)  # the node leads this group (asserted above)
         assert proc.wait(20) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+        # The moment the node has returned, nothing of it is left in its process group: its watchdog moved
+        # to a session of its own before the node exited (it only tidies up from there).
+        in_group = [p for p in tree if _alive(p) and (_stat(p) or (0,) * 5)[3] == info["pgid"]]
+        assert not in_group, f"still in the node's group: {[(p, _stat(p)) for p in in_group]}"
+        watchdog = _stat(info["watchdog"])
+        assert watchdog is None or watchdog[1] in "ZX" or os.getsid(info["watchdog"]) == info["watchdog"]
         stderr = (tmp_path / "stderr.txt").read_text()
         assert stderr.count("leaving the swarm (Ctrl+C again to force)") == 1, stderr[-2000:]
         assert "Traceback" not in stderr and "hard way" not in stderr, stderr[-2000:]

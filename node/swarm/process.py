@@ -337,8 +337,9 @@ def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
     left after ``grace_s``, removes their IPC files (:func:`cleanup_ipc_files`) and exits. It ignores
     SIGINT, SIGTERM and SIGHUP, so a Ctrl+C of the group lets the node shut down cleanly; it holds no
     inherited file descriptors except stdin/stdout/stderr. Returns the watchdog's pid; call
-    :func:`stop_watchdog` after an orderly shutdown: the watchdog then only tidies up once this process
-    has exited (torch's shared-memory files, which its ``torch_shm_manager`` does not always remove).
+    :func:`stop_watchdog` after an orderly shutdown: the watchdog then leaves this process's session and
+    group and only tidies up once this process has exited (torch's shared-memory files, which its
+    ``torch_shm_manager`` does not always remove).
     """
     parent = os.getpid()
     pgid = os.getpgrp()
@@ -385,7 +386,13 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
         files = ipc_files([parent, *seen]) | {f for f in files if os.path.exists(f)}
         # wakes on SIGUSR1 (parent death), SIGUSR2 (orderly shutdown) or after poll_s
         got = signal.sigtimedwait({signal.SIGUSR1, signal.SIGUSR2}, poll_s)
-        orderly = orderly or (got is not None and got.si_signo == signal.SIGUSR2)
+        if got is not None and got.si_signo == signal.SIGUSR2 and not orderly:
+            orderly = True
+            # Out of the node's session and group: once the node has returned, nothing of it is left there
+            # (for a supervisor waiting on the session, or a killpg); only this tidy-up lingers, in a session
+            # of its own like torch's shm manager, and for as long as that manager does (about a second).
+            with contextlib.suppress(OSError):
+                os.setsid()
     # the parent is gone: the descendants seen last, its group and the groups they led
     if pgid is not None:
         groups.add(pgid)
@@ -431,15 +438,23 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
                     f"{f'; still alive: {alive}' if alive else ''}{f'; files kept: {kept}' if kept else ''}\n".encode())
 
 
-def stop_watchdog(pid: int | None) -> None:
-    """Tell the watchdog that this process shut down in order. It stays until this process has exited,
-    then removes what torch leaves in ``/dev/shm`` (its ``torch_shm_manager`` removes a segment only when
-    it exits itself, and a loaded CI run saw segments outlive it) and ends; it cannot become a zombie of
-    ours, since it only ends after we do."""
+def stop_watchdog(pid: int | None, timeout_s: float = 2.0) -> None:
+    """Tell the watchdog that this process shut down in order, and wait (up to ``timeout_s``) until it has
+    moved to a session of its own: nothing of the node stays in the node's session or group once the node
+    has returned. The watchdog then waits until this process has exited, removes what torch leaves in
+    ``/dev/shm`` (its ``torch_shm_manager`` removes a segment only when it exits itself, and a loaded CI
+    run saw segments outlive it) and ends; it cannot become a zombie of ours, since it only ends after we
+    do."""
     if not pid:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:
+        session = os.getsid(0)
         os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + timeout_s
+        while os.getsid(pid) == session and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except (ProcessLookupError, PermissionError):
+        return
 
 
 # ---- signals ----
