@@ -94,11 +94,11 @@ least ``MIN_ROUND_SPACING_S`` apart (H·S, two default matchmaking windows): the
 round of the whole model every 5.4 s at 0.27 s steps) measured 0.58-0.91 of unshaped at 20 Mbit/s in
 five runs (predicted 0.96-1.00) and 0.27 and 0.47 at 5 Mbit/s (predicted 0.85-0.86), with up to half
 its rounds failed on group mismatch, while the default H=50 F=2 (each fragment every 13.6 s) measured
-0.82-0.96 and 0.65-0.90 on the same links (reports/swarm-*). A fragment's round takes up to one
-matchmaking window to form plus its transfer, and a catch-up of a whole-model fragment; rounds of the
-same fragment closer than that run into each other. Codecs are preferred widest first
-(less quantization), except where the link is the bottleneck (blocking DiLoCo does not reach the
-target on it): there fp4 comes first.
+0.82-0.96 and 0.65-0.90 on the same links (early reports/swarm-* runs, now in git history). A
+fragment's round takes up to one matchmaking window to form plus its transfer, and a catch-up of a
+whole-model fragment; rounds of the same fragment closer than that run into each other. Codecs are
+preferred widest first (less quantization), except where the link is the bottleneck (blocking DiLoCo
+does not reach the target on it): there fp4 comes first.
 
 *Methods* (rows of the table):
 - dp: every step all-reduces all N gradients (``--baseline-codec``, fp32 default), blocking:
