@@ -92,6 +92,35 @@ class EveryNth:
         return count % self.n == 0
 
 
+class Allowance:
+    """Per peer, at most ``n`` uses of a leniency within any ``window_s`` (``take``): for evidence an honest peer
+    gives now and then in good faith and a hostile one would give every time, so that the hostile one is judged
+    again once its allowance is spent. At most ``limit`` peers are tracked (the least recently seen are
+    forgotten)."""
+
+    def __init__(self, n: int, window_s: float, limit: int = 4096, *,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.n = n
+        self.window_s = window_s
+        self.limit = limit
+        self._now = now
+        self._used: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def take(self, peer: str) -> bool:
+        """Use one of ``peer``'s allowance: True while fewer than ``n`` were used within the window."""
+        now = self._now()
+        used = self._used.pop(peer, None) or deque(maxlen=max(1, self.n))
+        self._used[peer] = used
+        while len(self._used) > self.limit:
+            self._used.popitem(last=False)
+        while used and now - used[0] > self.window_s:
+            used.popleft()
+        if len(used) >= self.n:
+            return False
+        used.append(now)
+        return True
+
+
 class _PeerRecord:
     """What one peer has earned: refusal counts, recent offences, its ban."""
 
@@ -339,4 +368,4 @@ class Reputation:
             return {"peers": peers, "refused": self._refused, "banned": sum(p["banned"] for p in peers.values())}
 
 
-__all__ = ["Reputation", "one_line", "peer_key"]
+__all__ = ["Allowance", "EveryNth", "Reputation", "one_line", "peer_key"]
