@@ -1287,3 +1287,24 @@ def test_an_allowance_grants_n_uses_per_window_per_peer_and_forgets_the_oldest_p
     assert a.take("p")  # the first two uses left the window
     a.take("r")  # a third peer: the least recently seen ("q") is forgotten
     assert a.take("q") and a.take("q") and not a.take("q")
+
+
+def test_a_node_is_stale_only_where_the_swarms_corroborated_version_is_ahead_too() -> None:
+    """An outbound-only node learns its round's versions from the reducers' replies, one at a time: a lone reducer
+    claiming a version ahead must not make it skip the direction check of that reducer's part. It is stale only
+    where every member it knows is ahead and so is the version two holders' heartbeats corroborate."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.versions import Belief
+
+    believed = [5]
+    stub = SimpleNamespace(peer_id="QmMe", _latest_versions=lambda fragment: Belief(believed[0]))
+    view = SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5})
+    req = AverageRequest(fragment=0, round=100, chunks={}, numel=8, weight=1.0, version=3)
+    stale = SwarmTransport._stale_here
+    assert stale(stub, req, 5, view)
+    believed[0] = 3  # nobody corroborates the reducer's claim: a liar ahead of the swarm
+    assert not stale(stub, req, 5, view)
+    believed[0] = 5
+    assert not stale(stub, req, 3, view)  # the reducer is not ahead of this node
+    assert not stale(stub, req, 5, SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5, "QmPartner": 3}))
+    assert not stale(stub, req, 5, None)

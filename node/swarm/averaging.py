@@ -1733,10 +1733,18 @@ class SwarmTransport(Transport):
             view = self._local_view(req.fragment, req.round)
             self._check_reduced_direction(peer, geometry.agreement, same_lineage=int(h.lineage) == req.lineage,
                                           evidence=view is None or view.judges_reduced_part(peer),
-                                          stale=view is not None and int(h.version) > req.version
-                                          and behind_the_others(self.peer_id, view.versions))
+                                          stale=self._stale_here(req, int(h.version), view))
         self._remember_payload(req, chunks.items(), averaged=True)
         return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry, min(h.missing, MAX_EXPECTED))
+
+    def _stale_here(self, req: AverageRequest, reducer_version: int, view: _Reduction | None) -> bool:
+        """Whether this node is the stale member of ``req``'s round (``STALE_GRACE``): the reducer's version and every
+        other member's this node knows are above its own, and so is the swarm's version that the heartbeats of two
+        holders corroborate. A lone reducer's claim is not enough: an outbound-only node learns its round's versions
+        only from the reducers' replies, and a hostile reducer claiming a version ahead would otherwise have its
+        turned parts go unjudged there."""
+        return (view is not None and reducer_version > req.version and behind_the_others(self.peer_id, view.versions)
+                and self._latest_versions(req.fragment).version > req.version)
 
     def _dial_failed(self, peer: str, why: str) -> None:
         if self.dial_failures.failed(peer):
