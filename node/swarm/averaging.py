@@ -178,8 +178,8 @@ OTHER_LINEAGE_MARGIN = 0.1
 # (``SwarmTransport._follow_majority_bans``): the directions of the peer's own contributions only. A reduced part's
 # agreement is not the reducer's doing alone: colluders that outvote an honest reducer in its group turn its part,
 # and with their exclusions as the majority they could otherwise get it banned by the other honest members.
-FOLLOWED_EVIDENCE = ("direction", "direction_stale")
-STALE_DIRECTION = FOLLOWED_EVIDENCE[1]  # the kind of a stale contribution's direction score (``STALE_GRACE``)
+STALE_DIRECTION = "direction_stale"  # the kind of a stale contribution's direction score (``STALE_GRACE``)
+FOLLOWED_EVIDENCE = ("direction", STALE_DIRECTION)
 # A member that more than this share of at least FOLLOWED_VOTERS of the round's other voters exclude is banned here
 # without evidence of this node's own. Judge and judged are not voters, so c colluders framing an honest member
 # before h - 2 other honest voters reach the share only if c > 2 (h - 2) while c < h: never with at least 3

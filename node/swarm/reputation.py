@@ -109,7 +109,9 @@ class Allowance:
     def take(self, peer: str) -> bool:
         """Use one of ``peer``'s allowance: True while fewer than ``n`` were used within the window."""
         now = self._now()
-        used = self._used.pop(peer, None) or deque(maxlen=max(1, self.n))
+        used = self._used.pop(peer, None)
+        if used is None:
+            used = deque(maxlen=max(1, self.n))
         self._used[peer] = used
         while len(self._used) > self.limit:
             self._used.popitem(last=False)
