@@ -1173,6 +1173,8 @@ class SwarmTransport(Transport):
             self._probed[(fragment, peer)] = time.monotonic()
         while len(self._probed) > MAX_JOINERS:
             self._probed.pop(next(iter(self._probed)))
+        log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
+                 ", ".join(h[:12] for h in belief.holders))
         snapshot = self._fetch(fragment, holder_order(self.peer_id, fragment, belief.holders), belief.version,
                                belief.digest)
         if snapshot is not None and snapshot.source:
