@@ -464,8 +464,7 @@ class Node:
         self.state_client = StateClient(self.runtime, self.fingerprint, self.counters,
                                         timeout=max(30.0, cfg.network.round_timeout), expected_numel=numels.get,
                                         on_bad=self.reputation.refuse, is_banned=self.reputation.is_banned,
-                                        momentum=cfg.network.state_momentum,
-                                        yield_to=lambda: self.transport.exchanging())
+                                        momentum=cfg.network.state_momentum)
         self.transport = SwarmTransport(
             self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
