@@ -471,6 +471,7 @@ class Node:
             round_timeout=cfg.network.round_timeout,
             live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
             latest_versions=self._latest_versions, fetch=self.state_client.fetch,
+            fetch_steps=self.state_client.fetch_steps,
             pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
             ready=self._in_rounds,
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,

@@ -177,7 +177,7 @@ class AverageReply(_message.Message):
     def __init__(self, header: _Optional[_Union[ReduceHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat", "momentum_precision", "spread")
+    __slots__ = ("fingerprint", "fragment", "offset", "min_version", "heartbeat", "momentum_precision", "spread", "replay")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class StateRequest(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_PRECISION_FIELD_NUMBER: _ClassVar[int]
     SPREAD_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     fragment: int
     offset: int
@@ -192,10 +193,27 @@ class StateRequest(_message.Message):
     heartbeat: Heartbeat
     momentum_precision: MomentumPrecision
     spread: bool
-    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ..., spread: _Optional[bool] = ...) -> None: ...
+    replay: bool
+    def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ..., spread: _Optional[bool] = ..., replay: _Optional[bool] = ...) -> None: ...
+
+class ReplayStep(_message.Message):
+    __slots__ = ("version", "codec", "numel", "index", "count", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    codec: str
+    numel: int
+    index: int
+    count: int
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step", "momentum_precision")
+    __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step", "momentum_precision", "step")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +224,7 @@ class StateChunk(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     error: str
     fragment: int
     version: int
@@ -216,7 +235,8 @@ class StateChunk(_message.Message):
     clock: int
     inner_step: int
     momentum_precision: MomentumPrecision
-    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ...) -> None: ...
+    step: ReplayStep
+    def __init__(self, error: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., phi: _Optional[bytes] = ..., momentum: _Optional[bytes] = ..., clock: _Optional[int] = ..., inner_step: _Optional[int] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ..., step: _Optional[_Union[ReplayStep, _Mapping]] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
     __slots__ = ("port",)

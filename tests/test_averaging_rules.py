@@ -545,7 +545,8 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
             def served(fragment: int, holders: list[str], version: int, digest: bytes, source: str = source):
                 return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=source)
             stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf",
-                                   _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]))
+                                   _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]),
+                                   _replay=lambda fragment, holders, have, belief: None)
             assert SwarmTransport.fetch_fragment(stub, 0).doubted is doubted, (ceiling, source)
         assert not memory.muted_lately("QmDrifter", now=time.monotonic() + 2 * DOUBT_S), "the doubt lapses"
 

@@ -7,6 +7,7 @@ import copy
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -495,12 +496,38 @@ class RecordingTransport(Transport):
         return self.inner.fetch_fragment(fragment)
 
     held: list[_HeldFetch] | None = None  # a list: downloads are held (they finish on release())
+    # A catch-up replays the steps ``replay_from`` logged instead of taking its state (``tamper``: one byte of the
+    # first step's first chunk flipped); ``fetched`` records (fragment, have) of each catch-up; ``rejected``
+    # the reasons given to ``reject_replay``.
+    replay_from: OuterLoop | None = None
+    tamper = False
 
-    def start_fetch(self, fragment: int) -> FetchHandle:
+    def start_fetch(self, fragment: int, have: int | None = None) -> FetchHandle:
+        self.fetched = [*getattr(self, "fetched", []), (fragment, have)]
+        if self.replay_from is not None and have is not None:
+            return FetchHandle(self._replay(fragment, have))
         if self.held is None:
-            return super().start_fetch(fragment)
+            return super().start_fetch(fragment, have)
         self.held.append(_HeldFetch(self.inner.fetch_fragment(fragment)))  # the state as it is when asked
         return self.held[-1]
+
+
+    def _replay(self, fragment: int, have: int) -> FragmentSnapshot:
+        snap = self.replay_from.snapshot(fragment)
+        steps = [s.average for s in snap.steps if s.version > have]
+        assert len(steps) == snap.version - have, (snap.version, have, [s.version for s in snap.steps])
+        if self.tamper:
+            first = steps[0].chunks[0]
+            steps[0] = replace(steps[0], chunks=(bytes([first[0] ^ 0x40]) + first[1:], *steps[0].chunks[1:]))
+
+        def verify(version: int, phi: torch.Tensor, momentum: torch.Tensor) -> bool:
+            return version != snap.version or (torch.equal(phi, snap.phi) and torch.equal(momentum, snap.momentum))
+
+        return FragmentSnapshot(fragment, snap.version, torch.zeros(0), torch.zeros(0), source="w0", base=have,
+                                replay=tuple(steps), verify=verify)
+
+    def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:
+        self.rejected = [*getattr(self, "rejected", []), reason]
 
 
 class _HeldHandle(AverageHandle):
@@ -784,6 +811,78 @@ def test_behind_worker_catches_up_before_sending(base_model) -> None:
         swarm.step(t)
     assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
     assert swarm.loops[2].stats.catch_ups == 1
+
+
+def test_a_worker_behind_replays_the_steps_it_missed_and_holds_the_others_state_bit_for_bit(base_model) -> None:
+    """A catch-up by replay (``locoswarm.node.core.step_log``): worker 2 missed a round; its transport is asked
+    with the version it holds and answers with the logged averages of the steps since, not the state. Worker 2
+    applies them with its own outer optimizer and then holds worker 0's phi and momentum exactly (its digest
+    check passes), with its local progress carried over as after a download."""
+    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
+    for t in range(1, 4):
+        swarm.step(t)
+    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    assert [s.version for s in swarm.loops[0].snapshot(0).steps] == [1]  # the step of the round worker 2 missed
+    swarm.transports[2].replay_from = swarm.loops[0]
+    swarm.train()
+    phi_old, theta_old = swarm.phi(2), swarm.theta(2)
+    for loop in swarm.loops:
+        loop.collect(4)
+    events = [loop.send(4) for loop in swarm.loops]
+    assert [e.kind for e in events[2]] == ["caught_up", "sent"]
+    assert swarm.transports[2].fetched == [(0, 0)]
+    assert swarm.loops[2].version(0) == 1 and swarm.loops[2].stats.replays == 1
+    assert torch.equal(swarm.phi(2), swarm.phi(0))
+    assert torch.equal(swarm.loops[2].states[0].momentum, swarm.loops[0].states[0].momentum)
+    assert_close(swarm.theta(2), swarm.phi(2) - (phi_old - theta_old), atol=1e-6, rtol=0)
+    swarm.hub.flush()
+    swarm.step(5)
+    assert [loop.version(0) for loop in swarm.loops] == [2, 2, 2]
+    assert torch.equal(swarm.phi(2), swarm.phi(0))
+
+
+def test_a_replay_whose_outcome_is_not_the_swarms_state_is_not_taken(base_model) -> None:
+    """One flipped byte in a replayed average: the outcome misses the holders' digest, so the node takes nothing
+    (phi, momentum and version as they were), tells its transport why (``reject_replay``, which then downloads
+    the state for a while) and counts no catch-up."""
+    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
+    for t in range(1, 4):
+        swarm.step(t)
+    swarm.transports[2].replay_from = swarm.loops[0]
+    swarm.transports[2].tamper = True
+    swarm.train()
+    phi_old, momentum_old = swarm.phi(2), swarm.loops[2].states[0].momentum.clone()
+    for loop in swarm.loops:
+        loop.collect(4)
+    events = [loop.send(4) for loop in swarm.loops]
+    assert [e.kind for e in events[2]] == ["sent"]
+    assert swarm.loops[2].version(0) == 0 and swarm.loops[2].stats.catch_ups == 0
+    assert torch.equal(swarm.phi(2), phi_old)
+    assert torch.equal(swarm.loops[2].states[0].momentum, momentum_old)
+    assert swarm.transports[2].rejected == ["the replayed state of version 1 is not the one its holders announce"]
+
+
+def test_the_step_log_serves_only_an_unbroken_chain_that_ends_at_the_state_as_it_is() -> None:
+    """``StepLog.chain``: the longest run of logged steps, each starting where the previous one ended, the last
+    ending at the state now; a state changed by anything else (a catch-up, a fold) breaks it, and the log keeps
+    ``depth`` steps."""
+    from locoswarm.node.core.step_log import StepLog
+    from locoswarm.node.core.transport import EncodedAverage
+
+    avg = EncodedAverage("fp32", 1, (b"\0\0\0\0",))
+    log = StepLog(depth=3)
+    assert log.chain((0.0, 0.0), 0) == ()
+    for v in range(1, 5):
+        log.record((float(v - 1), 0.0), (float(v), 0.0), v, avg)
+    assert [s.version for s in log.chain((4.0, 0.0), 4)] == [2, 3, 4]  # depth 3
+    assert log.chain((4.5, 0.0), 4) == ()          # phi moved since the last step
+    assert log.chain((4.0, 0.0), 5) == ()          # the version moved (a catch-up, a relabel)
+    log.record((9.0, 0.0), (10.0, 0.0), 5, avg)    # a step from a state the last one did not leave
+    assert [s.version for s in log.chain((10.0, 0.0), 5)] == [5]
+    log.clear()
+    assert log.chain((10.0, 0.0), 5) == ()
+    with pytest.raises(ValueError, match="at least one step"):
+        StepLog(depth=0)
 
 
 def test_a_slow_catch_up_download_blocks_nothing_and_lands_on_the_groups_state(base_model) -> None:

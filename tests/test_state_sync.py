@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -23,7 +23,9 @@ import torch
 from hivemind.p2p import P2P
 from test_wire import LoopThread, p2p_nodes
 
-from locoswarm.node.core.transport import FragmentSnapshot
+from locoswarm.node.core.codecs import get_codec
+from locoswarm.node.core.payload import encode_chunks
+from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot, OuterStep
 from locoswarm.node.swarm import state_sync, wire
 from locoswarm.node.swarm.state_sync import (
     CHUNK_ELEMS,
@@ -866,3 +868,77 @@ def test_a_download_is_given_time_for_its_size(swarm):
     nine_mb = 9_000_000 // 8  # phi and momentum in fp32: 8 bytes per element
     assert client.budget(nine_mb) == pytest.approx(30.0 + 9_000_000 / state_sync.MIN_DOWNLOAD_RATE)
     assert client.budget(nine_mb) > 3 * 9_000_000 * 8 / 5e6  # three such downloads at 5 Mbit/s fit
+
+
+# ---- replays: the steps a node missed instead of the state (locoswarm.node.core.step_log) -------------------
+
+
+def _stepped(seed: int = 8, steps: int = 3) -> tuple[dict[int, FragmentSnapshot], list[EncodedAverage]]:
+    """A holder's snapshots whose fragment 0 logged ``steps`` steps, at versions 3..5 (fp4 averages of several
+    chunks each, so that each step is several messages)."""
+    g = torch.Generator().manual_seed(seed)
+    fp4 = get_codec("fp4", 64)
+    averages = [EncodedAverage("fp4", NUMEL, tuple(encode_chunks(fp4, torch.randn(NUMEL, generator=g))))
+                for _ in range(steps)]
+    snaps = _snaps(seed)
+    snaps[0] = replace(snaps[0], steps=tuple(OuterStep(6 - steps + i, a) for i, a in enumerate(averages)))
+    return snaps, averages
+
+
+def test_a_holder_serves_the_steps_a_node_missed_and_refuses_what_its_log_does_not_reach(swarm):
+    """A replay over real p2pd: from version 3 the client receives the two steps after it (v4, v5), byte for byte,
+    as a snapshot to replay on its own state (``base`` 3), for far fewer bytes than the state. From version 1 the
+    log (v3..v5) does not reach back: refused without blame, nothing returned (the node then downloads the state),
+    and the holder is still asked for the state at once (no backoff)."""
+    book = Book()
+    snaps, averages = _stepped()
+    server = _server(swarm, swarm.good, book, snaps=snaps)
+    good = swarm.id(swarm.good)
+    try:
+        client = _client(swarm, book)
+        got = client.fetch_steps(0, [good], have=3, target=5)
+        assert got is not None and got.source == good and got.base == 3 and got.version == 5
+        assert got.replay == tuple(averages[1:]) and got.phi.numel() == 0
+        assert len(averages[1].chunks) > 2
+        assert client.counters.received_bytes < 0.2 * 8 * NUMEL  # two fp4 steps, against phi + momentum in fp32
+        assert client.fetch_steps(0, [good], have=1, target=5) is None
+        assert client.fetch_steps(0, [good], have=5, target=5) is None  # nothing newer to replay
+        assert _same(client.fetch(0, [good], min_version=5), snaps[0])
+        assert book.bad == [] and all(not offence for _, _, offence in book.refused)
+    finally:
+        server.close()
+
+
+REPLAY_HOSTILE = {
+    "gap": ("sent step v5 chunk 0; expected v4 chunk 0", lambda s: [m for m in s if m.step.version != 4]),
+    "reordered": ("sent step v4 chunk 2 inside step v4 at chunk 1", lambda s: [s[0], s[2], s[1], *s[3:]]),
+    "state_instead": ("sent a state for a replay of fragment 0", None),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(REPLAY_HOSTILE))
+def test_a_holder_that_serves_a_malformed_replay_is_refused_and_the_next_one_serves(swarm, mode):
+    book = Book()
+    snaps, averages = _stepped()
+    honest = _server(swarm, swarm.good, book, snaps=snaps)
+    detail, mangle = REPLAY_HOSTILE[mode]
+
+    async def hostile(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
+        req = await anext(requests)
+        msgs = [swarm_pb2.StateChunk(fragment=0, version=5, numel=NUMEL, step=swarm_pb2.ReplayStep(
+            version=4 + k, codec="fp4", numel=NUMEL, index=i, count=len(a.chunks), data=data))
+            for k, a in enumerate(averages[1:]) for i, data in enumerate(a.chunks)]
+        msgs = mangle(msgs) if mangle else [_chunk(req, 0, CHUNK_ELEMS)]
+        for msg in msgs:
+            yield msg
+        await _drain(requests)
+
+    bad = swarm.run(wire.serve(swarm.other, STATE_HANDLER, hostile, swarm_pb2.StateRequest,
+                               max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
+    try:
+        got = _client(swarm, book).fetch_steps(0, [swarm.id(swarm.other), swarm.id(swarm.good)], have=3, target=5)
+        assert got is not None and got.source == swarm.id(swarm.good) and got.replay == tuple(averages[1:])
+        assert [(k, d) for _, k, d in book.bad] == [("bad_state", detail)]
+    finally:
+        honest.close()
+        swarm.run(bad.stop())

@@ -111,6 +111,7 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
                            _fetch=lambda *args: fetched.append(args))
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
+    stub._replay = lambda fragment, holders, have, belief: None
     assert SwarmTransport.latest_version(stub, 0) == 42
     SwarmTransport.fetch_fragment(stub, 0)
     assert fetched == [(0, ["ahead"], 42, b"x")]

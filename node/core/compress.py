@@ -45,6 +45,10 @@ class Compressor(ABC):
         codec: the block codec of the wire vector (what the transport's reducers decode and re-encode).
     """
 
+    # Whether the dense average ``finish`` returns is the wire average itself, so that a node that missed a round
+    # can replay its step from the wire's bytes (``locoswarm.node.core.step_log``).
+    replayable = False
+
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
 
@@ -86,6 +90,8 @@ class Compressor(ABC):
 
 class BlockCompressor(Compressor):
     """The block codecs: the wire vector is Delta itself (error feedback carries the quantization error)."""
+
+    replayable = True
 
     def encode(self, fragment: int, delta: torch.Tensor, residual: torch.Tensor | None, round_: int) -> Encoded:
         chunks, own = encode_with_feedback(self.codec, delta, residual)

@@ -54,9 +54,10 @@ from locoswarm.node.core.judge import EffectJudge
 from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
-from locoswarm.node.core.payload import encode_chunks
+from locoswarm.node.core.payload import decode_chunks, encode_chunks
 from locoswarm.node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from locoswarm.node.core.state import FragmentState, ThetaAccess, tensor_crc
+from locoswarm.node.core.step_log import StepLog, fingerprint
 from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
@@ -148,6 +149,7 @@ class OuterStats:
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
+    replays: int = 0                      # ... catch-ups that replayed the steps missed instead of downloading
     folds: int = 0                        # carried progress folded into phi after refused rounds (``_bound_carry``)
     stalls_cut: int = 0                   # rounds left in flight after their stall budget (late_window)
     refused: int = 0                      # results or snapshots the guards refused
@@ -245,6 +247,9 @@ class OuterLoop:
         self._resync: set[int] = set()
         self._fetches: dict[int, _Fetch] = {}  # catch-up downloads under way, per fragment
         self._staging_asked: set[int] = set()  # fragments far behind fetched for the staged downloads' judgement
+        # The outer steps each fragment took from its groups' averages, for peers that missed them
+        # (``locoswarm.node.core.step_log``): only where the wire average is what the step applies.
+        self._steps = [StepLog() for _ in self.states] if self.compressor.replayable else None
         self.consensus = StateConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None
@@ -581,7 +586,7 @@ class OuterLoop:
         if shift is not None and pend.snapshot is not None:
             pend.snapshot.add_(shift.to(pend.snapshot.device))
         if res.ok and reason is None:
-            reason = self._outer_step(st, res.average)
+            reason = self._logged_step(st, res)
         if not res.ok or reason is not None:
             # Keep the local progress (it is still phi - theta) and the tokens it represents; undo
             # the residual update, since nothing of this payload was applied.
@@ -655,6 +660,41 @@ class OuterLoop:
         st.tokens_since_send = 0.0
         if st.residual is not None:
             st.residual.zero_()
+
+    def _logged_step(self, st: FragmentState, res: AverageResult) -> str | None:
+        """The outer step on a group's average, kept in the fragment's step log where the wire's bytes of that
+        average are known (``locoswarm.node.core.step_log``)."""
+        if self._steps is None or res.encoded is None or res.group_size < 2:
+            return self._outer_step(st, res.average)
+        before = fingerprint(st.phi, st.momentum)
+        reason = self._outer_step(st, res.average)
+        if reason is None:
+            self._steps[st.index].record(before, fingerprint(st.phi, st.momentum), st.version, res.encoded)
+        return reason
+
+    def _replayed(self, st: FragmentState, snap: FragmentSnapshot) -> FragmentSnapshot | str:
+        """A replay (``FragmentSnapshot.replay``) as the state it leads to from this node's own phi and momentum,
+        or why not: this node is no longer at its ``base``, a step is unreadable or refused by the guard, or the
+        outcome is not the swarm's state at that version (its digest)."""
+        if snap.base != st.version:
+            return f"this node moved on from version {snap.base} to {st.version} meanwhile"
+        phi, momentum = st.phi.clone(), st.momentum.clone()
+        for i, average in enumerate(snap.replay):
+            try:
+                delta = decode_chunks(get_codec(average.codec, self.cfg.block_size), list(average.chunks),
+                                      average.numel)
+            except ValueError as exc:
+                return f"step {i + 1} of the replay is unreadable: {exc}"
+            if delta.numel() != st.numel:
+                return f"step {i + 1} of the replay has {delta.numel()} elements, not {st.numel}"
+            before_phi, before_momentum = phi.clone(), momentum.clone()
+            self.optimizer.step(phi, momentum, delta)
+            reason = check_outer_step(before_phi, before_momentum, phi, momentum, delta, self.limits)
+            if reason is not None:
+                return f"step {i + 1} of the replay: {reason}"
+            if snap.verify is not None and not snap.verify(snap.base + i + 1, phi.cpu(), momentum.cpu()):
+                return f"the replayed state of version {snap.base + i + 1} is not the one its holders announce"
+        return replace(snap, phi=phi.cpu(), momentum=momentum.cpu(), base=-1, replay=())
 
     def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> str | None:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
@@ -793,8 +833,13 @@ class OuterLoop:
         least = st.version if st.index in self._resync else st.version + 1
         if self.transport.latest_version(st.index) < least:
             return events
-        self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index), least)
+        self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index, self._replay_base(st)), least)
         return events + self._land(st, step)  # a transport that fetches at once (in-process)
+
+    def _replay_base(self, st: FragmentState) -> int | None:
+        """The version a catch-up of ``st`` may replay the swarm's steps from: its own, unless its phi left the
+        group's (``_resync``) or no step can be replayed here."""
+        return None if self._steps is None or st.index in self._resync else st.version
 
     def _land_fetches(self, step: int) -> list[SyncEvent]:
         events = []
@@ -816,6 +861,14 @@ class OuterLoop:
             if not fetch.handle.done():
                 return []
             snap = fetch.handle.result()
+            if snap is not None and snap.replay:
+                replayed = self._replayed(st, snap)
+                if isinstance(replayed, str):
+                    self.transport.reject_replay(snap, replayed)
+                    snap = None
+                else:
+                    snap = replayed
+                    self.stats.replays += 1
             if snap is None or snap.version < fetch.least:
                 del self._fetches[st.index]
                 return self._land_staged(step)  # a staged download may have waited for this one
@@ -851,7 +904,8 @@ class OuterLoop:
         asked = [p for p in behind if p not in self._staging_asked]
         for p in asked:
             self._staging_asked.add(p)
-            self._fetches[p] = _Fetch(self.transport.start_fetch(p), self.states[p].version + 1)
+            self._fetches[p] = _Fetch(self.transport.start_fetch(p, self._replay_base(self.states[p])),
+                                      self.states[p].version + 1)
         if asked:  # an in-process transport's download is done at once: it is staged (and judged) here
             return [e for p in asked for e in self._land(self.states[p], step)]
         if any(p in self.pending and not self.rule.late for p in staged):
@@ -1077,9 +1131,11 @@ class OuterLoop:
                 setattr(self.stats, key, value)
 
     def snapshot(self, fragment: int) -> FragmentSnapshot:
+        """The fragment's outer state, with the steps that led to it that a peer may replay instead."""
         st = self.states[fragment]
-        return FragmentSnapshot(fragment, st.version, st.phi.detach().cpu().clone(),
-                                st.momentum.detach().cpu().clone())
+        phi, momentum = st.phi.detach().cpu().clone(), st.momentum.detach().cpu().clone()
+        steps = () if self._steps is None else self._steps[fragment].chain(fingerprint(phi, momentum), st.version)
+        return FragmentSnapshot(fragment, st.version, phi, momentum, steps=steps)
 
     def version(self, fragment: int) -> int:
         return self.states[fragment].version

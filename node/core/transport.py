@@ -42,6 +42,28 @@ class AverageRequest:
 
 
 @dataclass(frozen=True)
+class EncodedAverage:
+    """A round's group average as the wire carried it: ``chunks`` of ``codec`` encoding ``numel`` elements
+    (``locoswarm.node.core.payload``). What a node that missed the round replays (``locoswarm.node.core.step_log``)."""
+
+    codec: str
+    numel: int
+    chunks: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """One outer step a fragment took: the group ``average`` whose step produced ``version``."""
+
+    version: int
+    average: EncodedAverage
+
+
+@dataclass(frozen=True)
 class PartOrigin:
     """Who reduced which elements of a round's average: ``[start, end)`` of the payload vector came from
     ``reducer``. The outer loop blames a part that would harm its model on it (:meth:`Transport.reject_part`).
@@ -80,6 +102,7 @@ class AverageResult:
     bytes_received: int = 0
     error: str = ""
     max_version: int = -1                 # newest outer version the group's members hold (corroborated) at send time
+    encoded: EncodedAverage | None = None  # ``average`` as the wire carried it (None: not known), see OuterStep
     basis: bytes = b""                    # the basis tag the group's payloads used (see AverageRequest.basis)
     # Where the round's wall time went (0 where a transport does not measure it): from its start until its
     # member list was decided, and until its result was complete. The fixed cost of a round, next to the
@@ -116,6 +139,16 @@ class FragmentSnapshot:
     clock: int | None = None
     inner_step: int = 0
     seen: float = 0.0
+    # On a holder: the outer steps its phi took last, from its groups' averages (``StepLog.chain``), which it can
+    # serve a node a few versions behind instead of this whole state.
+    steps: tuple[OuterStep, ...] = ()
+    # On a node behind, a *replay* instead of a state: the averages that take its own phi and momentum at version
+    # ``base`` to ``version``, in order (phi and momentum are empty). ``verify(v, phi, momentum)``, called after
+    # each step with the version it reached, tells whether that is the state the swarm holds at ``v`` (its digest,
+    # where one is known; None: nothing to check, the effect check judges the outcome like a download).
+    base: int = -1
+    replay: tuple[EncodedAverage, ...] = ()
+    verify: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
 
 
 class AverageHandle(ABC):
@@ -170,10 +203,12 @@ class Transport(ABC):
     def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
         """Outer state of ``fragment`` from a peer holding the newest version, or None."""
 
-    def start_fetch(self, fragment: int) -> FetchHandle:
+    def start_fetch(self, fragment: int, have: int | None = None) -> FetchHandle:
         """Start :meth:`fetch_fragment` without waiting for it. By default it runs at once (in-process
         transports, where it costs nothing); a networked transport downloads in the background so the
-        node keeps training meanwhile."""
+        node keeps training meanwhile. ``have``: the version of the fragment this node holds on the swarm's
+        phi (None: its phi is not the swarm's), from which a transport may fetch a replay (``FragmentSnapshot``)
+        instead of the state."""
         return FetchHandle(self.fetch_fragment(fragment))
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,  # noqa: B027
@@ -182,6 +217,10 @@ class Transport(ABC):
         worse than what this node holds): a transport that knows where it came from does not fetch from that
         peer again for a while and, for an ``offence``, holds it against it (``conclusive``: no honest holder
         could have served it, a ban at once). Nothing to do by default."""
+
+    def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:  # noqa: B027
+        """The core could not take a replay this transport fetched (``FragmentSnapshot.replay``): a transport
+        fetches the state instead for a while. Nothing to do by default."""
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:  # noqa: B027
         """The core refused a round's result because of ``part`` (its effect on the held-out loss): a transport

@@ -45,7 +45,7 @@ import math
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -57,6 +57,7 @@ from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from locoswarm.node.core.persistence import DeviationMemory, sample_index
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import ScheduleState
+from locoswarm.node.core.step_log import REPLAY_DEPTH
 from locoswarm.node.core.transport import (
     BASIS_MISMATCH,
     EXCLUDED_BY_ALL,
@@ -68,6 +69,7 @@ from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
     AverageResult,
+    EncodedAverage,
     FetchHandle,
     FragmentSnapshot,
     PartOrigin,
@@ -79,7 +81,7 @@ from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
-from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version
+from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version, state_digest
 from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
     consensus_members,
@@ -119,6 +121,7 @@ MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
+NO_REPLAY_S = 60.0  # after a replay the core could not take, a fragment's catch-ups download the state this long
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
 # A reduced part whose agreement with this member's own contribution (``part_geometry``) is below this is
 # not applied (the round fails), and reducers whose last REDUCED_WINDOW parts average below it are banned.
@@ -897,6 +900,8 @@ class SwarmTransport(Transport):
             are all in.
         latest_versions: ``latest_versions(fragment)``: the version to believe from heartbeats and its holders
             (``locoswarm.node.swarm.versions.Belief``).
+        fetch_steps: ``fetch_steps(fragment, peers, have, version)`` fetches a replay of the steps from ``have`` to
+        ``version`` (``locoswarm.node.core.step_log``; None: catch-ups always download the state).
         fetch: ``fetch(fragment, peers, version, digest)`` downloads a fragment's outer state from given peers
             (``locoswarm.node.swarm.state_sync``).
         version_bound: the most outer versions a fragment can hold at the swarm's clock now (None: no bound):
@@ -931,6 +936,7 @@ class SwarmTransport(Transport):
                  live_peers: Callable[[], list[str]],
                  latest_versions: Callable[[int], Belief],
                  fetch: Callable[[int, list[str], int, bytes], FragmentSnapshot | None],
+                 fetch_steps: Callable[[int, list[str], int, int], FragmentSnapshot | None] | None = None,
                  pace_peers: Callable[[], list[str]] | None = None,
                  grace: Callable[[], float] | None = None,
                  step_time: Callable[[], float] | None = None,
@@ -972,6 +978,8 @@ class SwarmTransport(Transport):
         self.schedule_hint: ScheduleHint | None = None
         self._latest_versions = latest_versions
         self._fetch = fetch
+        self._fetch_steps = fetch_steps
+        self._no_replay: dict[int, float] = {}  # fragment -> until when its catch-ups download the state instead
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
@@ -1165,7 +1173,9 @@ class SwarmTransport(Transport):
     def latest_version(self, fragment: int) -> int:
         return self._newest(fragment).version
 
-    def fetch_fragment(self, fragment: int) -> FragmentSnapshot | None:
+    def fetch_fragment(self, fragment: int, have: int | None = None) -> FragmentSnapshot | None:
+        """A catch-up of ``fragment``: a replay of the steps from ``have`` where that is possible (a few versions
+        behind, a digest to check the outcome against), else the state."""
         belief = self._newest(fragment)
         if not belief.holders:
             return None
@@ -1173,21 +1183,49 @@ class SwarmTransport(Transport):
             self._probed[(fragment, peer)] = time.monotonic()
         while len(self._probed) > MAX_JOINERS:
             self._probed.pop(next(iter(self._probed)))
-        log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
-                 ", ".join(h[:12] for h in belief.holders))
-        snapshot = self._fetch(fragment, holder_order(self.peer_id, fragment, belief.holders), belief.version,
-                               belief.digest)
+        order = holder_order(self.peer_id, fragment, belief.holders)
+        snapshot = self._replay(fragment, order, have, belief)
+        if snapshot is None:
+            log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
+                     ", ".join(h[:12] for h in belief.holders))
+            snapshot = self._fetch(fragment, order, belief.version, belief.digest)
         if snapshot is not None and snapshot.source:
             snapshot.doubted = self.deviations.muted_lately(snapshot.source)
         return snapshot
 
-    def start_fetch(self, fragment: int) -> FetchHandle:
+    def _replay(self, fragment: int, holders: list[str], have: int | None, belief: Belief) -> FragmentSnapshot | None:
+        """The steps from ``have`` to the believed version, with a check of their outcome against its digest
+        (``locoswarm.node.core.step_log``), or None where a replay is not possible or not worth asking."""
+        if (self._fetch_steps is None or have is None or not belief.digest
+                or not 0 < belief.version - have <= REPLAY_DEPTH
+                or time.monotonic() < self._no_replay.get(fragment, -math.inf)):
+            return None
+        snapshot = self._fetch_steps(fragment, holders, have, belief.version)
+        if snapshot is None:
+            return None
+        target, digest = belief.version, belief.digest
+
+        def verify(version: int, phi: torch.Tensor, momentum: torch.Tensor) -> bool:
+            return version != target or state_digest(phi, momentum) == digest
+
+        log.info("catching up: fragment %d from v%d to v%d by replaying %d step(s) from %s", fragment, have,
+                 snapshot.version, len(snapshot.replay), snapshot.source[:12])
+        return replace(snapshot, verify=verify)
+
+    def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:
+        """A replay the core could not take: the next catch-ups of its fragment download the state for a while
+        (a digest that does not match is nobody's proven fault: another device's arithmetic, a step of its own)."""
+        log.info("replay of fragment %d from %s not taken: %s; downloading the state instead for %.0f s",
+                 snapshot.fragment, snapshot.source[:12], reason, NO_REPLAY_S)
+        self._no_replay[snapshot.fragment] = time.monotonic() + NO_REPLAY_S
+
+    def start_fetch(self, fragment: int, have: int | None = None) -> FetchHandle:
         """Download in a background thread (one at a time: they share the link): a catch-up of a few MB
         over a slow link took seconds, and blocking training for it made the node late to its next round
         too, so it caught up again, and again (issue 10: catch-up loops at 5 Mbit/s)."""
         if self._fetcher is None:
             self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="locoswarm-fetch")
-        return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment), self._state_source)
+        return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment, have), self._state_source)
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
                         conclusive: bool = False) -> None:
@@ -1652,6 +1690,7 @@ class SwarmTransport(Transport):
         sent, received = self.counters.by_round.pop((req.fragment, req.round), (0, 0))
         return AverageResult(
             ok=True, average=average, extras=torch.tensor(avg_extras, dtype=torch.float32), group_size=n,
+            encoded=EncodedAverage(codec.name, req.numel, tuple(reduced[c] for c in range(len(bounds)))),
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
             basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
             parts=origins, missing=sum(r.missing for r in results))

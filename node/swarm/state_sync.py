@@ -82,7 +82,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from locoswarm.node.core.transport import FragmentSnapshot
+from locoswarm.node.core.codecs import CODECS
+from locoswarm.node.core.step_log import REPLAY_DEPTH
+from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot
 from locoswarm.node.swarm import wire
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.protocol import swarm_pb2
@@ -132,6 +134,7 @@ OLD_VERSION = "old-version"
 BAD_OFFSET = "bad-offset"
 BAD_REQUEST = "bad-request"
 BUSY = "busy"  # serving another download now, to a request that says it has other holders (``spread``)
+NO_REPLAY = "no-replay"  # a replay's steps are not all kept here (``locoswarm.node.core.step_log``)
 _PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
 _STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
 
@@ -410,7 +413,10 @@ class StateServer:
         refusal = self._admit(remote, request, await self._live(remote))
         if refusal is None:
             snap = self.snapshot(request.fragment)
-            refusal = self._unservable(request, snap) or self._busy(remote, request)
+            if request.replay:
+                refusal = self._unreplayable(request, snap)
+            else:
+                refusal = self._unservable(request, snap) or self._busy(remote, request)
         if refusal is not None:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
             return  # the wire writes END and holds the stream until the client has closed it
@@ -418,16 +424,19 @@ class StateServer:
         # Closed here, not left to the garbage collector: its end gives back the shared credit it holds.
         self._serving[remote] = self._serving.get(remote, 0) + 1
         started, sent = time.monotonic(), 0
+        serve = self._steps if request.replay else self._chunks
         try:
-            async with contextlib.aclosing(self._chunks(remote, request, snap, requests)) as chunks:
+            async with contextlib.aclosing(serve(remote, request, snap, requests)) as chunks:
                 async for chunk in chunks:
                     sent += chunk.ByteSize()
                     yield chunk
         finally:
             if (left := self._serving.pop(remote) - 1) > 0:
                 self._serving[remote] = left
-            log.info("served: fragment %d v%d to %s from element %d, %d B in %.1f s", request.fragment,
-                     snap.version, remote[:12], request.offset, sent, time.monotonic() - started)
+            what = (f"the steps from v{request.min_version}" if request.replay
+                    else f"the state from element {request.offset}")
+            log.info("served: fragment %d v%d to %s, %s: %d B in %.1f s", request.fragment, snap.version,
+                     remote[:12], what, sent, time.monotonic() - started)
         self.served += 1
 
     def _busy(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
@@ -497,6 +506,47 @@ class StateServer:
         if snap.version == request.min_version and request.offset > snap.phi.numel():
             return _refusal(BAD_OFFSET, f"offset {request.offset} is past the {snap.phi.numel()} elements")
         return None
+
+    @staticmethod
+    def _unreplayable(request: swarm_pb2.StateRequest, snap: FragmentSnapshot | None) -> str | None:
+        """Why this node cannot serve the outer steps from ``request.min_version`` to its own version (its step
+        log does not reach back that far: ``locoswarm.node.core.step_log``), or None."""
+        if snap is None:
+            return _refusal(NO_STATE, f"no state for fragment {request.fragment}")
+        if snap.version <= request.min_version:
+            return _refusal(OLD_VERSION, f"have version {snap.version}, not above {request.min_version}")
+        if not snap.steps or snap.steps[0].version > request.min_version + 1:
+            return _refusal(NO_REPLAY, f"the steps kept here do not reach back to version {request.min_version}")
+        return None
+
+    async def _steps(self, remote: str, request: swarm_pb2.StateRequest, snap: FragmentSnapshot,
+                     acks: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
+        """A replay: the averages of the steps after ``request.min_version``, one message per encoded chunk, in
+        order, under the same flow control, budget and rounds-first rule as a state download."""
+        window = _StreamWindow(self.credit, acks)
+        try:
+            for step in snap.steps:
+                if step.version <= request.min_version:
+                    continue
+                count = len(step.average.chunks)
+                for index, data in enumerate(step.average.chunks):
+                    if not await window.take():
+                        return  # the client is done with this stream
+                    await self._yield_to_rounds()
+                    msg = swarm_pb2.StateChunk(
+                        fragment=request.fragment, version=snap.version, numel=snap.phi.numel(),
+                        momentum_precision=request.momentum_precision,
+                        step=swarm_pb2.ReplayStep(version=step.version, codec=step.average.codec,
+                                                  numel=step.average.numel, index=index, count=count, data=data))
+                    self._stamp(msg)
+                    if self.budget is not None:
+                        await self.budget.take(msg.ByteSize(), self._is_member(remote))
+                    self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
+                    yield msg
+                    await asyncio.sleep(0)
+            await window.drain(DRAIN_S)
+        finally:
+            window.close()
 
     async def _chunks(self, remote: str, request: swarm_pb2.StateRequest, snap: FragmentSnapshot,
                       acks: AsyncIterator[swarm_pb2.StateRequest]) -> AsyncIterator[swarm_pb2.StateChunk]:
@@ -664,13 +714,9 @@ class _Download:
 
     def add(self, msg: swarm_pb2.StateChunk) -> None:
         """Take a chunk, or raise: ``BadSource``, ``_Passing``, or RuntimeError for an honest refusal."""
-        if msg.error:
-            text = _one_line(msg.error)
-            if _refusal_code(text) in _PASSING:
-                raise _Passing(text)
-            if _refusal_code(text) == BUSY:
-                raise _Busy(text)
-            raise _Refused(_refusal_code(text), text)
+        _raise_refusal(msg)
+        if msg.HasField("step"):
+            raise BadSource("sent a replay's step for a state download")
         if msg.fragment != self.fragment:
             raise BadSource(f"sent fragment {msg.fragment} for fragment {self.fragment}")
         if msg.version < self._min_version:
@@ -735,6 +781,73 @@ class _Download:
                                 self._phi if self._phi is not None else torch.zeros(0),
                                 self._mom if self._mom is not None else torch.zeros(0), source=source,
                                 clock=clock, inner_step=inner_step, seen=seen)
+
+
+def _raise_refusal(msg: swarm_pb2.StateChunk) -> None:
+    """Raise what a refusal (``StateChunk.error``) means to a client: ``_Passing``, ``_Busy`` or ``_Refused``."""
+    if not msg.error:
+        return
+    text = _one_line(msg.error)
+    if _refusal_code(text) in _PASSING:
+        raise _Passing(text)
+    if _refusal_code(text) == BUSY:
+        raise _Busy(text)
+    raise _Refused(_refusal_code(text), text)
+
+
+class _Replay:
+    """A replay under way: the steps of ``fragment`` after version ``have``, each one's chunks in order, checked as
+    they come (module docstring of ``locoswarm.node.core.step_log``); it never holds more bytes than the state."""
+
+    def __init__(self, fragment: int, have: int, target: int, numel: int) -> None:
+        self.fragment, self.have, self.target, self.numel = fragment, have, target, numel
+        self.steps: list[EncodedAverage] = []
+        self._open: swarm_pb2.ReplayStep | None = None  # the step being received: its first chunk's fields
+        self._chunks: list[bytes] = []
+        self._version = have
+        self._bytes = 0
+        self._claim: tuple[int, int, float] | None = None
+
+    def add(self, msg: swarm_pb2.StateChunk) -> None:
+        _raise_refusal(msg)
+        if msg.fragment != self.fragment or not msg.HasField("step"):
+            raise BadSource(f"sent {'fragment ' + str(msg.fragment) if msg.fragment != self.fragment else 'a state'} "
+                            f"for a replay of fragment {self.fragment}")
+        step = msg.step
+        if self._open is None:
+            if step.version != self._version + 1 or step.index != 0:
+                raise BadSource(f"sent step v{step.version} chunk {step.index}; expected v{self._version + 1} chunk 0")
+            if len(self.steps) >= REPLAY_DEPTH:
+                raise BadSource(f"sent more than {REPLAY_DEPTH} steps")
+            if step.codec not in CODECS or step.numel != self.numel or not 0 < step.count <= self.numel + 1:
+                raise BadSource(f"step v{step.version}: codec {step.codec[:20]!r}, {step.numel} elements in "
+                                f"{step.count} chunks, for a fragment of {self.numel}")
+            self._open = step
+        elif (step.version, step.index, step.count, step.codec, step.numel) != (
+                self._open.version, len(self._chunks), self._open.count, self._open.codec, self._open.numel):
+            raise BadSource(f"sent step v{step.version} chunk {step.index} inside step v{self._open.version} "
+                            f"at chunk {len(self._chunks)}")
+        self._bytes += len(step.data)
+        if self._bytes > 8 * self.numel + 4096:
+            raise BadSource(f"sent {self._bytes} bytes of steps, more than the state of {self.numel} elements")
+        self._chunks.append(step.data)
+        if len(self._chunks) == self._open.count:
+            self.steps.append(EncodedAverage(self._open.codec, int(self._open.numel), tuple(self._chunks)))
+            self._version, self._open, self._chunks = int(self._open.version), None, []
+        self._claim = (int(msg.clock), int(msg.inner_step), time.time()) if msg.clock or msg.inner_step else None
+
+    def complete(self) -> bool:
+        return self._open is None and self._version >= self.target
+
+    def at(self, version: int) -> bool:
+        """Whether the steps received end at ``version`` (the server's, which each message names)."""
+        return self._open is None and self._version >= version
+
+    def snapshot(self, source: str) -> FragmentSnapshot:
+        clock, inner_step, seen = self._claim if self._claim is not None else (None, 0, 0.0)
+        return FragmentSnapshot(self.fragment, self._version, torch.zeros(0), torch.zeros(0), source=source,
+                                clock=clock, inner_step=inner_step, seen=seen, base=self.have,
+                                replay=tuple(self.steps))
 
 
 class StateClient:
@@ -812,6 +925,64 @@ class StateClient:
         waves = -(-max(1, len(fragments)) // PARALLEL_DOWNLOADS)
         slowest = max((self.budget(self._expected_numel(f)) for f in fragments), default=self.timeout)
         return self.runtime.call(run(), timeout=(slowest + 5) * waves)
+
+    def fetch_steps(self, fragment: int, peers: list[str], have: int, target: int) -> FragmentSnapshot | None:
+        """Blocking: a replay of ``fragment`` from version ``have`` to ``target`` or beyond
+        (``FragmentSnapshot.replay``) from the first of ``peers`` that keeps the steps, or None (then a node
+        downloads the state)."""
+        numel = self._expected_numel(fragment)
+        if numel is None or not peers:
+            return None
+        try:
+            return self.runtime.call(self._steps_async(fragment, peers, have, target, numel),
+                                     timeout=self.timeout + 5)
+        except Exception as exc:
+            log.info("replay of fragment %d failed: %s", fragment, _describe(exc))
+            return None
+
+    async def _steps_async(self, fragment: int, peers: list[str], have: int, target: int,
+                           numel: int) -> FragmentSnapshot | None:
+        deadline = time.monotonic() + self.timeout
+        for peer in peers:
+            if (self._is_banned is not None and self._is_banned(peer)) or self._backoff.waiting(peer) > 0:
+                continue
+            replay = _Replay(fragment, have, target, numel)
+            acks: asyncio.Queue[swarm_pb2.StateRequest | None] = asyncio.Queue()
+            request = swarm_pb2.StateRequest(fingerprint=self.fingerprint, fragment=fragment, min_version=have,
+                                             momentum_precision=self._precision, replay=True)
+
+            async def requests(first: swarm_pb2.StateRequest = request,
+                               queue: asyncio.Queue = acks) -> AsyncIterator[swarm_pb2.StateRequest]:
+                yield first
+                while (ack := await queue.get()) is not None:
+                    yield ack
+
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    async with wire.open_stream(self.runtime.p2p, peer, STATE_HANDLER, requests(),
+                                                swarm_pb2.StateChunk, max_reply_bytes=MAX_CHUNK_BYTES,
+                                                idle_timeout=IDLE_TIMEOUT) as stream:
+                        async for msg in stream:
+                            self.counters.received(peer, fragment, -1, msg.ByteSize())
+                            replay.add(msg)
+                            # one acknowledgement per message (the server's credit), END after the last step
+                            acks.put_nowait(None if replay.at(int(msg.version)) else request)
+            except (BadSource, wire.FramingViolation) as exc:
+                log.warning("replay of fragment %d: refused peer %s: %s", fragment, peer[:16], exc)
+                if self._on_bad is not None:
+                    self._on_bad(peer, "bad_state", str(exc), offence=True)
+                continue
+            except (_Refused, _Passing, _Busy) as exc:
+                log.debug("replay of fragment %d from %s: %s", fragment, peer[:16], exc)
+                continue
+            except TimeoutError:
+                return None
+            except Exception as exc:  # a dropped stream: the next holder, or the state instead
+                log.info("replay of fragment %d from %s failed: %s", fragment, peer[:16], _describe(exc))
+                continue
+            if replay.complete():
+                return replay.snapshot(peer)
+        return None
 
     async def fetch_async(self, fragment: int, peers: list[str], min_version: int = 0, *,
                           expected_numel: int | None = None, digest: bytes = b"") -> FragmentSnapshot:

@@ -28,6 +28,7 @@ from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
     AverageResult,
+    EncodedAverage,
     FragmentSnapshot,
     PartOrigin,
     Transport,
@@ -163,7 +164,8 @@ class InProcessHub:
                 ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
                 group_size=n, total_weight=total, own_weight=weights[i],
                 bytes_sent=sent[i] + (n - 1) * header, bytes_received=received[i] + (n - 1) * header,
-                max_version=max(m.request.version for m in group), basis=m.request.basis, parts=origins)
+                max_version=max(m.request.version for m in group), basis=m.request.basis, parts=origins,
+                encoded=EncodedAverage(codec.name, numel, tuple(reduced)))
 
     @staticmethod
     def _agree_on_basis(group: list[_Pending]) -> list[_Pending]:
