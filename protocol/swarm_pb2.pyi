@@ -197,20 +197,24 @@ class StateRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., min_version: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., momentum_precision: _Optional[_Union[MomentumPrecision, str]] = ..., spread: _Optional[bool] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class ReplayStep(_message.Message):
-    __slots__ = ("version", "codec", "numel", "index", "count", "data")
+    __slots__ = ("version", "codec", "numel", "index", "count", "data", "before", "after")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     codec: str
     numel: int
     index: int
     count: int
     data: bytes
-    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    before: bytes
+    after: bytes
+    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., before: _Optional[bytes] = ..., after: _Optional[bytes] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("error", "fragment", "version", "numel", "offset", "phi", "momentum", "clock", "inner_step", "momentum_precision", "step")

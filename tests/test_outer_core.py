@@ -37,6 +37,7 @@ from locoswarm.node.core.payload import (
 )
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import AdaptiveSchedule, FixedSchedule, ScheduleView
+from locoswarm.node.core.state import state_digest
 from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
@@ -496,8 +497,8 @@ class RecordingTransport(Transport):
         return self.inner.fetch_fragment(fragment)
 
     held: list[_HeldFetch] | None = None  # a list: downloads are held (they finish on release())
-    # A catch-up replays the steps ``replay_from`` logged instead of taking its state (``tamper``: one byte of the
-    # first step's first chunk flipped); ``fetched`` records (fragment, have) of each catch-up; ``rejected``
+    # A catch-up replays the steps ``replay_from`` logged instead of taking its state (``tamper``: an exponent bit
+    # of the first step's first value flipped); ``fetched`` records (fragment, have) of each catch-up; ``rejected``
     # the reasons given to ``reject_replay``.
     replay_from: OuterLoop | None = None
     tamper = False
@@ -513,18 +514,23 @@ class RecordingTransport(Transport):
 
 
     def _replay(self, fragment: int, have: int) -> FragmentSnapshot:
+        """The holder's logged steps since ``have``, checked against the digests logged with them (as
+        ``SwarmTransport._replay`` does)."""
         snap = self.replay_from.snapshot(fragment)
-        steps = [s.average for s in snap.steps if s.version > have]
+        steps = [s for s in snap.steps if s.version > have]
         assert len(steps) == snap.version - have, (snap.version, have, [s.version for s in snap.steps])
+        assert steps[-1].after == state_digest(snap.phi, snap.momentum)
+        claimed = {have: steps[0].before, **{s.version: s.after for s in steps}}
         if self.tamper:
-            first = steps[0].chunks[0]
-            steps[0] = replace(steps[0], chunks=(bytes([first[0] ^ 0x40]) + first[1:], *steps[0].chunks[1:]))
+            chunks = steps[0].average.chunks
+            steps[0] = replace(steps[0], average=replace(steps[0].average, chunks=(
+                chunks[0][:3] + bytes([chunks[0][3] ^ 0x20]) + chunks[0][4:], *chunks[1:])))  # an exponent bit
 
         def verify(version: int, phi: torch.Tensor, momentum: torch.Tensor) -> bool:
-            return version != snap.version or (torch.equal(phi, snap.phi) and torch.equal(momentum, snap.momentum))
+            return state_digest(phi, momentum) == claimed[version]
 
         return FragmentSnapshot(fragment, snap.version, torch.zeros(0), torch.zeros(0), source="w0", base=have,
-                                replay=tuple(steps), verify=verify)
+                                steps=tuple(steps), verify=verify)
 
     def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:
         self.rejected = [*getattr(self, "rejected", []), reason]
@@ -841,15 +847,19 @@ def test_a_worker_behind_replays_the_steps_it_missed_and_holds_the_others_state_
     assert torch.equal(swarm.phi(2), swarm.phi(0))
 
 
-def test_a_replay_whose_outcome_is_not_the_swarms_state_is_not_taken(base_model) -> None:
-    """One flipped byte in a replayed average: the outcome misses the holders' digest, so the node takes nothing
-    (phi, momentum and version as they were), tells its transport why (``reject_replay``, which then downloads
-    the state for a while) and counts no catch-up."""
+@pytest.mark.parametrize("fault", ["tampered step", "another phi"])
+def test_a_replay_that_does_not_lead_to_the_holders_state_is_not_taken(base_model, fault) -> None:
+    """A replayed average with one exponent bit flipped misses the digest the holder logged after its step; a node
+    whose own phi at the replay's base is not the holder's (another lineage at the same version number) misses the
+    digest logged before it. Either way the node takes nothing (phi, momentum and version as they were), tells its
+    transport why (``reject_replay``: it then downloads the state for a while) and counts no catch-up."""
     swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
     for t in range(1, 4):
         swarm.step(t)
     swarm.transports[2].replay_from = swarm.loops[0]
-    swarm.transports[2].tamper = True
+    swarm.transports[2].tamper = fault == "tampered step"
+    if fault == "another phi":
+        swarm.loops[2].states[0].phi.add_(1e-3)
     swarm.train()
     phi_old, momentum_old = swarm.phi(2), swarm.loops[2].states[0].momentum.clone()
     for loop in swarm.loops:
@@ -859,7 +869,9 @@ def test_a_replay_whose_outcome_is_not_the_swarms_state_is_not_taken(base_model)
     assert swarm.loops[2].version(0) == 0 and swarm.loops[2].stats.catch_ups == 0
     assert torch.equal(swarm.phi(2), phi_old)
     assert torch.equal(swarm.loops[2].states[0].momentum, momentum_old)
-    assert swarm.transports[2].rejected == ["the replayed state of version 1 is not the one its holders announce"]
+    assert swarm.transports[2].rejected == [{
+        "tampered step": "the replayed state of version 1 is not the holder's",
+        "another phi": "this node's state of version 0 is not the holder's (another phi)"}[fault]]
 
 
 def test_the_step_log_serves_only_an_unbroken_chain_that_ends_at_the_state_as_it_is() -> None:
@@ -871,16 +883,17 @@ def test_the_step_log_serves_only_an_unbroken_chain_that_ends_at_the_state_as_it
 
     avg = EncodedAverage("fp32", 1, (b"\0\0\0\0",))
     log = StepLog(depth=3)
-    assert log.chain((0.0, 0.0), 0) == ()
+    assert log.chain(b"0", 0) == ()
     for v in range(1, 5):
-        log.record((float(v - 1), 0.0), (float(v), 0.0), v, avg)
-    assert [s.version for s in log.chain((4.0, 0.0), 4)] == [2, 3, 4]  # depth 3
-    assert log.chain((4.5, 0.0), 4) == ()          # phi moved since the last step
-    assert log.chain((4.0, 0.0), 5) == ()          # the version moved (a catch-up, a relabel)
-    log.record((9.0, 0.0), (10.0, 0.0), 5, avg)    # a step from a state the last one did not leave
-    assert [s.version for s in log.chain((10.0, 0.0), 5)] == [5]
+        log.record(str(v - 1).encode(), str(v).encode(), v, avg)
+    chain = log.chain(b"4", 4)
+    assert [(s.version, s.before, s.after) for s in chain] == [(2, b"1", b"2"), (3, b"2", b"3"), (4, b"3", b"4")]
+    assert log.chain(b"4.5", 4) == ()          # phi moved since the last step
+    assert log.chain(b"4", 5) == ()            # the version moved (a catch-up, a relabel)
+    log.record(b"9", b"10", 5, avg)            # a step from a state the last one did not leave
+    assert [s.version for s in log.chain(b"10", 5)] == [5]
     log.clear()
-    assert log.chain((10.0, 0.0), 5) == ()
+    assert log.chain(b"10", 5) == ()
     with pytest.raises(ValueError, match="at least one step"):
         StepLog(depth=0)
 

@@ -881,7 +881,8 @@ def _stepped(seed: int = 8, steps: int = 3) -> tuple[dict[int, FragmentSnapshot]
     averages = [EncodedAverage("fp4", NUMEL, tuple(encode_chunks(fp4, torch.randn(NUMEL, generator=g))))
                 for _ in range(steps)]
     snaps = _snaps(seed)
-    snaps[0] = replace(snaps[0], steps=tuple(OuterStep(6 - steps + i, a) for i, a in enumerate(averages)))
+    snaps[0] = replace(snaps[0], steps=tuple(OuterStep(6 - steps + i, a, bytes([i] * 16), bytes([i + 1] * 16))
+                                             for i, a in enumerate(averages)))
     return snaps, averages
 
 
@@ -898,7 +899,7 @@ def test_a_holder_serves_the_steps_a_node_missed_and_refuses_what_its_log_does_n
         client = _client(swarm, book)
         got = client.fetch_steps(0, [good], have=3, target=5)
         assert got is not None and got.source == good and got.base == 3 and got.version == 5
-        assert got.replay == tuple(averages[1:]) and got.phi.numel() == 0
+        assert got.steps == snaps[0].steps[1:] and got.phi.numel() == 0 and got.is_replay
         assert len(averages[1].chunks) > 2
         assert client.counters.received_bytes < 0.2 * 8 * NUMEL  # two fp4 steps, against phi + momentum in fp32
         assert client.fetch_steps(0, [good], have=1, target=5) is None
@@ -909,10 +910,22 @@ def test_a_holder_serves_the_steps_a_node_missed_and_refuses_what_its_log_does_n
         server.close()
 
 
+def replace_step(step: swarm_pb2.ReplayStep) -> swarm_pb2.ReplayStep:
+    """``step`` without its digests."""
+    bare = swarm_pb2.ReplayStep()
+    bare.CopyFrom(step)
+    bare.ClearField("before")
+    bare.ClearField("after")
+    return bare
+
+
 REPLAY_HOSTILE = {
     "gap": ("sent step v5 chunk 0; expected v4 chunk 0", lambda s: [m for m in s if m.step.version != 4]),
     "reordered": ("sent step v4 chunk 2 inside step v4 at chunk 1", lambda s: [s[0], s[2], s[1], *s[3:]]),
     "state_instead": ("sent a state for a replay of fragment 0", None),
+    "no_digests": ("step v4: digests of 0 and 0 bytes, not 16",
+                   lambda s: [swarm_pb2.StateChunk(fragment=m.fragment, version=m.version, numel=m.numel,
+                                                   step=replace_step(m.step)) for m in s]),
 }
 
 
@@ -926,7 +939,8 @@ def test_a_holder_that_serves_a_malformed_replay_is_refused_and_the_next_one_ser
     async def hostile(remote: str, requests: wire.RequestStream) -> AsyncIterator[swarm_pb2.StateChunk]:
         req = await anext(requests)
         msgs = [swarm_pb2.StateChunk(fragment=0, version=5, numel=NUMEL, step=swarm_pb2.ReplayStep(
-            version=4 + k, codec="fp4", numel=NUMEL, index=i, count=len(a.chunks), data=data))
+            version=4 + k, codec="fp4", numel=NUMEL, index=i, count=len(a.chunks), data=data,
+            before=bytes(16) if i == 0 else b"", after=bytes(16) if i == 0 else b""))
             for k, a in enumerate(averages[1:]) for i, data in enumerate(a.chunks)]
         msgs = mangle(msgs) if mangle else [_chunk(req, 0, CHUNK_ELEMS)]
         for msg in msgs:
@@ -937,7 +951,8 @@ def test_a_holder_that_serves_a_malformed_replay_is_refused_and_the_next_one_ser
                                max_request_bytes=1024, idle_timeout=5, max_streams_per_peer=4, max_streams=8))
     try:
         got = _client(swarm, book).fetch_steps(0, [swarm.id(swarm.other), swarm.id(swarm.good)], have=3, target=5)
-        assert got is not None and got.source == swarm.id(swarm.good) and got.replay == tuple(averages[1:])
+        assert got is not None and got.source == swarm.id(swarm.good)
+        assert [s.average for s in got.steps] == averages[1:]
         assert [(k, d) for _, k, d in book.bad] == [("bad_state", detail)]
     finally:
         honest.close()

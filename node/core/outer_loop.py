@@ -672,14 +672,17 @@ class OuterLoop:
             self._steps[st.index].record(before, fingerprint(st.phi, st.momentum), st.version, res.encoded)
         return reason
 
-    def _replayed(self, st: FragmentState, snap: FragmentSnapshot) -> FragmentSnapshot | str:
-        """A replay (``FragmentSnapshot.replay``) as the state it leads to from this node's own phi and momentum,
-        or why not: this node is no longer at its ``base``, a step is unreadable or refused by the guard, or the
-        outcome is not the swarm's state at that version (its digest)."""
+    def _replayed(self, st: FragmentState, snap: FragmentSnapshot) -> FragmentSnapshot | str | None:
+        """A replay (``FragmentSnapshot.is_replay``) as the state it leads to from this node's own phi and momentum;
+        None where this node moved on from its ``base`` meanwhile (the next catch-up asks again); else why not:
+        this node's state at ``base`` is not the holder's (another phi), a step is unreadable or refused by the
+        guard, or a step's outcome is not the holder's (``verify``)."""
         if snap.base != st.version:
-            return f"this node moved on from version {snap.base} to {st.version} meanwhile"
+            return None
         phi, momentum = st.phi.clone(), st.momentum.clone()
-        for i, average in enumerate(snap.replay):
+        if snap.verify is not None and not snap.verify(snap.base, phi.cpu(), momentum.cpu()):
+            return f"this node's state of version {snap.base} is not the holder's (another phi)"
+        for i, average in enumerate(s.average for s in snap.steps):
             try:
                 delta = decode_chunks(get_codec(average.codec, self.cfg.block_size), list(average.chunks),
                                       average.numel)
@@ -693,8 +696,8 @@ class OuterLoop:
             if reason is not None:
                 return f"step {i + 1} of the replay: {reason}"
             if snap.verify is not None and not snap.verify(snap.base + i + 1, phi.cpu(), momentum.cpu()):
-                return f"the replayed state of version {snap.base + i + 1} is not the one its holders announce"
-        return replace(snap, phi=phi.cpu(), momentum=momentum.cpu(), base=-1, replay=())
+                return f"the replayed state of version {snap.base + i + 1} is not the holder's"
+        return replace(snap, phi=phi.cpu(), momentum=momentum.cpu(), base=-1, steps=(), verify=None)
 
     def _outer_step(self, st: FragmentState, delta: torch.Tensor) -> str | None:
         """Apply the outer step unless the guard refuses its outcome (then nothing changes)."""
@@ -861,14 +864,14 @@ class OuterLoop:
             if not fetch.handle.done():
                 return []
             snap = fetch.handle.result()
-            if snap is not None and snap.replay:
+            if snap is not None and snap.is_replay:
                 replayed = self._replayed(st, snap)
                 if isinstance(replayed, str):
                     self.transport.reject_replay(snap, replayed)
                     snap = None
-                else:
-                    snap = replayed
+                elif replayed is not None:
                     self.stats.replays += 1
+                snap = replayed if isinstance(replayed, FragmentSnapshot) else None
             if snap is None or snap.version < fetch.least:
                 del self._fetches[st.index]
                 return self._land_staged(step)  # a staged download may have waited for this one

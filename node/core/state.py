@@ -11,12 +11,24 @@ and write, so that it moves a fragment between the ranks only when the outer loo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+DIGEST_BYTES = 16
+
+
+def state_digest(phi: torch.Tensor, momentum: torch.Tensor) -> bytes:
+    """The digest heartbeats announce of a fragment's outer state: phi's fp32 bytes and the momentum rounded to
+    bf16 (a download may carry it in bf16, and must still be checkable)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(phi.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    h.update(momentum.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.digest()
 
 
 def tensor_crc(t: torch.Tensor, crc: int = 0) -> int:

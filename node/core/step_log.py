@@ -13,35 +13,28 @@ a download. Where anything differs (another device, a consensus shift, a step of
 match and the node downloads the state as before.
 
 A holder serves only an unbroken chain: each logged step starts from the phi and momentum the previous one left,
-and the last ends at the state the holder has now (``fingerprint``: anything else that moved phi, a catch-up, a
-fold, a consensus round, breaks it). The fingerprint is this node's own bookkeeping, not a proof for anyone: what
-proves a replay right on the receiving node is the digest.
+and the last ends at the state the holder has now (anything else that moved phi, a catch-up, a fold, a consensus
+round, breaks it). Each step carries the digest of the state before and after it (``state_digest``, the one
+heartbeats announce), and the node that replays checks both: that it starts from the holder's state (else it is
+on another phi, and downloads), and that each of its steps ends where the holder's did. Where the swarm's holders
+announce a digest for the version the replay reaches, the outcome must match that too.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
+from locoswarm.node.core.state import state_digest
 from locoswarm.node.core.transport import EncodedAverage, OuterStep
 
 REPLAY_DEPTH = 4  # steps a fragment keeps (and a node may be behind to replay instead of downloading)
 
-Fingerprint = tuple[float, float]
 
-
-def fingerprint(phi: torch.Tensor, momentum: torch.Tensor) -> Fingerprint:
-    """A cheap summary of an outer state that any change of it changes in practice (sums in fp64)."""
-    return float(phi.sum(dtype=torch.float64)), float(momentum.sum(dtype=torch.float64))
-
-
-@dataclass(frozen=True)
-class _Logged:
-    step: OuterStep
-    before: Fingerprint
-    after: Fingerprint
+def fingerprint(phi: torch.Tensor, momentum: torch.Tensor) -> bytes:
+    """The digest of an outer state (``locoswarm.node.core.state.state_digest``)."""
+    return state_digest(phi, momentum)
 
 
 class StepLog:
@@ -50,23 +43,23 @@ class StepLog:
     def __init__(self, depth: int = REPLAY_DEPTH) -> None:
         if depth < 1:
             raise ValueError(f"a step log keeps at least one step, got depth {depth}")
-        self._steps: deque[_Logged] = deque(maxlen=depth)
+        self._steps: deque[OuterStep] = deque(maxlen=depth)
 
-    def record(self, before: Fingerprint, after: Fingerprint, version: int, average: EncodedAverage) -> None:
-        """The step on ``average`` took the state from ``before`` to ``after``, at ``version``."""
-        self._steps.append(_Logged(OuterStep(version, average), before, after))
+    def record(self, before: bytes, after: bytes, version: int, average: EncodedAverage) -> None:
+        """The step on ``average`` took the state from digest ``before`` to ``after``, at ``version``."""
+        self._steps.append(OuterStep(version, average, before, after))
 
-    def chain(self, now: Fingerprint, version: int) -> tuple[OuterStep, ...]:
-        """The longest run of logged steps that ends at the state ``now`` at ``version`` with no gap: each step
-        starts where the previous one ended, one version later. Empty when the last step is not what made the
-        state as it is."""
-        run: list[_Logged] = []
-        for logged in reversed(self._steps):
-            expected = (now, version) if not run else (run[-1].before, run[-1].step.version - 1)
-            if (logged.after, logged.step.version) != expected:
+    def chain(self, now: bytes, version: int) -> tuple[OuterStep, ...]:
+        """The longest run of logged steps that ends at the state of digest ``now`` at ``version`` with no gap:
+        each step starts where the previous one ended, one version later. Empty when the last step is not what
+        made the state as it is."""
+        run: list[OuterStep] = []
+        for step in reversed(self._steps):
+            expected = (now, version) if not run else (run[-1].before, run[-1].version - 1)
+            if (step.after, step.version) != expected:
                 break
-            run.append(logged)
-        return tuple(logged.step for logged in reversed(run))
+            run.append(step)
+        return tuple(reversed(run))
 
     def clear(self) -> None:
         self._steps.clear()

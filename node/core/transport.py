@@ -57,10 +57,13 @@ class EncodedAverage:
 
 @dataclass(frozen=True)
 class OuterStep:
-    """One outer step a fragment took: the group ``average`` whose step produced ``version``."""
+    """One outer step a fragment took: the group ``average`` whose step produced ``version``, from the state of
+    digest ``before`` to the state of digest ``after`` (``locoswarm.node.core.state.state_digest``)."""
 
     version: int
     average: EncodedAverage
+    before: bytes = b""
+    after: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,16 @@ class FragmentSnapshot:
     # On a holder: the outer steps its phi took last, from its groups' averages (``StepLog.chain``), which it can
     # serve a node a few versions behind instead of this whole state.
     steps: tuple[OuterStep, ...] = ()
-    # On a node behind, a *replay* instead of a state: the averages that take its own phi and momentum at version
-    # ``base`` to ``version``, in order (phi and momentum are empty). ``verify(v, phi, momentum)``, called after
-    # each step with the version it reached, tells whether that is the state the swarm holds at ``v`` (its digest,
-    # where one is known; None: nothing to check, the effect check judges the outcome like a download).
+    # A *replay* instead of a state, where ``base`` >= 0: ``steps`` take the phi and momentum of version ``base``
+    # to ``version``, in order (phi and momentum are empty). ``verify(v, phi, momentum)``, called at ``base`` and
+    # after each step with the version reached, tells whether that state is the one the holder had there (and,
+    # where the swarm's holders announce one, the digest of that version); None: nothing to check.
     base: int = -1
-    replay: tuple[EncodedAverage, ...] = ()
     verify: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
+
+    @property
+    def is_replay(self) -> bool:
+        return self.base >= 0
 
 
 class AverageHandle(ABC):

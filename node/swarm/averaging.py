@@ -1194,22 +1194,26 @@ class SwarmTransport(Transport):
         return snapshot
 
     def _replay(self, fragment: int, holders: list[str], have: int | None, belief: Belief) -> FragmentSnapshot | None:
-        """The steps from ``have`` to the believed version, with a check of their outcome against its digest
-        (``locoswarm.node.core.step_log``), or None where a replay is not possible or not worth asking."""
-        if (self._fetch_steps is None or have is None or not belief.digest
-                or not 0 < belief.version - have <= REPLAY_DEPTH
+        """The steps from ``have`` to the believed version (``locoswarm.node.core.step_log``), checked as the core
+        replays them against the digests the holder sent with them and, where the swarm's holders announce one,
+        the digest of the believed version; None where a replay is not possible or not worth asking."""
+        if (self._fetch_steps is None or have is None or not 0 < belief.version - have <= REPLAY_DEPTH
                 or time.monotonic() < self._no_replay.get(fragment, -math.inf)):
             return None
         snapshot = self._fetch_steps(fragment, holders, have, belief.version)
         if snapshot is None:
             return None
-        target, digest = belief.version, belief.digest
+        claimed = {have: snapshot.steps[0].before, **{s.version: s.after for s in snapshot.steps}}
+        if belief.digest and claimed.get(belief.version) != belief.digest:
+            log.info("replay of fragment %d from %s: its steps do not lead to the state the swarm's holders announce "
+                     "for v%d; downloading the state", fragment, snapshot.source[:12], belief.version)
+            return None
 
         def verify(version: int, phi: torch.Tensor, momentum: torch.Tensor) -> bool:
-            return version != target or state_digest(phi, momentum) == digest
+            return state_digest(phi, momentum) == claimed.get(version)
 
         log.info("catching up: fragment %d from v%d to v%d by replaying %d step(s) from %s", fragment, have,
-                 snapshot.version, len(snapshot.replay), snapshot.source[:12])
+                 snapshot.version, len(snapshot.steps), snapshot.source[:12])
         return replace(snapshot, verify=verify)
 
     def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:

@@ -83,8 +83,9 @@ import numpy as np
 import torch
 
 from locoswarm.node.core.codecs import CODECS
+from locoswarm.node.core.state import DIGEST_BYTES
 from locoswarm.node.core.step_log import REPLAY_DEPTH
-from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot
+from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot, OuterStep
 from locoswarm.node.swarm import wire
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.protocol import swarm_pb2
@@ -537,7 +538,9 @@ class StateServer:
                         fragment=request.fragment, version=snap.version, numel=snap.phi.numel(),
                         momentum_precision=request.momentum_precision,
                         step=swarm_pb2.ReplayStep(version=step.version, codec=step.average.codec,
-                                                  numel=step.average.numel, index=index, count=count, data=data))
+                                                  numel=step.average.numel, index=index, count=count, data=data,
+                                                  before=step.before if index == 0 else b"",
+                                                  after=step.after if index == 0 else b""))
                     self._stamp(msg)
                     if self.budget is not None:
                         await self.budget.take(msg.ByteSize(), self._is_member(remote))
@@ -801,7 +804,7 @@ class _Replay:
 
     def __init__(self, fragment: int, have: int, target: int, numel: int) -> None:
         self.fragment, self.have, self.target, self.numel = fragment, have, target, numel
-        self.steps: list[EncodedAverage] = []
+        self.steps: list[OuterStep] = []
         self._open: swarm_pb2.ReplayStep | None = None  # the step being received: its first chunk's fields
         self._chunks: list[bytes] = []
         self._version = have
@@ -822,6 +825,9 @@ class _Replay:
             if step.codec not in CODECS or step.numel != self.numel or not 0 < step.count <= self.numel + 1:
                 raise BadSource(f"step v{step.version}: codec {step.codec[:20]!r}, {step.numel} elements in "
                                 f"{step.count} chunks, for a fragment of {self.numel}")
+            if len(step.before) != DIGEST_BYTES or len(step.after) != DIGEST_BYTES:
+                raise BadSource(f"step v{step.version}: digests of {len(step.before)} and {len(step.after)} bytes, "
+                                f"not {DIGEST_BYTES}")
             self._open = step
         elif (step.version, step.index, step.count, step.codec, step.numel) != (
                 self._open.version, len(self._chunks), self._open.count, self._open.codec, self._open.numel):
@@ -832,7 +838,9 @@ class _Replay:
             raise BadSource(f"sent {self._bytes} bytes of steps, more than the state of {self.numel} elements")
         self._chunks.append(step.data)
         if len(self._chunks) == self._open.count:
-            self.steps.append(EncodedAverage(self._open.codec, int(self._open.numel), tuple(self._chunks)))
+            self.steps.append(OuterStep(int(self._open.version),
+                                        EncodedAverage(self._open.codec, int(self._open.numel), tuple(self._chunks)),
+                                        bytes(self._open.before), bytes(self._open.after)))
             self._version, self._open, self._chunks = int(self._open.version), None, []
         self._claim = (int(msg.clock), int(msg.inner_step), time.time()) if msg.clock or msg.inner_step else None
 
@@ -847,7 +855,7 @@ class _Replay:
         clock, inner_step, seen = self._claim if self._claim is not None else (None, 0, 0.0)
         return FragmentSnapshot(self.fragment, self._version, torch.zeros(0), torch.zeros(0), source=source,
                                 clock=clock, inner_step=inner_step, seen=seen, base=self.have,
-                                replay=tuple(self.steps))
+                                steps=tuple(self.steps))
 
 
 class StateClient:
@@ -928,7 +936,7 @@ class StateClient:
 
     def fetch_steps(self, fragment: int, peers: list[str], have: int, target: int) -> FragmentSnapshot | None:
         """Blocking: a replay of ``fragment`` from version ``have`` to ``target`` or beyond
-        (``FragmentSnapshot.replay``) from the first of ``peers`` that keeps the steps, or None (then a node
+        (``FragmentSnapshot.is_replay``) from the first of ``peers`` that keeps the steps, or None (then a node
         downloads the state)."""
         numel = self._expected_numel(fragment)
         if numel is None or not peers:

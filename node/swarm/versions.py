@@ -30,16 +30,14 @@ claim alone.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
+from locoswarm.node.core.state import state_digest  # the digest heartbeats announce
 
 VERSION_SLACK = 2       # versions above the clock's count of send slots still believed (clocks differ by a step)
 VERSION_ABSURD = 256    # a claim this far above twice the bound is a lie, not a restart: an offence
-DIGEST_BYTES = 16
 
 
 def version_bound(clock: int, h: int, sends_per_h: int = 1) -> int:
@@ -52,15 +50,6 @@ def version_bound(clock: int, h: int, sends_per_h: int = 1) -> int:
 def absurd_version(version: int, bound: int) -> bool:
     """Whether a claim of ``version`` is far beyond ``bound`` (module docstring, 1)."""
     return version > 2 * bound + VERSION_ABSURD
-
-
-def state_digest(phi: torch.Tensor, momentum: torch.Tensor) -> bytes:
-    """The digest heartbeats announce of a fragment's outer state: phi's fp32 bytes and the momentum rounded to
-    bf16 (a download may carry it in bf16, and must still be checkable)."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    h.update(phi.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    h.update(momentum.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return h.digest()
 
 
 @dataclass(frozen=True)
