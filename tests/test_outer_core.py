@@ -1495,6 +1495,52 @@ def test_consensus_makes_diverged_outer_states_bit_identical_and_they_stay_so(ba
         assert swarm.loops[0].version(0) == swarm.loops[1].version(0)
 
 
+class _Gate(AverageHandle):
+    """A consensus round still exchanging until ``open``; ``waited``: someone blocked on it before that."""
+
+    def __init__(self, inner: AverageHandle) -> None:
+        self.inner, self.open, self.waited = inner, False, False
+
+    def done(self) -> bool:
+        return self.open and self.inner.done()
+
+    def result(self, timeout: float | None = None) -> AverageResult:
+        self.waited = self.waited or not self.open
+        return self.inner.result(timeout)
+
+
+def test_a_consensus_round_still_exchanging_holds_no_merge_and_is_taken_at_a_later_one(base_model) -> None:
+    """A consensus round whose members differ moves the whole outer state in fp32 (on a slow link, tens of
+    seconds): the delta round sent with it merges without waiting for it, and the consensus is taken at the first
+    merge of the fragment after it came through, moving phi and theta together."""
+    swarm = Swarm(base_model, 2, _outer(h=2, tau=0, method="replace", consensus_every=2))
+    swarm.step(1)
+    other = swarm.loops[1].states[0]
+    with torch.no_grad():
+        other.phi.add_(torch.randn(other.phi.shape, generator=torch.Generator().manual_seed(7)), alpha=1e-3)
+    swarm.train()
+    for i, loop in enumerate(swarm.loops):
+        swarm.loops[i].advance_sends(1, 2, 0.0)  # a delta round and a consensus round (due at step 2)
+        handle, sent = loop.pending_consensus[0]
+        loop.pending_consensus[0] = (_Gate(handle), sent)
+    swarm.hub.flush()
+    gates = [loop.pending_consensus[0][0] for loop in swarm.loops]
+    versions = [loop.version(0) for loop in swarm.loops]
+    events = [loop.collect(2) for loop in swarm.loops]
+    assert all(_kinds(e, "merged") for e in events), events
+    assert [loop.version(0) for loop in swarm.loops] == [v + 1 for v in versions]
+    assert not any(g.waited for g in gates) and all(0 in loop.pending_consensus for loop in swarm.loops)
+    assert all(loop.stats.consensus_rounds == 0 for loop in swarm.loops)
+    for gate in gates:
+        gate.open = True
+    for t in range(3, 5):  # the next delta round of fragment 0 merges at step 4: the consensus is taken first
+        swarm.step(t)
+    assert all(loop.stats.consensus_rounds == 1 and 0 not in loop.pending_consensus for loop in swarm.loops)
+    assert all(loop.stats.last_consensus_shift > 0 for loop in swarm.loops)
+    gap = float((swarm.phi(0) - swarm.phi(1)).abs().max())
+    assert gap < 1e-5, gap  # equal up to rounding (the difference was 1e-3 per element)
+
+
 # ==================================================================================================
 # Outer state off the training device (``[outer] offload``)
 # ==================================================================================================
