@@ -497,7 +497,7 @@ class Node:
             requests_per_minute=cfg.robust.state_requests_per_minute,
             clock=lambda: (self.clock, self.local_step), yield_to=self.transport.exchanging,
             confirm_live=self.membership.heard, is_member=self._trains,
-            serve_bytes_per_s=cfg.robust.state_serve_mbit * 1e6 / 8)
+            serve_bytes_per_s=cfg.robust.state_serve_mbit * 1e6 / 8, outbound_only=self.transport.outbound_only)
 
     def _start_control(self) -> None:
         """The control API (``locoswarm status``) and metrics, once there is a status to serve."""

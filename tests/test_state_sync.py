@@ -957,3 +957,23 @@ def test_a_holder_that_serves_a_malformed_replay_is_refused_and_the_next_one_ser
     finally:
         honest.close()
         swarm.run(bad.stop())
+
+
+def test_an_outbound_only_holder_serves_replays_but_no_state(swarm):
+    """Behind a home router (``outbound_only``) a node serves no state: a peer that reaches it over a connection
+    the node opened is refused (``outbound-only``, no blame) and asks it again a minute later at the earliest;
+    replays, a few hundred kB, it still serves."""
+    book = Book()
+    snaps, _ = _stepped()
+    server = _server(swarm, swarm.good, book, snaps=snaps, outbound_only=lambda: True)
+    good = swarm.id(swarm.good)
+    try:
+        backoff = HolderBackoff()
+        client = _client(swarm, book, backoff=backoff)
+        assert client.fetch(0, [good], min_version=5) is None
+        assert 55 <= backoff.waiting(good) <= 60
+        assert book.bad == [] and all(not offence for _, _, offence in book.refused)
+        got = _client(swarm, book).fetch_steps(0, [good], have=4, target=5)
+        assert got is not None and got.steps == snaps[0].steps[2:]
+    finally:
+        server.close()

@@ -54,6 +54,11 @@ refresh its table for 30 s), one found by reading the swarm's peers key in the D
 requester presents in its request is no proof: anyone can make one, and a stranger downloaded the full state
 96 times that way. A heartbeat in the DHT is signed under the peer's owner subkey and seen by every member.
 
+A node that peers cannot dial (outbound only, behind a home router) serves no state, only replays: a peer that has
+not read its heartbeat yet may still reach it over a connection it opened, and in two 5 Mbit/s bench runs with two
+nodes behind NAT, each of them served a 4.5 MB fragment that way while its own round waited 30 s, and every member
+of that round with it. It refuses ``outbound-only``, and the client asks it again a minute later at the earliest.
+
 Serving is bounded by a bandwidth budget over all downloads (``ServeBudget``, ``[robust] state_serve_mbit``),
 and members that train (a heartbeat with state) are served before peers that do not (joiners, and anyone
 who merely publishes a heartbeat); rounds come first anyway (above).
@@ -120,7 +125,7 @@ RETRY_MAX_S = 4.0
 # A holder that refused this node is not asked again for a while (per refusal code; the wait doubles while
 # it keeps refusing): a node behind in a fast swarm would otherwise ask at every send, several times a
 # second, and earn the rate limit's refusals (and, asking on, a flood offence) from every holder.
-BACKOFF_FIRST_S = {"banned": 30.0, "rate-limited": 5.0}
+BACKOFF_FIRST_S = {"banned": 30.0, "rate-limited": 5.0, "outbound-only": 60.0}
 BACKOFF_DEFAULT_S = 2.0
 BACKOFF_MAX_S = 120.0
 MAX_RATE_PEERS = 4096  # rate buckets kept, least recently used dropped (only peers with a live heartbeat get one)
@@ -136,6 +141,7 @@ BAD_OFFSET = "bad-offset"
 BAD_REQUEST = "bad-request"
 BUSY = "busy"  # serving another download now, to a request that says it has other holders (``spread``)
 NO_REPLAY = "no-replay"  # a replay's steps are not all kept here (``locoswarm.node.core.step_log``)
+OUTBOUND = "outbound-only"  # this node serves no state: peers cannot dial it (module docstring)
 _PASSING = {NOT_LIVE}  # refusals worth asking the same peer again about, after a wait
 _STREAM_CAP = "too many streams"  # wire.StreamGate's refusal: passes when a stream closes
 
@@ -349,7 +355,9 @@ class StateServer:
     ``is_live(peer)``, ``is_member(peer)`` and ``is_banned(peer)`` run on the network loop: they must be quick
     (a table look-up, no network call); ``confirm_live(peer)`` is awaited there for a peer ``is_live`` does not
     know (a DHT read; None: unknown peers are refused). ``on_refused(peer, kind, detail, offence=...)`` is told
-    of every refusal. ``serve_bytes_per_s``: the budget of all downloads (None: unbounded).
+    of every refusal. ``serve_bytes_per_s``: the budget of all downloads (None: unbounded). While
+    ``outbound_only()`` holds (peers cannot dial this node: ``locoswarm.node.swarm.reachability``), it serves
+    replays but no state (module docstring).
     """
 
     def __init__(self, runtime: NetworkRuntime, fingerprint: str,
@@ -360,8 +368,10 @@ class StateServer:
                  clock: Callable[[], tuple[int, int]] | None = None,
                  server_credit: int = SERVER_CREDIT_CHUNKS, yield_to: Callable[[], bool] | None = None,
                  confirm_live: Callable[[str], Awaitable[bool]] | None = None,
-                 is_member: Callable[[str], bool] | None = None, serve_bytes_per_s: float | None = None) -> None:
+                 is_member: Callable[[str], bool] | None = None, serve_bytes_per_s: float | None = None,
+                 outbound_only: Callable[[], bool] | None = None) -> None:
         self.fingerprint = fingerprint
+        self._outbound_only = outbound_only or (lambda: False)
         self._confirm_live = confirm_live
         self._is_member = is_member or (lambda peer: False)
         self.budget = ServeBudget(serve_bytes_per_s) if serve_bytes_per_s else None
@@ -417,7 +427,7 @@ class StateServer:
             if request.replay:
                 refusal = self._unreplayable(request, snap)
             else:
-                refusal = self._unservable(request, snap) or self._busy(remote, request)
+                refusal = self._outbound(request) or self._unservable(request, snap) or self._busy(remote, request)
         if refusal is not None:
             yield swarm_pb2.StateChunk(fragment=request.fragment, error=refusal)
             return  # the wire writes END and holds the stream until the client has closed it
@@ -439,6 +449,13 @@ class StateServer:
             log.info("served: fragment %d v%d to %s, %s: %d B in %.1f s", request.fragment, snap.version,
                      remote[:12], what, sent, time.monotonic() - started)
         self.served += 1
+
+    def _outbound(self, request: swarm_pb2.StateRequest) -> str | None:
+        """``OUTBOUND`` while peers cannot dial this node: it sits behind a home router whose uplink its own rounds
+        need (module docstring)."""
+        if self._outbound_only():
+            return _refusal(OUTBOUND, f"this node is outbound only and serves no state of fragment {request.fragment}")
+        return None
 
     def _busy(self, remote: str, request: swarm_pb2.StateRequest) -> str | None:
         """``BUSY`` for a request that could go to another holder (``spread``) while this node sends a download
