@@ -54,10 +54,10 @@ refresh its table for 30 s), one found by reading the swarm's peers key in the D
 requester presents in its request is no proof: anyone can make one, and a stranger downloaded the full state
 96 times that way. A heartbeat in the DHT is signed under the peer's owner subkey and seen by every member.
 
-A node that peers cannot dial (outbound only, behind a home router) serves no state, only replays: a peer that has
-not read its heartbeat yet may still reach it over a connection it opened, and in two 5 Mbit/s bench runs with two
-nodes behind NAT, each of them served a 4.5 MB fragment that way while its own round waited 30 s, and every member
-of that round with it. It refuses ``outbound-only``, and the client asks it again a minute later at the earliest.
+A node that peers cannot dial (outbound only, behind a home router) serves no state, only replays. Downloaders skip
+it by its heartbeat, but one that has not read that heartbeat yet can still reach it over a connection the node
+opened, and a 4.5 MB fragment takes its 5 Mbit/s uplink for 7 s, which its own rounds, and every member of them,
+would wait for. It refuses ``outbound-only``, and the client asks it again a minute later at the earliest.
 
 Serving is bounded by a bandwidth budget over all downloads (``ServeBudget``, ``[robust] state_serve_mbit``),
 and members that train (a heartbeat with state) are served before peers that do not (joiners, and anyone
