@@ -789,19 +789,30 @@ def test_a_fold_stops_holding_catch_ups_to_its_own_phi_once_rounds_fail_for_want
                     (8, [], True), (10, [], True), (12, ["dropped"], False)]
 
 
-def test_behind_worker_catches_up_before_sending(base_model) -> None:
-    # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
-    # and merge of the step-4 sync.
+def _one_behind(base_model: torch.nn.Module) -> Swarm:
+    """Three workers at tau = 1 after step 3, worker 2 a version behind (its round at step 2 was dropped)."""
     swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
     for t in range(1, 4):
         swarm.step(t)
     assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    return swarm
+
+
+def _send_at_4(swarm: Swarm) -> list[list]:
+    """Step 4 as the daemon makes it, split between the merge and the send so the test can look between them."""
+    for loop in swarm.loops:
+        loop.collect(4)
+    return [loop.send(4) for loop in swarm.loops]
+
+
+def test_behind_worker_catches_up_before_sending(base_model) -> None:
+    # Worker 2's sync at step 2 is dropped; workers 0 and 1 average. tau = 1 lets us look between send
+    # and merge of the step-4 sync.
+    swarm = _one_behind(base_model)
     assert not torch.equal(swarm.phi(2), swarm.phi(0))
     swarm.train()
     phi_old, theta_old = swarm.phi(2), swarm.theta(2)
-    for loop in swarm.loops:
-        loop.collect(4)
-    events = [loop.send(4) for loop in swarm.loops]
+    events = _send_at_4(swarm)
     assert [e.kind for e in events[2]] == ["caught_up", "sent"]
     assert not _kinds(events[0], "caught_up")
     assert swarm.loops[2].version(0) == 1
@@ -824,17 +835,12 @@ def test_a_worker_behind_replays_the_steps_it_missed_and_holds_the_others_state_
     with the version it holds and answers with the logged averages of the steps since, not the state. Worker 2
     applies them with its own outer optimizer and then holds worker 0's phi and momentum exactly (its digest
     check passes), with its local progress carried over as after a download."""
-    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
-    for t in range(1, 4):
-        swarm.step(t)
-    assert [loop.version(0) for loop in swarm.loops] == [1, 1, 0]
+    swarm = _one_behind(base_model)
     assert [s.version for s in swarm.loops[0].snapshot(0).steps] == [1]  # the step of the round worker 2 missed
     swarm.transports[2].replay_from = swarm.loops[0]
     swarm.train()
     phi_old, theta_old = swarm.phi(2), swarm.theta(2)
-    for loop in swarm.loops:
-        loop.collect(4)
-    events = [loop.send(4) for loop in swarm.loops]
+    events = _send_at_4(swarm)
     assert [e.kind for e in events[2]] == ["caught_up", "sent"]
     assert swarm.transports[2].fetched == [(0, 0)]
     assert swarm.loops[2].version(0) == 1 and swarm.loops[2].stats.replays == 1
@@ -853,18 +859,14 @@ def test_a_replay_that_does_not_lead_to_the_holders_state_is_not_taken(base_mode
     whose own phi at the replay's base is not the holder's (another lineage at the same version number) misses the
     digest logged before it. Either way the node takes nothing (phi, momentum and version as they were), tells its
     transport why (``reject_replay``: it then downloads the state for a while) and counts no catch-up."""
-    swarm = Swarm(base_model, 3, _outer(method="rebase", h=2, tau=1), drops={2: {2}})
-    for t in range(1, 4):
-        swarm.step(t)
+    swarm = _one_behind(base_model)
     swarm.transports[2].replay_from = swarm.loops[0]
     swarm.transports[2].tamper = fault == "tampered step"
     if fault == "another phi":
         swarm.loops[2].states[0].phi.add_(1e-3)
     swarm.train()
     phi_old, momentum_old = swarm.phi(2), swarm.loops[2].states[0].momentum.clone()
-    for loop in swarm.loops:
-        loop.collect(4)
-    events = [loop.send(4) for loop in swarm.loops]
+    events = _send_at_4(swarm)
     assert [e.kind for e in events[2]] == ["sent"]
     assert swarm.loops[2].version(0) == 0 and swarm.loops[2].stats.catch_ups == 0
     assert torch.equal(swarm.phi(2), phi_old)
