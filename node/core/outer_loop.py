@@ -176,6 +176,9 @@ class _Fetch:
     least: int
     replay: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     staged: FragmentSnapshot | None = None  # downloaded and checked on its own; its effect not judged yet
+    # The phi and momentum of the version a replay of the steps missed starts from (``_start_fetch``): rounds this
+    # node merges meanwhile move its own state on, and are applied again on top of the replay's outcome.
+    base: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -682,14 +685,16 @@ class OuterLoop:
             self._steps[st.index].record(before, fingerprint(st.phi, st.momentum), st.version, res.encoded)
         return reason
 
-    def _replayed(self, st: FragmentState, snap: FragmentSnapshot) -> FragmentSnapshot | str | None:
-        """A replay (``FragmentSnapshot.is_replay``) as the state it leads to from this node's own phi and momentum;
-        None where this node moved on from its ``base`` meanwhile (the next catch-up asks again); else why not:
-        this node's state at ``base`` is not the holder's (another phi), a step is unreadable or refused by the
-        guard, or a step's outcome is not the holder's (``verify``)."""
-        if snap.base != st.version:
+    def _replayed(self, st: FragmentState, snap: FragmentSnapshot,
+                  base: tuple[torch.Tensor, torch.Tensor] | None) -> FragmentSnapshot | str | None:
+        """A replay (``FragmentSnapshot.is_replay``) as the state it leads to from this node's phi and momentum of
+        version ``snap.base`` (``base``, kept when the catch-up started: rounds merged since are applied again on
+        top, as on a download); None without them; else why not: this node's state at ``base`` is not the
+        holder's (another phi), a step is unreadable or refused by the guard, or a step's outcome is not the
+        holder's (``verify``)."""
+        if base is None:
             return None
-        phi, momentum = st.phi.clone(), st.momentum.clone()
+        phi, momentum = base[0].clone(), base[1].clone()
         if snap.verify is not None and not snap.verify(snap.base, phi.cpu(), momentum.cpu()):
             return f"this node's state of version {snap.base} is not the holder's (another phi)"
         for i, average in enumerate(s.average for s in snap.steps):
@@ -846,13 +851,17 @@ class OuterLoop:
         least = st.version if st.index in self._resync else st.version + 1
         if self.transport.latest_version(st.index) < least:
             return events
-        self._fetches[st.index] = _Fetch(self.transport.start_fetch(st.index, self._replay_base(st)), least)
+        self._fetches[st.index] = self._start_fetch(st, least)
         return events + self._land(st, step)  # a transport that fetches at once (in-process)
 
-    def _replay_base(self, st: FragmentState) -> int | None:
-        """The version a catch-up of ``st`` may replay the swarm's steps from: its own, unless its phi left the
-        group's (``_resync``) or no step can be replayed here."""
-        return None if self._steps is None or st.index in self._resync else st.version
+    def _start_fetch(self, st: FragmentState, least: int) -> _Fetch:
+        """A catch-up of ``st`` that brings at least version ``least``. It may replay the swarm's steps from this
+        node's own version (``locoswarm.node.core.step_log``), unless its phi left the group's (``_resync``) or
+        no step can be replayed here; the state it replays from is kept, since rounds merged meanwhile move it on."""
+        if self._steps is None or st.index in self._resync:
+            return _Fetch(self.transport.start_fetch(st.index), least)
+        base = (st.phi.detach().clone(), st.momentum.detach().clone())
+        return _Fetch(self.transport.start_fetch(st.index, st.version), least, base=base)
 
     def _land_fetches(self, step: int) -> list[SyncEvent]:
         events = []
@@ -875,7 +884,7 @@ class OuterLoop:
                 return []
             snap = fetch.handle.result()
             if snap is not None and snap.is_replay:
-                replayed = self._replayed(st, snap)
+                replayed = self._replayed(st, snap, fetch.base)
                 if isinstance(replayed, str):
                     self.transport.reject_replay(snap, replayed)
                     snap = None
@@ -917,8 +926,7 @@ class OuterLoop:
         asked = [p for p in behind if p not in self._staging_asked]
         for p in asked:
             self._staging_asked.add(p)
-            self._fetches[p] = _Fetch(self.transport.start_fetch(p, self._replay_base(self.states[p])),
-                                      self.states[p].version + 1)
+            self._fetches[p] = self._start_fetch(self.states[p], self.states[p].version + 1)
         if asked:  # an in-process transport's download is done at once: it is staged (and judged) here
             return [e for p in asked for e in self._land(self.states[p], step)]
         if any(p in self.pending and not self.rule.late for p in staged):
