@@ -558,11 +558,7 @@ class StateServer:
                                                   numel=step.average.numel, index=index, count=count, data=data,
                                                   before=step.before if index == 0 else b"",
                                                   after=step.after if index == 0 else b""))
-                    self._stamp(msg)
-                    if self.budget is not None:
-                        await self.budget.take(msg.ByteSize(), self._is_member(remote))
-                    self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
-                    yield msg
+                    yield await self._ready(remote, msg)
                     await asyncio.sleep(0)
             await window.drain(DRAIN_S)
         finally:
@@ -585,11 +581,7 @@ class StateServer:
                                            phi=_to_bytes(snap.phi[a:b]),
                                            momentum=_to_bytes(snap.momentum[a:b], precision),
                                            momentum_precision=precision)
-                self._stamp(msg)
-                if self.budget is not None:
-                    await self.budget.take(msg.ByteSize(), self._is_member(remote))
-                self.counters.sent(remote, request.fragment, -1, msg.ByteSize())
-                yield msg
+                yield await self._ready(remote, msg)
                 await asyncio.sleep(0)
             if numel == 0:
                 yield self._stamp(swarm_pb2.StateChunk(fragment=request.fragment, version=snap.version, numel=0,
@@ -599,6 +591,14 @@ class StateServer:
             await window.drain(DRAIN_S)
         finally:
             window.close()  # what the stream still holds of the shared credit is nobody's now
+
+    async def _ready(self, remote: str, msg: swarm_pb2.StateChunk) -> swarm_pb2.StateChunk:
+        """``msg`` stamped with this node's clock, within the serve budget and counted: ready to send."""
+        self._stamp(msg)
+        if self.budget is not None:
+            await self.budget.take(msg.ByteSize(), self._is_member(remote))
+        self.counters.sent(remote, msg.fragment, -1, msg.ByteSize())
+        return msg
 
     async def _yield_to_rounds(self) -> None:
         """Hold the next chunk back while this node's own round exchange is in flight (at most
