@@ -451,6 +451,7 @@ class NodeStatus(Record):
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0
+    replays: int = 0                         # catch-ups that replayed the steps missed (node/core/step_log.py)
     stalls_cut: int = 0                      # rounds left in flight after their stall budget (late window)
     standing_rounds: int = 0                 # rounds that took the last merged round's members (no matchmaking)
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)

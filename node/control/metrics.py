@@ -100,6 +100,8 @@ def render_metrics(st: NodeStatus) -> str:
     w.metric("locoswarm_syncs_total", "counter", "Fragment averaging rounds by result.",
              [({"result": "ok"}, st.syncs_ok), ({"result": "failed"}, st.syncs_failed)])
     w.one("locoswarm_catch_ups_total", "counter", "Fragments downloaded from peers to catch up.", st.catch_ups)
+    w.one("locoswarm_replays_total", "counter", "Catch-ups that replayed the outer steps missed instead of "
+          "downloading the state.", st.replays)
     w.one("locoswarm_catch_up_loops_total", "counter", "Catch-ups of a fragment with no merged round since its "
           "previous catch-up (a node that keeps arriving after its group).", st.catch_up_loops)
     w.one("locoswarm_stalls_cut_total", "counter", "Rounds still running after their stall budget at the end of "

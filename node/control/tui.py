@@ -149,7 +149,8 @@ def _network_panel(st: NodeStatus) -> Panel:
                                       f"   {st.standing_rounds} standing   {st.consensus.rounds} consensus",
                                       (f" ({c_failed} failed)" if c_failed else "", "red")))
     loops = st.catch_up_loops
-    g.add_row("other", f"{st.catch_ups} catch-ups" + (f" ({loops} in a loop)" if loops else "")
+    g.add_row("other", f"{st.catch_ups} catch-ups" + (f" ({st.replays} replayed)" if st.replays else "")
+              + (f" ({loops} in a loop)" if loops else "")
               + (f"   {st.stalls_cut} slow rounds left in flight" if st.stalls_cut else ""))
     refused, banned = st.reputation.refused, st.reputation.banned
     g.add_row("peers", Text.assemble((f"{refused} refused", "yellow" if refused else ""), "   ",

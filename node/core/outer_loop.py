@@ -149,7 +149,7 @@ class OuterStats:
     syncs_failed: int = 0
     catch_ups: int = 0
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
-    replays: int = 0                      # ... catch-ups that replayed the steps missed instead of downloading
+    replays: int = 0                      # ... of which replayed the steps missed instead of downloading
     folds: int = 0                        # carried progress folded into phi after refused rounds (``_bound_carry``)
     stalls_cut: int = 0                   # rounds left in flight after their stall budget (late_window)
     refused: int = 0                      # results or snapshots the guards refused
@@ -179,6 +179,7 @@ class _Fetch:
     # The phi and momentum of the version a replay of the steps missed starts from (``_start_fetch``): rounds this
     # node merges meanwhile move its own state on, and are applied again on top of the replay's outcome.
     base: tuple[torch.Tensor, torch.Tensor] | None = None
+    replayed: bool = False  # ``staged`` is the outcome of such a replay
 
 
 @dataclass(frozen=True)
@@ -887,10 +888,8 @@ class OuterLoop:
                 replayed = self._replayed(st, snap, fetch.base)
                 if isinstance(replayed, str):
                     self.transport.reject_replay(snap, replayed)
-                    snap = None
-                elif replayed is not None:
-                    self.stats.replays += 1
-                snap = replayed if isinstance(replayed, FragmentSnapshot) else None
+                    replayed = None
+                snap, fetch.replayed = replayed, replayed is not None
             if snap is None or snap.version < fetch.least:
                 del self._fetches[st.index]
                 return self._land_staged(step)  # a staged download may have waited for this one
@@ -966,6 +965,7 @@ class OuterLoop:
         self._resync.discard(st.index)
         st.set_theta(self.rule.carry(theta, st.phi, phi_old, st.bounds))
         self.stats.catch_ups += 1
+        self.stats.replays += int(fetch.replayed)
         st.catch_ups_in_row += 1
         source = f"from {snap.source[:12]}" if snap.source else ""
         events = [SyncEvent("caught_up", st.index, step, st.version,
@@ -1074,7 +1074,8 @@ class OuterLoop:
         return refused
 
     # ---- the state contract (checkpoints) ----------------------------------------------------------
-    STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups", "catch_up_loops")
+    STAT_FIELDS = ("bytes_sent", "bytes_received", "syncs_ok", "syncs_failed", "catch_ups", "catch_up_loops",
+                   "replays")
 
     def state_shapes(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """``(required, optional)`` tensor keys of :meth:`state_dict` with their shapes."""
