@@ -901,6 +901,12 @@ def test_the_step_log_serves_only_an_unbroken_chain_that_ends_at_the_state_as_it
     assert log.chain(b"10", 5) == ()
     with pytest.raises(ValueError, match="at least one step"):
         StepLog(depth=0)
+    small = StepLog(depth=4, max_bytes=10)   # 4-byte steps: two fit, and the last one always stays
+    for v in range(1, 5):
+        small.record(str(v - 1).encode(), str(v).encode(), v, avg)
+    assert [s.version for s in small.chain(b"4", 4)] == [3, 4]
+    small.record(b"4", b"5", 5, EncodedAverage("fp32", 100, (bytes(400),)))
+    assert [s.version for s in small.chain(b"5", 5)] == [5]
 
 
 @pytest.mark.parametrize("by", ["download", "replay"])

@@ -57,7 +57,7 @@ from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import decode_chunks, encode_chunks
 from locoswarm.node.core.schedule import ScheduleState, ScheduleView, make_schedule
 from locoswarm.node.core.state import FragmentState, ThetaAccess, tensor_crc
-from locoswarm.node.core.step_log import StepLog, fingerprint
+from locoswarm.node.core.step_log import STEP_LOG_BYTES, StepLog, fingerprint
 from locoswarm.node.core.transport import (
     AverageHandle,
     AverageRequest,
@@ -253,7 +253,8 @@ class OuterLoop:
         self._staging_asked: set[int] = set()  # fragments far behind fetched for the staged downloads' judgement
         # The outer steps each fragment took from its groups' averages, for peers that missed them
         # (``locoswarm.node.core.step_log``): only where the wire average is what the step applies.
-        self._steps = [StepLog() for _ in self.states] if self.compressor.replayable else None
+        self._steps = ([StepLog(max_bytes=STEP_LOG_BYTES // len(self.states)) for _ in self.states]
+                       if self.compressor.replayable else None)
         self.consensus = StateConsensus(outer.consensus_every, len(fragments))
         self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
         self.shared_r: torch.Tensor | None = None

@@ -30,6 +30,9 @@ from locoswarm.node.core.state import state_digest
 from locoswarm.node.core.transport import EncodedAverage, OuterStep
 
 REPLAY_DEPTH = 4  # steps a fragment keeps (and a node may be behind to replay instead of downloading)
+# Bytes of encoded averages a node keeps over all its fragments' logs; a fragment keeps its last step whatever it
+# costs. The `tiny` preset's steps are 0.3 MB in fp4; a 1B-parameter model's, in 4 fragments, 125 MB each.
+STEP_LOG_BYTES = 256 << 20
 
 
 def fingerprint(phi: torch.Tensor, momentum: torch.Tensor) -> bytes:
@@ -40,14 +43,18 @@ def fingerprint(phi: torch.Tensor, momentum: torch.Tensor) -> bytes:
 class StepLog:
     """The last ``depth`` outer steps of one fragment (module docstring)."""
 
-    def __init__(self, depth: int = REPLAY_DEPTH) -> None:
+    def __init__(self, depth: int = REPLAY_DEPTH, max_bytes: int = STEP_LOG_BYTES) -> None:
         if depth < 1:
             raise ValueError(f"a step log keeps at least one step, got depth {depth}")
         self._steps: deque[OuterStep] = deque(maxlen=depth)
+        self.max_bytes = max_bytes
 
     def record(self, before: bytes, after: bytes, version: int, average: EncodedAverage) -> None:
-        """The step on ``average`` took the state from digest ``before`` to ``after``, at ``version``."""
+        """The step on ``average`` took the state from digest ``before`` to ``after``, at ``version``; the oldest
+        steps go beyond ``max_bytes`` (the last one stays)."""
         self._steps.append(OuterStep(version, average, before, after))
+        while len(self._steps) > 1 and sum(s.average.nbytes for s in self._steps) > self.max_bytes:
+            self._steps.popleft()
 
     def chain(self, now: bytes, version: int) -> tuple[OuterStep, ...]:
         """The longest run of logged steps that ends at the state of digest ``now`` at ``version`` with no gap:
