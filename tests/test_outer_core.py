@@ -1525,8 +1525,9 @@ class _Gate(AverageHandle):
 
 def test_a_consensus_round_still_exchanging_holds_no_merge_and_is_taken_at_a_later_one(base_model) -> None:
     """A consensus round whose members differ moves the whole outer state in fp32 (on a slow link, tens of
-    seconds): the delta round sent with it merges without waiting for it, and the consensus is taken at the first
-    merge of the fragment after it came through, moving phi and theta together."""
+    seconds): the delta round sent with it merges after waiting for it ``CONSENSUS_WAIT_S`` at most (never
+    blocking on ``result()``), and the consensus is taken at the first merge of the fragment after it came
+    through, moving phi and theta together."""
     swarm = Swarm(base_model, 2, _outer(h=2, tau=0, method="replace", consensus_every=2))
     swarm.step(1)
     other = swarm.loops[1].states[0]

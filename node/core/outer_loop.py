@@ -70,6 +70,7 @@ from locoswarm.node.core.transport import (
 
 MIN_WEIGHT = 1.0  # tokens: the least a contribution claims (see OuterLoop._start)
 MAX_REPLAY = 4    # merged rounds remembered while a catch-up download is under way (see OuterLoop._land)
+CONSENSUS_WAIT_S = 2.0  # longest a merge waits for its fragment's consensus round (OuterLoop._apply_consensus)
 # A downloaded phi whose held-out loss is more than this share above the node's own is no honest holder's
 # (``OuterLoop._judge_effect``): a negated phi gives several times the loss. An honest holder's phi can be
 # damaged too: the effect check lets an average do up to twice the loss (``effect_tolerance`` 1.0) and a hostile
@@ -426,16 +427,21 @@ class OuterLoop:
         the identical outer step that follows keeps them equal. Returns the shift of phi (theta moved by
         it too; None: nothing moved).
 
-        Never waited for: a consensus round whose members' states differ moves the whole outer state in fp32,
-        8 bytes per parameter, and on 5 Mbit/s links that took about 30 s, for which the delta round's merge, and
-        training at its late window, waited on every member (bench runs with two nodes behind NAT stalled all four
-        nodes at every tenth sync). One still exchanging is left pending and taken at a later merge of the
-        fragment; ``settle`` keeps what moved locally since the send (the members are then equal up to rounding,
-        and the next consensus round makes them equal)."""
+        Waited for ``CONSENSUS_WAIT_S`` at most: a consensus round whose members' states differ moves the whole
+        outer state in fp32, 8 bytes per parameter, and on 5 Mbit/s links that took about 30 s, for which the
+        delta round's merge, and training at its late window, waited on every member (bench runs with two nodes
+        behind NAT stalled all four nodes at every tenth sync). One still exchanging then is left pending and taken
+        at a later merge of the fragment; ``settle`` keeps what moved locally since the send (the members are then
+        equal up to rounding, and the next consensus round makes them equal). On fast links it comes in time, and
+        every member takes it at the same merge: not waiting at all let the phi of a 4-node gossip swarm (groups
+        of 2, a consensus round every 2nd sync) spread up to 6.5% apart on loopback."""
         item = self.pending_consensus.get(st.index)
         if item is None:
             return None
         handle, sent = item
+        deadline = time.monotonic() + CONSENSUS_WAIT_S
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
         if not handle.done():
             return None
         del self.pending_consensus[st.index]
