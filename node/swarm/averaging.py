@@ -1174,8 +1174,8 @@ class SwarmTransport(Transport):
         return self._newest(fragment).version
 
     def fetch_fragment(self, fragment: int, have: int | None = None) -> FragmentSnapshot | None:
-        """A catch-up of ``fragment``: a replay of the steps from ``have`` where that is possible (a few versions
-        behind, a digest to check the outcome against), else the state."""
+        """A catch-up of ``fragment``: a replay of the steps from ``have`` where that is possible (at most
+        ``REPLAY_DEPTH`` versions behind, a holder that keeps them: ``_replay``), else the state."""
         belief = self._newest(fragment)
         if not belief.holders:
             return None
