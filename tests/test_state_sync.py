@@ -873,12 +873,13 @@ def test_a_download_is_given_time_for_its_size(swarm):
 # ---- replays: the steps a node missed instead of the state (locoswarm.node.core.step_log) -------------------
 
 
-def _stepped(seed: int = 8, steps: int = 3) -> tuple[dict[int, FragmentSnapshot], list[EncodedAverage]]:
-    """A holder's snapshots whose fragment 0 logged ``steps`` steps, at versions 3..5 (fp4 averages of several
+def _stepped(seed: int = 8, steps: int = 3, codec: str = "fp4") -> tuple[dict[int, FragmentSnapshot],
+                                                                         list[EncodedAverage]]:
+    """A holder's snapshots whose fragment 0 logged ``steps`` steps, at versions 6 - steps .. 5 (averages of several
     chunks each, so that each step is several messages)."""
     g = torch.Generator().manual_seed(seed)
-    fp4 = get_codec("fp4", 64)
-    averages = [EncodedAverage("fp4", NUMEL, tuple(encode_chunks(fp4, torch.randn(NUMEL, generator=g))))
+    enc = get_codec(codec, 64)
+    averages = [EncodedAverage(codec, NUMEL, tuple(encode_chunks(enc, torch.randn(NUMEL, generator=g))))
                 for _ in range(steps)]
     snaps = _snaps(seed)
     snaps[0] = replace(snaps[0], steps=tuple(OuterStep(6 - steps + i, a, bytes([i] * 16), bytes([i + 1] * 16))
@@ -910,6 +911,23 @@ def test_a_holder_serves_the_steps_a_node_missed_and_refuses_what_its_log_does_n
         server.close()
 
 
+def test_a_replay_of_fp32_steps_is_taken_though_it_outweighs_the_state(swarm):
+    """Steps in the widest codec (fp32, 4 bytes per element): four of them are twice the bytes of the state, and the
+    client still takes them from an honest holder (a bound of the state's size refused two, and blamed the holder:
+    a loopback gossip test's nodes then stopped taking state from each other)."""
+    book = Book()
+    snaps, averages = _stepped(steps=4, codec="fp32")
+    server = _server(swarm, swarm.good, book, snaps=snaps)
+    good = swarm.id(swarm.good)
+    try:
+        got = _client(swarm, book).fetch_steps(0, [good], have=1, target=5)
+        assert got is not None and got.base == 1 and got.version == 5
+        assert [s.average for s in got.steps] == averages and sum(a.nbytes for a in averages) == 16 * NUMEL
+        assert book.bad == []
+    finally:
+        server.close()
+
+
 def replace_step(step: swarm_pb2.ReplayStep) -> swarm_pb2.ReplayStep:
     """``step`` without its digests."""
     bare = swarm_pb2.ReplayStep()
@@ -923,6 +941,11 @@ REPLAY_HOSTILE = {
     "gap": ("sent step v5 chunk 0; expected v4 chunk 0", lambda s: [m for m in s if m.step.version != 4]),
     "reordered": ("sent step v4 chunk 2 inside step v4 at chunk 1", lambda s: [s[0], s[2], s[1], *s[3:]]),
     "state_instead": ("sent a state for a replay of fragment 0", None),
+    # one step in more bytes than fp32 takes (the widest codec): a replay never holds more than REPLAY_DEPTH of those
+    "oversized": (f"sent {4 * NUMEL + 4098} bytes of step v4, more than any codec takes for {NUMEL} elements",
+                  lambda s: [swarm_pb2.StateChunk(fragment=0, version=5, numel=NUMEL, step=swarm_pb2.ReplayStep(
+                      version=4, codec="fp32", numel=NUMEL, index=i, count=2, data=bytes(2 * NUMEL + 2049),
+                      before=bytes(16) if i == 0 else b"", after=bytes(16) if i == 0 else b"")) for i in range(2)]),
     "no_digests": ("step v4: digests of 0 and 0 bytes, not 16",
                    lambda s: [swarm_pb2.StateChunk(fragment=m.fragment, version=m.version, numel=m.numel,
                                                    step=replace_step(m.step)) for m in s]),

@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")
+# Bytes per element of the widest codec (fp32); int8 and fp4 take at most 1.5 and 1.0 at the smallest block size, 8.
+MAX_BYTES_PER_ELEMENT = 4
 
 _SCALE_BYTES = 4  # one little-endian float32 scale per block
 _INT8_MAX = 127

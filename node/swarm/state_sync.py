@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from locoswarm.node.core.codecs import CODECS
+from locoswarm.node.core.codecs import CODECS, MAX_BYTES_PER_ELEMENT
 from locoswarm.node.core.state import DIGEST_BYTES
 from locoswarm.node.core.step_log import REPLAY_DEPTH
 from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot, OuterStep
@@ -817,7 +817,8 @@ def _raise_refusal(msg: swarm_pb2.StateChunk) -> None:
 
 class _Replay:
     """A replay under way: the steps of ``fragment`` after version ``have``, each one's chunks in order, checked as
-    they come (module docstring of ``locoswarm.node.core.step_log``); it never holds more bytes than the state."""
+    they come (module docstring of ``locoswarm.node.core.step_log``). Each step holds at most what the widest codec
+    takes (``MAX_BYTES_PER_ELEMENT``), so a replay at most ``REPLAY_DEPTH`` times that: twice the state."""
 
     def __init__(self, fragment: int, have: int, target: int, numel: int) -> None:
         self.fragment, self.have, self.target, self.numel = fragment, have, target, numel
@@ -851,14 +852,15 @@ class _Replay:
             raise BadSource(f"sent step v{step.version} chunk {step.index} inside step v{self._open.version} "
                             f"at chunk {len(self._chunks)}")
         self._bytes += len(step.data)
-        if self._bytes > 8 * self.numel + 4096:
-            raise BadSource(f"sent {self._bytes} bytes of steps, more than the state of {self.numel} elements")
+        if self._bytes > MAX_BYTES_PER_ELEMENT * self.numel + 4096:
+            raise BadSource(f"sent {self._bytes} bytes of step v{step.version}, more than any codec takes for "
+                            f"{self.numel} elements")
         self._chunks.append(step.data)
         if len(self._chunks) == self._open.count:
             self.steps.append(OuterStep(int(self._open.version),
                                         EncodedAverage(self._open.codec, int(self._open.numel), tuple(self._chunks)),
                                         bytes(self._open.before), bytes(self._open.after)))
-            self._version, self._open, self._chunks = int(self._open.version), None, []
+            self._version, self._open, self._chunks, self._bytes = int(self._open.version), None, [], 0
         self._claim = (int(msg.clock), int(msg.inner_step), time.time()) if msg.clock or msg.inner_step else None
 
     def complete(self) -> bool:
