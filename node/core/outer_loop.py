@@ -169,6 +169,16 @@ class OuterStats:
 
 
 @dataclass
+class _Consensus:
+    """A consensus round under way: the outer state this node sent (phi and momentum joined), and the group averages
+    of the outer steps it took since, while the round was still exchanging (``OuterLoop._apply_consensus``)."""
+
+    handle: AverageHandle
+    sent: torch.Tensor
+    steps: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
 class _Fetch:
     """A catch-up download under way: the least version it must bring, and the rounds merged meanwhile
     (the group's version at send time, the average) to apply on top of it when it lands."""
@@ -257,7 +267,7 @@ class OuterLoop:
         self._steps = ([StepLog(max_bytes=STEP_LOG_BYTES // len(self.states)) for _ in self.states]
                        if self.compressor.replayable else None)
         self.consensus = StateConsensus(outer.consensus_every, len(fragments))
-        self.pending_consensus: dict[int, tuple[AverageHandle, torch.Tensor]] = {}
+        self.pending_consensus: dict[int, _Consensus] = {}
         self.shared_r: torch.Tensor | None = None
         self.stats = OuterStats()
         self.expected_share = 1.0 / max(1, expected_group_size)
@@ -418,7 +428,7 @@ class OuterLoop:
             fragment=self.consensus.round_fragment(st.index), round=step, chunks=encode_chunks(codec, sent),
             numel=sent.numel(), weight=1.0, version=st.version, codec=CONSENSUS_CODEC,
             digest=state_digest(sent)))
-        self.pending_consensus[st.index] = (handle, sent)
+        self.pending_consensus[st.index] = _Consensus(handle, sent)
 
     def _apply_consensus(self, st: FragmentState) -> torch.Tensor | None:
         """Take the group's mean outer state, if this fragment's consensus round is pending and came
@@ -434,11 +444,16 @@ class OuterLoop:
         at a later merge of the fragment; ``settle`` keeps what moved locally since the send (the members are then
         equal up to rounding, and the next consensus round makes them equal). On fast links it comes in time, and
         every member takes it at the same merge: not waiting at all let the phi of a 4-node gossip swarm (groups
-        of 2, a consensus round every 2nd sync) spread up to 6.5% apart on loopback."""
+        of 2, a consensus round every 2nd sync) spread up to 6.5% apart on loopback.
+
+        Taken late, it lands as a catch-up does (``_restep``): the outer steps taken since the send are applied
+        again from the group's mean state, so a member that took it late ends where one that took it in time did,
+        bit for bit. ``settle`` alone (mean plus the local moves) left them apart by the momentum each outer step
+        used: that gossip swarm's phi spread past 5% in a loaded run."""
         item = self.pending_consensus.get(st.index)
         if item is None:
             return None
-        handle, sent = item
+        handle, sent = item.handle, item.sent
         deadline = time.monotonic() + CONSENSUS_WAIT_S
         while not handle.done() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -459,10 +474,7 @@ class OuterLoop:
         if res.average.numel() != sent.numel():
             self.stats.refused += 1
             return None
-        phi_mean, momentum_mean = split_state(res.average, st.numel)
-        phi_sent, momentum_sent = split_state(sent, st.numel)
-        phi = self.consensus.settle(phi_mean, phi_sent, st.phi)
-        momentum = self.consensus.settle(momentum_mean, momentum_sent, st.momentum)
+        phi, momentum = self._restep(st, item, res.average)
         shift = phi - st.phi
         reason = check_shift(shift, st.phi, self.limits) or check_momentum(momentum, phi, self.limits)
         if reason is not None:
@@ -474,6 +486,29 @@ class OuterLoop:
         self.stats.last_consensus_shift = float(torch.linalg.vector_norm(shift)) / max(
             1e-12, float(torch.linalg.vector_norm(st.phi)))
         return shift
+
+    def _restep(self, st: FragmentState, item: _Consensus, average: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phi and momentum after a consensus round whose group ``average`` of the outer state comes after the outer
+        steps ``item.steps`` were taken: those steps again from the mean, where they are all that moved the state
+        since the send (replayed from what was sent, they reach the state as it is bit for bit); else the mean
+        plus whatever moved (``StateConsensus.settle``)."""
+        device = st.phi.device
+        phi_mean, momentum_mean = (t.to(device) for t in split_state(average, st.numel))
+        phi_sent, momentum_sent = (t.to(device) for t in split_state(item.sent, st.numel))
+        if item.steps:
+            phi, momentum = self._stepped_from(phi_sent, momentum_sent, item.steps)
+            if torch.equal(phi, st.phi) and torch.equal(momentum, st.momentum):
+                return self._stepped_from(phi_mean, momentum_mean, item.steps)
+        return (self.consensus.settle(phi_mean, phi_sent, st.phi),
+                self.consensus.settle(momentum_mean, momentum_sent, st.momentum))
+
+    def _stepped_from(self, phi: torch.Tensor, momentum: torch.Tensor,
+                      steps: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phi and momentum after the outer ``steps`` from ``phi`` and ``momentum`` (on copies)."""
+        phi, momentum = phi.clone(), momentum.clone()
+        for delta in steps:
+            self.optimizer.step(phi, momentum, delta)
+        return phi, momentum
 
     def _send_late(self, rule: LateRule, st: FragmentState, step: int) -> list[SyncEvent]:
         events = []
@@ -620,6 +655,12 @@ class OuterLoop:
                 event = self._event("failed", st, step, res, pend.sent_step)
             return [event, *self._bound_carry(st, step, refused=reason is not None or res.refused)]
         st.failed_rounds = st.refused_rounds = 0
+        consensus = self.pending_consensus.get(st.index)
+        if consensus is not None and res.average is not None:  # taken late: this step is applied again after it
+            if len(consensus.steps) < MAX_REPLAY:
+                consensus.steps.append(res.average.detach().to(st.phi.device).clone())
+            else:
+                del self.pending_consensus[st.index]
         fetch = self._fetches.get(st.index)
         if fetch is not None and len(fetch.replay) < MAX_REPLAY and res.average is not None:
             fetch.replay.append((res.max_version, res.average.detach().clone()))
@@ -966,6 +1007,7 @@ class OuterLoop:
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
         st.folded = False
+        self.pending_consensus.pop(st.index, None)  # it averaged the state this one replaces
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
                 break
