@@ -34,6 +34,9 @@ memory and the version rules can tell:
 - ``statenoise``:  the same, serving noise of its phi's norm instead (no reversal: a cosine of about 0 with an
   honest phi, so only its effect gives it away);
 - ``versionliar``: the same with version +1000 (far beyond the swarm clock's bound).
+- ``replayliar``:  heartbeats claim version +2, and a node that asks to replay the steps up to it
+  (``locoswarm.node.core.step_log``) is served two steps from the liar's real state, each its last group
+  average negated, with the digests those steps really reach: every digest a replaying node checks matches.
 
 A hostile *client* never publishes a heartbeat nor enters matchmaking; it joins the DHT with its own
 libp2p identity (``--state-dir``) and:
@@ -607,10 +610,51 @@ class VersionLiarAttack(StateLiarAttack):
     lie = VERSION_LIE
 
 
+class ReplayLiarAttack(StateLiarAttack):
+    name = "replayliar"
+    help = ("heartbeats claim version +2 and its state server serves the two steps that lead there from its real "
+            "state: its last group average negated, twice, with the digests they really reach (a replay that "
+            "checks out step by step and ends where the liar claims)")
+
+    def apply(self) -> None:
+        from locoswarm.node.core.codecs import get_codec
+        from locoswarm.node.core.payload import decode_chunks, encode_chunks
+        from locoswarm.node.core.state import state_digest
+        from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot, OuterStep
+        from locoswarm.node.daemon import Node
+
+        publish = Node._publish
+        lie, attack = self.lie, self
+
+        @functools.wraps(publish)
+        def forged_publish(node, fragment: int) -> None:
+            publish(node, fragment)
+            snap = node.published[fragment]
+            if not snap.steps:  # nothing logged to forge from yet (a catch-up or a consensus broke the chain)
+                return
+            last = snap.steps[-1].average
+            codec = get_codec(last.codec, node.cfg.outer.block_size)
+            turned = encode_chunks(codec, -decode_chunks(codec, list(last.chunks), last.numel))
+            forged = EncodedAverage(last.codec, last.numel, tuple(turned))
+            delta = decode_chunks(codec, list(forged.chunks), forged.numel)  # what a replaying node decodes
+            phi, momentum = snap.phi.clone(), snap.momentum.clone()
+            steps = []
+            for k in range(1, lie + 1):
+                before = state_digest(phi, momentum)
+                node.outer.optimizer.step(phi, momentum, delta)
+                steps.append(OuterStep(snap.version + k, forged, before, state_digest(phi, momentum)))
+            node.published[fragment] = FragmentSnapshot(fragment, snap.version + lie, phi, momentum,
+                                                        steps=tuple(steps))
+            node._digests[fragment] = state_digest(phi, momentum)
+            attack.carried_out()
+
+        Node._publish = forged_publish
+
+
 NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (
     WeightAttack, ValuesAttack, NanAttack, ReducerAttack, StateAttack, ClockAttack, ForgeAttack, FlipAttack, IpmAttack,
     DriftAttack, SleeperAttack, ReplayAttack, BadReduceAttack, ReduceDriftAttack, ReduceNudgeAttack, StateLiarAttack,
-    StateNoiseAttack, VersionLiarAttack)}
+    StateNoiseAttack, VersionLiarAttack, ReplayLiarAttack)}
 
 
 # ---- client attacks: a peer that never joins matchmaking --------------------------------------------

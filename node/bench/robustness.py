@@ -34,7 +34,7 @@ from locoswarm.node.helptext import describe
 
 OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
 IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
-            "statenoise", "versionliar")
+            "statenoise", "versionliar", "replayliar")
 KINDS = ("clean", *OUT_OF_BOUND, *IN_BOUND)
 CLIENT_KINDS = ("inject", "flood", "download")
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
