@@ -113,6 +113,7 @@ class Node:
         self.stop = threading.Event()
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
+        self._claims_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (peer, fragment) -> (version, first seen)
         self.published: dict = {}
         self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
@@ -826,11 +827,13 @@ class Node:
         (``locoswarm.node.swarm.versions``): at most what the swarm clock allows (a claim far above it is an
         offence), corroborated by a second claimant, from the holders that announce the digest most of them
         do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
-        lately (``Reputation.offended``: colluding liars corroborate each other's claims)."""
+        lately (``Reputation.offended``: colluding liars corroborate each other's claims), nor a claim its own
+        rounds contradict (``RoundClaims``: a claim of a state it does not hold)."""
         from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
         bound = self._version_bound()
         claims: dict[str, Claim] = {}
+        now = time.monotonic()
         for pid, hb in self.peer_table.items():
             if not hb.has_state or self.reputation.is_banned(pid) or self.reputation.offended(pid, "bad_state"):
                 continue
@@ -841,11 +844,24 @@ class Node:
                     self.reputation.refuse(pid, "version_lie", f"heartbeat claims version {fs.version} of fragment "
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
+                seen = self._claim_seen(pid, fragment, int(fs.version), now)
+                if self.transport.round_claims.doubted(fragment, pid, int(fs.version), seen, now):
+                    continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
         # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
         # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
         outbound = self._outbound_peers()
         return believe({p: c for p, c in claims.items() if p not in outbound}, bound=bound)
+
+    def _claim_seen(self, peer: str, fragment: int, version: int, now: float) -> float:
+        """When this node first saw ``peer``'s heartbeat claim ``version`` of ``fragment`` (monotonic)."""
+        key = (peer, fragment)
+        known = self._claims_seen.get(key)
+        if known is None or known[0] != version:
+            known = self._claims_seen[key] = (version, now)
+            if len(self._claims_seen) > 4 * len(self.peer_table) * max(1, len(self.fragments)) + 64:
+                self._claims_seen = {k: v for k, v in self._claims_seen.items() if k[0] in self.peer_table}
+        return known[1]
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it

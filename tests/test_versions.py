@@ -9,8 +9,10 @@ from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
+    CAUGHT_S,
     VERSION_SLACK,
     Claim,
+    RoundClaims,
     absurd_version,
     believe,
     plausible_version,
@@ -118,3 +120,34 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
     assert SwarmTransport.latest_version(stub, 0) == 40  # probed: not again for a while
     stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
     assert SwarmTransport.latest_version(stub, 0) == 42
+
+
+def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -> None:
+    """``RoundClaims`` (rule 5): a member whose round, after its heartbeat claimed version 12, names version 10 was
+    caught claiming a state it does not hold; its claims above its rounds' version + 1 are then doubted for
+    ``CAUGHT_S``, even after its next round names 11. An honest member's heartbeat lags its rounds: a round naming
+    the claimed version, one below it (a heartbeat published between a round's send and its stream), a newer one,
+    or any round seen before the claim contradicts nothing. Members and fragments are apart."""
+    rc = RoundClaims()
+    rc.record(0, "liar", 10, now=5.0)          # a round before the claim was seen: no evidence either way
+    assert not rc.doubted(0, "liar", 12, seen=6.0, now=6.0)
+    rc.record(0, "liar", 10, now=7.0)          # after it: two below the claim
+    assert rc.doubted(0, "liar", 12, seen=6.0, now=7.0)
+    assert rc.caught(now=7.0) == [(0, "liar")]
+    rc.record(0, "liar", 11, now=8.0)          # its version moved on; it claims 13 now
+    assert rc.doubted(0, "liar", 13, seen=7.5, now=8.0)
+    assert not rc.doubted(0, "liar", 12, seen=7.5, now=8.0)   # 11 + 1: its rounds back that much
+    # a claim first seen after its last round: no evidence against it, but doubted while the member stays caught
+    assert rc.doubted(0, "liar", 13, seen=9.0, now=10.0)
+    assert not rc.doubted(0, "liar", 13, seen=9.0, now=8.0 + CAUGHT_S + 1)
+    assert not rc.doubted(1, "liar", 12, seen=6.0, now=7.0)  # another fragment: nothing named there
+    for named in (12, 11, 14):
+        honest = RoundClaims()
+        honest.record(0, "honest", named, now=7.0)
+        assert not honest.doubted(0, "honest", 12, seen=6.0, now=7.0), named
+        assert honest.caught(now=7.0) == []
+    small = RoundClaims(max_pairs=2)
+    for i in range(3):
+        small.record(i, "p", 1, now=1.0)
+    assert not small.doubted(0, "p", 9, seen=0.0, now=2.0)  # forgotten: the oldest pair went first
+    assert small.doubted(2, "p", 9, seen=0.0, now=2.0)

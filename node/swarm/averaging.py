@@ -81,7 +81,7 @@ from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
-from locoswarm.node.swarm.versions import Belief, absurd_version, plausible_version, state_digest
+from locoswarm.node.swarm.versions import Belief, RoundClaims, absurd_version, plausible_version, state_digest
 from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
     consensus_members,
@@ -984,6 +984,8 @@ class SwarmTransport(Transport):
         self.counters = ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self.dial_failures = DialFailures()
+        # what members' round headers name of their versions, held against their heartbeats (``versions``, rule 5)
+        self.round_claims = RoundClaims()
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
         self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
@@ -1742,6 +1744,7 @@ class SwarmTransport(Transport):
                 view = self._local_view(req.fragment, req.round)
                 if view is not None and peer not in view.versions:  # nobody streamed to us (outbound only)
                     view.claim_version(peer, int(h.version), int(h.lineage))
+                self.round_claims.record(req.fragment, peer, int(h.version))
                 async for msg in stream:
                     self.counters.received(peer, req.fragment, req.round, msg.ByteSize())
                     c = msg.chunk.index
@@ -1874,6 +1877,7 @@ class SwarmTransport(Transport):
         max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
         session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
         session.claim_version(remote, int(h.version), int(h.lineage))
+        self.round_claims.record(int(h.fragment), remote, int(h.version))
         try:
             result = await asyncio.wait_for(asyncio.shield(session.done), self.round_timeout)
         except Exception as exc:

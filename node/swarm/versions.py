@@ -20,6 +20,16 @@ must pass before a node acts on it:
 4. **The effect check** (``locoswarm.node.core.judge``): a downloaded phi may not do worse on the node's
    own held-out batch than the phi it holds. What passes 1-3 but lies (colluders within the bound) is
    refused there, and its sources are blamed.
+5. **What the claimant says in rounds** (:class:`RoundClaims`). Every contribution and reduced part a member
+   streams names its version of the fragment, on its own authenticated stream. An honest member's version
+   never falls below what its heartbeat claimed earlier: versions only grow, except where a member two or more
+   versions ahead of its group takes the group's (``OuterLoop._follow_group``), and then it left the claimed
+   version itself. A member whose rounds, after its heartbeat claimed version V, still name V - 2 or less was caught
+   claiming a state it does not hold. For ``CAUGHT_S`` its claims above the version its rounds name, plus one,
+   are not believed. A liar that claims a version it lacks and serves a state of its own making under it (a
+   forged replay or a download whose digest it announces itself) passes 1-4 when that state is merely slower
+   than the honest one. One node that took it then corroborated it for all the others, and the honest
+   swarm followed the liar (robustness bench, ``replayliar``: 119 catch-ups from it in 180 s, +8.4%).
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -30,7 +40,9 @@ claim alone.
 
 from __future__ import annotations
 
-from collections import Counter
+import math
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +50,11 @@ from locoswarm.node.core.state import state_digest  # the digest heartbeats anno
 
 VERSION_SLACK = 2       # versions above the clock's count of send slots still believed (clocks differ by a step)
 VERSION_ABSURD = 256    # a claim this far above twice the bound is a lie, not a restart: an offence
+# A round that names a version this far below a heartbeat claim seen before it contradicts the claim (module
+# docstring, 5): one less is a heartbeat published between the round's send and its stream.
+CONTRADICTED_BY = 2
+CAUGHT_S = 120.0        # how long a member caught contradicting its claims has them capped at its rounds' version + 1
+MAX_ROUND_CLAIMS = 4096  # (fragment, member) pairs remembered
 
 
 def version_bound(clock: int, h: int, sends_per_h: int = 1) -> int:
@@ -99,3 +116,41 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None, *, boun
 
 
 __all__ = ["Belief", "Claim", "absurd_version", "believe", "plausible_version", "state_digest", "version_bound"]
+
+
+class RoundClaims:
+    """The version each member's rounds named last, per fragment, held against its heartbeat claims (module
+    docstring, 5). ``record`` is called with what an authenticated stream's header says; ``doubted`` tells whether
+    a heartbeat claim, first seen at ``seen`` (``time.monotonic``), is not to be believed."""
+
+    def __init__(self, max_pairs: int = MAX_ROUND_CLAIMS) -> None:
+        self._named: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
+        self._caught: dict[tuple[int, str], float] = {}
+        self.max_pairs = max_pairs
+
+    def record(self, fragment: int, member: str, version: int, now: float | None = None) -> None:
+        key = (fragment, member)
+        self._named[key] = (int(version), time.monotonic() if now is None else now)
+        self._named.move_to_end(key)
+        while len(self._named) > self.max_pairs:
+            old, _ = self._named.popitem(last=False)
+            self._caught.pop(old, None)
+
+    def doubted(self, fragment: int, member: str, claim: int, seen: float, now: float | None = None) -> bool:
+        """Whether ``member``'s heartbeat claim of version ``claim`` of ``fragment``, first seen at ``seen``, is
+        contradicted by a round it named a version in after that, or it was caught so lately and claims more than
+        its rounds' version + 1."""
+        named = self._named.get((fragment, member))
+        if named is None:
+            return False
+        version, at = named
+        now = time.monotonic() if now is None else now
+        if at > seen and version <= claim - CONTRADICTED_BY:
+            self._caught[(fragment, member)] = now
+        caught = now - self._caught.get((fragment, member), -math.inf) < CAUGHT_S
+        return caught and claim > version + 1
+
+    def caught(self, now: float | None = None) -> list[tuple[int, str]]:
+        """The (fragment, member) pairs caught within ``CAUGHT_S`` (for status displays and tests)."""
+        now = time.monotonic() if now is None else now
+        return sorted(k for k, t in self._caught.items() if now - t < CAUGHT_S)
