@@ -39,6 +39,7 @@ from locoswarm.node.swarm.averaging import (
 )
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
+from locoswarm.node.swarm.versions import RoundClaims
 from locoswarm.node.transport.groups import consensus_members, form_groups, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
 
@@ -458,7 +459,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set,
+                           _refused_sources={}, outbound_peers=set, round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
@@ -468,6 +469,26 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmLiar"])}
     assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
+
+
+def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
+    """A holder whose last round named a version two below the one believed (a liar claiming +2 while the honest
+    members hold it too) serves a state of its own making: it is not asked while a holder whose rounds back the
+    version is (``RoundClaims.backs``); with none backed, every holder is."""
+    from locoswarm.node.swarm.versions import Belief
+
+    holders = ["QmHonest", "QmLiar", "QmQuiet"]
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
+                           _latest_versions=lambda fragment: Belief(12, b"d", list(holders)),
+                           _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                           deviations=DeviationMemory())
+    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+    stub.round_claims.record(0, "QmHonest", 11)
+    stub.round_claims.record(0, "QmLiar", 10)
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmHonest", "QmQuiet"])  # QmQuiet: nothing named
+    holders.remove("QmHonest")
+    holders.remove("QmQuiet")
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmLiar"])
 
 
 def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until_it_is_cleared() -> None:
@@ -482,7 +503,7 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set,
+                           _refused_sources={}, outbound_peers=set, round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)

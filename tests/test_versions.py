@@ -107,7 +107,8 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
 
     fetched = []
     belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
+                           _refused_sources={}, outbound_peers=set,
                            dial_failures=DialFailures(), deviations=DeviationMemory(), _probed={},
                            _latest_versions=lambda fragment: belief,
                            _fetch=lambda *args: fetched.append(args))
@@ -146,6 +147,9 @@ def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -
         honest.record(0, "honest", named, now=7.0)
         assert not honest.doubted(0, "honest", 12, seen=6.0, now=7.0), named
         assert honest.caught(now=7.0) == []
+    # whose rounds back holding a version: the version before it or newer named, or nothing named yet
+    assert [rc.backs(0, "liar", v) for v in (11, 12, 13)] == [True, True, False]
+    assert rc.backs(1, "liar", 99)
     small = RoundClaims(max_pairs=2)
     for i in range(3):
         small.record(i, "p", 1, now=1.0)

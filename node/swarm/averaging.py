@@ -1166,6 +1166,8 @@ class SwarmTransport(Transport):
         recent_version, members = self.recent.get(fragment, (-1, []))
         others = [m for m in members if m != self.peer_id and self._state_source(m)]
         holders = [h for h in belief.holders if self._state_source(h)]
+        # a holder whose own rounds name an older version serves a state of its making (``versions``, rule 5)
+        holders = [h for h in holders if self.round_claims.backs(fragment, h, belief.version)] or holders
         if recent_version > belief.version and others:
             return Belief(recent_version, b"", others)
         if recent_version == belief.version and not belief.digest:

@@ -28,8 +28,11 @@ must pass before a node acts on it:
    claiming a state it does not hold. For ``CAUGHT_S`` its claims above the version its rounds name, plus one,
    are not believed. A liar that claims a version it lacks and serves a state of its own making under it (a
    forged replay or a download whose digest it announces itself) passes 1-4 when that state is merely slower
-   than the honest one. One node that took it then corroborated it for all the others, and the honest
-   swarm followed the liar (robustness bench, ``replayliar``: 119 catch-ups from it in 180 s, +8.4%).
+   than the honest one. One node that took it then corroborated it for all the others, and the honest swarm
+   followed the liar (robustness bench, ``replayliar``: 119 catch-ups from it in 180 s, +8.4%). Where the
+   honest members do hold the version it claims, the claim stands, but a node downloads from the holders whose
+   rounds back that version (``RoundClaims.backs``) where there are any: a download serves the holder's newest
+   state, and a liar's newest is the one it made up.
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -149,6 +152,12 @@ class RoundClaims:
             self._caught[(fragment, member)] = now
         caught = now - self._caught.get((fragment, member), -math.inf) < CAUGHT_S
         return caught and claim > version + 1
+
+    def backs(self, fragment: int, member: str, version: int) -> bool:
+        """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
+        version before it (a round since merged), or nothing named yet."""
+        named = self._named.get((fragment, member))
+        return named is None or named[0] >= version - 1
 
     def caught(self, now: float | None = None) -> list[tuple[int, str]]:
         """The (fragment, member) pairs caught within ``CAUGHT_S`` (for status displays and tests)."""
