@@ -441,15 +441,11 @@ class OuterLoop:
         outer state in fp32, 8 bytes per parameter, and on 5 Mbit/s links that took about 30 s, for which the
         delta round's merge, and training at its late window, waited on every member (bench runs with two nodes
         behind NAT stalled all four nodes at every tenth sync). One still exchanging then is left pending and taken
-        at a later merge of the fragment; ``settle`` keeps what moved locally since the send (the members are then
-        equal up to rounding, and the next consensus round makes them equal). On fast links it comes in time, and
-        every member takes it at the same merge: not waiting at all let the phi of a 4-node gossip swarm (groups
-        of 2, a consensus round every 2nd sync) spread up to 6.5% apart on loopback.
-
-        Taken late, it lands as a catch-up does (``_restep``): the outer steps taken since the send are applied
-        again from the group's mean state, so a member that took it late ends where one that took it in time did,
-        bit for bit. ``settle`` alone (mean plus the local moves) left them apart by the momentum each outer step
-        used: that gossip swarm's phi spread past 5% in a loaded run."""
+        at a later merge of the fragment, as a catch-up lands (``_restep``): the outer steps taken since the send are
+        applied again from the group's mean state, so a member that took it late ends where one that took it in
+        time did, bit for bit (the mean plus the local moves, ``settle``, left them apart by the momentum each step
+        used: a loaded 4-node gossip swarm's phi spread past 5%). On fast links it comes in time, and every member
+        takes it at the same merge."""
         item = self.pending_consensus.get(st.index)
         if item is None:
             return None
@@ -792,9 +788,7 @@ class OuterLoop:
 
     def _stepped(self, st: FragmentState, delta: torch.Tensor) -> torch.Tensor:
         """Phi after an outer step on ``delta`` (on copies: nothing changes)."""
-        phi, momentum = st.phi.clone(), st.momentum.clone()
-        self.optimizer.step(phi, momentum, delta)
-        return phi
+        return self._stepped_from(st.phi, st.momentum, [delta])[0]
 
     def _judge_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         """The effect check of a round's average (``locoswarm.node.core.judge``): None unless its outer step
