@@ -113,7 +113,6 @@ class Node:
         self.stop = threading.Event()
         self._beat = threading.Event()  # wakes the heartbeat thread early (see _beat_soon)
         self.peer_table: dict = {}
-        self._claims_seen: dict[tuple[str, int], tuple[int, float]] = {}  # (peer, fragment) -> (version, first seen)
         self.published: dict = {}
         self._digests: dict[int, bytes] = {}  # fragment -> digest of its published state (heartbeats)
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
@@ -844,24 +843,13 @@ class Node:
                     self.reputation.refuse(pid, "version_lie", f"heartbeat claims version {fs.version} of fragment "
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
-                seen = self._claim_seen(pid, fragment, int(fs.version), now)
-                if self.transport.round_claims.doubted(fragment, pid, int(fs.version), seen, now):
+                if self.transport.round_claims.doubted(fragment, pid, int(fs.version), now):
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
         # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
         # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
         outbound = self._outbound_peers()
         return believe({p: c for p, c in claims.items() if p not in outbound}, bound=bound)
-
-    def _claim_seen(self, peer: str, fragment: int, version: int, now: float) -> float:
-        """When this node first saw ``peer``'s heartbeat claim ``version`` of ``fragment`` (monotonic)."""
-        key = (peer, fragment)
-        known = self._claims_seen.get(key)
-        if known is None or known[0] != version:
-            known = self._claims_seen[key] = (version, now)
-            if len(self._claims_seen) > 4 * len(self.peer_table) * max(1, len(self.fragments)) + 64:
-                self._claims_seen = {k: v for k, v in self._claims_seen.items() if k[0] in self.peer_table}
-        return known[1]
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it

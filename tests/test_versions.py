@@ -131,27 +131,30 @@ def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -
     or any round seen before the claim contradicts nothing. Members and fragments are apart."""
     rc = RoundClaims()
     rc.record(0, "liar", 10, now=5.0)          # a round before the claim was seen: no evidence either way
-    assert not rc.doubted(0, "liar", 12, seen=6.0, now=6.0)
+    assert not rc.doubted(0, "liar", 12, now=6.0)
     rc.record(0, "liar", 10, now=7.0)          # after it: two below the claim
-    assert rc.doubted(0, "liar", 12, seen=6.0, now=7.0)
+    assert rc.doubted(0, "liar", 12, now=7.0)
     assert rc.caught(now=7.0) == [(0, "liar")]
-    rc.record(0, "liar", 11, now=8.0)          # its version moved on; it claims 13 now
-    assert rc.doubted(0, "liar", 13, seen=7.5, now=8.0)
-    assert not rc.doubted(0, "liar", 12, seen=7.5, now=8.0)   # 11 + 1: its rounds back that much
+    assert rc.doubted(0, "liar", 13, now=7.5)  # a newer claim, nothing named since: doubted while caught
+    rc.record(0, "liar", 11, now=8.0)          # its version moved on; it still claims 13
+    assert rc.doubted(0, "liar", 13, now=8.0)
+    assert not rc.doubted(0, "liar", 12, now=8.5)   # 11 + 1: its rounds back that much
     # a claim first seen after its last round: no evidence against it, but doubted while the member stays caught
-    assert rc.doubted(0, "liar", 13, seen=9.0, now=10.0)
-    assert not rc.doubted(0, "liar", 13, seen=9.0, now=8.0 + CAUGHT_S + 1)
-    assert not rc.doubted(1, "liar", 12, seen=6.0, now=7.0)  # another fragment: nothing named there
+    assert rc.doubted(0, "liar", 13, now=9.0)
+    assert not rc.doubted(0, "liar", 13, now=8.0 + CAUGHT_S + 1)
+    assert not rc.doubted(1, "liar", 12, now=7.0)  # another fragment: nothing named there
     for named in (12, 11, 14):
         honest = RoundClaims()
+        assert not honest.doubted(0, "honest", 12, now=6.0)
         honest.record(0, "honest", named, now=7.0)
-        assert not honest.doubted(0, "honest", 12, seen=6.0, now=7.0), named
+        assert not honest.doubted(0, "honest", 12, now=7.0), named
         assert honest.caught(now=7.0) == []
     # whose rounds back holding a version: the version before it or newer named, or nothing named yet
     assert [rc.backs(0, "liar", v) for v in (11, 12, 13)] == [True, True, False]
     assert rc.backs(1, "liar", 99)
     small = RoundClaims(max_pairs=2)
     for i in range(3):
+        small.doubted(i, "p", 9, now=0.5)
         small.record(i, "p", 1, now=1.0)
-    assert not small.doubted(0, "p", 9, seen=0.0, now=2.0)  # forgotten: the oldest pair went first
-    assert small.doubted(2, "p", 9, seen=0.0, now=2.0)
+    assert not small.doubted(0, "p", 9, now=2.0)  # forgotten: the oldest pair went first
+    assert small.doubted(2, "p", 9, now=2.0)

@@ -123,34 +123,44 @@ __all__ = ["Belief", "Claim", "absurd_version", "believe", "plausible_version", 
 
 class RoundClaims:
     """The version each member's rounds named last, per fragment, held against its heartbeat claims (module
-    docstring, 5). ``record`` is called with what an authenticated stream's header says; ``doubted`` tells whether
-    a heartbeat claim, first seen at ``seen`` (``time.monotonic``), is not to be believed."""
+    docstring, 5). ``record`` is called with what an authenticated stream's header says, ``doubted`` with each
+    heartbeat claim as the node reads it (the first read of a claim is when it was seen)."""
 
     def __init__(self, max_pairs: int = MAX_ROUND_CLAIMS) -> None:
         self._named: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
+        self._claimed: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
         self._caught: dict[tuple[int, str], float] = {}
         self.max_pairs = max_pairs
 
     def record(self, fragment: int, member: str, version: int, now: float | None = None) -> None:
         key = (fragment, member)
         self._named[key] = (int(version), time.monotonic() if now is None else now)
-        self._named.move_to_end(key)
-        while len(self._named) > self.max_pairs:
-            old, _ = self._named.popitem(last=False)
+        self._keep(self._named, key)
+
+    def _keep(self, table: OrderedDict[tuple[int, str], tuple[int, float]], key: tuple[int, str]) -> None:
+        """``key`` as the newest of ``table``, which keeps ``max_pairs`` (the oldest go first)."""
+        table.move_to_end(key)
+        while len(table) > self.max_pairs:
+            old, _ = table.popitem(last=False)
             self._caught.pop(old, None)
 
-    def doubted(self, fragment: int, member: str, claim: int, seen: float, now: float | None = None) -> bool:
-        """Whether ``member``'s heartbeat claim of version ``claim`` of ``fragment``, first seen at ``seen``, is
-        contradicted by a round it named a version in after that, or it was caught so lately and claims more than
-        its rounds' version + 1."""
-        named = self._named.get((fragment, member))
+    def doubted(self, fragment: int, member: str, claim: int, now: float | None = None) -> bool:
+        """Whether ``member``'s heartbeat claim of version ``claim`` of ``fragment`` is contradicted by a round it
+        named a version in after the claim was first seen, or it was caught so lately and claims more than its
+        rounds' version + 1."""
+        now = time.monotonic() if now is None else now
+        key = (fragment, member)
+        if self._claimed.get(key, (None, 0.0))[0] != claim:
+            self._claimed[key] = (int(claim), now)
+        self._keep(self._claimed, key)
+        seen = self._claimed[key][1]
+        named = self._named.get(key)
         if named is None:
             return False
         version, at = named
-        now = time.monotonic() if now is None else now
         if at > seen and version <= claim - CONTRADICTED_BY:
-            self._caught[(fragment, member)] = now
-        caught = now - self._caught.get((fragment, member), -math.inf) < CAUGHT_S
+            self._caught[key] = now
+        caught = now - self._caught.get(key, -math.inf) < CAUGHT_S
         return caught and claim > version + 1
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
