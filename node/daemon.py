@@ -477,7 +477,7 @@ class Node:
             robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
             standing_members=cfg.network.standing_members,
             joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound,
-            admission=self.admission, certificate=self.certificate, reachability=self.reachability,
+            admission=self.admission, certificate=self.certificate, reachability=self.reachability, kin=self._kin,
             outbound_peers=self._outbound_peers)
         self.transport.counters = self.counters
         judge = None
@@ -827,10 +827,12 @@ class Node:
         offence), corroborated by a second claimant, from the holders that announce the digest most of them
         do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
         lately (``Reputation.offended``: colluding liars corroborate each other's claims), nor a claim its own
-        rounds contradict (``RoundClaims``: a claim of a state it does not hold)."""
-        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
+        rounds contradict (``RoundClaims``: a claim of a state it does not hold); its claimant is banned after
+        ``LIES_BAN`` such claims that its rounds never backed."""
+        from locoswarm.node.swarm.versions import LIES_BAN, Claim, absurd_version, believe
 
         bound = self._version_bound()
+        round_claims = self.transport.round_claims
         claims: dict[str, Claim] = {}
         now = time.monotonic()
         for pid, hb in self.peer_table.items():
@@ -843,13 +845,32 @@ class Node:
                     self.reputation.refuse(pid, "version_lie", f"heartbeat claims version {fs.version} of fragment "
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
-                if self.transport.round_claims.doubted(fragment, pid, int(fs.version), now):
+                if round_claims.doubted(fragment, pid, int(fs.version), now):
+                    lies = round_claims.lies(fragment, pid, now)
+                    if lies >= LIES_BAN:
+                        self.reputation.refuse(pid, "version_claim", f"{lies} heartbeat claims of fragment {fragment} "
+                                               "that its own rounds never backed", conclusive=True)
                     continue
                 claims[pid] = Claim(int(fs.version), bytes(fs.digest))
         # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
         # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
         outbound = self._outbound_peers()
         return believe({p: c for p, c in claims.items() if p not in outbound}, bound=bound)
+
+    def _kin(self, peer: str, fragment: int) -> bool:
+        """Whether ``peer``'s heartbeat announces this node's published state of every fragment but ``fragment``:
+        the same digest at the same version, or a version one apart (``FragmentSnapshot.kin``)."""
+        hb = self.peer_table.get(peer)
+        if hb is None:
+            return False
+        theirs = {int(fs.fragment): (int(fs.version), bytes(fs.digest)) for fs in hb.fragments}
+        for p, snap in list(self.published.items()):  # read from the fetch thread; published may be replaced
+            if p == fragment:
+                continue
+            version, digest = theirs.get(p, (-1, b""))
+            if abs(version - snap.version) > 1 or (version == snap.version and digest != self._digests.get(p)):
+                return False
+        return True
 
     def _max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it

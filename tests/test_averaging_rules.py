@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -567,8 +568,11 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
                 return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=source)
             stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf",
                                    _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]),
-                                   _replay=lambda fragment, holders, have, belief: None)
-            assert SwarmTransport.fetch_fragment(stub, 0).doubted is doubted, (ceiling, source)
+                                   _replay=lambda fragment, holders, have, belief: None,
+                                   kin=lambda peer, fragment: peer == "QmHonest")
+            snapshot = SwarmTransport.fetch_fragment(stub, 0)
+            assert snapshot.doubted is doubted, (ceiling, source)
+            assert snapshot.kin is (source == "QmHonest")  # FragmentSnapshot.kin: as the daemon's view says
         assert not memory.muted_lately("QmDrifter", now=time.monotonic() + 2 * DOUBT_S), "the doubt lapses"
 
 
@@ -921,6 +925,19 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
     assert "QmD" in hostile._refused_sources
 
+    # the same parts from a reducer that names another phi (an honest joiner mixes its own contribution from that
+    # phi in): judged against SPREAD_BAN_OTHER_PHI, not banned at this spread; much louder ones are
+    other_phi = transport()
+    for r in range(2 * SPREAD_WINDOW):
+        joiner = part("QmD", 3 * r + 2, 2.0)._replace(same_lineage=False)
+        assert judge(other_phi, r, part("QmB", 3 * r + 1), joiner) is None
+    assert not other_phi.reputation.is_banned("QmD")
+    for r in range(2 * SPREAD_WINDOW, 3 * SPREAD_WINDOW):
+        if judge(other_phi, r, part("QmD", 3 * r + 2, 8.0)._replace(same_lineage=False)) and \
+                other_phi.reputation.is_banned("QmD"):
+            break
+    assert other_phi.reputation.is_banned("QmD")
+
     louder = transport()
     refused = judge(louder, 0, part("QmB", 1), part("QmD", 2, 4.0))
     assert refused is not None and "QmD" in refused and f"at most {SPREAD_REFUSE:g}x" in refused
@@ -998,6 +1015,11 @@ def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence
     for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=2):
         SwarmTransport._judge_persistence(in_pair, req, CODEC, bounds, parts)
     assert not in_pair.reputation.is_banned("QmD")
+    # low-rank payloads: chunks are coefficients on a basis that moves every round, not one coordinate per chunk
+    low_rank = transport()
+    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=1):
+        SwarmTransport._judge_persistence(low_rank, replace(req, basis=b"ranks+hash"), CODEC, bounds, parts)
+    assert not low_rank.reputation.is_banned("QmD") and low_rank.part_drift.reference() is None
 
 
 def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatever_lineage_it_names() -> None:

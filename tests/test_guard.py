@@ -304,9 +304,9 @@ class _CoupledJudge(EffectJudge):
 
 
 def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 0.0, nothing: float = math.inf,
-                     doubted: bool = False):
-    """A two-fragment node at v5 whose peers hold v105 of the fragments in ``served`` (``doubted``: the transport
-    doubts the holder)."""
+                     doubted: bool = False, start: int = 5, kin: bool = True):
+    """A two-fragment node at v``start`` whose peers hold v105 of the fragments in ``served`` (``doubted``: the
+    transport doubts the holder; ``kin``: the holder announces this node's other fragment)."""
     outer = OuterSection(method="replace", h=2, fragments=2, tau=0, codec="fp32", error_feedback=False,
                          schedule="fixed", consensus_every=0)
     model = build_model(ModelSection(), VOCAB)
@@ -314,12 +314,12 @@ def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 
     snaps: dict[int, FragmentSnapshot | None] = {}
     transport = _FarAheadSwarm(snaps)
     loop = OuterLoop(model, fragments, outer, transport)
-    assert loop.adopt([FragmentSnapshot(p, 5, loop.snapshot(p).phi.clone(), loop.snapshot(p).momentum.clone())
+    assert loop.adopt([FragmentSnapshot(p, start, loop.snapshot(p).phi.clone(), loop.snapshot(p).momentum.clone())
                        for p in range(2)], keep_progress=False) == {}
     for p in range(2):
         phi = loop.snapshot(p).phi.clone()
         snaps[p] = FragmentSnapshot(p, 105, phi + 0.01, torch.zeros_like(phi), source="QmHolder",
-                                    doubted=doubted) if p in served else None
+                                    doubted=doubted, kin=kin) if p in served else None
     loop.judge = _CoupledJudge(loop, snaps, new_loss, relative, nothing)
     events = []
     for t in range(1, 9):
@@ -362,6 +362,18 @@ def test_an_absurd_catch_up_is_conclusive_only_when_it_does_worse_than_knowing_n
     judge = LossJudge(build_model(ModelSection(), VOCAB), [torch.zeros(1, 4, dtype=torch.long)], "cpu",
                       relative_tolerance=1.0)
     assert judge.knowing_nothing() == pytest.approx(math.log(VOCAB))
+
+
+def test_one_fragment_of_another_lineage_is_no_ban_at_once() -> None:
+    """A catch-up of one fragment is judged beside this node's other one. Where the holder announces that other
+    fragment as this node holds it (``FragmentSnapshot.kin``), the mix is the holder's own model, and doing worse
+    than knowing nothing bans it at once; where it does not, the mix may join two lineages, which alone measured
+    10.1 against 2.12 (an honest low-rank joiner, banned at once in a test run): refused, one offence, no ban."""
+    for kin in (True, False):
+        loop, transport, events = _far_behind_node({0}, nothing=5.0, start=104, kin=kin)
+        assert [(e.kind, e.fragment) for e in events][:1] == [("refused", 0)], events
+        assert transport.rejected[0] == (0, True, kin), kin
+        assert loop.version(0) == 104
 
 
 def test_a_catch_up_never_takes_a_phi_much_worse_than_its_own_and_says_whence_it_came() -> None:

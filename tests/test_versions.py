@@ -10,6 +10,8 @@ from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
     CAUGHT_S,
+    LIE_MARGIN_S,
+    LIES_BAN,
     VERSION_SLACK,
     Claim,
     RoundClaims,
@@ -158,3 +160,91 @@ def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -
         small.record(i, "p", 1, now=1.0)
     assert not small.doubted(0, "p", 9, now=2.0)  # forgotten: the oldest pair went first
     assert small.doubted(2, "p", 9, now=2.0)
+
+
+def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
+    """``RoundClaims.lies`` (rule 5): a member that claims two versions more than its rounds name tells a new lie
+    with each claim its rounds then contradict, and ``LIES_BAN`` of them in one fragment within ``CAUGHT_S`` ban it.
+    An honest member that follows its group down had named the claimed version in a round shortly before: caught
+    (its claim is doubted) but no lie. Lies age out after ``CAUGHT_S``; members and fragments are apart."""
+    liar = RoundClaims()
+    t = 0.0
+    for real in range(10, 10 + LIES_BAN):
+        liar.record(0, "liar", real, now=t)
+        # the claim is seen, nothing named since: no evidence, but doubted once the liar was caught
+        assert liar.doubted(0, "liar", real + 2, now=t + 1) is (real > 10)
+        liar.record(0, "liar", real, now=t + 2)                   # its next round names what it holds
+        assert liar.doubted(0, "liar", real + 2, now=t + 3)
+        assert liar.lies(0, "liar", now=t + 3) == real - 9
+        t += 10.0
+    assert liar.lies(0, "liar", now=t) == LIES_BAN
+    assert liar.lies(1, "liar", now=t) == 0 and liar.lies(0, "other", now=t) == 0
+    assert liar.lies(0, "liar", now=t + CAUGHT_S) < LIES_BAN  # the first lies aged out
+    assert liar.doubted(0, "liar", 12, now=t + 4) is False    # a claim its rounds back (11 + 1) is no new lie
+    assert liar.lies(0, "liar", now=t + 4) == LIES_BAN
+
+    honest = RoundClaims()
+    for drop in range(LIES_BAN + 1):  # it held each claim: named it, was seen claiming it, then took its group's
+        v = 20 + 5 * drop
+        honest.record(0, "honest", v, now=100.0 * drop)
+        assert not honest.doubted(0, "honest", v, now=100.0 * drop + 1)
+        honest.record(0, "honest", v - 3, now=100.0 * drop + 2)
+        assert honest.doubted(0, "honest", v, now=100.0 * drop + 3)  # caught: its claim is doubted for a while
+    assert honest.lies(0, "honest", now=100.0 * LIES_BAN + 3) == 0
+    late = RoundClaims()  # a heartbeat read late: the round that named the claim came within LIE_MARGIN_S before
+    late.record(0, "honest", 30, now=0.0)
+    assert not late.doubted(0, "honest", 30, now=LIE_MARGIN_S - 1)
+    late.record(0, "honest", 27, now=LIE_MARGIN_S)
+    assert late.doubted(0, "honest", 30, now=LIE_MARGIN_S) and late.lies(0, "honest", now=LIE_MARGIN_S) == 0
+
+
+def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims() -> None:
+    """The daemon's belief (``Node._latest_versions``) skips a doubted claim, and refuses its claimant as a
+    ``version_claim`` offence that bans once ``LIES_BAN`` of its claims were lies; an honest holder whose rounds
+    name what it claims keeps being believed."""
+    import time
+    from types import SimpleNamespace
+
+    from locoswarm.node.daemon import Node
+    from locoswarm.node.swarm.reputation import Reputation
+
+    def heartbeat(version: int) -> SimpleNamespace:
+        return SimpleNamespace(has_state=True, reachability="public",
+                               fragments=[SimpleNamespace(fragment=0, version=version, digest=b"d")])
+
+    claims = RoundClaims()
+    node = SimpleNamespace(peer_table={}, reputation=Reputation(), transport=SimpleNamespace(round_claims=claims),
+                           _version_bound=lambda: 10_000)
+    node._outbound_peers = lambda: Node._outbound_peers(node)
+    for real in range(10, 10 + LIES_BAN):
+        node.peer_table = {"QmLiar": heartbeat(real + 2), "QmHonest": heartbeat(real), "QmOther": heartbeat(real)}
+        Node._latest_versions(node, 0)  # the claims are seen
+        time.sleep(0.002)
+        claims.record(0, "QmLiar", real)
+        claims.record(0, "QmHonest", real)
+        belief = Node._latest_versions(node, 0)
+        assert belief.version == real and "QmLiar" not in belief.holders
+    assert node.reputation.is_banned("QmLiar") and not node.reputation.is_banned("QmHonest")
+    assert node.reputation.snapshot()["peers"]["QmLiar"]["by_kind"] == {"version_claim": 1}
+
+
+def test_a_holder_is_kin_where_it_announces_this_nodes_other_fragments() -> None:
+    """``Node._kin`` (``FragmentSnapshot.kin``): a holder's heartbeat announces this node's published version and
+    digest of every fragment but the one downloaded, or a version one apart; the same version with another digest
+    (another lineage), two versions apart, or no heartbeat is not."""
+    from types import SimpleNamespace
+
+    from locoswarm.node.daemon import Node
+
+    def heartbeat(*fragments: tuple[int, int, bytes]) -> SimpleNamespace:
+        return SimpleNamespace(fragments=[SimpleNamespace(fragment=f, version=v, digest=d) for f, v, d in fragments])
+
+    node = SimpleNamespace(published={0: SimpleNamespace(version=10), 1: SimpleNamespace(version=20)},
+                           _digests={0: b"a", 1: b"b"}, peer_table={})
+    cases = {"same": ((0, 11, b"x"), (1, 20, b"b")), "ahead": ((0, 11, b"x"), (1, 21, b"y")),
+             "lineage": ((0, 11, b"x"), (1, 20, b"z")), "far": ((0, 11, b"x"), (1, 22, b"y")),
+             "missing": ((0, 11, b"x"),)}
+    node.peer_table = {peer: heartbeat(*fs) for peer, fs in cases.items()}
+    assert {peer: Node._kin(node, peer, 0) for peer in [*cases, "stranger"]} == {
+        "same": True, "ahead": True, "lineage": False, "far": False, "missing": False, "stranger": False}
+    assert Node._kin(node, "lineage", 1)  # downloading fragment 1: its fragment 0 is one version apart from ours

@@ -78,7 +78,9 @@ CONSENSUS_WAIT_S = 2.0  # longest a merge waits for its fragment's consensus rou
 # (a CI run of the hostile-node tests) and, once, 4.02x (low-rank re-encoded rounds had set a pair's phi back; the
 # honest node it banned sat alone for the rest of a CI run; it measured 4.44, below the 5.55 of a model that knows
 # nothing). So 4x is an offence, conclusive only when the phi also does worse than knowing nothing
-# (``EffectJudge.knowing_nothing``: uniform over the vocabulary; a liar's garbage phi): otherwise its source serves
+# (``EffectJudge.knowing_nothing``: uniform over the vocabulary; a liar's garbage phi) and the source's own model
+# was judged (every fragment from it, or ``FragmentSnapshot.kin``: one fragment of another lineage beside ours
+# measured 10.1 against 2.12, an honest low-rank joiner's, banned at once in a test run): otherwise its source serves
 # no state and is believed no version claim for the reputation's window (``Reputation.offended``) and is banned at
 # the reputation's threshold of offences, while an honest one's damage heals in the rounds it still takes part in.
 # A reversal (``FAR_COSINE``) and a non-finite loss are conclusive.
@@ -1057,7 +1059,8 @@ class OuterLoop:
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
         another way than ours is not blamed); an offence when they give a held-out loss ``ABSURD_WORSE`` above
-        ours (conclusive when it is not finite or worse than knowing nothing), all came from one source and no
+        ours (conclusive when it is not finite, or worse than knowing nothing where it is the source's own model:
+        ``FragmentSnapshot.kin``), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
         versions). Stricter right after a fold (``FOLDED_SLACK``) and from a source the transport doubts
         (``DOUBTED_SLACK``). With the verdict, the two losses in words (for the log: what a catch-up did to this
@@ -1076,7 +1079,8 @@ class OuterLoop:
         self.stats.effect_refused += 1
         absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
-        conclusive = blamed and (not math.isfinite(theirs) or theirs > self.judge.knowing_nothing())
+        whole = len(snaps) == len(self.states) or all(s.kin for s in snaps)  # the source's own model judged
+        conclusive = blamed and (not math.isfinite(theirs) or (whole and theirs > self.judge.knowing_nothing()))
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         after = (" (after a fold: no worse is taken)" if folded else
                  f" (from a source this node muted lately: at most {DOUBTED_SLACK:.0%} of the tolerance worse)"

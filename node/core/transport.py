@@ -137,6 +137,12 @@ class FragmentSnapshot:
     # The transport doubts its source: it muted that peer's contributions lately for their standing drift
     # (``DeviationMemory.muted_lately``). The effect check then allows it less (``outer_loop.DOUBTED_SLACK``).
     doubted: bool = False
+    # The source announced this node's state of every other fragment (the same digest at the same version, or a
+    # version one apart): a judgement of this fragment beside this node's others then judges the source's own model.
+    # False where the mix may join two lineages, which alone can do worse than a model that knows nothing (an
+    # honest low-rank joiner's fragment beside its partner's other one measured 10.1 against 2.12): the effect
+    # check then does not ban its source at once (``outer_loop.ABSURD_WORSE``).
+    kin: bool = True
     # The source's claim of its swarm clock and inner steps when it sent the state, and this node's wall
     # time then (None: not told): judged by the swarm clock like a heartbeat before a joiner takes a clock.
     clock: int | None = None

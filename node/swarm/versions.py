@@ -33,6 +33,13 @@ must pass before a node acts on it:
    honest members do hold the version it claims, the claim stands, but a node downloads from the holders whose
    rounds back that version (``RoundClaims.backs``) where there are any: a download serves the holder's newest
    state, and a liar's newest is the one it made up.
+   A contradicted claim is not yet a lie: an honest member that follows its group claimed a version it held.
+   But it held it, so its rounds named that version (or the one before) shortly before it dropped. A
+   contradicted claim that none of the claimant's rounds backed, from ``LIE_MARGIN_S`` before the claim was first
+   seen until it was contradicted, is a lie (``RoundClaims.lies``); ``LIES_BAN`` of them in one fragment within
+   ``CAUGHT_S`` ban the claimant. A liar that claims two versions ahead of what it holds tells a new lie with each
+   outer step; an honest member drops that way only where its group is two versions behind, and it would
+   have to do so unseen three times in two minutes.
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -45,9 +52,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from locoswarm.node.core.state import state_digest  # the digest heartbeats announce
 
@@ -57,6 +65,12 @@ VERSION_ABSURD = 256    # a claim this far above twice the bound is a lie, not a
 # docstring, 5): one less is a heartbeat published between the round's send and its stream.
 CONTRADICTED_BY = 2
 CAUGHT_S = 120.0        # how long a member caught contradicting its claims has them capped at its rounds' version + 1
+# A contradicted claim is a lie (module docstring, 5) where no round of the member named the claimed version or the
+# one before it since LIE_MARGIN_S before the claim was first seen (a heartbeat read late, published every 2 s by
+# default, names a version its rounds did name just before); LIES_BAN lies of one fragment within CAUGHT_S ban.
+LIE_MARGIN_S = 30.0
+LIES_BAN = 3
+NAMED_KEPT = 16          # the rounds' versions kept per (fragment, member) to tell a lie from a drop
 MAX_ROUND_CLAIMS = 4096  # (fragment, member) pairs remembered
 
 
@@ -118,7 +132,8 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None, *, boun
     return values[1]
 
 
-__all__ = ["Belief", "Claim", "absurd_version", "believe", "plausible_version", "state_digest", "version_bound"]
+__all__ = ["LIES_BAN", "Belief", "Claim", "RoundClaims", "absurd_version", "believe", "plausible_version",
+           "state_digest", "version_bound"]
 
 
 class RoundClaims:
@@ -127,22 +142,25 @@ class RoundClaims:
     heartbeat claim as the node reads it (the first read of a claim is when it was seen)."""
 
     def __init__(self, max_pairs: int = MAX_ROUND_CLAIMS) -> None:
-        self._named: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
+        self._named: OrderedDict[tuple[int, str], deque[tuple[int, float]]] = OrderedDict()  # newest last
         self._claimed: OrderedDict[tuple[int, str], tuple[int, float]] = OrderedDict()
         self._caught: dict[tuple[int, str], float] = {}
+        self._lies: dict[tuple[int, str], dict[int, float]] = {}  # claim -> when it was found a lie
         self.max_pairs = max_pairs
 
     def record(self, fragment: int, member: str, version: int, now: float | None = None) -> None:
         key = (fragment, member)
-        self._named[key] = (int(version), time.monotonic() if now is None else now)
+        self._named.setdefault(key, deque(maxlen=NAMED_KEPT)).append(
+            (int(version), time.monotonic() if now is None else now))
         self._keep(self._named, key)
 
-    def _keep(self, table: OrderedDict[tuple[int, str], tuple[int, float]], key: tuple[int, str]) -> None:
+    def _keep(self, table: OrderedDict[tuple[int, str], Any], key: tuple[int, str]) -> None:
         """``key`` as the newest of ``table``, which keeps ``max_pairs`` (the oldest go first)."""
         table.move_to_end(key)
         while len(table) > self.max_pairs:
             old, _ = table.popitem(last=False)
             self._caught.pop(old, None)
+            self._lies.pop(old, None)
 
     def doubted(self, fragment: int, member: str, claim: int, now: float | None = None) -> bool:
         """Whether ``member``'s heartbeat claim of version ``claim`` of ``fragment`` is contradicted by a round it
@@ -155,19 +173,30 @@ class RoundClaims:
         self._keep(self._claimed, key)
         seen = self._claimed[key][1]
         named = self._named.get(key)
-        if named is None:
+        if not named:
             return False
-        version, at = named
+        version, at = named[-1]
         if at > seen and version <= claim - CONTRADICTED_BY:
             self._caught[key] = now
+            if not any(v >= claim - 1 and t >= seen - LIE_MARGIN_S for v, t in named):
+                lies = self._lies.setdefault(key, {})
+                for old in [c for c, t in lies.items() if now - t >= CAUGHT_S]:
+                    del lies[old]
+                lies.setdefault(int(claim), now)
         caught = now - self._caught.get(key, -math.inf) < CAUGHT_S
         return caught and claim > version + 1
+
+    def lies(self, fragment: int, member: str, now: float | None = None) -> int:
+        """How many of ``member``'s claims of ``fragment`` were found lies within ``CAUGHT_S`` (module docstring,
+        5): claims its rounds contradicted and never backed; ``LIES_BAN`` of them ban it."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for t in self._lies.get((fragment, member), {}).values() if now - t < CAUGHT_S)
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
         version before it (a round since merged), or nothing named yet."""
         named = self._named.get((fragment, member))
-        return named is None or named[0] >= version - 1
+        return not named or named[-1][0] >= version - 1
 
     def caught(self, now: float | None = None) -> list[tuple[int, str]]:
         """The (fragment, member) pairs caught within ``CAUGHT_S`` (for status displays and tests)."""
