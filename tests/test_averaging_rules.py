@@ -1137,7 +1137,7 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     would never gather evidence). The same two colluders excluding an honest member ban nobody here, and with two
     honest members and two colluders the colluders' votes ban nobody without this node's own evidence."""
     rep = Reputation(threshold=3)
-    stub = SimpleNamespace(peer_id="h4", reputation=rep)
+    stub = SimpleNamespace(peer_id="h4", reputation=rep, round_claims=RoundClaims())
     stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
     stub.refusals = []
     members = ["h1", "h2", "h3", "h4", "f1", "f2"]
@@ -1152,6 +1152,33 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     assert all("majority_ban" in line for line in stub.refusals)
 
 
+def test_a_node_that_caught_a_state_liar_once_follows_the_others_ban_of_it() -> None:
+    """Three honest members and a state liar (``replayliar``): two honest nodes banned it for its lies
+    (``RoundClaims.lies``), and the others' exclusions then keep it out of the third node's groups, so that node
+    sees none of the rounds that would prove its next lies. One lie found here within ``CAUGHT_S`` is this node's
+    own evidence for following the majority; without one, or once it has aged out, their exclusions ban nobody."""
+    from locoswarm.node.swarm.versions import CAUGHT_S
+
+    for lied in (False, True):
+        rep, claims = Reputation(threshold=3), RoundClaims()
+        stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[], round_claims=claims)
+        stub._offence = lambda peer, kind, detail, stub=stub, **kw: SwarmTransport._offence(stub, peer, kind,
+                                                                                             detail, **kw)
+        if lied:  # claimed v12 while its rounds, before and after the claim was seen, named v10
+            claims.record(0, "liar", 10)
+            claims.doubted(0, "liar", 12)
+            time.sleep(0.002)
+            claims.record(0, "liar", 10)
+            assert claims.doubted(0, "liar", 12) and claims.lied("liar") and not claims.lied("h1")
+            assert not claims.lied("liar", now=time.monotonic() + CAUGHT_S)
+        excluded = {"h1": ["liar"], "h2": ["liar"], "h3": [], "liar": []}
+        SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "h3", "liar"], excluded, banned=[])
+        assert rep.banned() == (["liar"] if lied else []), lied
+    # the liar's votes against an honest member ban nobody: no lie of that member's was found here
+    SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "h3", "liar"], {"liar": ["h1"]}, banned=[])
+    assert rep.banned() == ["liar"]
+
+
 def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one_offence_is_no_evidence() -> None:
     """Three honest members and one attacker refused for its weight claims: two nodes banned it at their third
     offence, and placement then keeps it out of the third node's groups, where it stays at two. The other two
@@ -1161,7 +1188,7 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     parts (which colluders can turn), or where the offences were before its last ban ended."""
     clock = [0.0]
     rep = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[])
+    stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[], round_claims=RoundClaims())
     stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
     members = ["h1", "h2", "h3", "a"]
     excluded = {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}

@@ -1050,7 +1050,8 @@ class SwarmTransport(Transport):
                               banned: Iterable[str]) -> None:
         """Ban a member that most of the round's other members exclude (``majority_excluded``) where this node's
         own judgements of it lean against it too (``Reputation.suspects``) or it counted all but the last of the
-        offences that would ban it here (``FOLLOWED_OFFENCES``); their exclusions alone never ban, unless more
+        offences that would ban it here (``FOLLOWED_OFFENCES``) or one of its claims was a lie here
+        (``RoundClaims.lied``); their exclusions alone never ban, unless more
         than ``FOLLOWED_SHARE`` of at least ``FOLLOWED_VOTERS`` voters exclude it. The ban takes effect from the
         next round: this round's groups are already agreed."""
         if self.reputation is None:
@@ -1068,6 +1069,12 @@ class SwarmTransport(Transport):
             elif (own := self.reputation.offences(peer, FOLLOWED_OFFENCES)) >= max(1, self.reputation.threshold - 1):
                 self._offence(peer, "majority_ban", f"excluded by most of the round's other members, after {own} "
                                                     "offences of its own contributions here", conclusive=True)
+            elif self.round_claims.lied(peer):
+                # a state liar the others banned leaves this node's groups, and with them the rounds that would
+                # prove its next lies here (robustness bench, 3 + 1 replayliar: banned by 2 of 3)
+                self._offence(peer, "majority_ban", "excluded by most of the round's other members, after a "
+                                                    "version claim of its that its own rounds never backed here",
+                              conclusive=True)
 
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> None:
         """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:

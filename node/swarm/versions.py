@@ -192,6 +192,13 @@ class RoundClaims:
         now = time.monotonic() if now is None else now
         return sum(1 for t in self._lies.get((fragment, member), {}).values() if now - t < CAUGHT_S)
 
+    def lied(self, member: str, now: float | None = None) -> bool:
+        """Whether any claim of ``member``'s was found a lie within ``CAUGHT_S``: this node's own evidence for
+        following the others' ban of it (``SwarmTransport._follow_majority_bans``)."""
+        now = time.monotonic() if now is None else now
+        return any(member == m and any(now - t < CAUGHT_S for t in lies.values())
+                   for (_, m), lies in self._lies.items())
+
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
         version before it (a round since merged), or nothing named yet."""
