@@ -475,8 +475,10 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
 def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     """A holder whose last round named a version two below the one believed (a liar claiming +2 while the honest
     members hold it too) serves a state of its own making: it is not asked while a holder whose rounds back the
-    version is (``RoundClaims.backs``); with none backed, every holder is."""
-    from locoswarm.node.swarm.versions import Belief
+    version is (``RoundClaims.backs``), nor at all where that round is recent (``RoundClaims.refutes``: two
+    colluding liars were the only holders); where it is older (a node behind meets the others in no round), or
+    nothing was named, it may be."""
+    from locoswarm.node.swarm.versions import NAMED_RECENT_S, Belief
 
     holders = ["QmHonest", "QmLiar", "QmQuiet"]
     stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
@@ -488,7 +490,10 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     stub.round_claims.record(0, "QmLiar", 10)
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmHonest", "QmQuiet"])  # QmQuiet: nothing named
     holders.remove("QmHonest")
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmQuiet"])
     holders.remove("QmQuiet")
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", [])  # no catch-up now
+    stub.round_claims.record(0, "QmLiar", 10, now=time.monotonic() - NAMED_RECENT_S)  # what it named long ago
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmLiar"])
 
 

@@ -32,7 +32,9 @@ must pass before a node acts on it:
    followed the liar (robustness bench, ``replayliar``: 119 catch-ups from it in 180 s, +8.4%). Where the
    honest members do hold the version it claims, the claim stands, but a node downloads from the holders whose
    rounds back that version (``RoundClaims.backs``) where there are any: a download serves the holder's newest
-   state, and a liar's newest is the one it made up.
+   state, and a liar's newest is the one it made up. A holder whose round named two or more below that version
+   within ``NAMED_RECENT_S`` is not asked at all (``RoundClaims.refutes``): two colluders corroborate each
+   other's claims and may be its only holders.
    A contradicted claim is not yet a lie: an honest member that follows its group claimed a version it held.
    But it held it, so its rounds named that version (or the one before) shortly before it dropped. A
    contradicted claim that none of the claimant's rounds backed, from ``LIE_MARGIN_S`` before the claim was first
@@ -71,6 +73,10 @@ CAUGHT_S = 120.0        # how long a member caught contradicting its claims has 
 LIE_MARGIN_S = 30.0
 LIES_BAN = 3
 NAMED_KEPT = 16          # the rounds' versions kept per (fragment, member) to tell a lie from a drop
+# A holder whose round named 2 or more below the version to catch up to within this long holds a state of its own
+# making there (``RoundClaims.refutes``); an older round says nothing of what it holds now (a node behind meets the
+# others in no round, so what they named last can be far behind what they hold by now).
+NAMED_RECENT_S = 15.0
 MAX_ROUND_CLAIMS = 4096  # (fragment, member) pairs remembered
 
 
@@ -198,6 +204,15 @@ class RoundClaims:
         now = time.monotonic() if now is None else now
         return any(member == m and any(now - t < CAUGHT_S for t in lies.values())
                    for (_, m), lies in self._lies.items())
+
+    def refutes(self, fragment: int, member: str, version: int, now: float | None = None) -> bool:
+        """Whether ``member``'s round of the last ``NAMED_RECENT_S`` named ``version`` - 2 or less: it does not
+        hold ``version`` (or did not until a moment ago), whatever its heartbeat says."""
+        named = self._named.get((fragment, member))
+        if not named:
+            return False
+        v, at = named[-1]
+        return v <= version - CONTRADICTED_BY and (time.monotonic() if now is None else now) - at < NAMED_RECENT_S
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
