@@ -209,10 +209,8 @@ class RoundClaims:
         """Whether ``member``'s round of the last ``NAMED_RECENT_S`` named ``version`` - 2 or less: it does not
         hold ``version`` (or did not until a moment ago), whatever its heartbeat says."""
         named = self._named.get((fragment, member))
-        if not named:
-            return False
-        v, at = named[-1]
-        return v <= version - CONTRADICTED_BY and (time.monotonic() if now is None else now) - at < NAMED_RECENT_S
+        recent = bool(named) and (time.monotonic() if now is None else now) - named[-1][1] < NAMED_RECENT_S
+        return recent and not self.backs(fragment, member, version)
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
