@@ -384,7 +384,7 @@ def test_a_lowrank_node_that_joins_late_rounds_with_the_others_on_the_seeded_bas
     groups re-encode on the round's seeded basis, after which all three share one basis and, with the consensus
     rounds every honest swarm runs (a node that refused a catch-up while a bad average had set the others back
     holds another phi at the same version until one), one phi."""
-    swarm = Swarm(tmp_path, outer={"method": "rebase", "tau": 4, "codec": "lowrank", "lowrank_rank": 16,
+    swarm = Swarm(tmp_path, outer={"method": "rebase", "h": 96, "tau": 4, "codec": "lowrank", "lowrank_rank": 16,
                                    "lowrank_max_rank": 16, "consensus_every": 4})
     try:
         nodes = [swarm.start("n0"), swarm.start("n1")]
