@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from locoswarm.node.core.codecs import get_codec
@@ -116,13 +118,104 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
                            _fetch=lambda *args: fetched.append(args))
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
-    stub._replay = lambda fragment, holders, have, belief: None
+    stub._replay = lambda fragment, holders, have, belief: (None, None)
     assert SwarmTransport.latest_version(stub, 0) == 42
     SwarmTransport.fetch_fragment(stub, 0)
     assert fetched == [(0, ["ahead"], 42, b"x")]
     assert SwarmTransport.latest_version(stub, 0) == 40  # probed: not again for a while
     stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
     assert SwarmTransport.latest_version(stub, 0) == 42
+
+
+def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of_that_catch_up() -> None:
+    """A replay whose steps do not reach the digest the swarm's holders announce for the believed version is not
+    taken, and its holder is not asked for the state either: a download serves its newest state, which no digest
+    checks. The other holders are; with none left there is no catch-up. A replay that matches is taken as it is."""
+    from types import SimpleNamespace
+
+    from locoswarm.node.core.transport import FragmentSnapshot, OuterStep
+    from locoswarm.node.swarm.averaging import SwarmTransport
+    from locoswarm.node.swarm.dial_failures import DialFailures
+    from locoswarm.node.swarm.versions import Belief
+
+    def steps_from(source: str, after: bytes) -> FragmentSnapshot:
+        empty = torch.zeros(0)
+        return FragmentSnapshot(0, 40, empty, empty, source=source, base=38,
+                                steps=(OuterStep(39, None, b"a", b"b"), OuterStep(40, None, b"b", after)))
+
+    for holders, served, want in ((["h1", "liar"], "liar", [(0, ["h1"], 40, b"good")]),
+                                  (["liar"], "liar", []),
+                                  (["h1", "liar"], "h1", [])):
+        fetched: list[tuple] = []
+        belief = Belief(40, b"good", holders)
+        stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
+                               _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                               deviations=DeviationMemory(), _probed={}, _no_replay={},
+                               _latest_versions=lambda fragment, belief=belief: belief,
+                               _fetch=lambda *args, fetched=fetched: fetched.append(args),
+                               _fetch_steps=lambda fragment, order, have, version, served=served: steps_from(
+                                   served, b"good" if served == "h1" else b"forged"),
+                               kin=lambda source, fragment: True)
+        stub._state_source = lambda peer, stub=stub: SwarmTransport._state_source(stub, peer)
+        stub._newest = lambda fragment, stub=stub: SwarmTransport._newest(stub, fragment)
+        stub._replay = lambda *args, stub=stub: SwarmTransport._replay(stub, *args)
+        got = SwarmTransport.fetch_fragment(stub, 0, have=38)
+        assert fetched == want, (holders, served)
+        if served == "h1":
+            assert got is not None and got.is_replay and got.source == "h1"
+        elif not want:
+            assert got is None
+
+
+def test_holders_met_in_rounds_serve_first_and_unchecked_states_of_strangers_are_doubted() -> None:
+    """Catch-ups ask the holders whose rounds named the believed version (or the one before) where there are any,
+    before holders never met in a round (two colluders that just joined corroborate each other's claims). A state no
+    digest checked (newer than the believed version) from a peer never met in a round is doubted
+    (``FragmentSnapshot.doubted``: the effect check allows it ``DOUBTED_SLACK``); one that matches the announced
+    digest at the believed version (announced by two holders or more: one liar's own word checks nothing), or that
+    comes from a peer met in a round, is not."""
+    from types import SimpleNamespace
+
+    from locoswarm.node.core.transport import FragmentSnapshot
+    from locoswarm.node.swarm.averaging import SwarmTransport
+    from locoswarm.node.swarm.dial_failures import DialFailures
+    from locoswarm.node.swarm.versions import Belief
+
+    def transport(holders: list[str], served: int, met: list[str],
+                  vouched: bool = True) -> tuple[SimpleNamespace, list[tuple]]:
+        asked: list[tuple] = []
+
+        def fetch(fragment: int, order: list[str], version: int, digest: bytes) -> FragmentSnapshot:
+            asked.append((fragment, order, version, digest))
+            return FragmentSnapshot(0, served, torch.zeros(2), torch.zeros(2), source=order[0])
+
+        claims = RoundClaims()
+        for member in met:
+            claims.record(1, member, 40, now=time.monotonic())  # met in a round of the other fragment
+        stub = SimpleNamespace(peer_id="QmMe", round_claims=claims, reputation=None, recent={},
+                               _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                               deviations=DeviationMemory(), _probed={}, _no_replay={},
+                               _latest_versions=lambda fragment: Belief(40, b"good", holders, vouched=vouched),
+                               _fetch=fetch,
+                               _replay=lambda *args: (None, None), kin=lambda source, fragment: True)
+        stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+        stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
+        return stub, asked
+
+    stub, asked = transport(["seen", "stranger"], 41, met=["seen"])
+    stub.round_claims.record(0, "seen", 39, now=time.monotonic())
+    snap = SwarmTransport.fetch_fragment(stub, 0)
+    assert asked == [(0, ["seen"], 40, b"good")] and not snap.doubted
+    stub, asked = transport(["stranger"], 41, met=["seen"])
+    assert SwarmTransport.fetch_fragment(stub, 0).doubted      # v41: no digest checked it, a stranger's
+    stub, asked = transport(["stranger"], 40, met=["seen"])
+    assert not SwarmTransport.fetch_fragment(stub, 0).doubted  # the digest two holders announce checked it
+    stub, asked = transport(["stranger"], 40, met=["seen"], vouched=False)
+    assert SwarmTransport.fetch_fragment(stub, 0).doubted      # a digest only its source announces checks nothing
+    assert believe({"a": Claim(40, b"g"), "b": Claim(40, b"g"), "c": Claim(41, b"x")}).checks
+    assert not believe({"a": Claim(40, b"g"), "c": Claim(41, b"x")}).checks
+    stub, asked = transport(["seen"], 41, met=["seen"])
+    assert not SwarmTransport.fetch_fragment(stub, 0).doubted  # met in a round (of another fragment)
 
 
 def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -> None:
