@@ -477,7 +477,7 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     members hold it too) serves a state of its own making: it is not asked while a holder whose rounds back the
     version is (``RoundClaims.backs``), nor at all where that round is recent (``RoundClaims.refutes``: two
     colluding liars were the only holders); where it is older (a node behind meets the others in no round), or
-    nothing was named, it may be."""
+    nothing was named, it may be, after holders whose rounds named the version (``RoundClaims.proves``)."""
     from locoswarm.node.swarm.versions import NAMED_RECENT_S, Belief
 
     holders = ["QmHonest", "QmLiar", "QmQuiet"]
@@ -488,7 +488,7 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub.round_claims.record(0, "QmHonest", 11)
     stub.round_claims.record(0, "QmLiar", 10)
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmHonest", "QmQuiet"])  # QmQuiet: nothing named
+    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmHonest"])  # QmQuiet, never met, comes after
     holders.remove("QmHonest")
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmQuiet"])
     holders.remove("QmQuiet")
@@ -571,9 +571,12 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
         for source, doubted in (("QmDrifter", True), ("QmHonest", False)):
             def served(fragment: int, holders: list[str], version: int, digest: bytes, source: str = source):
                 return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=source)
-            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf",
+            met = RoundClaims()  # both met in rounds: only the muting makes a doubt here
+            for peer in ("QmDrifter", "QmHonest"):
+                met.record(0, peer, 3)
+            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf", round_claims=met,
                                    _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]),
-                                   _replay=lambda fragment, holders, have, belief: None,
+                                   _replay=lambda fragment, holders, have, belief: (None, None),
                                    kin=lambda peer, fragment: peer == "QmHonest")
             snapshot = SwarmTransport.fetch_fragment(stub, 0)
             assert snapshot.doubted is doubted, (ceiling, source)
