@@ -135,8 +135,7 @@ class FragmentSnapshot:
     momentum: torch.Tensor
     source: str = ""          # the peer it came from (a transport's own bookkeeping)
     # The transport doubts its source: it muted that peer's contributions lately for their standing drift
-    # (``DeviationMemory.muted_lately``), or no digest checked the state and the peer was never met in a round
-    # (``RoundClaims.met``). The effect check then allows it less (``outer_loop.DOUBTED_SLACK``).
+    # (``DeviationMemory.muted_lately``). The effect check then allows it less (``outer_loop.DOUBTED_SLACK``).
     doubted: bool = False
     # The source announced this node's state of every other fragment (the same digest at the same version, or a
     # version one apart): a judgement of this fragment beside this node's others then judges the source's own model.

@@ -1198,7 +1198,7 @@ class SwarmTransport(Transport):
             return Belief(recent_version, b"", others)
         if recent_version == belief.version and not belief.digest:
             holders = holders + [m for m in others if m not in holders]
-        return replace(belief, holders=holders, unconfirmed={})
+        return Belief(belief.version, belief.digest, holders)
 
     def latest_version(self, fragment: int) -> int:
         return self._newest(fragment).version
@@ -1227,13 +1227,7 @@ class SwarmTransport(Transport):
                      ", ".join(h[:12] for h in order))
             snapshot = self._fetch(fragment, order, belief.version, belief.digest)
         if snapshot is not None and snapshot.source:
-            # A state no digest checked (a newer version than the one believed, or one whose digest only its source
-            # announces) from a peer never met in a round is doubted like one from a peer muted lately: in a 4 + 2
-            # robustness run, two replay liars that had just joined served honest nodes their forged states, newer
-            # than the belief or under a digest only the liar announced, 11-13% worse than the nodes' own.
-            checked = belief.checks and (snapshot.is_replay or snapshot.version == belief.version)
-            snapshot.doubted = (self.deviations.muted_lately(snapshot.source)
-                                or not (checked or self.round_claims.met(snapshot.source)))
+            snapshot.doubted = self.deviations.muted_lately(snapshot.source)
             snapshot.kin = self.kin(snapshot.source, fragment)
         return snapshot
 

@@ -35,9 +35,7 @@ must pass before a node acts on it:
    state, and a liar's newest is the one it made up. A holder whose round named two or more below that version
    within ``NAMED_RECENT_S`` is not asked at all (``RoundClaims.refutes``): two colluders corroborate each
    other's claims and may be its only holders. Holders never met in a round come after those whose rounds
-   named the version (``RoundClaims.proves``), and a state from one that no digest checked (newer than the
-   belief, or under a digest only its source announces: ``Belief.checks``) is held to the effect check's
-   stricter slack (``FragmentSnapshot.doubted``): liars that just joined have no rounds to contradict them.
+   named the version (``RoundClaims.proves``): liars that just joined have no rounds to contradict them.
    A contradicted claim is not yet a lie: an honest member that follows its group claimed a version it held.
    But it held it, so its rounds named that version (or the one before) shortly before it dropped. A
    contradicted claim that none of the claimant's rounds backed, from ``LIE_MARGIN_S`` before the claim was first
@@ -110,13 +108,6 @@ class Belief:
     digest: bytes = b""
     holders: list[str] = field(default_factory=list)
     unconfirmed: dict[str, Claim] = field(default_factory=dict)
-    # Two or more holders announce ``digest``: a state that matches it is checked by more than its source's word.
-    vouched: bool = False
-
-    @property
-    def checks(self) -> bool:
-        """Whether a state that matches ``digest`` at ``version`` is checked by more than its source's own word."""
-        return bool(self.digest) and self.vouched
 
 
 def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
@@ -131,9 +122,8 @@ def believe(claims: Mapping[str, Claim], *, bound: int | None = None) -> Belief:
     counts = Counter(kept[p].digest for p in holders)
     # the most holders; ties broken by the digest's bytes, so every node picks the same one
     digest = max(counts, key=lambda d: (counts[d], d))
-    vouchers = sorted(p for p in holders if kept[p].digest == digest)
-    return Belief(version, digest, vouchers, {p: c for p, c in kept.items() if c.version > version},
-                  vouched=len(vouchers) >= 2)
+    return Belief(version, digest, sorted(p for p in holders if kept[p].digest == digest),
+                  {p: c for p, c in kept.items() if c.version > version})
 
 
 def plausible_version(claims: Mapping[str, int], own: str | None = None, *, bound: int | None = None) -> int:
@@ -228,11 +218,6 @@ class RoundClaims:
         not merely never contradicted (:meth:`backs`)."""
         named = self._named.get((fragment, member))
         return bool(named) and named[-1][0] >= version - 1
-
-    def met(self, member: str) -> bool:
-        """Whether any of ``member``'s rounds named a version to this node (it was met in a round; remembered as
-        long as its pairs are)."""
-        return any(m == member for _, m in self._named)
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
