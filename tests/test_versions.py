@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -15,6 +16,7 @@ from locoswarm.node.swarm.versions import (
     LIE_MARGIN_S,
     LIES_BAN,
     VERSION_SLACK,
+    Belief,
     Claim,
     RoundClaims,
     absurd_version,
@@ -24,6 +26,23 @@ from locoswarm.node.swarm.versions import (
     version_bound,
 )
 
+
+def _transport(belief: Belief, **fields) -> SimpleNamespace:
+    """A stand-in for ``SwarmTransport`` with what ``_newest`` and ``fetch_fragment`` read: a fresh
+    ``RoundClaims``, no reputation or suspicions, ``belief`` as the heartbeats' (``fields`` replace any of it)."""
+    from locoswarm.node.swarm.averaging import SwarmTransport
+    from locoswarm.node.swarm.dial_failures import DialFailures
+
+    stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
+                           _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                           deviations=DeviationMemory(), _probed={}, _no_replay={}, _fetch_steps=None,
+                           _latest_versions=lambda fragment: belief, kin=lambda source, fragment: True)
+    stub.__dict__.update(fields)
+    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
+    stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
+    if "_replay" not in fields:
+        stub._replay = lambda *args: SwarmTransport._replay(stub, *args)
+    return stub
 
 def test_the_clock_bounds_the_versions_any_fragment_can_hold() -> None:
     # fixed schedule, H = 8: one slot per 8 steps, plus the slot at clock 0, plus the slack
@@ -103,22 +122,10 @@ def test_a_lone_newer_claim_is_unconfirmed_not_believed() -> None:
 
 
 def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
-    from types import SimpleNamespace
-
     from locoswarm.node.swarm.averaging import PROBE_INTERVAL_S, SwarmTransport
-    from locoswarm.node.swarm.dial_failures import DialFailures
-    from locoswarm.node.swarm.versions import Belief
 
     fetched = []
-    belief = Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")})
-    stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                           _refused_sources={}, outbound_peers=set,
-                           dial_failures=DialFailures(), deviations=DeviationMemory(), _probed={},
-                           _latest_versions=lambda fragment: belief,
-                           _fetch=lambda *args: fetched.append(args))
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-    stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
-    stub._replay = lambda fragment, holders, have, belief: (None, None)
+    stub = _transport(Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")}), _fetch=lambda *args: fetched.append(args))
     assert SwarmTransport.latest_version(stub, 0) == 42
     SwarmTransport.fetch_fragment(stub, 0)
     assert fetched == [(0, ["ahead"], 42, b"x")]
@@ -131,12 +138,9 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
     """A replay whose steps do not reach the digest the swarm's holders announce for the believed version is not
     taken, and its holder is not asked for the state either: a download serves its newest state, which no digest
     checks. The other holders are; with none left there is no catch-up. A replay that matches is taken as it is."""
-    from types import SimpleNamespace
 
     from locoswarm.node.core.transport import FragmentSnapshot, OuterStep
     from locoswarm.node.swarm.averaging import SwarmTransport
-    from locoswarm.node.swarm.dial_failures import DialFailures
-    from locoswarm.node.swarm.versions import Belief
 
     def steps_from(source: str, after: bytes) -> FragmentSnapshot:
         empty = torch.zeros(0)
@@ -147,18 +151,9 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
                                   (["liar"], "liar", []),
                                   (["h1", "liar"], "h1", [])):
         fetched: list[tuple] = []
-        belief = Belief(40, b"good", holders)
-        stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                               _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
-                               deviations=DeviationMemory(), _probed={}, _no_replay={},
-                               _latest_versions=lambda fragment, belief=belief: belief,
-                               _fetch=lambda *args, fetched=fetched: fetched.append(args),
-                               _fetch_steps=lambda fragment, order, have, version, served=served: steps_from(
-                                   served, b"good" if served == "h1" else b"forged"),
-                               kin=lambda source, fragment: True)
-        stub._state_source = lambda peer, stub=stub: SwarmTransport._state_source(stub, peer)
-        stub._newest = lambda fragment, stub=stub: SwarmTransport._newest(stub, fragment)
-        stub._replay = lambda *args, stub=stub: SwarmTransport._replay(stub, *args)
+        stub = _transport(Belief(40, b"good", holders), _fetch=lambda *args, fetched=fetched: fetched.append(args),
+                          _fetch_steps=lambda fragment, order, have, version, served=served: steps_from(
+                              served, b"good" if served == "h1" else b"forged"))
         got = SwarmTransport.fetch_fragment(stub, 0, have=38)
         assert fetched == want, (holders, served)
         if served == "h1":
@@ -171,12 +166,9 @@ def test_holders_whose_rounds_named_the_version_serve_first() -> None:
     """Catch-ups ask the holders whose rounds named the believed version (or the one before) where there are any,
     before holders never met in a round (two colluders that just joined corroborate each other's claims); where
     none has named it, the others may serve."""
-    from types import SimpleNamespace
 
     from locoswarm.node.core.transport import FragmentSnapshot
     from locoswarm.node.swarm.averaging import SwarmTransport
-    from locoswarm.node.swarm.dial_failures import DialFailures
-    from locoswarm.node.swarm.versions import Belief
 
     def transport(holders: list[str]) -> tuple[SimpleNamespace, list[tuple]]:
         asked: list[tuple] = []
@@ -185,14 +177,7 @@ def test_holders_whose_rounds_named_the_version_serve_first() -> None:
             asked.append((fragment, order, version, digest))
             return FragmentSnapshot(0, 41, torch.zeros(2), torch.zeros(2), source=order[0])
 
-        stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                               _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
-                               deviations=DeviationMemory(), _probed={}, _no_replay={},
-                               _latest_versions=lambda fragment: Belief(40, b"good", holders), _fetch=fetch,
-                               _replay=lambda *args: (None, None), kin=lambda source, fragment: True)
-        stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-        stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
-        return stub, asked
+        return _transport(Belief(40, b"good", holders), _fetch=fetch), asked
 
     stub, asked = transport(["seen", "stranger"])
     stub.round_claims.record(0, "seen", 39, now=time.monotonic())
@@ -281,7 +266,6 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims() -> None:
     ``version_claim`` offence that bans once ``LIES_BAN`` of its claims were lies; an honest holder whose rounds
     name what it claims keeps being believed."""
     import time
-    from types import SimpleNamespace
 
     from locoswarm.node.daemon import Node
     from locoswarm.node.swarm.reputation import Reputation
@@ -310,7 +294,6 @@ def test_a_holder_is_kin_where_it_announces_this_nodes_other_fragments() -> None
     """``Node._kin`` (``FragmentSnapshot.kin``): a holder's heartbeat announces this node's published version and
     digest of every fragment but the one downloaded, or a version one apart; the same version with another digest
     (another lineage), two versions apart, or no heartbeat is not."""
-    from types import SimpleNamespace
 
     from locoswarm.node.daemon import Node
 

@@ -1222,6 +1222,7 @@ class SwarmTransport(Transport):
             # way right after its steps failed the check: 6-7% worse than the node's own phi, taken.)
             order = [h for h in order if h != contradicted]
             if not order:
+                log.info("catching up: fragment %d to v%d: no other holder; not now", fragment, belief.version)
                 return None
             log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
                      ", ".join(h[:12] for h in order))
@@ -1246,7 +1247,7 @@ class SwarmTransport(Transport):
         claimed = {have: snapshot.steps[0].before, **{s.version: s.after for s in snapshot.steps}}
         if belief.digest and claimed.get(belief.version) != belief.digest:
             log.info("replay of fragment %d from %s: its steps do not lead to the state the swarm's holders announce "
-                     "for v%d; downloading the state from the other holders", fragment, snapshot.source[:12],
+                     "for v%d; not asking it for the state", fragment, snapshot.source[:12],
                      belief.version)
             return None, snapshot.source
 

@@ -222,8 +222,7 @@ class RoundClaims:
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
         version before it (a round since merged), or nothing named yet."""
-        named = self._named.get((fragment, member))
-        return not named or named[-1][0] >= version - 1
+        return (fragment, member) not in self._named or self.proves(fragment, member, version)
 
     def caught(self, now: float | None = None) -> list[tuple[int, str]]:
         """The (fragment, member) pairs caught within ``CAUGHT_S`` (for status displays and tests)."""
