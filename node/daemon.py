@@ -548,7 +548,7 @@ class Node:
                 snap = fetched.pop(p)
                 if snap.source:
                     self.reputation.refuse(snap.source, "bad_state", refusal.reason, offence=refusal.offence,
-                                           conclusive=refusal.conclusive)
+                                           conclusive=refusal.conclusive, forgivable=False)
                 self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {refusal.reason}",
                             fragment=p, version=snap.version)
             # The servers' clocks as they sent the state: fresher than their heartbeats, which a joiner's DHT
@@ -836,8 +836,11 @@ class Node:
         claims: dict[str, Claim] = {}
         now = time.monotonic()
         for pid, hb in self.peer_table.items():
-            if not hb.has_state or self.reputation.is_banned(pid) or self.reputation.offended(pid, "bad_state"):
+            if not hb.has_state or self.reputation.is_banned(pid):
                 continue
+            # Not believed, but still held against its rounds below: a state liar that served one bad state was
+            # otherwise never caught lying, and was not banned (CI, the ``statenoise`` node attack).
+            offended = self.reputation.offended(pid, "bad_state")
             for fs in hb.fragments:
                 if fs.fragment != fragment:
                     continue
@@ -851,7 +854,8 @@ class Node:
                         self.reputation.refuse(pid, "version_claim", f"{lies} heartbeat claims of fragment {fragment} "
                                                "that its own rounds never backed", conclusive=True)
                     continue
-                claims[pid] = Claim(int(fs.version), bytes(fs.digest))
+                if not offended:
+                    claims[pid] = Claim(int(fs.version), bytes(fs.digest))
         # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
         # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
         outbound = self._outbound_peers()

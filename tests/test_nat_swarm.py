@@ -120,8 +120,11 @@ def _namespace_swarm(tmp_path: Path, **topology) -> Iterator[list[NodeProc]]:
         pytest.skip(f"network namespaces with iptables rules cannot be made here: {reason}")
     from locoswarm.node.bench.swarm import netns
 
-    config = write_config(tmp_path / "peers.toml", network={"group_size": 4, "matchmaking_timeout": 3.0,
-                                                            "round_timeout": 10.0, "heartbeat_interval": 0.5})
+    # h = 48: at the helpers' h = 8 each fragment's round came every 0.5 s against a 3 s matchmaking window; in a CI
+    # run one node of the cut pair then caught up 101 times in a row and merged nothing for 150 s
+    config = write_config(tmp_path / "peers.toml", outer={"h": 48},
+                          network={"group_size": 4, "matchmaking_timeout": 3.0, "round_timeout": 10.0,
+                                   "heartbeat_interval": 0.5})
     data = write_corpus(tmp_path / "data")
     topo = netns.Topology(4, **topology)
     nodes: list[NodeProc] = []

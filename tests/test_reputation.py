@@ -264,6 +264,26 @@ def test_good_judgements_forgive_old_offences_but_buy_no_slack() -> None:
     assert [sleeper.refuse("s", "bad_effect", "turned") for _ in range(3)] == [False, False, True]
 
 
+def test_good_rounds_do_not_take_back_an_offence_of_other_evidence() -> None:
+    """An offence refused with ``forgivable=False`` (a state the effect check blamed) stays through any number of
+    good judgements (of rounds), counts toward the ban, and still leaves with the window."""
+    from locoswarm.node.swarm.reputation import FORGIVE_AFTER
+
+    clock = [0.0]
+    rep = Reputation(threshold=3, window_s=100.0, now=lambda: clock[0])
+    rep.refuse("liar", "bad_state", "served noise", forgivable=False)
+    rep.refuse("liar", "bad_reduction", "a late part")
+    for _ in range(4 * FORGIVE_AFTER):
+        rep.good("liar")
+    assert rep.snapshot()["peers"]["liar"]["offences"] == 1 and rep.offended("liar", "bad_state")
+    assert not rep.refuse("liar", "bad_state", "served noise again", forgivable=False)
+    assert rep.refuse("liar", "bad_state", "and again", forgivable=False) and rep.is_banned("liar")
+    once = Reputation(threshold=3, window_s=100.0, now=lambda: clock[0])
+    once.refuse("peer", "bad_state", "served noise", forgivable=False)
+    clock[0] = 101.0
+    assert not once.offended("peer", "bad_state")  # the window still forgets it
+
+
 def test_accumulated_evidence_bans_a_far_outlier_sooner_and_an_honest_dip_never() -> None:
     """With ``accumulate`` the sum of the last 2..window scores is held against window x bound: two scores far
     below the bound ban, a near one needs the full window, and one bad score alone (or an honest dip between

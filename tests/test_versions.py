@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from locoswarm.node.core.codecs import get_codec
@@ -261,10 +262,12 @@ def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
     assert late.doubted(0, "honest", 30, now=LIE_MARGIN_S) and late.lies(0, "honest", now=LIE_MARGIN_S) == 0
 
 
-def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims() -> None:
+@pytest.mark.parametrize("served_bad_state", [False, True])
+def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims(served_bad_state: bool) -> None:
     """The daemon's belief (``Node._latest_versions``) skips a doubted claim, and refuses its claimant as a
     ``version_claim`` offence that bans once ``LIES_BAN`` of its claims were lies; an honest holder whose rounds
-    name what it claims keeps being believed."""
+    name what it claims keeps being believed. A claimant that served this node a bad state is not believed, and its
+    claims are still held against its rounds: it is banned for its lies all the same."""
     import time
 
     from locoswarm.node.daemon import Node
@@ -278,6 +281,8 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims() -> None:
     node = SimpleNamespace(peer_table={}, reputation=Reputation(), transport=SimpleNamespace(round_claims=claims),
                            _version_bound=lambda: 10_000)
     node._outbound_peers = lambda: Node._outbound_peers(node)
+    if served_bad_state:
+        node.reputation.refuse("QmLiar", "bad_state", "effect: 4x worse", forgivable=False)
     for real in range(10, 10 + LIES_BAN):
         node.peer_table = {"QmLiar": heartbeat(real + 2), "QmHonest": heartbeat(real), "QmOther": heartbeat(real)}
         Node._latest_versions(node, 0)  # the claims are seen
@@ -287,7 +292,8 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims() -> None:
         belief = Node._latest_versions(node, 0)
         assert belief.version == real and "QmLiar" not in belief.holders
     assert node.reputation.is_banned("QmLiar") and not node.reputation.is_banned("QmHonest")
-    assert node.reputation.snapshot()["peers"]["QmLiar"]["by_kind"] == {"version_claim": 1}
+    kinds = {"version_claim": 1, "bad_state": 1} if served_bad_state else {"version_claim": 1}
+    assert node.reputation.snapshot()["peers"]["QmLiar"]["by_kind"] == kinds
 
 
 def test_a_holder_is_kin_where_it_announces_this_nodes_other_fragments() -> None:

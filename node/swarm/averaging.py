@@ -1076,12 +1076,13 @@ class SwarmTransport(Transport):
                                                     "version claim of its that its own rounds never backed here",
                               conclusive=True)
 
-    def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> None:
+    def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
+                 forgivable: bool = True) -> None:
         """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:
-        something this project's code never sends, a ban at once)."""
+        something this project's code never sends, a ban at once; ``forgivable``: ``Reputation.refuse``)."""
         self.refusals.append(f"{peer[:12]}: {kind}: {detail}")
         if self.reputation is not None:
-            self.reputation.refuse(peer, kind, detail, offence=offence, conclusive=conclusive)
+            self.reputation.refuse(peer, kind, detail, offence=offence, conclusive=conclusive, forgivable=forgivable)
 
     def _stream_refused(self, peer: str, why: str) -> None:
         """A stream refused by the caps. Alone it may be an honest peer's burst, or the server being full
@@ -1276,8 +1277,9 @@ class SwarmTransport(Transport):
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
                         conclusive: bool = False) -> None:
         if snapshot.source:
+            # a state is other evidence than rounds: good rounds do not take its offence back (``reputation``)
             self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence,
-                          conclusive=conclusive)
+                          conclusive=conclusive, forgivable=False)
             _pause_source(self._refused_sources, snapshot.source, REFUSED_SOURCE_S if offence else WORSE_SOURCE_S)
 
     def close(self) -> None:

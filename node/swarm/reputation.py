@@ -26,7 +26,11 @@ directions the evidence adds up: two or three scores far below the bound weigh a
 
 Reputation also learns from good behaviour, and forgets: each ``FORGIVE_AFTER`` good judgements in a row
 (contributions that agreed, results that helped) take back the oldest offence that was not conclusive, and
-offences leave the window after ``window_s``. Good behaviour never buys slack for later: no bound is
+offences leave the window after ``window_s``. Good rounds speak for a peer's rounds only: an offence of another
+kind of evidence is refused with ``forgivable=False`` and only leaves with the window. A state download the
+effect check blamed (several times worse than the node's own phi) is one: a state liar that is honest in its
+rounds had its one blamed state taken back after 16 good judgements, and it was asked again, blamed and forgiven
+again, never banned (CI, the ``statenoise`` node attack). Good behaviour never buys slack for later: no bound is
 widened for a peer with a good record, so a sleeper that turns is judged on what it sends from then on, like
 a stranger, and banned as fast.
 
@@ -49,6 +53,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 MAX_DETAIL = 160        # characters of a refusal's detail kept (one short line)
 MAX_PEER_ID = 128       # a libp2p peer id is ~52 characters; anything longer is cut
@@ -123,13 +128,20 @@ class Allowance:
         return True
 
 
+class _Offence(NamedTuple):
+    time: float
+    kind: str
+    conclusive: bool   # banned at once
+    forgivable: bool   # good judgements may take it back (module docstring)
+
+
 class _PeerRecord:
     """What one peer has earned: refusal counts, recent offences, its ban."""
 
     def __init__(self) -> None:
         self.refused = 0
         self.by_kind: Counter[str] = Counter()
-        self.offences: deque[tuple[float, str, bool]] = deque(maxlen=MAX_OFFENCES)  # (time, kind, conclusive)
+        self.offences: deque[_Offence] = deque(maxlen=MAX_OFFENCES)
         self.last = ""
         self.banned_until: float | None = None   # end of the current or last ban
         self.bans = 0                            # bans so far (the next cool-down doubles with each)
@@ -143,19 +155,19 @@ class _PeerRecord:
         return self.banned_until is not None and now < self.banned_until
 
     def expire(self, now: float, window_s: float) -> None:
-        while self.offences and now - self.offences[0][0] > window_s:
+        while self.offences and now - self.offences[0].time > window_s:
             self.offences.popleft()
 
     def fresh_offences(self) -> int:
         """Offences since the last ban ended: a ban is earned anew, never by the offences that earned the last."""
         if self.banned_until is None:
             return len(self.offences)
-        return sum(1 for t, _, _ in self.offences if t >= self.banned_until)
+        return sum(1 for o in self.offences if o.time >= self.banned_until)
 
     def forgive_one(self) -> bool:
-        """Take back the oldest offence that was not conclusive (True if there was one)."""
-        for k, (_, _, conclusive) in enumerate(self.offences):
-            if not conclusive:
+        """Take back the oldest offence that was neither conclusive nor unforgivable (True if there was one)."""
+        for k, offence in enumerate(self.offences):
+            if offence.forgivable and not offence.conclusive:
                 del self.offences[k]
                 self.forgiven += 1
                 return True
@@ -194,9 +206,11 @@ class Reputation:
 
     # ---- recording ---------------------------------------------------------------------------------
 
-    def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False) -> bool:
+    def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
+               forgivable: bool = True) -> bool:
         """Count a refusal of something ``peer`` sent (``offence``: it also counts toward a ban).
-        A ``conclusive`` offence bans at once. Returns True when this call banned the peer."""
+        A ``conclusive`` offence bans at once; one not ``forgivable`` is not taken back by good judgements (module
+        docstring). Returns True when this call banned the peer."""
         peer = peer_key(peer)
         kind = one_line(kind, MAX_KIND) or "other"
         detail = one_line(detail, MAX_DETAIL)
@@ -210,12 +224,12 @@ class Reputation:
             rec.expire(now, self.window_s)
             if not offence:
                 return False
-            rec.offences.append((now, kind, conclusive))
+            rec.offences.append(_Offence(now, kind, conclusive, forgivable))
             rec.good = 0
             if rec.banned(now) or (not conclusive and rec.fresh_offences() < self.threshold):
                 return False
             cooldown = self._ban(rec, now)
-            kinds = Counter(k for _, k, _ in rec.offences)
+            kinds = Counter(o.kind for o in rec.offences)
             offences, last = len(rec.offences), rec.last
         # logged outside the lock: a slow log handler must not stall the network thread
         self._log.warning("banned peer %s for %.0f s: %d offences in %.0f s (%s); last: %s", peer, cooldown,
@@ -313,7 +327,7 @@ class Reputation:
                 return 0
             rec.expire(self._now(), self.window_s)
             since = rec.banned_until if rec.banned_until is not None else -float("inf")
-            return sum(1 for t, k, _ in rec.offences if k in kinds and t >= since)
+            return sum(1 for o in rec.offences if o.kind in kinds and o.time >= since)
 
     def offended(self, peer: str, kind: str) -> bool:
         """Whether ``peer`` committed an offence of ``kind`` within the window, banned or not. One bad state
@@ -325,7 +339,7 @@ class Reputation:
             if rec is None:
                 return False
             rec.expire(self._now(), self.window_s)
-            return any(k == kind for _, k, _ in rec.offences)
+            return any(o.kind == kind for o in rec.offences)
 
     def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8, within_s: float | None = None) -> bool:
         """Whether this node's own judgements of ``peer`` lean against it: the last ``recent`` scores of each of
