@@ -150,8 +150,9 @@ class OuterSection:
                              help="consecutive failed rounds of a fragment after which the local progress it "
                                   "carries is dropped (theta <- phi): stale progress grows until peers refuse "
                                   "it as too large; folded into phi by an outer step on it alone instead where "
-                                  "this node refused what peers sent in half of those rounds or more (0 = carry "
-                                  "it forever)")
+                                  "this node refused what peers sent in half of those rounds or more; one sync "
+                                  "carries at most (max_carry + 1) * h inner steps of progress, scaled down to that "
+                                  "beyond (0 = carry it forever, unbounded)")
 
 
 @dataclass

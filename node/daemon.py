@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from locoswarm.node.config import SwarmConfig, fingerprint
+from locoswarm.node.core.outer_loop import carry_steps
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.state import outer_state_device, tensor_crc
 from locoswarm.node.ranks import Command, RankFailure, RankGroup, ThetaSync, launched
@@ -713,8 +714,8 @@ class Node:
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-        elif ev.kind in ("refused", "diverged", "dropped", "folded", "catch_up_loop") or (ev.kind == "caught_up"
-                                                                                        and ev.error):
+        elif (ev.kind in ("refused", "diverged", "dropped", "folded", "bounded", "catch_up_loop")
+              or (ev.kind == "caught_up" and ev.error)):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
@@ -887,9 +888,8 @@ class Node:
         its carry it claims a step or two, and an honest peer's normal claim was then refused as absurd
         (an offence: a fresh-clone CI run saw an honest joiner banned that way)."""
         slack = self.cfg.robust.weight_factor
-        carry = max(self.cfg.outer.max_carry, MIN_CARRY_ALLOWANCE) + 1
-        whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.world * self.cfg.outer.h
-                            * carry)
+        steps = carry_steps(self.cfg.outer.h, max(self.cfg.outer.max_carry, MIN_CARRY_ALLOWANCE))
+        whole_carry = float(self.cfg.inner.batch_size * self.cfg.inner.seq_len * self.world * steps)
         base = max(own_weight, whole_carry)
         hb = self.peer_table.get(peer)
         own_rate = self.tokens_per_s

@@ -740,6 +740,40 @@ def test_a_fragment_whose_rounds_keep_failing_drops_the_progress_it_carries(base
         assert dropped_at == [] and weights == [20.0 * k for k in range(1, 9)]
 
 
+@pytest.mark.parametrize("max_carry", [3, 0])
+def test_progress_made_while_the_clock_stood_still_is_bounded_before_it_is_sent(base_model, max_carry: int) -> None:
+    """A worker whose clock stands still (ahead of the swarm's median) trains on and sends nothing: the daemon only
+    adds the tokens. At its next send the progress, 42 inner steps' worth at h = 2, is scaled to
+    ``carry_steps(h, max_carry)`` steps' worth (8 at max_carry = 3): theta moves back toward phi by that share,
+    the direction is kept, the weight is capped, and a "bounded" event says so. A normal send is untouched, and
+    max_carry = 0 bounds nothing."""
+    from locoswarm.node.core.outer_loop import carry_steps
+
+    swarm = Swarm(base_model, 2, _outer(h=2, max_carry=max_carry))
+    for t in (1, 2):  # an ordinary round
+        events = swarm.step(t)
+    assert _kinds(events[0], "merged") and not _kinds(events[0], "bounded")
+    assert swarm.transports[0].calls[-1][0].weight == 20.0
+    for _ in range(40):  # the clock stands still: inner steps, no sync
+        swarm.train()
+    swarm.step(3)
+    swarm.train()
+    phi, theta = swarm.phi(0), swarm.theta(0)
+    events = swarm.sync(4)
+    request = swarm.transports[0].calls[-1][0]
+    sent = decode_chunks(get_codec("fp32"), request.chunks, request.numel)
+    if not max_carry:
+        assert not _kinds(events[0], "bounded") and request.weight == 420.0
+        assert_close(sent, phi - theta)
+        return
+    limit = carry_steps(2, max_carry) * 10.0
+    assert limit == 80.0 and request.weight == limit
+    assert_close(sent, (phi - theta) * (limit / 420.0), atol=1e-7, rtol=1e-5)
+    [bounded] = _kinds(events[0], "bounded")
+    assert "spans 42 inner steps" in bounded.error and "8 steps' worth" in bounded.error
+    assert swarm.loops[0].stats.bounded == 1 and _kinds(events[0], "merged")
+
+
 def test_rounds_this_node_refused_fold_the_carried_progress_into_phi_instead_of_dropping_it(base_model) -> None:
     """A worker that refuses every round's result (e.g. reduced parts that colluders turned against its progress):
     at the max_carry-th failed round its carried progress is not thrown away but folded into phi by an outer step

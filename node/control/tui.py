@@ -35,7 +35,7 @@ SPARKS = "▁▂▃▄▅▆▇█"
 QUIET_KINDS = {"merged", "sent"}      # routine: summarized in one line instead of listed
 EVENT_STYLES = {"failed": "bold red", "timed_out": "bold red", "peer_left": "yellow", "peer_joined": "green",
                 "joined": "green", "resumed": "cyan", "caught_up": "cyan", "catch_up_loop": "yellow",
-                "dropped": "yellow", "folded": "yellow", "merged": "dim"}
+                "dropped": "yellow", "folded": "yellow", "bounded": "yellow", "merged": "dim"}
 
 
 # ---- formatting -----------------------------------------------------------------------------------

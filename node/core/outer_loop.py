@@ -10,6 +10,8 @@ After each inner step, as the swarm clock moves from ``prev`` to ``t``, the driv
    the fragment carries it (weighted by all the tokens it represents), up to ``max_carry`` failed
    rounds in a row; then that stale progress is dropped (theta_p <- phi_p, a "dropped" event), or, where this
    node refused what peers sent in those rounds, folded into phi by an outer step on it alone ("folded").
+   Nor may one sync carry more inner steps than ``max_carry + 1`` send intervals: a node whose clock stands
+   still trains on without sending, and its progress is scaled down to that before it is sent ("bounded").
 2. ``send``: every fragment the schedule names at ``t`` is sent: catch up first if peers hold a newer
    version (fetch phi_p, b_p and rebase the local progress onto them), then Delta_p = phi_p - theta_p
    (+ error feedback), encode, snapshot theta_p, start the asynchronous average.
@@ -130,7 +132,7 @@ DOUBTED_SLACK = 0.05
 @dataclass
 class SyncEvent:
     kind: str                 # "sent" | "merged" | "failed" | "caught_up" | "catch_up_loop" | "refused" | "diverged"
-                              # | "dropped" | "folded"
+                              # | "dropped" | "folded" | "bounded"
     fragment: int
     step: int
     version: int
@@ -156,6 +158,7 @@ class OuterStats:
     catch_up_loops: int = 0               # catch-ups of a fragment with no merged round since its last one
     replays: int = 0                      # ... of which replayed the steps missed instead of downloading
     folds: int = 0                        # carried progress folded into phi after refused rounds (``_bound_carry``)
+    bounded: int = 0                      # sends whose progress spanned too many inner steps (``_bound_progress``)
     stalls_cut: int = 0                   # rounds left in flight after their stall budget (late_window)
     refused: int = 0                      # results or snapshots the guards refused
     effect_checks: int = 0                # results and snapshots the effect judge compared
@@ -274,6 +277,7 @@ class OuterLoop:
         self.pending_consensus: dict[int, _Consensus] = {}
         self.shared_r: torch.Tensor | None = None
         self.stats = OuterStats()
+        self._step_tokens = 0.0  # the tokens of one inner step (``add_tokens``): ``_bound_progress`` counts steps
         self.expected_share = 1.0 / max(1, expected_group_size)
         self.wait_timeout = wait_timeout
         self.limits = limits or GuardLimits()
@@ -281,6 +285,8 @@ class OuterLoop:
 
     # ---- the driver's calls -------------------------------------------------------------------
     def add_tokens(self, tokens: float) -> None:
+        if tokens > 0:
+            self._step_tokens = float(tokens)
         for st in self.states:
             st.tokens_since_send += tokens
 
@@ -402,6 +408,7 @@ class OuterLoop:
     # ---- sends ----------------------------------------------------------------------------------
     def _send(self, st: FragmentState, step: int) -> list[SyncEvent]:
         events = self._catch_up(st, step)
+        events += self._bound_progress(st, step)
         theta = st.theta()
         delta = st.phi - theta
         diverged = self._diverged(st, step, delta)
@@ -511,7 +518,7 @@ class OuterLoop:
         return phi, momentum
 
     def _send_late(self, rule: LateRule, st: FragmentState, step: int) -> list[SyncEvent]:
-        events = []
+        events = self._bound_progress(st, step)
         theta = st.theta()
         own_now_raw = st.phi - theta
         diverged = self._diverged(st, step, own_now_raw)
@@ -701,6 +708,34 @@ class OuterLoop:
         return [SyncEvent("dropped", st.index, step, st.version,
                           error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
                                 "(theta <- phi)")]
+
+    def _bound_progress(self, st: FragmentState, step: int) -> list[SyncEvent]:
+        """Before a send: local progress that spans more than ``carry_steps`` inner steps is scaled down to that
+        many steps' worth, theta <- phi + (theta - phi) * limit / tokens, and so is its token weight.
+
+        Why: a node's clock stands still while it is ahead of the swarm's median (``locoswarm.node.swarm.clock``),
+        and it trains on without sending. In a robustness bench run the others were held up by rounds that
+        failed, and one honest node made 675 inner steps at one clock value, another 1,250, at h = 8. Their next
+        rounds sent those piles as one outer gradient each, weighted by all their tokens. The outer optimizer is
+        tuned for a pseudo-gradient of about h steps: the Nesterov momentum applied the pile again in the next
+        rounds (1.33, 0.57, 0.51 times it), and the group's phi went from a held-out loss of 2.7 to 3.8 and 4.9
+        within seconds. The honest peers then caught up to it inside the effect check's slack. Scaled, not
+        dropped: the pile's direction is still progress (its first step improved that phi), and the bound is the
+        most that ``max_carry`` failed rounds let a sync carry anyway. ``max_carry = 0`` bounds nothing."""
+        if not self.cfg.max_carry or self._step_tokens <= 0:
+            return []
+        limit = carry_steps(self.cfg.h, self.cfg.max_carry) * self._step_tokens
+        carried = st.tokens_since_send
+        if carried <= limit:
+            return []
+        share = limit / carried
+        phi = st.phi
+        st.set_theta(phi + (st.theta() - phi) * share)
+        st.tokens_since_send = limit
+        self.stats.bounded += 1
+        return [SyncEvent("bounded", st.index, step, st.version,
+                          error=f"the local progress spans {carried / self._step_tokens:.0f} inner steps; scaled "
+                                f"to {limit / self._step_tokens:.0f} steps' worth ({share:.2f}x) before it is sent")]
 
     def _fold(self, st: FragmentState) -> str | None:
         """DiLoCo with one worker for once: the outer step on this node's own carried progress (phi - theta), then
@@ -1223,6 +1258,13 @@ class OuterLoop:
         """Per fragment, for status displays: index, version, size, last send and last quantization error."""
         return [{"fragment": st.index, "version": st.version, "numel": st.numel, "last_send": st.last_send,
                  "quant_error": st.last_quant_error, **self.compressor.status(st.index)} for st in self.states]
+
+
+def carry_steps(h: int, max_carry: int) -> int:
+    """The most inner steps of local progress one sync of a fragment carries: the send intervals of ``h`` steps of
+    ``max_carry`` failed rounds and of the round itself (``OuterLoop._bound_progress``; what a peer's token claim
+    may cover: ``Node._max_weight``)."""
+    return (max(0, int(max_carry)) + 1) * max(1, int(h))
 
 
 def _relative_error(decoded: torch.Tensor, target: torch.Tensor) -> float:
