@@ -428,7 +428,10 @@ def test_docker_image_runs_a_swarm_and_a_node_resumes_on_its_volume(engine: Engi
         assert "/state" in engine.docker("image", "inspect", "-f", "{{json .Config.Volumes}}", image).stdout
         assert engine.docker("image", "inspect", "-f", "{{json .Config.Healthcheck}}", image).stdout.strip() != "null"
 
-        write_config(work / "peers.toml")
+        # h = 48: at the helpers' h = 8 the bootstrap node's rounds failed several times a second for want of peers
+        # (a CI run), each holding it for the matchmaking window; it fell 3,000 steps behind the others' clocks,
+        # refused their claims as too fast and banned both (an open defect of the clock's checks, issue 28's note)
+        write_config(work / "peers.toml", outer={"h": 48})
         write_corpus(work / "data")
         for path in [work / "data", *(work / "data").iterdir(), work / "peers.toml"]:
             path.chmod(0o755 if path.is_dir() else 0o644)
