@@ -340,7 +340,8 @@ def test_a_node_that_trained_alone_is_not_an_offender_to_fresh_joiners():
             break
         interval({"first": beat(180, 190 + 10 * i, now.t)})
     assert node.peer_clock("first") is not None and offences.counted == [], offences.seen
-    node.observe_table({"liar": beat(node.value + 10_000, 100, now.t)})
+    node.observe_table({"j2": beat(step, step, now.t), "j3": beat(step, step, now.t),
+                        "liar": beat(node.value + 10_000, 100, now.t)})
     assert node.peer_clock("liar") is None and offences.counted == ["liar"]
 
 
@@ -367,6 +368,44 @@ def test_fresh_joiners_that_do_not_step_yet_make_no_honest_clock_a_liar():
     node.observe_table({"first": beat(clock + 10_000, clock + 50, now.t), "j1": beat(clock, 9, now.t),
                         "j2": beat(1000, 0, now.t)})
     assert node.peer_clock("first") == clock and offences.counted == ["first"]
+
+
+def test_a_node_that_fell_behind_takes_the_peers_clock_and_bans_none_of_them():
+    """A docker CI run: the bootstrap node's failed rounds held it for seconds each, so it barely stepped while
+    its two peers trained on; their heartbeats went unread for longer than the silence gap, and their next ones
+    were judged as first claims against its own stale clock (950): "clock 3911 is more than 16 steps above
+    the swarm's 950", an offence each, both honest peers banned. Two peers that agree outvote this node's own
+    clock, and its own clock alone convicts nobody; a lone peer is refused while it is not corroborated, but
+    not banned, and a liar among peers that agree is still an offender."""
+    now = FakeTime()
+    offences = Offences()
+    node = SwarmClock("me", INTERVAL, now=now, on_offence=offences)
+    node.observe_table({"a": beat(900, 900, now.t), "b": beat(902, 902, now.t)})
+    node.join(900)
+    for step in range(1, 51):  # trains with them for a while
+        now.t += INTERVAL / 10
+        node.tick(step)
+        if step % 10 == 0:
+            node.observe_table({"a": beat(900 + step, 900 + step, now.t), "b": beat(902 + step, 902 + step, now.t)})
+    assert node.value >= 940 and offences.seen == []
+    now.t += 150.0  # held up: 150 s without a step or a table read; the others made 3,000 steps meanwhile
+    node.observe_table({"a": beat(3911, 3911, now.t), "b": beat(3912, 3912, now.t)})
+    assert offences.counted == [], offences.seen
+    assert node.peer_clock("a") == 3911 and node.peer_clock("b") == 3912
+    assert node.tick(51) >= 3900  # far behind: it jumps to the swarm's clock
+    assert not offences.of("a") and not offences.of("b")
+
+    alone = SwarmClock("me", INTERVAL, clock=950, now=now, on_offence=offences)
+    alone.join(950)
+    for step in range(1, 21):  # steps at 20 per second, so it knows a pace
+        now.t += 0.05
+        alone.tick(step)
+    alone.observe_table({"a": beat(3911, 3911, now.t)})
+    assert alone.peer_clock("a") is None and offences.of("a") and offences.counted == []
+
+    node.observe_table({"a": beat(3911, 3911, now.t), "b": beat(3912, 3912, now.t),
+                        "x": beat(3911 + 50_000, 3911, now.t)})
+    assert node.peer_clock("x") is None and offences.counted == ["x"]
 
 
 @pytest.mark.parametrize("clock,inner,t", [(-1, 0, 0.0), (MAX_CLOCK + 1, 0, 0.0), (5, 5, math.nan),

@@ -26,16 +26,18 @@ accepted value is kept) and reported to ``on_offence(peer, "clock", detail)``:
   while no rate is known; peers that do not step, e.g. joiners loading state, are no measure of it),
   or the peer's own measured inner-step rate when that is higher, measured on this node's own time,
   plus a slack for polling jitter, unless
-  the new clock lands within that slack of the other clocks' lower median (an honest node far behind
+  the new clock lands within that slack of the clocks' lower median (an honest node far behind
   jumps to the median: that is catching up, and a CI run saw three such jumps get an honest node
   banned by everyone). Such a claim is ignored, and counted as an offence only when it is more than
   ``FIRST_CLAIM_ABSURD`` times beyond both bounds: this node's rates may be the stale ones;
 - a peer's first claim (new, or back after a silence of ``4 * interval``) may not be more than that
-  slack above the lower median of the other witnesses (this node's clock once joined, the other
-  accepted peers, the other first claims seen together); a lone first claim cannot be contradicted.
-  Such a claim is ignored, and counted as an offence only when it is more than ``FIRST_CLAIM_ABSURD``
-  times that bound: the witnesses may be the wrong ones (fresh joiners at clock 0 against a node that
-  trained alone);
+  slack above the lower median of the clocks: its own, this node's once joined, the other accepted
+  peers' and the other first claims seen together (so a high clock stands where at least half the
+  clocks are as high); a lone first claim cannot be contradicted. Such a claim is ignored, and counted
+  as an offence only when it is more than ``FIRST_CLAIM_ABSURD`` times the other *peers'* lower median
+  plus the slack: the witnesses may be the wrong ones (fresh joiners at clock 0 against a node that
+  trained alone), and this node's own clock convicts nobody alone, since a node held up by its failed
+  rounds is the one that fell behind (a docker CI run: such a node banned both honest peers);
 - a clock or inner step that goes back is a restart (it resumed from a checkpoint): accepted, and the
   peer's rate is measured afresh instead of reading the checkpoint load as a huge rate; a value that
   is negative, beyond 2**53, or a non-finite timestamp is absurd.
@@ -323,15 +325,15 @@ class SwarmClock:
                 # An honest node far behind (a pause, a slow machine) jumps to the swarm's median clock,
                 # and right after joins the rates measured are still the slow start's: a jump that lands
                 # within the slack of the other witnesses' lower median is catching up, not a lie.
-                ref = self._witnesses_median(pid, [], now, bounds)
                 line = self._line(claim, now, bounds)
+                ref, peers_ref = self._witnesses_median(pid, line, [], now, bounds)
                 if ref is None or line > ref + bounds.slack:
                     # Ignored, but an offence only when far beyond both bounds: this node's view of the swarm
                     # (its rates, its witnesses) may be the stale one. Seen: a node that had just joined,
                     # with its peers' rates still those of their slow starts, banned all three honest peers
                     # for their clocks, and the swarm never formed a round again.
                     absurd = clock > FIRST_CLAIM_ABSURD * max_clock and (
-                        ref is None or line > FIRST_CLAIM_ABSURD * (ref + bounds.slack))
+                        peers_ref is None or line > FIRST_CLAIM_ABSURD * (peers_ref + bounds.slack))
                     reports.append((pid, f"clock jumped {peer.clock} -> {claim.clock} in {elapsed:.1f} s (at most "
                                          f"{max_clock:.0f} possible at {clock_rate:.1f} steps/s"
                                          + ("" if ref is None else f", and above the swarm's {ref:.0f}") + ")",
@@ -343,28 +345,35 @@ class SwarmClock:
         """A claim's clock extrapolated to ``now`` at the swarm's inner-step rate."""
         return claim.clock + (bounds.rate or 0.0) * min(max(0.0, now - self._anchor(claim)), self.max_ahead)
 
-    def _witnesses_median(self, pid: str, others: list[Claim], now: float, bounds: _Bounds) -> float | None:
-        """The lower median of every clock but ``pid``'s: ``others`` (claims judged together with it), the
-        accepted live peers and this node's own once joined. None when there is no other witness."""
+    def _witnesses_median(self, pid: str, line: float, others: list[Claim], now: float,
+                          bounds: _Bounds) -> tuple[float | None, float | None]:
+        """What a claim of ``pid``'s at ``line`` is judged against: the lower median of every clock, the claim's own
+        included (so a high clock stands where at least half the clocks are as high), with ``others`` (claims judged
+        together with it), the accepted live peers and this node's own once joined; None when there is no other
+        witness. With it, the lower median of the other peers' clocks alone (None without one): this node's own clock
+        convicts no one by itself, since it is the stale one when this node was held up. Seen (docker CI run): a node
+        whose failed rounds held it for seconds each fell 3,000 steps behind, and with its own clock as the deciding
+        witness it banned both honest peers for their clocks."""
         rate = bounds.rate or 0.0
-        witnesses = [self._line(c, now, bounds) for c in others]
-        witnesses += [p.line(now, rate, self.max_ahead) for q, p in self._live(now).items() if q != pid]
-        if self._established:
-            witnesses.append(self._pos)
-        return lower_median(witnesses) if witnesses else None
+        peers = [self._line(c, now, bounds) for c in others]
+        peers += [p.line(now, rate, self.max_ahead) for q, p in self._live(now).items() if q != pid]
+        own = [self._pos] if self._established else []
+        if not peers and not own:
+            return None, None
+        return lower_median([line, *peers, *own]), (lower_median(peers) if peers else None)
 
     def _judge_first(self, pid: str, claim: Claim, others: list[Claim], now: float, bounds: _Bounds,
                      reports: list[Report]) -> None:
-        ref = self._witnesses_median(pid, others, now, bounds)
         line = self._line(claim, now, bounds)
+        ref, peers_ref = self._witnesses_median(pid, line, others, now, bounds)
         if ref is not None and line > ref + bounds.slack:
-            # Ignored, but an offence only when far beyond: the other witnesses may be the ones that are
-            # wrong. Seen: three joiners whose state downloads failed started at clock 0 and outvoted the
-            # node that had trained alone to 155; each banned it for its honest clock, and the swarm
+            # Ignored, but an offence only when far beyond the other peers: the other witnesses may be the ones
+            # that are wrong. Seen: three joiners whose state downloads failed started at clock 0 and outvoted
+            # the node that had trained alone to 155; each banned it for its honest clock, and the swarm
             # never formed a round. Once their clocks come within the slack, its claim is accepted.
             reports.append((pid, f"clock {claim.clock} is more than {bounds.slack:.0f} steps above the swarm's "
-                                 f"{ref:.0f} (lower median of the other clocks)",
-                            line > FIRST_CLAIM_ABSURD * (ref + bounds.slack)))
+                                 f"{ref:.0f} (lower median of the clocks)",
+                            peers_ref is not None and line > FIRST_CLAIM_ABSURD * (peers_ref + bounds.slack)))
             return
         self._peers[pid] = PeerClock(claim, self._anchor(claim), self._window, 0.5 * self.interval)
 
