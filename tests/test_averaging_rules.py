@@ -497,6 +497,41 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmLiar"])
 
 
+@pytest.mark.parametrize("have", [10, 11, 5, None], ids=["gap2", "gap1", "gap7", "resync"])
+def test_a_catch_up_over_a_small_gap_goes_only_to_holders_whose_rounds_named_the_version(have) -> None:
+    """Two colluders corroborate each other's claim of version 12 while their rounds, long enough ago that they no
+    longer refute it (``NAMED_RECENT_S``), named 10: over a gap of at most ``PROVEN_GAP`` versions the catch-up goes
+    only to a holder whose rounds named 11 or 12, and without one there is none now (the 2 + 2 replay-liar run:
+    honest nodes took 7 and 8 catch-ups from the liars). A node further behind, or one whose phi left the group's
+    (no version of its own to replay from), needs the state and may ask any holder."""
+    from locoswarm.node.core.transport import FragmentSnapshot
+    from locoswarm.node.swarm.versions import NAMED_RECENT_S, PROVEN_GAP, Belief
+
+    assert 12 - 5 > PROVEN_GAP >= 12 - 10
+    asked: list[list[str]] = []
+
+    def served(fragment: int, holders: list[str], version: int, digest: bytes) -> FragmentSnapshot:
+        asked.append(list(holders))
+        return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=holders[0])
+
+    claims = RoundClaims()
+    old = time.monotonic() - 2 * NAMED_RECENT_S
+    for liar in ("QmLiarA", "QmLiarB"):
+        claims.record(0, liar, 10, now=old)
+    holders = ["QmLiarA", "QmLiarB"]
+    stub = SimpleNamespace(deviations=DeviationMemory(), _probed={}, _fetch=served, peer_id="QmSelf",
+                           round_claims=claims, _newest=lambda fragment: Belief(12, b"d", list(holders)),
+                           _replay=lambda fragment, order, have, belief: (None, None), kin=lambda peer, fragment: False)
+    small = have is not None and 12 - have <= PROVEN_GAP
+    snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
+    assert (snapshot is None) is small and len(asked) == (0 if small else 1)
+    holders.append("QmHonest")
+    claims.record(0, "QmHonest", 11)
+    snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
+    assert snapshot is not None
+    assert (asked[-1] == ["QmHonest"]) is small, asked[-1]
+
+
 def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until_it_is_cleared() -> None:
     """Two drifting colluders ran ahead of two honest nodes by merging between themselves, and an honest node
     caught up from one of them again and again, each phi a little worse. A peer whose judged contributions or
@@ -702,6 +737,27 @@ def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> N
                            (1e6, MAX_WINDOW_S)]:
         stub = SimpleNamespace(matchmaking_timeout=5.0, step_time=lambda s=step: s)
         assert SwarmTransport.window(stub) == pytest.approx(expected), step
+
+
+def test_the_node_warns_once_when_a_fragments_rounds_come_faster_than_the_window(caplog) -> None:
+    """h = 8 at 0.05 s per step: a round every 0.4 s against a 3 s window (the multi-process runs whose nodes
+    failed rounds several times a second). The warning names the setting and a value that fits; h = 120 fits."""
+    import logging
+
+    from locoswarm.node.daemon import Node
+
+    for h, warned in ((8, True), (120, False)):
+        caplog.clear()
+        stub = SimpleNamespace(_warned_short_rounds=False, local_step=500, peer_table={"QmPeer": object()},
+                               cfg=SimpleNamespace(outer=SimpleNamespace(h=h)), _step_seconds=lambda: 0.05,
+                               transport=SimpleNamespace(window=lambda: 3.0))
+        with caplog.at_level(logging.WARNING, logger="locoswarm"):
+            Node._check_round_period(stub)
+            Node._check_round_period(stub)
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(lines) == int(warned), lines
+        if warned:
+            assert "[outer] h = 8" in lines[0] and "every 0.40 s" in lines[0] and "h >= 120" in lines[0], lines[0]
 
 
 def test_members_close_the_round_on_the_longest_trusted_window() -> None:
