@@ -136,6 +136,7 @@ class Node:
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self._alone = False
+        self._warned_short_rounds = False    # the round period was found shorter than the matchmaking window
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -688,9 +689,26 @@ class Node:
                 window_tokens, window_start = 0, now
             if now - last_log >= 10.0:
                 last_log = now
+                self._check_round_period()
                 log.info("step=%d clock=%d loss=%.3f tok/s=%.0f peers=%d sent=%s", self.local_step, self.clock,
                          loss, self.tokens_per_s, len(self.peer_table),
                          self.counters.total_sent)
+
+    def _check_round_period(self) -> None:
+        """Warn once when a fragment's rounds come faster than one round's matchmaking window: h inner steps at the
+        swarm's pace against ``SwarmTransport.window``. Rounds of one fragment then overlap, a failed round holds its
+        node for the whole window while the others go on, and such a node drops progress and catches up in loops
+        (several multi-process runs at h = 8 on the tiny preset: 0.15-0.5 s between rounds, a 3 s window)."""
+        if self._warned_short_rounds or self.local_step < 2 * self.cfg.outer.h or not self.peer_table:
+            return
+        step, window, h = self._step_seconds(), self.transport.window(), self.cfg.outer.h
+        if not (step > 0 and math.isfinite(step)) or h * step >= window:
+            return
+        self._warned_short_rounds = True
+        log.warning("[outer] h = %d: each fragment's round comes every %.2f s at the swarm's %.3f s per inner step, "
+                    "shorter than a round's %.1f s matchmaking window; rounds will overlap, and a node held up by a "
+                    "failed one falls behind. Set [outer] h >= %d, or a shorter [network] matchmaking_timeout",
+                    h, h * step, step, window, math.ceil(2 * window / step))
 
     def _on_sync(self, ev) -> None:
         if ev.kind in ("merged", "caught_up"):
