@@ -503,7 +503,8 @@ def test_a_catch_up_over_a_small_gap_goes_only_to_holders_whose_rounds_named_the
     longer refute it (``NAMED_RECENT_S``), named 10: over a gap of at most ``PROVEN_GAP`` versions the catch-up goes
     only to a holder whose rounds named 11 or 12, and without one there is none now (the 2 + 2 replay-liar run:
     honest nodes took 7 and 8 catch-ups from the liars). A node further behind, or one whose phi left the group's
-    (no version of its own to replay from), needs the state and may ask any holder."""
+    (no version of its own to replay from), needs the state and may ask any holder. The liars' rounds naming 11 after
+    their claims of 12 were read prove nothing: their real states moved on, the claims were lies when made."""
     from locoswarm.node.core.transport import FragmentSnapshot
     from locoswarm.node.swarm.versions import NAMED_RECENT_S, PROVEN_GAP, Belief
 
@@ -525,8 +526,14 @@ def test_a_catch_up_over_a_small_gap_goes_only_to_holders_whose_rounds_named_the
     small = have is not None and 12 - have <= PROVEN_GAP
     snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
     assert (snapshot is None) is small and len(asked) == (0 if small else 1)
-    holders.append("QmHonest")
+    # The liars' real states move on and their rounds name 11, but only after their claims of 12 were read: a holder
+    # names the version before the one it claims before it claims it; the honest holder did (``RoundClaims.held``).
     claims.record(0, "QmHonest", 11)
+    for liar in ("QmLiarA", "QmLiarB"):
+        assert not claims.doubted(0, liar, 12)  # the heartbeat claim, first read now
+        claims.record(0, liar, 11, now=time.monotonic() + 1.0)
+    assert not claims.doubted(0, "QmHonest", 12)
+    holders.append("QmHonest")
     snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
     assert snapshot is not None
     assert (asked[-1] == ["QmHonest"]) is small, asked[-1]

@@ -1217,12 +1217,12 @@ class SwarmTransport(Transport):
         belief = self._newest(fragment)
         if have is not None and 0 < belief.version - have <= PROVEN_GAP:
             # A gap this small closes after this node's next merged round (its members then prove the version);
-            # a catch-up over it is taken only from holders whose rounds named the version (``versions``, rule 6):
+            # a catch-up over it is taken only from holders whose rounds named it before they claimed it (rule 6):
             # two colluders that corroborate each other's claim of two versions ahead are otherwise asked whenever
             # no round of theirs refuted it lately (2 + 2 robustness run: honest nodes took 7 and 8 catch-ups from
             # them, up to 38.8% worse than their own phi, and one liar was never banned by one of them).
             belief = replace(belief, holders=[h for h in belief.holders
-                                              if self.round_claims.proves(fragment, h, belief.version)])
+                                              if self.round_claims.held(fragment, h, belief.version)])
         if not belief.holders:
             return None
         for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves

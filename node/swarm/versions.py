@@ -44,13 +44,14 @@ must pass before a node acts on it:
    outer step; an honest member drops that way only where its group is two versions behind, and it would
    have to do so unseen three times in two minutes.
 6. **A small gap needs proof.** A node at most ``PROVEN_GAP`` versions behind the belief (a probe's included) takes
-   the catch-up only from holders whose rounds named that version or the one before (``RoundClaims.proves``), else not
-   now: its next merged round closes such a gap anyway, since the members that entered that round at the newest version
-   then prove it, and the catch-up goes to them. Two colluders corroborate each other's claim of two versions ahead, and
-   rule 5 removes them only where a round of theirs refuted it lately; in a robustness run of two honest nodes and two
-   such liars, the honest nodes' rounds kept failing, that evidence was missing, and they took 7 and 8 catch-ups from
-   the liars, up to 38.8% worse than their own phi. A node further behind (a restart, a joiner, a node that met nobody
-   in a round) is not held to it: it needs the state.
+   the catch-up only from holders whose rounds named that version or the one before, before their heartbeat claimed it
+   (``RoundClaims.held``), else not now: its next merged round closes such a gap anyway, since the members that entered
+   that round at the newest version then prove it, and the catch-up goes to them. Two colluders corroborate each other's
+   claim of two versions ahead, and rule 5 removes them only where a round of theirs refuted it lately; in a robustness
+   run of two honest nodes and two such liars, the honest nodes' rounds kept failing, that evidence was missing, and
+   they took 7 and 8 catch-ups from the liars, up to 38.8% worse than their own phi; and what a liar's rounds named last
+   is no proof either, since its real state moves on with the honest rounds it takes part in. A node further behind (a
+   restart, a joiner, a node that met nobody in a round) is not held to it: it needs the state.
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -230,6 +231,21 @@ class RoundClaims:
         not merely never contradicted (:meth:`backs`)."""
         named = self._named.get((fragment, member))
         return bool(named) and named[-1][0] >= version - 1
+
+    def held(self, fragment: int, member: str, version: int) -> bool:
+        """Whether ``member``'s rounds of ``fragment`` named ``version`` or the one before it *before* its heartbeat
+        claim of ``version`` or more was first seen (module docstring, 6): a holder reaches a version in a round
+        where it named the one before, and claims it after. A liar that claims two versions ahead names the one
+        before its claim only after its real state has moved on, by which time the claim was read (the 2 + 2
+        replay-liar run: the liars met the honest nodes in every round, and a proof by what they named last was
+        there every time). Without such a claim its rounds alone decide (:meth:`proves`)."""
+        named = self._named.get((fragment, member))
+        if not named:
+            return False
+        claim, seen = self._claimed.get((fragment, member), (-1, math.inf))
+        if claim < version:
+            return named[-1][0] >= version - 1
+        return any(v >= version - 1 and t <= seen for v, t in named)
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
