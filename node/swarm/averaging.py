@@ -1216,16 +1216,13 @@ class SwarmTransport(Transport):
         ``REPLAY_DEPTH`` versions behind, a holder that keeps them: ``_replay``), else the state."""
         belief = self._newest(fragment)
         if have is not None and 0 < belief.version - have <= PROVEN_GAP:
-            # A gap this small is taken only from the members of this node's last merged round of the fragment that
-            # reached the version, whose rounds named it before they claimed it (``versions``, rule 6); a belief of
-            # heartbeats above what that round reached closes in the next one. Two colluders corroborate each
-            # other's claim of two versions ahead: in 2 + 2 robustness runs the honest nodes took 7 and 8
-            # catch-ups from them, up to 38.8% worse than their own phi, and with rounds faster than heartbeats
-            # the liars' rounds had named the version before their claims were read.
-            recent_version, members = self.recent.get(fragment, (-1, []))
-            reached = belief.version <= recent_version
-            belief = replace(belief, holders=[h for h in belief.holders if reached and h in members
-                                              and self.round_claims.held(fragment, h, belief.version)])
+            # A gap this small closes after this node's next merged round (its members then prove the version);
+            # a catch-up over it is taken only from holders whose rounds named it before they claimed it (rule 6):
+            # two colluders that corroborate each other's claim of two versions ahead are otherwise asked whenever
+            # no round of theirs refuted it lately (2 + 2 robustness run: honest nodes took 7 and 8 catch-ups from
+            # them, up to 38.8% worse than their own phi, and one liar was never banned by one of them).
+            belief = replace(belief, holders=[h for h in belief.holders
+                                              if self.round_claims.held(fragment, h, belief.version)])
         if not belief.holders:
             return None
         for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves

@@ -43,17 +43,15 @@ must pass before a node acts on it:
    ``CAUGHT_S`` ban the claimant. A liar that claims two versions ahead of what it holds tells a new lie with each
    outer step; an honest member drops that way only where its group is two versions behind, and it would
    have to do so unseen three times in two minutes.
-6. **A small gap closes through rounds.** A node at most ``PROVEN_GAP`` versions behind the belief (a probe's included)
-   takes the catch-up only where its own last merged round of the fragment reached that version, and only from
-   members of that round whose rounds named the version or the one before before their heartbeat claimed it
-   (``RoundClaims.held``): a member ahead of this node in a round it merged has shown it holds the version. A belief
-   of heartbeats above what that round reached is not acted on: the node's next merged round closes such a gap. Two
-   colluders corroborate each other's claim of two versions ahead, and rule 5 removes them only where a round of
-   theirs refuted it lately. In 2 + 2 robustness runs the honest nodes took 7 and 8 catch-ups from them, up to 38.8%
-   worse than their own phi, where rounds kept failing and that evidence was missing; and where the liars took part
-   in every honest round, which came faster than heartbeats, their rounds had named the version before their claims
-   of it were read (8 catch-ups in 6 s). A node further behind (a restart, a joiner, a node that met nobody in a
-   round) is not held to this: it needs the state.
+6. **A small gap needs proof.** A node at most ``PROVEN_GAP`` versions behind the belief (a probe's included) takes
+   the catch-up only from holders whose rounds named that version or the one before, before their heartbeat claimed it
+   (``RoundClaims.held``), else not now: its next merged round closes such a gap anyway, since the members that entered
+   that round at the newest version then prove it, and the catch-up goes to them. Two colluders corroborate each other's
+   claim of two versions ahead, and rule 5 removes them only where a round of theirs refuted it lately; in a robustness
+   run of two honest nodes and two such liars, the honest nodes' rounds kept failing, that evidence was missing, and
+   they took 7 and 8 catch-ups from the liars, up to 38.8% worse than their own phi; and what a liar's rounds named last
+   is no proof either, since its real state moves on with the honest rounds it takes part in. A node further behind (a
+   restart, a joiner, a node that met nobody in a round) is not held to it: it needs the state.
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
