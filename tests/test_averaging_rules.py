@@ -497,48 +497,6 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmLiar"])
 
 
-@pytest.mark.parametrize("have", [10, 11, 5, None], ids=["gap2", "gap1", "gap7", "resync"])
-def test_a_catch_up_over_a_small_gap_goes_only_to_holders_whose_rounds_named_the_version(have) -> None:
-    """Two colluders corroborate each other's claim of version 12 while their rounds, long enough ago that they no
-    longer refute it (``NAMED_RECENT_S``), named 10: over a gap of at most ``PROVEN_GAP`` versions the catch-up goes
-    only to a holder whose rounds named 11 or 12, and without one there is none now (the 2 + 2 replay-liar run:
-    honest nodes took 7 and 8 catch-ups from the liars). A node further behind, or one whose phi left the group's
-    (no version of its own to replay from), needs the state and may ask any holder. The liars' rounds naming 11 after
-    their claims of 12 were read prove nothing: their real states moved on, the claims were lies when made."""
-    from locoswarm.node.core.transport import FragmentSnapshot
-    from locoswarm.node.swarm.versions import NAMED_RECENT_S, PROVEN_GAP, Belief
-
-    assert 12 - 5 > PROVEN_GAP >= 12 - 10
-    asked: list[list[str]] = []
-
-    def served(fragment: int, holders: list[str], version: int, digest: bytes) -> FragmentSnapshot:
-        asked.append(list(holders))
-        return FragmentSnapshot(fragment, version, torch.zeros(4), torch.zeros(4), source=holders[0])
-
-    claims = RoundClaims()
-    old = time.monotonic() - 2 * NAMED_RECENT_S
-    for liar in ("QmLiarA", "QmLiarB"):
-        claims.record(0, liar, 10, now=old)
-    holders = ["QmLiarA", "QmLiarB"]
-    stub = SimpleNamespace(deviations=DeviationMemory(), _probed={}, _fetch=served, peer_id="QmSelf",
-                           round_claims=claims, _newest=lambda fragment: Belief(12, b"d", list(holders)),
-                           _replay=lambda fragment, order, have, belief: (None, None), kin=lambda peer, fragment: False)
-    small = have is not None and 12 - have <= PROVEN_GAP
-    snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
-    assert (snapshot is None) is small and len(asked) == (0 if small else 1)
-    # The liars' real states move on and their rounds name 11, but only after their claims of 12 were read: a holder
-    # names the version before the one it claims before it claims it; the honest holder did (``RoundClaims.held``).
-    claims.record(0, "QmHonest", 11)
-    for liar in ("QmLiarA", "QmLiarB"):
-        assert not claims.doubted(0, liar, 12)  # the heartbeat claim, first read now
-        claims.record(0, liar, 11, now=time.monotonic() + 1.0)
-    assert not claims.doubted(0, "QmHonest", 12)
-    holders.append("QmHonest")
-    snapshot = SwarmTransport.fetch_fragment(stub, 0, have)
-    assert snapshot is not None
-    assert (asked[-1] == ["QmHonest"]) is small, asked[-1]
-
-
 def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until_it_is_cleared() -> None:
     """Two drifting colluders ran ahead of two honest nodes by merging between themselves, and an honest node
     caught up from one of them again and again, each phi a little worse. A peer whose judged contributions or

@@ -152,11 +152,7 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
                                   (["liar"], "liar", []),
                                   (["h1", "liar"], "h1", [])):
         fetched: list[tuple] = []
-        met = RoundClaims()  # every holder named v39 in a round with us: a gap of two needs that (``PROVEN_GAP``)
-        for holder in holders:
-            met.record(0, holder, 39)
-        stub = _transport(Belief(40, b"good", holders), round_claims=met,
-                          _fetch=lambda *args, fetched=fetched: fetched.append(args),
+        stub = _transport(Belief(40, b"good", holders), _fetch=lambda *args, fetched=fetched: fetched.append(args),
                           _fetch_steps=lambda fragment, order, have, version, served=served: steps_from(
                               served, b"good" if served == "h1" else b"forged"))
         got = SwarmTransport.fetch_fragment(stub, 0, have=38)

@@ -81,14 +81,7 @@ from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
-from locoswarm.node.swarm.versions import (
-    PROVEN_GAP,
-    Belief,
-    RoundClaims,
-    absurd_version,
-    plausible_version,
-    state_digest,
-)
+from locoswarm.node.swarm.versions import Belief, RoundClaims, absurd_version, plausible_version, state_digest
 from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
     consensus_members,
@@ -1215,14 +1208,6 @@ class SwarmTransport(Transport):
         """A catch-up of ``fragment``: a replay of the steps from ``have`` where that is possible (at most
         ``REPLAY_DEPTH`` versions behind, a holder that keeps them: ``_replay``), else the state."""
         belief = self._newest(fragment)
-        if have is not None and 0 < belief.version - have <= PROVEN_GAP:
-            # A gap this small closes after this node's next merged round (its members then prove the version);
-            # a catch-up over it is taken only from holders whose rounds named it before they claimed it (rule 6):
-            # two colluders that corroborate each other's claim of two versions ahead are otherwise asked whenever
-            # no round of theirs refuted it lately (2 + 2 robustness run: honest nodes took 7 and 8 catch-ups from
-            # them, up to 38.8% worse than their own phi, and one liar was never banned by one of them).
-            belief = replace(belief, holders=[h for h in belief.holders
-                                              if self.round_claims.held(fragment, h, belief.version)])
         if not belief.holders:
             return None
         for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves

@@ -43,15 +43,6 @@ must pass before a node acts on it:
    ``CAUGHT_S`` ban the claimant. A liar that claims two versions ahead of what it holds tells a new lie with each
    outer step; an honest member drops that way only where its group is two versions behind, and it would
    have to do so unseen three times in two minutes.
-6. **A small gap needs proof.** A node at most ``PROVEN_GAP`` versions behind the belief (a probe's included) takes
-   the catch-up only from holders whose rounds named that version or the one before, before their heartbeat claimed it
-   (``RoundClaims.held``), else not now: its next merged round closes such a gap anyway, since the members that entered
-   that round at the newest version then prove it, and the catch-up goes to them. Two colluders corroborate each other's
-   claim of two versions ahead, and rule 5 removes them only where a round of theirs refuted it lately; in a robustness
-   run of two honest nodes and two such liars, the honest nodes' rounds kept failing, that evidence was missing, and
-   they took 7 and 8 catch-ups from the liars, up to 38.8% worse than their own phi; and what a liar's rounds named last
-   is no proof either, since its real state moves on with the honest rounds it takes part in. A node further behind (a
-   restart, a joiner, a node that met nobody in a round) is not held to it: it needs the state.
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -87,10 +78,6 @@ NAMED_KEPT = 16          # the rounds' versions kept per (fragment, member) to t
 # making there (``RoundClaims.refutes``); an older round says nothing of what it holds now (a node behind meets the
 # others in no round, so what they named last can be far behind what they hold by now).
 NAMED_RECENT_S = 15.0
-# A catch-up over a gap of at most this many versions is taken only from holders whose rounds named the version or
-# the one before (module docstring, 6): every in-bound lie (``version_bound`` allows ``VERSION_SLACK`` above the
-# clock's count) is within it of an honest node's version.
-PROVEN_GAP = VERSION_SLACK + 2
 MAX_ROUND_CLAIMS = 4096  # (fragment, member) pairs remembered
 
 
@@ -152,7 +139,7 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None, *, boun
     return values[1]
 
 
-__all__ = ["LIES_BAN", "PROVEN_GAP", "Belief", "Claim", "RoundClaims", "absurd_version", "believe", "plausible_version",
+__all__ = ["LIES_BAN", "Belief", "Claim", "RoundClaims", "absurd_version", "believe", "plausible_version",
            "state_digest", "version_bound"]
 
 
@@ -231,21 +218,6 @@ class RoundClaims:
         not merely never contradicted (:meth:`backs`)."""
         named = self._named.get((fragment, member))
         return bool(named) and named[-1][0] >= version - 1
-
-    def held(self, fragment: int, member: str, version: int) -> bool:
-        """Whether ``member``'s rounds of ``fragment`` named ``version`` or the one before it *before* its heartbeat
-        claim of ``version`` or more was first seen (module docstring, 6): a holder reaches a version in a round
-        where it named the one before, and claims it after. A liar that claims two versions ahead names the one
-        before its claim only after its real state has moved on, by which time the claim was read (the 2 + 2
-        replay-liar run: the liars met the honest nodes in every round, and a proof by what they named last was
-        there every time). Without such a claim its rounds alone decide (:meth:`proves`)."""
-        named = self._named.get((fragment, member))
-        if not named:
-            return False
-        claim, seen = self._claimed.get((fragment, member), (-1, math.inf))
-        if claim < version:
-            return named[-1][0] >= version - 1
-        return any(v >= version - 1 and t <= seen for v, t in named)
 
     def backs(self, fragment: int, member: str, version: int) -> bool:
         """Whether what ``member``'s rounds named last of ``fragment`` backs its holding ``version``: at least the
