@@ -324,9 +324,9 @@ class SwarmClock:
             if clock > max_clock:
                 # An honest node far behind (a pause, a slow machine) jumps to the swarm's median clock,
                 # and right after joins the rates measured are still the slow start's: a jump that lands
-                # within the slack of the other witnesses' lower median is catching up, not a lie.
+                # within the slack of the clocks' lower median (its own included) is catching up, not a lie.
                 line = self._line(claim, now, bounds)
-                ref, peers_ref = self._witnesses_median(pid, line, [], now, bounds)
+                ref, peers_ref = self._references(pid, line, [], now, bounds)
                 if ref is None or line > ref + bounds.slack:
                     # Ignored, but an offence only when far beyond both bounds: this node's view of the swarm
                     # (its rates, its witnesses) may be the stale one. Seen: a node that had just joined,
@@ -345,7 +345,7 @@ class SwarmClock:
         """A claim's clock extrapolated to ``now`` at the swarm's inner-step rate."""
         return claim.clock + (bounds.rate or 0.0) * min(max(0.0, now - self._anchor(claim)), self.max_ahead)
 
-    def _witnesses_median(self, pid: str, line: float, others: list[Claim], now: float,
+    def _references(self, pid: str, line: float, others: list[Claim], now: float,
                           bounds: _Bounds) -> tuple[float | None, float | None]:
         """What a claim of ``pid``'s at ``line`` is judged against: the lower median of every clock, the claim's own
         included (so a high clock stands where at least half the clocks are as high), with ``others`` (claims judged
@@ -365,7 +365,7 @@ class SwarmClock:
     def _judge_first(self, pid: str, claim: Claim, others: list[Claim], now: float, bounds: _Bounds,
                      reports: list[Report]) -> None:
         line = self._line(claim, now, bounds)
-        ref, peers_ref = self._witnesses_median(pid, line, others, now, bounds)
+        ref, peers_ref = self._references(pid, line, others, now, bounds)
         if ref is not None and line > ref + bounds.slack:
             # Ignored, but an offence only when far beyond the other peers: the other witnesses may be the ones
             # that are wrong. Seen: three joiners whose state downloads failed started at clock 0 and outvoted
