@@ -616,3 +616,59 @@ def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
     loops[0].pending.clear()
     events = loops[0].send(12)
     assert any(e.kind == "caught_up" for e in events)
+
+
+def test_a_fragment_in_step_with_the_swarm_takes_no_small_catch_up_much_worse_than_its_own_phi() -> None:
+    """A fragment that merged a round with peers since its last catch-up is in step: a download at most
+    ``IN_STEP_GAP`` versions ahead may do at most ``IN_STEP_SLACK`` times the tolerance worse than its phi (2 + 2 state
+    liars: an honest node took 7 catch-ups up to 16% and 39% worse, and its eval rose 14% above clean). Refused
+    without blame, once per merged round: with no merged round since, the next catch-up is judged by
+    ``SNAPSHOT_SLACK`` (a node whose rounds stopped merging is behind for real); a merged round arms it again; a
+    download further ahead, or a fragment not in step, is judged by ``SNAPSHOT_SLACK`` too."""
+    from locoswarm.node.core.outer_loop import IN_STEP_GAP, IN_STEP_SLACK
+
+    assert IN_STEP_SLACK < SNAPSHOT_SLACK
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    assert st.in_step and st.worse_refused == 0
+    worse = 0.005  # 1% worse on the quadratic judge: past the in-step slack (0.25%), inside the snapshot slack (2.5%)
+
+    def catch_up(t: int, gap: int) -> list:
+        phi = st.phi.detach().cpu().clone()
+        transports[0].snapshot = FragmentSnapshot(0, st.version + gap, phi + worse * (phi - target),
+                                                  torch.zeros_like(phi), source="QmX")
+        loops[0].pending.clear()  # the round sent at the previous step would hold the download back
+        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
+        transports[0].snapshot = None
+        loops[0].pending.clear()  # its round would wait for a partner that does not send at this step
+        return events
+
+    phi, version = st.phi.clone(), st.version
+    [refused] = catch_up(8, 2)
+    assert refused.kind == "refused" and "in step with the swarm" in refused.error
+    assert transports[0].offences[-1] is False and torch.equal(st.phi, phi) and st.version == version
+    assert st.worse_refused == 1
+    step(9)
+    assert any(e.kind == "merged" for e in step(10)[0])  # a merged round arms the in-step slack again
+    assert st.in_step and st.worse_refused == 0
+    version = st.version
+    assert [e.kind for e in catch_up(12, 2)] == ["refused"]
+    [taken] = catch_up(14, 2)  # no merged round since: behind for real, the usual slack
+    assert taken.kind == "caught_up" and st.version == version + 2 and not st.in_step
+    assert [e.kind for e in catch_up(16, 2)] == ["caught_up"]  # not in step: no merged round since the catch-up
+
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    assert st.in_step
+    assert [e.kind for e in catch_up(8, IN_STEP_GAP + 1)] == ["caught_up"]  # further ahead: the usual slack
+    worse = -0.01  # a better phi is taken in step
+    loops, transports, step = _pair(judge_target=target)
+    for t in range(1, 7):
+        step(t)
+    st = loops[0].states[0]
+    assert [e.kind for e in catch_up(8, 1)] == ["caught_up"]

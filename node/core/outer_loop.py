@@ -127,6 +127,21 @@ FOLDED_SLACK = 0.0
 # states from peers never met in a round (tried: a node resumed after SIGKILL meets nobody until it has caught up,
 # and honest catch-ups 6-7% worse than its phi were refused until the suite's test timed out).
 DOUBTED_SLACK = 0.05
+# ... and past IN_STEP_SLACK times the tolerance where the fragment is in step with the swarm (it merged a round with
+# peers that all sent from its own phi since its last catch-up, join or restore: ``FragmentState.in_step``) and the
+# download is at most IN_STEP_GAP versions ahead: a few outer steps of the same lineage move the held-out loss by a
+# few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is
+# no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars
+# (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node took 7
+# catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean.
+# Refused once per merged round (``FragmentState.worse_refused``): a node whose rounds stopped merging is behind for
+# real, and its next catch-up is judged by SNAPSHOT_SLACK, so an honest swarm whose phi merely does worse on this
+# node's batch (a small corpus) delays it by one download, never strands it. Only after rounds of one lineage: a
+# node whose phi left its group's (a bad join: its group's phi measured 26% worse beside its other fragment) is not
+# in step, and a 5% bound for every catch-up kept such a node on a phi of its own for a whole window (robustness
+# bench, 8ed535c).
+IN_STEP_SLACK = 0.05
+IN_STEP_GAP = 4
 
 
 @dataclass
@@ -905,6 +920,8 @@ class OuterLoop:
         if kind == "merged":
             st.catch_ups_in_row = 0
             st.folded = False
+            if res.ok and res.group_size > 1 and all(part.one_lineage for part in res.parts):
+                st.in_step, st.worse_refused = True, 0
         if res.ok:
             if kind == "merged" and res.group_size == 1:
                 # counted before ``syncs_ok``: the status thread reads ``syncs_ok - solo_steps`` as the rounds
@@ -1021,6 +1038,9 @@ class OuterLoop:
         snaps = [f.staged for f in fresh.values()]
         refusal, judged = self._judge_effect(states, snaps, stale=bool(behind))
         if refusal is not None:
+            if self._in_step(states, snaps):
+                for st in states:
+                    st.worse_refused += 1
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
                     for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
@@ -1039,7 +1059,7 @@ class OuterLoop:
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
-        st.folded = False
+        st.folded = st.in_step = False
         self.pending_consensus.pop(st.index, None)  # it averaged the state this one replaces
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
@@ -1099,9 +1119,9 @@ class OuterLoop:
         ours (conclusive when it is not finite, or worse than knowing nothing where it is the source's own model:
         ``FragmentSnapshot.kin``), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
-        versions). Stricter right after a fold (``FOLDED_SLACK``) and from a source the transport doubts
-        (``DOUBTED_SLACK``). With the verdict, the two losses in words (for the log: what a catch-up did to this
-        node's model)."""
+        versions). Stricter right after a fold (``FOLDED_SLACK``), from a source the transport doubts
+        (``DOUBTED_SLACK``) and for a small step of a fragment in step with the swarm (``IN_STEP_SLACK``). With the
+        verdict, the two losses in words (for the log: what a catch-up did to this node's model)."""
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
@@ -1110,7 +1130,9 @@ class OuterLoop:
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
         doubted = any(s.doubted for s in snaps)
-        slack = FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else SNAPSHOT_SLACK
+        in_step = self._in_step(states, snaps)
+        slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else IN_STEP_SLACK if in_step
+                 else SNAPSHOT_SLACK)
         if not self.judge.harmful(theirs, ours, slack=slack):
             return None, judged
         self.stats.effect_refused += 1
@@ -1121,9 +1143,18 @@ class OuterLoop:
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         after = (" (after a fold: no worse is taken)" if folded else
                  f" (from a source this node muted lately: at most {DOUBTED_SLACK:.0%} of the tolerance worse)"
-                 if doubted else "")
+                 if doubted else f" (in step with the swarm: at most {IN_STEP_SLACK:.0%} of the tolerance worse)"
+                 if in_step else "")
         return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
                        offence=blamed, conclusive=conclusive), judged
+
+    @staticmethod
+    def _in_step(states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot]) -> bool:
+        """Whether these downloads are judged by ``IN_STEP_SLACK``: every fragment merged a round with peers since
+        its last catch-up and refused no download as worse since, and each download is at most ``IN_STEP_GAP``
+        versions ahead of it."""
+        return all(st.in_step and st.worse_refused == 0 and snap.version - st.version <= IN_STEP_GAP
+                   for st, snap in zip(states, snaps, strict=True))
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
@@ -1222,7 +1253,7 @@ class OuterLoop:
             st.last_send = None if rec["last_send"] is None else int(rec["last_send"])
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
-            st.folded = False
+            st.folded = st.in_step = False
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)
