@@ -560,7 +560,7 @@ def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> No
     """A node that folded its progress into its own phi refused its peers' rounds: their phi is taken only where it
     does no worse than its own (``FOLDED_SLACK``), not within the usual ``SNAPSHOT_SLACK``, until a merged round or
     a catch-up (2 + 2 drift: fold, catch up from a drifter 0.1-13% worse, fold again, nine times in 14 s)."""
-    from locoswarm.node.core.outer_loop import FOLDED_SLACK
+    from locoswarm.node.core.outer_loop import FOLDED_SLACK, IN_STEP_GAP
 
     assert FOLDED_SLACK < SNAPSHOT_SLACK
     target = _trained_target()
@@ -572,7 +572,7 @@ def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> No
     for t, folded, expected in [(8, True, "refused"), (10, False, "caught_up")]:
         phi = st.phi.detach().cpu().clone()
         st.folded = folded
-        transports[0].snapshot = FragmentSnapshot(0, st.version + 3, phi + worse * (phi - target),
+        transports[0].snapshot = FragmentSnapshot(0, st.version + IN_STEP_GAP + 1, phi + worse * (phi - target),
                                                   torch.zeros_like(phi), source="QmX")
         loops[0].pending.clear()
         events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
@@ -582,7 +582,7 @@ def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> No
             assert torch.equal(st.phi.cpu(), phi)
     st.folded = True
     better = st.phi.detach().cpu().clone()
-    transports[0].snapshot = FragmentSnapshot(0, st.version + 3, better - 0.1 * (better - target),
+    transports[0].snapshot = FragmentSnapshot(0, st.version + IN_STEP_GAP + 1, better - 0.1 * (better - target),
                                               torch.zeros_like(better), source="QmY")
     loops[0].pending.clear()
     assert [e.kind for e in loops[0].send(12) if e.kind == "caught_up"] == ["caught_up"]  # a better one is taken
@@ -619,56 +619,53 @@ def test_a_catch_up_never_replaces_phi_with_a_worse_one() -> None:
 
 
 def test_a_fragment_in_step_with_the_swarm_takes_no_small_catch_up_much_worse_than_its_own_phi() -> None:
-    """A fragment that merged a round with peers since its last catch-up is in step: a download at most
-    ``IN_STEP_GAP`` versions ahead may do at most ``IN_STEP_SLACK`` times the tolerance worse than its phi (2 + 2 state
-    liars: an honest node took 7 catch-ups up to 16% and 39% worse, and its eval rose 14% above clean). Refused
-    without blame, once per merged round: with no merged round since, the next catch-up is judged by
-    ``SNAPSHOT_SLACK`` (a node whose rounds stopped merging is behind for real); a merged round arms it again; a
-    download further ahead, or a fragment not in step, is judged by ``SNAPSHOT_SLACK`` too."""
-    from locoswarm.node.core.outer_loop import IN_STEP_GAP, IN_STEP_SLACK
+    """A fragment in step with its group (a merged round of one lineage, and since then no catch-up judged otherwise
+    and no rounds failed for want of peers) takes a download at most ``IN_STEP_GAP`` versions ahead only within
+    ``IN_STEP_SLACK`` times the tolerance of its own phi (2 + 2 state liars: an honest node took 7 catch-ups up to
+    16% and 39% worse, and its eval rose 14% above clean). Refused without blame, however often it is served; a
+    catch-up taken within it leaves the fragment in step. After ``IN_STEP_FAILS`` rounds in a row failed for want of
+    peers (behind for real) the usual ``SNAPSHOT_SLACK`` judges, and the catch-up it takes ends being in step; a
+    download further ahead is judged by ``SNAPSHOT_SLACK`` too."""
+    from locoswarm.node.core.outer_loop import IN_STEP_FAILS, IN_STEP_GAP, IN_STEP_SLACK
 
     assert IN_STEP_SLACK < SNAPSHOT_SLACK
     target = _trained_target()
-    loops, transports, step = _pair(judge_target=target)
-    for t in range(1, 7):
-        step(t)
-    st = loops[0].states[0]
-    assert st.in_step and st.worse_refused == 0
-    worse = 0.005  # 1% worse on the quadratic judge: past the in-step slack (0.25%), inside the snapshot slack (2.5%)
 
-    def catch_up(t: int, gap: int) -> list:
+    def in_step_pair():
+        loops, transports, step = _pair(judge_target=target)
+        for t in range(1, 7):
+            step(t)
+        assert loops[0].states[0].in_step
+        return loops[0], transports[0]
+
+    def catch_up(loop, transport, t: int, gap: int, worse: float) -> list:
+        """``worse``: 0.005 is 1% worse on the quadratic judge, past the in-step slack (0.25% at its tolerance of
+        5%) and inside the snapshot slack (2.5%)."""
+        st = loop.states[0]
         phi = st.phi.detach().cpu().clone()
-        transports[0].snapshot = FragmentSnapshot(0, st.version + gap, phi + worse * (phi - target),
-                                                  torch.zeros_like(phi), source="QmX")
-        loops[0].pending.clear()  # the round sent at the previous step would hold the download back
-        events = [e for e in loops[0].send(t) if e.kind in ("refused", "caught_up")]
-        transports[0].snapshot = None
-        loops[0].pending.clear()  # its round would wait for a partner that does not send at this step
+        transport.snapshot = FragmentSnapshot(0, st.version + gap, phi + worse * (phi - target),
+                                              torch.zeros_like(phi), source="QmX")
+        loop.pending.clear()  # the round sent at the previous step would hold the download back
+        events = [e for e in loop.send(t) if e.kind in ("refused", "caught_up")]
+        transport.snapshot = None
+        loop.pending.clear()  # its round would wait for a partner that does not send at this step
         return events
 
+    loop, transport = in_step_pair()
+    st = loop.states[0]
     phi, version = st.phi.clone(), st.version
-    [refused] = catch_up(8, 2)
-    assert refused.kind == "refused" and "in step with the swarm" in refused.error
-    assert transports[0].offences[-1] is False and torch.equal(st.phi, phi) and st.version == version
-    assert st.worse_refused == 1
-    step(9)
-    assert any(e.kind == "merged" for e in step(10)[0])  # a merged round arms the in-step slack again
-    assert st.in_step and st.worse_refused == 0
-    version = st.version
-    assert [e.kind for e in catch_up(12, 2)] == ["refused"]
-    [taken] = catch_up(14, 2)  # no merged round since: behind for real, the usual slack
-    assert taken.kind == "caught_up" and st.version == version + 2 and not st.in_step
-    assert [e.kind for e in catch_up(16, 2)] == ["caught_up"]  # not in step: no merged round since the catch-up
+    for t in (8, 10):  # served again at once: refused again
+        [refused] = catch_up(loop, transport, t, 2, 0.005)
+        assert refused.kind == "refused" and "in step with the swarm" in refused.error
+        assert transport.offences[-1] is False and torch.equal(st.phi, phi) and st.version == version
+    assert [e.kind for e in catch_up(loop, transport, 12, 2, -0.01)] == ["caught_up"]  # a better one is taken
+    assert st.in_step and st.version == version + 2
+    assert [e.kind for e in catch_up(loop, transport, 14, 2, 0.005)] == ["refused"]    # and it is still in step
+    st.failed_rounds = IN_STEP_FAILS  # rounds in a row that failed for want of peers: behind for real
+    assert [e.kind for e in catch_up(loop, transport, 16, 2, 0.005)] == ["caught_up"]
+    assert not st.in_step
+    st.failed_rounds = 0
+    assert [e.kind for e in catch_up(loop, transport, 18, 2, 0.005)] == ["caught_up"]  # no merged round since
 
-    loops, transports, step = _pair(judge_target=target)
-    for t in range(1, 7):
-        step(t)
-    st = loops[0].states[0]
-    assert st.in_step
-    assert [e.kind for e in catch_up(8, IN_STEP_GAP + 1)] == ["caught_up"]  # further ahead: the usual slack
-    worse = -0.01  # a better phi is taken in step
-    loops, transports, step = _pair(judge_target=target)
-    for t in range(1, 7):
-        step(t)
-    st = loops[0].states[0]
-    assert [e.kind for e in catch_up(8, 1)] == ["caught_up"]
+    loop, transport = in_step_pair()
+    assert [e.kind for e in catch_up(loop, transport, 8, IN_STEP_GAP + 1, 0.005)] == ["caught_up"]

@@ -127,21 +127,25 @@ FOLDED_SLACK = 0.0
 # states from peers never met in a round (tried: a node resumed after SIGKILL meets nobody until it has caught up,
 # and honest catch-ups 6-7% worse than its phi were refused until the suite's test timed out).
 DOUBTED_SLACK = 0.05
-# ... and past IN_STEP_SLACK times the tolerance where the fragment is in step with the swarm (it merged a round with
-# peers that all sent from its own phi since its last catch-up, join or restore: ``FragmentState.in_step``) and the
+# ... and past IN_STEP_SLACK times the tolerance where the fragment is in step with its group
+# (``FragmentState.in_step``: it merged a round with peers that all sent from its own phi, and since then took no
+# catch-up judged otherwise, was not restored, and no IN_STEP_FAILS rounds in a row failed for want of peers) and the
 # download is at most IN_STEP_GAP versions ahead: a few outer steps of the same lineage move the held-out loss by a
 # few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is
 # no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars
 # (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node took 7
-# catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean.
-# Refused once per merged round (``FragmentState.worse_refused``): a node whose rounds stopped merging is behind for
-# real, and its next catch-up is judged by SNAPSHOT_SLACK, so an honest swarm whose phi merely does worse on this
-# node's batch (a small corpus) delays it by one download, never strands it. Only after rounds of one lineage: a
-# node whose phi left its group's (a bad join: its group's phi measured 26% worse beside its other fragment) is not
-# in step, and a 5% bound for every catch-up kept such a node on a phi of its own for a whole window (robustness
-# bench, 8ed535c).
+# catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean (3.8%
+# with this rule). A catch-up taken within it leaves the fragment in step (its phi is as healthy as the one it
+# replaced): two drifters served one honest node a state 1% worse, then, before any merged round, one 25% worse.
+# Not after rounds fail for want of peers: such a node is behind for real, and its next catch-up is judged by
+# SNAPSHOT_SLACK, so an honest swarm whose phi merely does worse on this node's batch (a small corpus) cannot strand
+# it. Not once per merged round either: two drifters served an honest node, refused in step, the next state 1 s
+# later (+11%, taken). Only after rounds of one lineage: a node whose phi left its group's (a bad join: its group's
+# phi measured 26% worse beside its other fragment) is not in step, and a 5% bound for every catch-up kept such a
+# node on a phi of its own for a whole window (robustness bench, 8ed535c).
 IN_STEP_SLACK = 0.05
 IN_STEP_GAP = 4
+IN_STEP_FAILS = 2
 
 
 @dataclass
@@ -719,6 +723,7 @@ class OuterLoop:
                                     "they carried is folded into phi by an outer step on it alone")]
         st.set_theta(st.phi)
         self._carry_nothing(st)
+        st.in_step = False  # behind for real (IN_STEP_SLACK): the failure count that said so starts again
         st.folded = False  # these rounds failed for want of peers, not by refusals: no longer a fold (FOLDED_SLACK)
         return [SyncEvent("dropped", st.index, step, st.version,
                           error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
@@ -921,7 +926,7 @@ class OuterLoop:
             st.catch_ups_in_row = 0
             st.folded = False
             if res.ok and res.group_size > 1 and all(part.one_lineage for part in res.parts):
-                st.in_step, st.worse_refused = True, 0
+                st.in_step = True
         if res.ok:
             if kind == "merged" and res.group_size == 1:
                 # counted before ``syncs_ok``: the status thread reads ``syncs_ok - solo_steps`` as the rounds
@@ -1038,28 +1043,28 @@ class OuterLoop:
         snaps = [f.staged for f in fresh.values()]
         refusal, judged = self._judge_effect(states, snaps, stale=bool(behind))
         if refusal is not None:
-            if self._in_step(states, snaps):
-                for st in states:
-                    st.worse_refused += 1
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
                     for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
+        in_step = self._in_step(states, snaps)  # judged in step: taken within IN_STEP_SLACK, still in step
         for p, fetch in fresh.items():
-            events.extend(self._apply_snapshot(self.states[p], fetch, step, judged))
+            events.extend(self._apply_snapshot(self.states[p], fetch, step, judged, in_step=in_step))
         return events
 
     def _far_behind(self, fragment: int) -> bool:
         """Whether ``fragment`` is more than ``FAR_GAP`` versions behind the newest one known among peers."""
         return self.transport.latest_version(fragment) - self.states[fragment].version > FAR_GAP
 
-    def _apply_snapshot(self, st: FragmentState, fetch: _Fetch, step: int, judged: str = "") -> list[SyncEvent]:
+    def _apply_snapshot(self, st: FragmentState, fetch: _Fetch, step: int, judged: str = "", *,
+                        in_step: bool = False) -> list[SyncEvent]:
         snap = fetch.staged
         theta = st.theta()
         phi_old = st.phi.clone()
         st.phi.copy_(snap.phi.to(st.phi.device))
         st.momentum.copy_(snap.momentum.to(st.momentum.device))
         st.version = snap.version
-        st.folded = st.in_step = False
+        st.folded = False
+        st.in_step = in_step
         self.pending_consensus.pop(st.index, None)  # it averaged the state this one replaces
         for group_version, average in fetch.replay:
             if group_version == st.version and self._outer_step(st, average) is not None:
@@ -1150,11 +1155,11 @@ class OuterLoop:
 
     @staticmethod
     def _in_step(states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot]) -> bool:
-        """Whether these downloads are judged by ``IN_STEP_SLACK``: every fragment merged a round with peers since
-        its last catch-up and refused no download as worse since, and each download is at most ``IN_STEP_GAP``
-        versions ahead of it."""
-        return all(st.in_step and st.worse_refused == 0 and snap.version - st.version <= IN_STEP_GAP
-                   for st, snap in zip(states, snaps, strict=True))
+        """Whether these downloads are judged by ``IN_STEP_SLACK``: every fragment is in step with its group
+        (``FragmentState.in_step``) and fewer than ``IN_STEP_FAILS`` of its rounds in a row failed for want of peers,
+        and each download is at most ``IN_STEP_GAP`` versions ahead of it."""
+        return all(st.in_step and st.failed_rounds - st.refused_rounds < IN_STEP_FAILS
+                   and snap.version - st.version <= IN_STEP_GAP for st, snap in zip(states, snaps, strict=True))
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their

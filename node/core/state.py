@@ -63,8 +63,7 @@ class FragmentState:
     refused_rounds: int = 0                # of those, rounds this node failed by refusing what peers sent
     catch_ups_in_row: int = 0              # catch-ups since the last merged round (2+: a catch-up loop)
     folded: bool = False                   # progress folded into phi since the last merge, catch-up or drop
-    in_step: bool = False                  # merged a round with peers since its last catch-up, join or restore
-    worse_refused: int = 0                 # catch-ups refused as worse than this in-step phi since that round
+    in_step: bool = False                  # in step with its group since a merged round (``IN_STEP_SLACK``)
     access: ThetaAccess | None = field(default=None, repr=False, compare=False)
 
     @classmethod
