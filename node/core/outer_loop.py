@@ -1041,12 +1041,13 @@ class OuterLoop:
             return []
         states = [self.states[p] for p in fresh]
         snaps = [f.staged for f in fresh.values()]
-        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind))
+        # decided once: the bound they are judged by, and whether a catch-up taken within it leaves them in step
+        in_step = self._in_step(states, snaps)
+        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind), in_step=in_step)
         if refusal is not None:
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
                     for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
-        in_step = self._in_step(states, snaps)  # judged in step: taken within IN_STEP_SLACK, still in step
         for p, fetch in fresh.items():
             events.extend(self._apply_snapshot(self.states[p], fetch, step, judged, in_step=in_step))
         return events
@@ -1116,7 +1117,7 @@ class OuterLoop:
                 f"holder's is never a reversal, below {FAR_COSINE:+.1f})")
 
     def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
-                      stale: bool = False) -> tuple[Refusal | None, str]:
+                      stale: bool = False, in_step: bool = False) -> tuple[Refusal | None, str]:
         """The effect check of downloaded outer states, taken together: None when they may replace ours.
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
@@ -1125,7 +1126,7 @@ class OuterLoop:
         ``FragmentSnapshot.kin``), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
         versions). Stricter right after a fold (``FOLDED_SLACK``), from a source the transport doubts
-        (``DOUBTED_SLACK``) and for a small step of a fragment in step with the swarm (``IN_STEP_SLACK``). With the
+        (``DOUBTED_SLACK``) and where ``in_step`` (``_in_step``: ``IN_STEP_SLACK``). With the
         verdict, the two losses in words (for the log: what a catch-up did to this node's model)."""
         if self.judge is None:
             return None, ""
@@ -1135,7 +1136,6 @@ class OuterLoop:
         judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
         folded = any(st.folded for st in states)
         doubted = any(s.doubted for s in snaps)
-        in_step = self._in_step(states, snaps)
         slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else IN_STEP_SLACK if in_step
                  else SNAPSHOT_SLACK)
         if not self.judge.harmful(theirs, ours, slack=slack):
