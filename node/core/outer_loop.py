@@ -127,25 +127,24 @@ FOLDED_SLACK = 0.0
 # states from peers never met in a round (tried: a node resumed after SIGKILL meets nobody until it has caught up,
 # and honest catch-ups 6-7% worse than its phi were refused until the suite's test timed out).
 DOUBTED_SLACK = 0.05
-# ... and past IN_STEP_SLACK times the tolerance where the fragment is in step with its group
-# (``FragmentState.in_step``: it merged a round with peers that all sent from its own phi, and since then took no
-# catch-up judged otherwise, was not restored, and no IN_STEP_FAILS rounds in a row failed for want of peers) and the
-# download is at most IN_STEP_GAP versions ahead: a few outer steps of the same lineage move the held-out loss by a
-# few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is
-# no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars
-# (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node took 7
-# catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean (3.8%
-# with this rule). A catch-up taken within it leaves the fragment in step (its phi is as healthy as the one it
-# replaced): two drifters served one honest node a state 1% worse, then, before any merged round, one 25% worse.
-# Not after rounds fail for want of peers: such a node is behind for real, and its next catch-up is judged by
-# SNAPSHOT_SLACK, so an honest swarm whose phi merely does worse on this node's batch (a small corpus) cannot strand
-# it. Not once per merged round either: two drifters served an honest node, refused in step, the next state 1 s
-# later (+11%, taken). Only after rounds of one lineage: a node whose phi left its group's (a bad join: its group's
-# phi measured 26% worse beside its other fragment) is not in step, and a 5% bound for every catch-up kept such a
-# node on a phi of its own for a whole window (robustness bench, 8ed535c).
+# ... and past IN_STEP_SLACK times the tolerance for each IN_STEP_GAP versions the download is ahead (at least once,
+# at most SNAPSHOT_SLACK) where the fragment is in step with its group (``FragmentState.in_step``: it merged a round
+# with peers that all sent from its own phi, and since then took no catch-up judged otherwise and was not restored):
+# a few outer steps of the lineage it was in step with move the held-out loss by a few percent at most (honest
+# catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is no progress worth taking,
+# whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars (robustness bench,
+# ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node took 7 catch-ups from them,
+# up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean (3.8% with this rule). A
+# catch-up taken within it leaves the fragment in step (its phi is as healthy as the one it replaced).
+# Rounds that fail do not end it: two drifters' join made an honest node's rounds fail (group mismatches) until it
+# dropped its progress, and it then took their states 5-6 versions ahead, 20% and 29% worse, by the SNAPSHOT_SLACK
+# a node out of step gets (2 + 2 drift, 992a8a6: worst +75.6% above clean). A node behind for real is not stranded
+# by it: the further the swarm gets ahead, the more its phi may do worse on this node's batches (a small corpus),
+# 10% at 8 versions, 50% at 40. Only after rounds of one lineage: a node whose phi left its group's (a bad join:
+# its group's phi measured 26% worse beside its other fragment) is not in step, and a 5% bound for every catch-up
+# kept such a node on a phi of its own for a whole window (robustness bench, 8ed535c).
 IN_STEP_SLACK = 0.05
 IN_STEP_GAP = 4
-IN_STEP_FAILS = 2
 
 
 @dataclass
@@ -288,6 +287,11 @@ class OuterLoop:
         self._resync: set[int] = set()
         self._fetches: dict[int, _Fetch] = {}  # catch-up downloads under way, per fragment
         self._staging_asked: set[int] = set()  # fragments far behind fetched for the staged downloads' judgement
+        # The held-out loss of this model when it judged its first catch-up since its last merged round of one
+        # lineage (``_judge_effect``): later catch-ups are judged against the lower of it and the loss now, so a
+        # run of catch-ups, each within its bound of the one before, cannot walk a healthy model to a much worse
+        # one (2 + 2 drift, 992a8a6: 2.65 -> 3.19 -> 4.10 -> 4.90 in one second, fragments 0 and 1 in turn).
+        self._loss_before_catch_ups: float | None = None
         # The outer steps each fragment took from its groups' averages, for peers that missed them
         # (``locoswarm.node.core.step_log``): only where the wire average is what the step applies.
         self._steps = ([StepLog(max_bytes=STEP_LOG_BYTES // len(self.states)) for _ in self.states]
@@ -723,7 +727,6 @@ class OuterLoop:
                                     "they carried is folded into phi by an outer step on it alone")]
         st.set_theta(st.phi)
         self._carry_nothing(st)
-        st.in_step = False  # behind for real (IN_STEP_SLACK): the failure count that said so starts again
         st.folded = False  # these rounds failed for want of peers, not by refusals: no longer a fold (FOLDED_SLACK)
         return [SyncEvent("dropped", st.index, step, st.version,
                           error=f"{failed} rounds in a row failed: the local progress they carried is dropped "
@@ -927,6 +930,7 @@ class OuterLoop:
             st.folded = False
             if res.ok and res.group_size > 1 and all(part.one_lineage for part in res.parts):
                 st.in_step = True
+                self._loss_before_catch_ups = None
         if res.ok:
             if kind == "merged" and res.group_size == 1:
                 # counted before ``syncs_ok``: the status thread reads ``syncs_ok - solo_steps`` as the rounds
@@ -1042,14 +1046,15 @@ class OuterLoop:
         states = [self.states[p] for p in fresh]
         snaps = [f.staged for f in fresh.values()]
         # decided once: the bound they are judged by, and whether a catch-up taken within it leaves them in step
-        in_step = self._in_step(states, snaps)
-        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind), in_step=in_step)
+        in_step = self._in_step_slack(states, snaps)
+        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind), in_step=in_step, chained=True)
         if refusal is not None:
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
                     for i, (st, snap) in enumerate(zip(states, snaps, strict=True))]
         for p, fetch in fresh.items():
-            events.extend(self._apply_snapshot(self.states[p], fetch, step, judged, in_step=in_step))
+            events.extend(self._apply_snapshot(self.states[p], fetch, step, judged,
+                                               in_step=in_step is not None and in_step < SNAPSHOT_SLACK))
         return events
 
     def _far_behind(self, fragment: int) -> bool:
@@ -1117,7 +1122,8 @@ class OuterLoop:
                 f"holder's is never a reversal, below {FAR_COSINE:+.1f})")
 
     def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
-                      stale: bool = False, in_step: bool = False) -> tuple[Refusal | None, str]:
+                      stale: bool = False, in_step: float | None = None,
+                      chained: bool = False) -> tuple[Refusal | None, str]:
         """The effect check of downloaded outer states, taken together: None when they may replace ours.
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
         catch-up never replaces a healthy model with a much worse one; an honest holder whose phi merely went
@@ -1126,40 +1132,51 @@ class OuterLoop:
         ``FragmentSnapshot.kin``), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
         versions). Stricter right after a fold (``FOLDED_SLACK``), from a source the transport doubts
-        (``DOUBTED_SLACK``) and where ``in_step`` (``_in_step``: ``IN_STEP_SLACK``). With the
-        verdict, the two losses in words (for the log: what a catch-up did to this node's model)."""
+        (``DOUBTED_SLACK``) and by ``in_step``, the slack of fragments in step (``_in_step_slack``). ``chained``
+        (a catch-up, not a join): ours is the lower of this model's loss now and its loss before its first
+        catch-up since its last merged round (``_loss_before_catch_ups``). With the verdict, the two losses in
+        words (for the log: what a catch-up did to this node's model)."""
         if self.judge is None:
             return None, ""
         self.stats.effect_checks += 1
-        theirs, ours = self.judge.pooled_losses(
+        theirs, now = self.judge.pooled_losses(
             states, [[s.phi.to(st.device) for s, st in zip(snaps, states, strict=True)], [st.phi for st in states]])
-        judged = f"held-out loss {theirs:.4f}, this node's own {ours:.4f}"
+        ours, earlier = now, ""
+        if chained:
+            before = self._loss_before_catch_ups
+            if before is None or not math.isfinite(before):
+                self._loss_before_catch_ups = now
+            elif before < now:
+                ours, earlier = before, f" ({before:.4f} before its catch-ups since its last merged round)"
+        judged = f"held-out loss {theirs:.4f}, this node's own {now:.4f}{earlier}"
         folded = any(st.folded for st in states)
         doubted = any(s.doubted for s in snaps)
-        slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else IN_STEP_SLACK if in_step
+        slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else in_step if in_step is not None
                  else SNAPSHOT_SLACK)
         if not self.judge.harmful(theirs, ours, slack=slack):
             return None, judged
         self.stats.effect_refused += 1
-        absurd = not stale and (not math.isfinite(theirs) or theirs > ours * (1 + ABSURD_WORSE))
+        absurd = not stale and (not math.isfinite(theirs) or theirs > now * (1 + ABSURD_WORSE))
         blamed = absurd and len({s.source for s in snaps}) == 1
         whole = len(snaps) == len(self.states) or all(s.kin for s in snaps)  # the source's own model judged
         conclusive = blamed and (not math.isfinite(theirs) or (whole and theirs > self.judge.knowing_nothing()))
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         after = (" (after a fold: no worse is taken)" if folded else
                  f" (from a source this node muted lately: at most {DOUBTED_SLACK:.0%} of the tolerance worse)"
-                 if doubted else f" (in step with the swarm: at most {IN_STEP_SLACK:.0%} of the tolerance worse)"
-                 if in_step else "")
-        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {ours:.4f}{after}",
-                       offence=blamed, conclusive=conclusive), judged
+                 if doubted else f" (in step with the swarm: at most {in_step:.0%} of the tolerance worse)"
+                 if in_step is not None else "")
+        return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {now:.4f}{earlier}"
+                       f"{after}", offence=blamed, conclusive=conclusive), judged
 
     @staticmethod
-    def _in_step(states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot]) -> bool:
-        """Whether these downloads are judged by ``IN_STEP_SLACK``: every fragment is in step with its group
-        (``FragmentState.in_step``) and fewer than ``IN_STEP_FAILS`` of its rounds in a row failed for want of peers,
-        and each download is at most ``IN_STEP_GAP`` versions ahead of it."""
-        return all(st.in_step and st.failed_rounds - st.refused_rounds < IN_STEP_FAILS
-                   and snap.version - st.version <= IN_STEP_GAP for st, snap in zip(states, snaps, strict=True))
+    def _in_step_slack(states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot]) -> float | None:
+        """The slack these downloads are judged by where every fragment is in step with its group
+        (``FragmentState.in_step``): ``IN_STEP_SLACK`` for each ``IN_STEP_GAP`` versions the furthest is ahead
+        (at least once, at most ``SNAPSHOT_SLACK``); None where one is not."""
+        if not all(st.in_step for st in states):
+            return None
+        gap = max(snap.version - st.version for st, snap in zip(states, snaps, strict=True))
+        return min(SNAPSHOT_SLACK, IN_STEP_SLACK * max(1.0, gap / IN_STEP_GAP))
 
     def adopt(self, snaps: Sequence[FragmentSnapshot], *, keep_progress: bool) -> dict[int, Refusal]:
         """Join: take downloaded outer states (newer ones only), each checked for its bounds and distance, their
@@ -1190,6 +1207,8 @@ class OuterLoop:
             st.momentum.copy_(snap.momentum.to(st.momentum.device))
             st.version = snap.version
             st.set_theta(st.phi - progress)
+        if taken:
+            self._loss_before_catch_ups = None  # a join replaced the model: no catch-up since a merged round yet
         self.stats.refused += len(refused)
         return refused
 
@@ -1259,6 +1278,7 @@ class OuterLoop:
             st.tokens_since_send = float(rec["tokens_since_send"])
             st.failed_rounds = st.refused_rounds = 0
             st.folded = st.in_step = False
+        self._loss_before_catch_ups = None
         shared_r = tensors.get("shared_r")
         self.shared_r = None if shared_r is None else shared_r.to(torch.float32).clone()
         self.compressor.load_state_dict(tensors)
