@@ -33,8 +33,10 @@ VOCAB = 257
 
 
 class _Poisoned(AverageHandle):
-    def __init__(self, inner: AverageHandle, poison, group_version: int | None = None, fail: bool = False) -> None:
+    def __init__(self, inner: AverageHandle, poison, group_version: int | None = None, fail: bool = False,
+                 foreign: bool = False) -> None:
         self.inner, self.poison, self.group_version, self.fail = inner, poison, group_version, fail
+        self.foreign = foreign
 
     def done(self) -> bool:
         return self.fail or self.inner.done()
@@ -47,20 +49,24 @@ class _Poisoned(AverageHandle):
             res.average = self.poison(res.average)
         if res.ok and self.group_version is not None:
             res.max_version = self.group_version
+        if res.ok and self.foreign:
+            res.parts = [PartOrigin("QmPartner", 0, res.average.numel() if res.average is not None else 0,
+                                    one_lineage=False)]
         return res
 
 
 class PoisoningTransport(Transport):
     """Delegates to the hub; rounds listed in ``poison`` come back with their average corrupted, and
     ``snapshot`` (when set) is what catching up downloads; rounds listed in ``fail`` fail for want of peers (they
-    reach no other member). ``group_version`` / ``latest`` (when set) stand
-    for the swarm transport's corroborated versions: what a round reports as its group's version, and
-    the newest version this node believes peers hold."""
+    reach no other member), and those in ``foreign`` had a member that sent from another phi. ``group_version``
+    / ``latest`` (when set) stand for the swarm transport's corroborated versions: what a round reports as its
+    group's version, and the newest version this node believes peers hold."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.poison: dict[int, object] = {}
         self.fail: set[int] = set()
+        self.foreign: set[int] = set()
         self.snapshot: FragmentSnapshot | None = None
         self.rejected: list[tuple[str, str]] = []
         self.offences: list[bool] = []
@@ -72,7 +78,8 @@ class PoisoningTransport(Transport):
     def start_average(self, request: AverageRequest) -> AverageHandle:
         if request.round in self.fail:
             return _Poisoned(None, None, fail=True)
-        return _Poisoned(self.inner.start_average(request), self.poison.get(request.round), self.group_version)
+        return _Poisoned(self.inner.start_average(request), self.poison.get(request.round), self.group_version,
+                         foreign=request.round in self.foreign)
 
     def latest_version(self, fragment: int) -> int:
         if self.latest is not None:
@@ -631,8 +638,8 @@ def test_a_fragment_in_step_with_the_swarm_takes_no_catch_up_much_worse_than_its
     versions it is ahead (2 + 2 state liars: an honest node took 7 catch-ups up to 16% and 39% worse, and its eval
     rose 14% above clean). Refused without blame, however often it is served; a catch-up taken within it leaves the
     fragment in step. Failed rounds do not end it (two drifters' join failed an honest node's rounds, and it then
-    took their states 20% and 29% worse); a swarm far enough ahead is taken within ``SNAPSHOT_SLACK``, and that
-    catch-up ends being in step."""
+    took their states 20% and 29% worse); a round merged with a member of another phi does; a swarm far enough
+    ahead is taken within ``SNAPSHOT_SLACK``, and that catch-up ends being in step."""
     from locoswarm.node.core.outer_loop import IN_STEP_GAP, IN_STEP_SLACK
 
     assert IN_STEP_SLACK < SNAPSHOT_SLACK
@@ -675,6 +682,13 @@ def test_a_fragment_in_step_with_the_swarm_takes_no_catch_up_much_worse_than_its
     assert st.in_step and [e.kind for e in catch_up(loop, transport, 28, 2, 0.005)] == ["refused"]
     assert [e.kind for e in catch_up(loop, transport, 30, 5 * IN_STEP_GAP, 0.005)] == ["caught_up"]  # far ahead
     assert st.in_step  # within 1.25%: in step still
+
+    loops, transports, step = _pair(judge_target=target)  # a round with a member of another phi: not in step
+    transports[0].foreign = {6}
+    for t in range(1, 7):
+        step(t)
+    assert not loops[0].states[0].in_step
+    assert [e.kind for e in catch_up(loops[0], transports[0], 8, 2, 0.005)] == ["caught_up"]
 
     loop, transport = in_step_pair()
     gap = round(IN_STEP_GAP * SNAPSHOT_SLACK / IN_STEP_SLACK)  # the snapshot slack's reach

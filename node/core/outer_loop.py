@@ -129,7 +129,8 @@ FOLDED_SLACK = 0.0
 DOUBTED_SLACK = 0.05
 # ... and past IN_STEP_SLACK times the tolerance for each IN_STEP_GAP versions the download is ahead (at least once,
 # at most SNAPSHOT_SLACK) where the fragment is in step with its group (``FragmentState.in_step``: it merged a round
-# with peers that all sent from its own phi, and since then took no catch-up judged otherwise and was not restored):
+# with peers that all sent from its own phi, and since then merged no round with a member of another phi, took no
+# catch-up judged otherwise and was not restored):
 # a few outer steps of the lineage it was in step with move the held-out loss by a few percent at most (honest
 # catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is no progress worth taking,
 # whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars (robustness bench,
@@ -287,10 +288,10 @@ class OuterLoop:
         self._resync: set[int] = set()
         self._fetches: dict[int, _Fetch] = {}  # catch-up downloads under way, per fragment
         self._staging_asked: set[int] = set()  # fragments far behind fetched for the staged downloads' judgement
-        # The held-out loss of this model when it judged its first catch-up since its last merged round of one
-        # lineage (``_judge_effect``): later catch-ups are judged against the lower of it and the loss now, so a
-        # run of catch-ups, each within its bound of the one before, cannot walk a healthy model to a much worse
-        # one (2 + 2 drift, 992a8a6: 2.65 -> 3.19 -> 4.10 -> 4.90 in one second, fragments 0 and 1 in turn).
+        # The held-out loss of this model when it judged its first catch-up since its last round merged with peers
+        # (``_judge_effect``): later catch-ups are judged against the lower of it and the loss now, so a run of
+        # catch-ups, each within its bound of the one before, cannot walk a healthy model to a much worse one
+        # (2 + 2 drift, 992a8a6: 2.65 -> 3.19 -> 4.10 -> 4.90 in one second, fragments 0 and 1 in turn).
         self._loss_before_catch_ups: float | None = None
         # The outer steps each fragment took from its groups' averages, for peers that missed them
         # (``locoswarm.node.core.step_log``): only where the wire average is what the step applies.
@@ -928,8 +929,13 @@ class OuterLoop:
         if kind == "merged":
             st.catch_ups_in_row = 0
             st.folded = False
-            if res.ok and res.group_size > 1 and all(part.one_lineage for part in res.parts):
-                st.in_step = True
+            if res.ok and res.group_size > 1:
+                # A round with peers ends a run of catch-ups (``_loss_before_catch_ups``), and says whether this
+                # fragment is in step with its group (``IN_STEP_SLACK``): not where a member sent from another phi.
+                # An honest node that refused its honest partner's phi, once merging rounds with it again, must be
+                # able to take that phi: one held out for 90 s against the loss it had before its catch-ups (2.71),
+                # while its own phi went to 4.4 and 13.8 in rounds with that partner (2 + 2 drift, 55354b7).
+                st.in_step = all(part.one_lineage for part in res.parts)
                 self._loss_before_catch_ups = None
         if res.ok:
             if kind == "merged" and res.group_size == 1:
