@@ -130,13 +130,13 @@ DOUBTED_SLACK = 0.05
 # ... and past IN_STEP_SLACK times the tolerance for each IN_STEP_GAP versions the download is ahead (at least once,
 # at most SNAPSHOT_SLACK) where the fragment is in step with its group (``FragmentState.in_step``: it merged a round
 # with peers that all sent from its own phi, and since then merged no round with a member of another phi, took no
-# catch-up judged otherwise and was not restored):
-# a few outer steps of the lineage it was in step with move the held-out loss by a few percent at most (honest
-# catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a healthy phi is no progress worth taking,
-# whoever vouches for its version. Why: with 2 honest nodes and 2 colluding state liars (robustness bench,
-# ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node took 7 catch-ups from them,
-# up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean (3.8% with this rule). A
-# catch-up taken within it leaves the fragment in step (its phi is as healthy as the one it replaced).
+# catch-up judged otherwise and was not restored): a few outer steps of the lineage it was in step with move the
+# held-out loss by a few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse
+# than a healthy phi is no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2
+# colluding state liars (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one
+# honest node took 7 catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1%
+# above clean (3.8% with this rule). A catch-up taken within it leaves the fragment in step (its phi is as healthy as
+# the one it replaced).
 # Rounds that fail do not end it: two drifters' join made an honest node's rounds fail (group mismatches) until it
 # dropped its progress, and it then took their states 5-6 versions ahead, 20% and 29% worse, by the SNAPSHOT_SLACK
 # a node out of step gets (2 + 2 drift, 992a8a6: worst +75.6% above clean). A node behind for real is not stranded
@@ -1053,7 +1053,7 @@ class OuterLoop:
         snaps = [f.staged for f in fresh.values()]
         # decided once: the bound they are judged by, and whether a catch-up taken within it leaves them in step
         in_step = self._in_step_slack(states, snaps)
-        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind), in_step=in_step, chained=True)
+        refusal, judged = self._judge_effect(states, snaps, stale=bool(behind), in_step_slack=in_step, chained=True)
         if refusal is not None:
             once = replace(refusal, offence=False, conclusive=False)  # one judgement: one offence
             return [self._refuse_snapshot(st, snap, refusal if i == 0 else once, step)
@@ -1128,7 +1128,7 @@ class OuterLoop:
                 f"holder's is never a reversal, below {FAR_COSINE:+.1f})")
 
     def _judge_effect(self, states: Sequence[FragmentState], snaps: Sequence[FragmentSnapshot], *,
-                      stale: bool = False, in_step: float | None = None,
+                      stale: bool = False, in_step_slack: float | None = None,
                       chained: bool = False) -> tuple[Refusal | None, str]:
         """The effect check of downloaded outer states, taken together: None when they may replace ours.
         Refused without blame when they do worse than ours past ``SNAPSHOT_SLACK`` times the tolerance (a
@@ -1138,7 +1138,7 @@ class OuterLoop:
         ``FragmentSnapshot.kin``), all came from one source and no
         other fragment of ours is far behind (``stale``: the comparison then mixes fragments of distant
         versions). Stricter right after a fold (``FOLDED_SLACK``), from a source the transport doubts
-        (``DOUBTED_SLACK``) and by ``in_step``, the slack of fragments in step (``_in_step_slack``). ``chained``
+        (``DOUBTED_SLACK``) and by ``in_step_slack`` where the fragments are in step (``_in_step_slack``). ``chained``
         (a catch-up, not a join): ours is the lower of this model's loss now and its loss before its first
         catch-up since its last merged round (``_loss_before_catch_ups``). With the verdict, the two losses in
         words (for the log: what a catch-up did to this node's model)."""
@@ -1157,8 +1157,8 @@ class OuterLoop:
         judged = f"held-out loss {theirs:.4f}, this node's own {now:.4f}{earlier}"
         folded = any(st.folded for st in states)
         doubted = any(s.doubted for s in snaps)
-        slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted else in_step if in_step is not None
-                 else SNAPSHOT_SLACK)
+        slack = (FOLDED_SLACK if folded else DOUBTED_SLACK if doubted
+                 else in_step_slack if in_step_slack is not None else SNAPSHOT_SLACK)
         if not self.judge.harmful(theirs, ours, slack=slack):
             return None, judged
         self.stats.effect_refused += 1
@@ -1169,8 +1169,8 @@ class OuterLoop:
         which = "its phi" if len(snaps) == 1 else f"with fragments {[s.fragment for s in snaps]} together, its phi"
         after = (" (after a fold: no worse is taken)" if folded else
                  f" (from a source this node muted lately: at most {DOUBTED_SLACK:.0%} of the tolerance worse)"
-                 if doubted else f" (in step with the swarm: at most {in_step:.0%} of the tolerance worse)"
-                 if in_step is not None else "")
+                 if doubted else f" (in step with the swarm: at most {in_step_slack:.0%} of the tolerance worse)"
+                 if in_step_slack is not None else "")
         return Refusal(f"effect: {which} gives a held-out loss of {theirs:.4f}, this node's own {now:.4f}{earlier}"
                        f"{after}", offence=blamed, conclusive=conclusive), judged
 
