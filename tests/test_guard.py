@@ -569,6 +569,52 @@ def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_agai
     assert loops[0].stats.effect_checks == 2 and judge.measured == 5
 
 
+def test_rounds_each_within_the_tolerance_cannot_add_up_past_the_healthiest_phi() -> None:
+    """Rounds whose averages each do a little worse than the phi they replace, well within the tolerance, are taken
+    until the held-out loss would rise past ``HEALTHY_SLACK`` times the tolerance above the lowest loss of a phi this
+    node held (two drifters walked an honest node from 2.65 to 38 this way); then refused without blame, while a
+    round that does better than the phi as it stands is still taken. A restore forgets the marks."""
+    from locoswarm.node.core.outer_loop import HEALTHY_SLACK
+
+    class Drifting(QuadraticJudge):
+        """Every round's average does ``rise`` worse than phi as it stands (``level``); the own step no better."""
+        level, rise = 2.0, 0.0
+
+        def lazy_losses(self, state, candidates):
+            yield self.level * (1 + self.rise)
+            yield self.level
+            yield self.level
+
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    judge = loops[0].judge = Drifting(target)
+    judge.rise = 0.4 * HEALTHY_SLACK * judge.relative_tolerance  # 0.2% a round: the tolerance is 5%
+
+    def rounds(first: int, last: int) -> list[str]:
+        kinds = []
+        for t in range(first, last):
+            for e in step(t)[0]:
+                if e.kind in ("merged", "refused"):
+                    kinds.append(e.kind)
+                    if e.kind == "merged":
+                        judge.level *= 1 + judge.rise
+                    else:
+                        assert "healthiest phi this node held" in e.error, e.error
+        return kinds
+
+    kinds = rounds(1, 11)
+    assert kinds[:3] == ["merged", "merged", "refused"] and set(kinds[2:]) == {"refused"}, kinds
+    assert judge.level <= 2.0 * (1 + HEALTHY_SLACK * judge.relative_tolerance)
+    assert not transports[0].blamed  # a sum of small steps is nobody's doing alone
+    judge.rise = -0.01  # a round that does better than phi as it stands: taken, however far above the marks
+    judge.level *= 1.5
+    assert set(rounds(11, 15)) == {"merged"}
+    judge.rise = 0.4 * HEALTHY_SLACK * judge.relative_tolerance
+    assert rounds(15, 17)[-1] == "refused"
+    loops[0].load_state_dict(loops[0].state_dict())
+    assert rounds(17, 19)[0] == "merged"  # a restored model is judged from where it now stands
+
+
 def test_after_a_fold_a_catch_up_must_do_no_worse_than_the_nodes_own_phi() -> None:
     """A node that folded its progress into its own phi refused its peers' rounds: their phi is taken only where it
     does no worse than its own (``FOLDED_SLACK``), not within the usual ``SNAPSHOT_SLACK``, until a merged round or

@@ -58,6 +58,12 @@ class EffectJudge(ABC):
         weighty decision (a catch-up replaces the whole fragment), where one small batch is too noisy."""
         return self.joint_losses(states, candidates)
 
+    @property
+    def last_batch(self) -> int:
+        """Which held-out batch the last :meth:`losses` or :meth:`lazy_losses` measured on (a key: the caller keeps
+        per-batch marks, ``OuterLoop._healthiest``); 0 for a judge of one batch."""
+        return 0
+
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
         return 0.0
@@ -87,6 +93,11 @@ class LossJudge(EffectJudge):
         self.relative_tolerance = float(relative_tolerance)
         self.calls = 0
         self.forwards = 0
+        self._last_batch = 0
+
+    @property
+    def last_batch(self) -> int:
+        return self._last_batch
 
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)
@@ -110,7 +121,8 @@ class LossJudge(EffectJudge):
     def _measure(self, states: Sequence[FragmentState],
                  candidates: Sequence[Sequence[torch.Tensor]]) -> Iterator[float]:
         """Each candidate's loss on the next batch of the pool, measured as it is asked for."""
-        batch = self.batches[self.calls % len(self.batches)].to(self.device)
+        self._last_batch = self.calls % len(self.batches)
+        batch = self.batches[self._last_batch].to(self.device)
         self.calls += 1
         for candidate in candidates:
             yield self._loss(batch, states, candidate)
