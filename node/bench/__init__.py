@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import signal
 import tempfile
@@ -52,9 +53,27 @@ def local_swarm_runs(what: str, total: int, console) -> Iterator[tuple[Path, obj
     signal.signal(signal.SIGTERM, _interrupt)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
                TimeElapsedColumn()]
-    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, \
+    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, children_scratch(Path(tmp)), \
             Progress(*columns, console=console) as progress:
         yield Path(tmp), progress, progress.add_task(what, total=total)
+
+
+@contextlib.contextmanager
+def children_scratch(scratch: Path) -> Iterator[None]:
+    """The processes a benchmark starts inherit ``TMPDIR`` = ``scratch``/t, so the files they leave when killed
+    (multiprocessing's ``pymp-*`` listener directories, torch's ``torch-shm-dir-*``) go with the scratch directory
+    instead of piling up in /tmp. Short on purpose: a unix socket's path must stay under 108 bytes."""
+    tmp = scratch / "t"
+    tmp.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
 
 
 def keep_logs(root: Path, dest: Path) -> None:
