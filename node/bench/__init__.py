@@ -53,20 +53,21 @@ def local_swarm_runs(what: str, total: int, console) -> Iterator[tuple[Path, obj
     signal.signal(signal.SIGTERM, _interrupt)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
                TimeElapsedColumn()]
-    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, children_scratch(Path(tmp)), \
+    with tempfile.TemporaryDirectory(prefix=f"locoswarm-{what}-") as tmp, children_scratch(), \
             Progress(*columns, console=console) as progress:
         yield Path(tmp), progress, progress.add_task(what, total=total)
 
 
 @contextlib.contextmanager
-def children_scratch(scratch: Path) -> Iterator[None]:
-    """The processes a benchmark starts inherit ``TMPDIR`` = ``scratch``/t, so the files they leave when killed
-    (multiprocessing's ``pymp-*`` listener directories, torch's ``torch-shm-dir-*``) go with the scratch directory
-    instead of piling up in /tmp. Short on purpose: a unix socket's path must stay under 108 bytes."""
-    tmp = scratch / "t"
-    tmp.mkdir(exist_ok=True)
+def children_scratch() -> Iterator[None]:
+    """The processes a benchmark starts inherit a ``TMPDIR`` of the benchmark's own, removed at the end, so the files
+    they leave when killed (multiprocessing's ``pymp-*`` listener directories, torch's ``torch-shm-dir-*``) do not
+    pile up in /tmp. Its path stays short (``/tmp/lsw-XXXXXXXX`` where the temporary directory's own is long, as a
+    test's is): a unix socket's path must stay under 108 bytes, and multiprocessing binds one in it."""
+    base = tempfile.gettempdir()
+    scratch = tempfile.mkdtemp(prefix="lsw-", dir=base if len(base) <= SHORT_TMP else "/tmp")
     before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(tmp)
+    os.environ["TMPDIR"] = scratch
     try:
         yield
     finally:
@@ -74,6 +75,12 @@ def children_scratch(scratch: Path) -> Iterator[None]:
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = before
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# The longest temporary directory a benchmark's processes get (see ``children_scratch``): a multiprocessing
+# listener adds about 40 bytes, a hivemind socket name 36, and a unix socket's path holds 107.
+SHORT_TMP = 48
 
 
 def keep_logs(root: Path, dest: Path) -> None:

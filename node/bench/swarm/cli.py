@@ -178,7 +178,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     columns = [TextColumn("{task.description:<28}"), BarColumn(),
                TextColumn("{task.completed:>4.0f}/{task.total:.0f} s"), TimeElapsedColumn()]
     try:
-        with tempfile.TemporaryDirectory(prefix="locoswarm-swarm-bench-") as tmp, children_scratch(Path(tmp)), \
+        with tempfile.TemporaryDirectory(prefix="locoswarm-swarm-bench-") as tmp, children_scratch(), \
                 netns.Topology(args.nodes, nat=nat, cuts=cuts) as topo, Progress(*columns, console=console) as progress:
             tasks = {name: progress.add_task(f"{name}: waiting", total=args.seconds) for name in configs}
             settings = RunSettings(nodes=args.nodes, seconds=args.seconds, warmup=args.warmup,
