@@ -58,24 +58,17 @@ def _sigterm_unwinds() -> None:
 _sigterm_unwinds()
 
 
-def _scratch_for_children() -> None:
+@pytest.fixture(autouse=True, scope="session")
+def _scratch_for_children():
     """The processes tests start (nodes, their DHT children, p2pd, torchrun) write their scratch files under a
-    directory of this run's own, removed when pytest exits: a process a test kills with SIGKILL cannot clean up
+    directory of this run's own, removed at the session's end: a process a test kills with SIGKILL cannot clean up
     after itself, and each left a ``pymp-*`` listener directory, a ``torch-shm-dir-*`` and a ``torchelastic_*`` in
-    /tmp (about 60 an hour of the suite). Short (``/tmp/lsw-XXXXXXXX``): a unix socket's path must stay under 108
-    bytes. pytest itself keeps the temporary directory it had (``tmp_path`` lives there, as before)."""
-    import atexit
-    import os
-    import shutil
-    import tempfile
+    /tmp (about 60 an hour of the suite). The benchmarks' own mechanism (short paths included); pytest keeps the
+    temporary directory it had (``tmp_path`` lives there, as before)."""
+    from locoswarm.node.bench import children_scratch
 
-    tempfile.gettempdir()  # fixed for this process before the environment changes
-    scratch = tempfile.mkdtemp(prefix="lsw-")
-    atexit.register(shutil.rmtree, scratch, True)
-    os.environ["TMPDIR"] = scratch
-
-
-_scratch_for_children()
+    with children_scratch():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")
