@@ -229,6 +229,12 @@ class RobustSection:
                                       help="a round's average may raise the held-out loss by this share over the "
                                            "worse of this node's phi and its own contribution's step before "
                                            "it is refused")
+    health_slack: float = setting(0.0, shared=False, min=0.0, max=10.0,
+                                  help="above 0: a round's average that does worse than this node's phi is also "
+                                       "refused where its held-out loss is more than this share of "
+                                       "effect_tolerance above the lowest loss of any phi this node held on that "
+                                       "batch (bounds the sum of rounds each within the tolerance; the robustness "
+                                       "bench runs 0.1); 0 turns it off")
     judge_sequences: int = setting(4, shared=False, min=1, max=4096,
                                    help="held-out sequences of the effect check's batch (one forward pass each "
                                         "for the average, the own contribution and phi)")

@@ -485,7 +485,8 @@ class Node:
         judge = None
         if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
             judge = LossJudge(self.model, judge_batches(self.corpus.eval, rb.judge_sequences, cfg.inner.seq_len),
-                              self._outer_device(), relative_tolerance=rb.effect_tolerance)
+                              self._outer_device(), relative_tolerance=rb.effect_tolerance,
+                              health_slack=rb.health_slack)
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport, judge=judge,
                                expected_group_size=cfg.network.group_size,
                                wait_timeout=max(cfg.network.matchmaking_timeout, MAX_WINDOW_S)

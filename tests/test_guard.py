@@ -580,6 +580,9 @@ def test_rounds_each_within_the_tolerance_cannot_add_up_past_the_healthiest_phi(
         """Every round's average does ``rise`` worse than phi as it stands (``level``); the own step no better."""
         level, rise = 2.0, 0.0
 
+        def health_slack(self) -> float:  # ``[robust] health_slack`` at the robustness bench's value
+            return HEALTHY_SLACK
+
         def lazy_losses(self, state, candidates):
             yield self.level * (1 + self.rise)
             yield self.level

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from locoswarm.node.bench.hostile import CARRIED_OUT
+from locoswarm.node.core.outer_loop import HEALTHY_SLACK
 from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
@@ -47,6 +48,7 @@ TINY_SWARM = {
     "inner": {"batch_size": 4, "seq_len": 32, "warmup": 5, "lr": 3e-3},
     "outer": {"method": "compensate", "h": 8, "fragments": 2, "tau": 2, "codec": "fp4"},
     "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 10.0, "heartbeat_interval": 0.5},
+    "robust": {"health_slack": HEALTHY_SLACK},  # off by default (node/core/outer_loop.py); measured with it on
 }
 
 

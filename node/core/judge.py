@@ -64,6 +64,11 @@ class EffectJudge(ABC):
         per-batch marks, ``OuterLoop._healthiest``); 0 for a judge of one batch."""
         return 0
 
+    def health_slack(self) -> float:
+        """How many tolerances above the lowest loss of a phi the node held a round may take it
+        (``OuterLoop._healthiest``); 0: not judged."""
+        return 0.0
+
     def tolerance(self, reference: float) -> float:
         """How much a candidate's loss may exceed ``reference`` before it is judged harmful."""
         return 0.0
@@ -84,13 +89,14 @@ class LossJudge(EffectJudge):
     exceed it by."""
 
     def __init__(self, model: torch.nn.Module, batches: Sequence[torch.Tensor], device: torch.device | str, *,
-                 relative_tolerance: float) -> None:
+                 relative_tolerance: float, health_slack: float = 0.0) -> None:
         if not batches:
             raise ValueError("the effect check needs at least one held-out batch")
         self.model = model
         self.batches = list(batches)
         self.device = torch.device(device)
         self.relative_tolerance = float(relative_tolerance)
+        self._health_slack = float(health_slack)
         self.calls = 0
         self.forwards = 0
         self._last_batch = 0
@@ -98,6 +104,9 @@ class LossJudge(EffectJudge):
     @property
     def last_batch(self) -> int:
         return self._last_batch
+
+    def health_slack(self) -> float:
+        return self._health_slack
 
     def tolerance(self, reference: float) -> float:
         return self.relative_tolerance * abs(reference)

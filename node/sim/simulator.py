@@ -124,7 +124,8 @@ def simulate(cfg: SwarmConfig, corpus: Corpus, vocab_size: int, spec: SimSpec, *
     held_out = (judge_batches(corpus.eval, cfg.robust.judge_sequences, cfg.inner.seq_len)
                 if cfg.robust.effect_check else None)
     for w in workers:
-        judge = (LossJudge(w.model, held_out, device, relative_tolerance=cfg.robust.effect_tolerance)
+        judge = (LossJudge(w.model, held_out, device, relative_tolerance=cfg.robust.effect_tolerance,
+                                health_slack=cfg.robust.health_slack)
                  if held_out is not None else None)
         w.outer = OuterLoop(w.model, fragments, cfg.outer, hub.transport(w.rank),
                             expected_group_size=min(cfg.network.group_size, spec.workers),
