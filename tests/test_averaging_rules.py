@@ -85,6 +85,34 @@ def test_a_behind_member_sits_out_an_in_process_consensus_round_and_the_others_m
         assert r.ok and r.average is None and r.group_size == 3 and r.bytes_sent == 0
 
 
+def test_each_in_process_members_own_part_carries_the_others_contributions_to_it_not_in_a_pair() -> None:
+    """``PartOrigin.shares``: a member's own part names every other member's contribution to that range, decoded
+    (what the outer loop judges alone when the round is refused); the other parts and a pair's carry none."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.transport.inprocess import InProcessHub
+
+    codec = get_codec("fp32", 64)
+    for n in (3, 2):
+        hub = InProcessHub(codec, n, robust=RobustSection())
+        deltas = [torch.randn(8 * 1024, generator=torch.Generator().manual_seed(w)) for w in range(n)]
+        handles = [hub.transport(w).start_average(AverageRequest(
+            fragment=0, round=1, chunks=encode_chunks(codec, d), numel=8 * 1024, weight=1.0, version=1, codec="fp32"))
+            for w, d in enumerate(deltas)]
+        hub.flush()
+        for w, h in enumerate(handles):
+            res = h.result(timeout=1)
+            assert res.ok and res.group_size == n
+            own = [p for p in res.parts if p.reducer == f"w{w:06d}"]
+            assert len(own) == 1 and all(not p.shares for p in res.parts if p is not own[0])
+            if n == 2:
+                assert not own[0].shares
+                continue
+            a, b = own[0].start, own[0].end
+            assert sorted(s.member for s in own[0].shares) == sorted(f"w{k:06d}" for k in range(n) if k != w)
+            for share in own[0].shares:
+                assert torch.equal(share.values, deltas[int(share.member[1:])][a:b]) and share.same_lineage
+
+
 def test_holders_are_asked_in_an_order_of_the_downloader_own() -> None:
     """Rendezvous order: a permutation, stable per downloader and fragment, different between downloaders (so
     that two nodes catching up at once do not both start with the first holder listed)."""
@@ -407,6 +435,27 @@ def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_i
         SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
     assert len(refusals) == 2 * UNLINED_HARM
     assert [i for i, (_, offence) in enumerate(refusals) if offence] == [UNLINED_HARM - 1, 2 * UNLINED_HARM - 1]
+
+
+def test_a_member_whose_contribution_alone_is_harmful_is_blamed_like_a_reducer_of_a_harmful_part():
+    """``reject_member``: a member whose own contribution to this node's part is harmful alone commits an offence
+    within one lineage, from another phi every UNLINED_HARM-th; this node never blames itself; either way it
+    serves no catch-up for a while; and the offence counts toward following the round's majority in a ban."""
+    from locoswarm.node.core.transport import AverageResult, MemberShare
+
+    refusals: list[tuple[str, bool]] = []
+    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM), _refused_sources={},
+                           _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
+    res, values = AverageResult(ok=True), torch.zeros(8)
+    SwarmTransport.reject_member(stub, res, MemberShare("QmFlip", values), "harm")
+    SwarmTransport.reject_member(stub, res, MemberShare("QmMe", values), "harm")
+    assert refusals == [("QmFlip:harmful_contribution", True)]
+    assert "QmFlip" in stub._refused_sources and "QmMe" not in stub._refused_sources
+    refusals.clear()
+    for _ in range(UNLINED_HARM):
+        SwarmTransport.reject_member(stub, res, MemberShare("QmJoin", values, same_lineage=False), "harm")
+    assert [offence for _, offence in refusals] == [False] * (UNLINED_HARM - 1) + [True]
+    assert "harmful_contribution" in FOLLOWED_OFFENCES
 
 
 # ---- a reducer's part, as its member judges it ----------------------------------------------------

@@ -22,6 +22,7 @@ from locoswarm.node.core.transport import (
     AverageRequest,
     AverageResult,
     FragmentSnapshot,
+    MemberShare,
     PartOrigin,
     Transport,
 )
@@ -34,9 +35,9 @@ VOCAB = 257
 
 class _Poisoned(AverageHandle):
     def __init__(self, inner: AverageHandle, poison, group_version: int | None = None, fail: bool = False,
-                 foreign: bool = False) -> None:
+                 foreign: bool = False, edit=None) -> None:
         self.inner, self.poison, self.group_version, self.fail = inner, poison, group_version, fail
-        self.foreign = foreign
+        self.foreign, self.edit = foreign, edit
 
     def done(self) -> bool:
         return self.fail or self.inner.done()
@@ -52,6 +53,8 @@ class _Poisoned(AverageHandle):
         if res.ok and self.foreign:
             res.parts = [PartOrigin("QmPartner", 0, res.average.numel() if res.average is not None else 0,
                                     one_lineage=False)]
+        if res.ok and self.edit is not None:
+            self.edit(res)
         return res
 
 
@@ -72,6 +75,8 @@ class PoisoningTransport(Transport):
         self.offences: list[bool] = []
         self.conclusive: list[bool] = []
         self.blamed: list[PartOrigin] = []
+        self.edit: dict[int, object] = {}  # round -> a change made to its (complete) result
+        self.members_blamed: list[str] = []
         self.group_version: int | None = None
         self.latest: int | None = None
 
@@ -79,7 +84,7 @@ class PoisoningTransport(Transport):
         if request.round in self.fail:
             return _Poisoned(None, None, fail=True)
         return _Poisoned(self.inner.start_average(request), self.poison.get(request.round), self.group_version,
-                         foreign=request.round in self.foreign)
+                         foreign=request.round in self.foreign, edit=self.edit.get(request.round))
 
     def latest_version(self, fragment: int) -> int:
         if self.latest is not None:
@@ -97,6 +102,9 @@ class PoisoningTransport(Transport):
 
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:
         self.blamed.append(part)
+
+    def reject_member(self, result: AverageResult, share: MemberShare, reason: str) -> None:
+        self.members_blamed.append(share.member)
 
 
 def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measures() -> None:
@@ -540,6 +548,35 @@ def test_the_effect_check_passes_an_honest_average_and_refuses_a_harmful_one_bla
     step(5)
     events = step(6)
     assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+
+
+def test_a_harmful_own_part_is_blamed_on_the_members_whose_contributions_alone_are_harmful() -> None:
+    """Where the part this node reduced itself is harmful alone (colluders that make most of its group set the
+    centre its screening judges by), each member's own contribution to it is judged alone, and only the sender
+    of a harmful one is blamed, not the honest member beside it."""
+    target = _trained_target()
+    _, transports, step = _pair(judge_target=target)
+    step(1)
+    step(2)
+
+    def flip(res: AverageResult) -> None:  # a colluder's contribution made the own part: the honest one's, negated 3x
+        own = next(p for p in res.parts if p.reducer == "w000000")
+        honest = MemberShare("w000001", res.average[own.start:own.end].clone())
+        flipped = -3.0 * honest.values
+        res.average[own.start:own.end] = flipped
+        res.parts = [p if p is not own else PartOrigin(own.reducer, own.start, own.end, shares=(
+            MemberShare("QmFlip", flipped), honest)) for p in res.parts]
+
+    transports[0].edit[4] = flip
+    step(3)
+    events = step(4)
+    refused = [e for e in events[0] if e.kind == "refused"]
+    assert len(refused) == 1 and refused[0].error.startswith("effect:")
+    assert transports[0].members_blamed == ["QmFlip"]
+    step(5)
+    events = step(6)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert transports[0].members_blamed == ["QmFlip"]
 
 
 def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_against_phi() -> None:

@@ -160,6 +160,12 @@ IN_STEP_GAP = 4
 # test suite's small corpus (held-out losses of 0.5-0.9 that swing by a third between rounds) an honest pair refused
 # about 500 of each other's rounds in 8 minutes with it, and the hostile-node tests failed their honest checks.
 HEALTHY_SLACK = 0.1
+# In a refused round, this node's own part and then each member's contribution to it are judged alone against
+# this many effect tolerances (10% at the default) over the worse of phi and the own step (``_blame_members``): a
+# paired comparison on one batch, so far tighter than the tolerance of a whole round, which must allow for honest
+# averages on a node's batch. An honest member's progress alone, in a part of a fragment, does about what this
+# node's own does there; a flip at the largest accepted norm undoes it two to three times over.
+MEMBER_SLACK = 0.1
 
 
 @dataclass
@@ -899,9 +905,9 @@ class OuterLoop:
         self.stats.effect_refused += 1
         reason = (f"effect: the group's average would raise the held-out loss to {group_loss:.4f}, where this "
                   f"node's phi gives {still_loss:.4f} and its own progress {own_loss:.4f}")
-        if not harmful:  # a small step on from a sum of them: nobody's doing alone
-            return (f"{reason}, past {health_slack:.0%} of the tolerance above the {healthiest:.4f} of the "
-                    "healthiest phi this node held")
+        if not harmful:  # a small step on from a sum of them: no reducer's doing alone
+            reason = (f"{reason}, past {health_slack:.0%} of the tolerance above the {healthiest:.4f} of the "
+                      "healthiest phi this node held")
         if res.parts and pend.wire_numel == st.numel == average.numel():
             self._blame_parts(st, res, own, average, reason)
         return reason
@@ -918,7 +924,8 @@ class OuterLoop:
                      reason: str) -> None:
         """Which reducers' parts make a refused average harmful: each part alone (this node's own progress
         elsewhere) on one held-out batch, against the worse of standing still and the own step on that batch;
-        a part that is harmful alone is its reducer's doing."""
+        a part that is harmful alone is its reducer's doing. Where this node's own part does worse alone by
+        MEMBER_SLACK of the tolerance, its members' contributions are judged alone too (``_blame_members``)."""
         parts: list[PartOrigin] = [p for p in res.parts if 0 <= p.start < p.end <= st.numel]
         candidates = [self._stepped(st, own), st.phi]
         for part in parts:
@@ -931,6 +938,33 @@ class OuterLoop:
             if self.judge.harmful(loss, reference):
                 self.transport.reject_part(res, part, f"{reason}; its part alone gives {loss:.4f} against "
                                                       f"{reference:.4f}")
+            if part.shares and self.judge.harmful(loss, reference, slack=MEMBER_SLACK):
+                self._blame_members(st, res, own, part, reason)
+
+    def _blame_members(self, st: FragmentState, res: AverageResult, own: torch.Tensor, part: PartOrigin,
+                       reason: str) -> None:
+        """Which members' contributions make this node's own harmful ``part`` harmful: each member's share alone
+        in the part's range (this node's own progress elsewhere), against the worse of standing still and the own
+        step, on one held-out batch; a share that does worse alone by MEMBER_SLACK of the tolerance is its sender's
+        doing. Why: the reducer of
+        this part is this node, and it screened each contribution against the group's robust centre, which
+        colluders that make most of a group set (4 honest + 2 flippers: the two honest nodes the others' bans left
+        to group with the pair never banned them, and caught up 35 times in 180 s). What a member's own delta
+        does to this node's model is its own, whoever else sent what."""
+        shares = [s for s in part.shares if s.values.numel() == part.end - part.start]
+        if not shares:
+            return
+        candidates = [self._stepped(st, own), st.phi]
+        for share in shares:
+            alone = own.clone()
+            alone[part.start:part.end] = share.values.to(own.device, own.dtype)
+            candidates.append(self._stepped(st, alone))
+        losses = self.judge.losses(st, candidates)
+        reference = max(losses[0], losses[1])
+        for share, loss in zip(shares, losses[2:], strict=True):
+            if self.judge.harmful(loss, reference, slack=MEMBER_SLACK):
+                self.transport.reject_member(res, share, f"{reason}; its contribution alone gives {loss:.4f} "
+                                                         f"against {reference:.4f}")
 
     def _refused(self, st: FragmentState, step: int, res: AverageResult, sent_step: int, reason: str) -> SyncEvent:
         """A complete result the guard refused: counted as a failed sync, reported as "refused"."""

@@ -77,6 +77,20 @@ class PartOrigin:
     start: int
     end: int
     one_lineage: bool = True
+    # This node's own part only: each other member's contribution to it, decoded (``MemberShare``). When the
+    # part alone is harmful the outer loop judges each alone (``OuterLoop._blame_members``): colluders that
+    # make most of a group set the centre a reducer screens against, but not what their own deltas do.
+    shares: tuple[MemberShare, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class MemberShare:
+    """What one member alone sent for ``[start, end)`` of the round's payload vector (its parent
+    ``PartOrigin``'s range), decoded; ``same_lineage``: it sent from this node's phi."""
+
+    member: str
+    values: torch.Tensor
+    same_lineage: bool = True
 
 
 # Failures of a round before this member's contribution reached any other member. The transports fail rounds
@@ -237,6 +251,11 @@ class Transport(ABC):
     def reject_part(self, result: AverageResult, part: PartOrigin, reason: str) -> None:  # noqa: B027
         """The core refused a round's result because of ``part`` (its effect on the held-out loss): a transport
         holds it against the part's reducer. Nothing to do by default."""
+
+    def reject_member(self, result: AverageResult, share: MemberShare, reason: str) -> None:  # noqa: B027
+        """The core refused a round's result, and ``share``, one member's own contribution to this node's part,
+        is harmful alone (its effect on the held-out loss): a transport holds it against that member. Nothing to
+        do by default."""
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release resources."""

@@ -72,6 +72,7 @@ from locoswarm.node.core.transport import (
     EncodedAverage,
     FetchHandle,
     FragmentSnapshot,
+    MemberShare,
     PartOrigin,
     Transport,
 )
@@ -208,7 +209,7 @@ FOLLOWED_VOTERS = 3
 # bench, out-of-bound kinds, 90 s: weight and values banned by 2 of 3). Two colluders framing an honest member
 # before two honest nodes are a majority too, so one offence (an honest joiner's large first delta) is not enough.
 FOLLOWED_OFFENCES = ("bad_contribution", "bad_weight", "bad_part", "bad_header", "duplicate", "replay",
-                     "forged_sender")
+                     "forged_sender", "harmful_contribution")
 # The judged kinds whose scores, leaning against a peer (``Reputation.suspects``), keep it from serving this node a
 # catch-up (``SwarmTransport._state_source``) before any ban: the directions of its contributions and of its reduced
 # parts. Why: two drifting colluders with two honest nodes merged rounds between themselves, so their versions ran
@@ -1728,7 +1729,8 @@ class SwarmTransport(Transport):
         self._remember_payload(req, reduced.items(), averaged=True)
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
         one_lineage = all(v == req.lineage for v in session.lineages.values())
-        origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage)
+        origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage,
+                              self._member_shares(session, req, codec, bounds) if j == me else ())
                    for j in range(n) if len(parts[j])]
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
@@ -1742,6 +1744,29 @@ class SwarmTransport(Transport):
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
             basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
             parts=origins, missing=sum(r.missing for r in results))
+
+    def _member_shares(self, session: _Reduction, req: AverageRequest, codec: Codec,
+                       bounds: list[tuple[int, int]]) -> tuple[MemberShare, ...]:
+        """Each other member's contribution to this node's own part, decoded (``PartOrigin.shares``), for the
+        outer loop's judgement of each alone: those the screening took (muted ones included: it is what they
+        sent). None in a pair (with the alpha merge an honest partner's contribution may point against ours,
+        ``_check_reduced_direction``), for rounds of phi itself (``req.digest``) and for low-rank coefficients
+        (``req.basis``)."""
+        if req.digest or req.basis or len(session.members) < 3 or not len(session.part):
+            return ()
+        if not session.done.done() or session.done.cancelled():
+            return ()
+        if session.done.exception() is not None:
+            return ()
+        refused = session.done.result().refused
+        shares = []
+        for member, (contribution, _) in sorted(session.contributions.items()):
+            if member == self.peer_id or member in refused:
+                continue
+            values = torch.cat([codec.decode(contribution.chunks[c], bounds[c][1] - bounds[c][0])
+                                for c in session.part])
+            shares.append(MemberShare(member, values, session.lineages.get(member) == req.lineage))
+        return tuple(shares)
 
     def _end_session(self, key: tuple[int, int, bytes]) -> None:
         session = self._sessions.pop(key, None)
@@ -2131,6 +2156,16 @@ class SwarmTransport(Transport):
         offence = part.one_lineage or self._unlined_harm.offence(part.reducer)
         self._offence(part.reducer, "bad_effect", reason, offence=offence)
         _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
+
+    def reject_member(self, result: AverageResult, share: MemberShare, reason: str) -> None:
+        """The outer loop refused ``result``, and ``share``, a member's own contribution to this node's part, is
+        harmful alone: an offence of that member, within one lineage; from another phi every UNLINED_HARM-th
+        (a joiner's first delta from a phi the group has left may be honest)."""
+        if not share.member or share.member == self.peer_id:
+            return
+        offence = share.same_lineage or self._unlined_harm.offence(share.member)
+        self._offence(share.member, "harmful_contribution", reason, offence=offence)
+        _pause_source(self._refused_sources, share.member, TURNED_SOURCE_S)
 
     def _drop_from_round(self, remote: str, fragment: int, round_: int) -> None:
         """``remote``'s stream for a round was refused, so its part will not come: a reducer that has it

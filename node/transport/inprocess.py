@@ -30,6 +30,7 @@ from locoswarm.node.core.transport import (
     AverageResult,
     EncodedAverage,
     FragmentSnapshot,
+    MemberShare,
     PartOrigin,
     Transport,
 )
@@ -157,9 +158,17 @@ class InProcessHub:
         n = len(group)
         header = HEADER_BYTES + 4 * group[0].request.extras.numel() + len(group[0].request.basis)
         bounds = chunk_bounds(numel, codec.block_size)
-        origins = [PartOrigin(f"w{group[j].worker:06d}", bounds[r.start][0], bounds[r.stop - 1][1])
-                   for j, r in enumerate(part_ranges(len(bounds), n)) if len(r)]
+        ids = [f"w{m.worker:06d}" for m in group]
+        spans = [(j, bounds[r.start][0], bounds[r.stop - 1][1]) for j, r in enumerate(part_ranges(len(bounds), n))
+                 if len(r)]
+        # each member's own part carries the others' contributions to it, as the swarm's reducers do (not in a pair)
+        decoded = (None if req.digest or req.basis or n < 3 else
+                   [decode_chunks(codec, list(m.request.chunks), numel) if w > 0 else None
+                    for m, w in zip(group, entered, strict=True)])
         for i, m in enumerate(group):
+            origins = [PartOrigin(ids[j], a, b, shares=() if decoded is None or j != i else tuple(
+                MemberShare(ids[k], decoded[k][a:b].clone()) for k in range(n) if k != i and decoded[k] is not None))
+                for j, a, b in spans]
             m.handle._result = AverageResult(
                 ok=True, average=average.clone(), extras=torch.as_tensor(extras).clone(),
                 group_size=n, total_weight=total, own_weight=weights[i],
