@@ -1011,6 +1011,7 @@ class Node:
             catch_up_loops=stats.catch_up_loops, replays=stats.replays, stalls_cut=stats.stalls_cut,
             solo_steps=stats.solo_steps,
             effect_checks=stats.effect_checks, effect_refused=stats.effect_refused,
+            contested_checks=stats.contested_checks,
             strangers=self.admission.strangers if self.admission is not None else 0,
             standing_rounds=self.transport.standing_rounds(),
             consensus=ConsensusStatus(rounds=stats.consensus_rounds, last_shift=stats.last_consensus_shift,

@@ -457,6 +457,7 @@ class NodeStatus(Record):
     solo_steps: int = 0                      # outer steps taken with no live peer (a swarm of one)
     effect_checks: int = 0                   # results and snapshots the effect check compared (core.judge)
     effect_refused: int = 0                  # ... of which it refused
+    contested_checks: int = 0                # passed averages whose own part's screening was outvoted, judged
     strangers: int = 0                       # a closed swarm: peers without a certificate it refused
     consensus: ConsensusStatus = field(default_factory=ConsensusStatus)
     memory: MemoryStatus = field(default_factory=MemoryStatus)

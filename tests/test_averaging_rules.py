@@ -113,6 +113,45 @@ def test_each_in_process_members_own_part_carries_the_others_contributions_to_it
                 assert torch.equal(share.values, deltas[int(share.member[1:])][a:b]) and share.same_lineage
 
 
+def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_decoded() -> None:
+    """``SwarmTransport._member_shares``: the contributions this node's session reduced, decoded over its part's
+    range, each with whether it came from this node's phi; not its own, not a refused one; none in a pair, for a
+    round of phi itself or of low-rank coefficients, or while the reduction has not finished."""
+    from locoswarm.node.core.transport import AverageRequest
+    from locoswarm.node.swarm.averaging import _Reduced
+
+    codec, numel = get_codec("fp32", 64), 8 * 1024
+    bounds = chunk_bounds(numel, 64)
+    part = range(4, 8)
+    lo, hi = bounds[part.start][0], bounds[part.stop - 1][1]
+    deltas = {m: torch.randn(numel, generator=torch.Generator().manual_seed(k))
+              for k, m in enumerate(["QmMe", "QmB", "QmC", "QmBad"])}
+    encoded = {m: encode_chunks(codec, d) for m, d in deltas.items()}
+
+    async def session(members: list[str], finished: bool = True) -> SimpleNamespace:
+        done = asyncio.get_running_loop().create_future()
+        if finished:
+            done.set_result(_Reduced({}, 3.0, [], {"QmBad": ("bad_weight", "too heavy", False)}))
+        return SimpleNamespace(members=members, part=part, done=done, lineages={"QmMe": 7, "QmB": 7, "QmC": 9},
+                               contributions={m: (PartContribution(m, 1.0, {c: encoded[m][c] for c in part}), [])
+                                              for m in members})
+
+    stub = SimpleNamespace(peer_id="QmMe")
+    req = AverageRequest(fragment=0, round=1, chunks=encoded["QmMe"], numel=numel, weight=1.0, version=1,
+                         lineage=7)
+    group = asyncio.run(session(["QmMe", "QmB", "QmC", "QmBad"]))
+    shares = SwarmTransport._member_shares(stub, group, req, codec, bounds)
+    assert [(s.member, s.same_lineage) for s in shares] == [("QmB", True), ("QmC", False)]
+    for share in shares:
+        assert torch.equal(share.values, deltas[share.member][lo:hi])
+    pair = asyncio.run(session(["QmMe", "QmB"]))
+    assert SwarmTransport._member_shares(stub, pair, req, codec, bounds) == ()
+    running = asyncio.run(session(["QmMe", "QmB", "QmC"], finished=False))
+    assert SwarmTransport._member_shares(stub, running, req, codec, bounds) == ()
+    assert SwarmTransport._member_shares(stub, group, replace(req, digest=b"phi"), codec, bounds) == ()
+    assert SwarmTransport._member_shares(stub, group, replace(req, basis=b"ranks"), codec, bounds) == ()
+
+
 def test_holders_are_asked_in_an_order_of_the_downloader_own() -> None:
     """Rendezvous order: a permutation, stable per downloader and fragment, different between downloaders (so
     that two nodes catching up at once do not both start with the first holder listed)."""

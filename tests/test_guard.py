@@ -579,6 +579,45 @@ def test_a_harmful_own_part_is_blamed_on_the_members_whose_contributions_alone_a
     assert transports[0].members_blamed == ["QmFlip"]
 
 
+def test_where_the_screening_of_its_own_part_was_outvoted_a_passed_round_is_still_attributed() -> None:
+    """A round's average that passes the effect check is applied; where this node's screening of its own part was
+    outvoted (``PartOrigin.contested``) that part is judged alone too, and a member whose contribution alone does
+    worse by MEMBER_SLACK of the tolerance is blamed. Where it was not outvoted nothing more is measured."""
+    from locoswarm.node.core.outer_loop import MEMBER_SLACK
+
+    class Lenient(QuadraticJudge):  # no round is harmful as a whole; the member check keeps its slack
+        def harmful(self, loss: float, reference: float, slack: float = 1.0) -> bool:
+            return slack == MEMBER_SLACK and super().harmful(loss, reference, slack)
+
+    target = _trained_target()
+    loops, transports, step = _pair(judge_target=target)
+    for i in range(2):
+        loops[i].judge = Lenient(target)
+    step(1)
+    step(2)
+
+    def outvoted(contested: bool):
+        def edit(res: AverageResult) -> None:  # a colluder outvoted this node in its own part
+            own = next(p for p in res.parts if p.reducer == "w000000")
+            honest = MemberShare("w000001", res.average[own.start:own.end].clone())
+            flipped = -3.0 * honest.values
+            res.average[own.start:own.end] = flipped
+            res.parts = [p if p is not own else PartOrigin(own.reducer, own.start, own.end, shares=(
+                MemberShare("QmFlip", flipped), honest), contested=contested) for p in res.parts]
+        return edit
+
+    transports[0].edit[4] = outvoted(contested=False)
+    step(3)
+    events = step(4)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert transports[0].members_blamed == [] and loops[0].stats.contested_checks == 0
+    transports[0].edit[6] = outvoted(contested=True)
+    step(5)
+    events = step(6)
+    assert [e.kind for e in events[0] if e.kind in ("merged", "refused")] == ["merged"]
+    assert transports[0].members_blamed == ["QmFlip"] and loops[0].stats.contested_checks == 1
+
+
 def test_the_effect_check_measures_the_own_step_only_for_an_average_harmful_against_phi() -> None:
     """An honest round costs two measured candidates (the average's step and phi); only an average harmful against
     phi has the own step measured as well (a reference that can only excuse it)."""

@@ -393,6 +393,7 @@ class ScenarioRun:
             "all_attackers_banned": bool(attackers) and all(peers.get(a, {}).get("banned") for a in attackers),
             "refused_by_kind": {a[:12]: peers.get(a, {}).get("by_kind", {}) for a in attackers},
             "effect_checks": st.get("effect_checks", 0), "effect_refused": st.get("effect_refused", 0),
+            "contested_checks": st.get("contested_checks", 0),
             # ``last``: the node's last refusal of the peer, "kind: detail" (why honest nodes refuse each other)
             "reputation": {p: {k: r.get(k) for k in ("refused", "offences", "by_kind", "banned", "first_banned",
                                                      "last")}

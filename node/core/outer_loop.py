@@ -202,6 +202,7 @@ class OuterStats:
     refused: int = 0                      # results or snapshots the guards refused
     effect_checks: int = 0                # results and snapshots the effect judge compared
     effect_refused: int = 0               # ... of which it refused (counted in ``refused`` too)
+    contested_checks: int = 0             # passed averages whose own part's screening was outvoted, judged alone
     consensus_rounds: int = 0
     consensus_failed: int = 0             # consensus rounds that did not complete (phi kept as it was)
     last_consensus_error: str = ""
@@ -876,6 +877,38 @@ class OuterLoop:
         return self._stepped_from(st.phi, st.momentum, [delta])[0]
 
     def _judge_result(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
+        """The effect check of a round's average (``_effect_refusal``); where it passes and this node's screening
+        of its own part was outvoted, that part is judged alone (``_judge_contested``)."""
+        reason = self._effect_refusal(st, res, pend)
+        if reason is None and pend.own is not None and res.average is not None:
+            self._judge_contested(st, res, pend.own.to(st.device), pend)
+        return reason
+
+    def _judge_contested(self, st: FragmentState, res: AverageResult, own: torch.Tensor, pend: _Pending) -> None:
+        """Where this node's screening of its own part was outvoted (``PartOrigin.contested``: a contribution
+        pointed against its own and with the others' median), it cannot tell from directions whether it is the
+        odd one or the others collude; the held-out loss can. Its part alone (its own progress elsewhere) is
+        judged like a refused round's (``_blame_parts``): where it does worse by MEMBER_SLACK of the tolerance
+        than the worse of phi and the own step, each member's contribution is judged alone (``_blame_members``).
+        The average itself passed and is applied: this is attribution only, a few forward passes in such rounds.
+        Why: two flippers that make most of an honest node's groups are the median there, so its direction
+        judgements of them count for nothing and, without a harmful average, nothing else judged them."""
+        if self.judge is None or res.average is None or not (pend.wire_numel == st.numel == res.average.numel()):
+            return
+        for part in res.parts:
+            if not (part.contested and part.shares and 0 <= part.start < part.end <= st.numel):
+                continue
+            self.stats.contested_checks += 1
+            alone = own.clone()
+            alone[part.start:part.end] = res.average.to(own.device)[part.start:part.end]
+            own_loss, still_loss, part_loss = self.judge.losses(st, [self._stepped(st, own), st.phi,
+                                                                     self._stepped(st, alone)])
+            if self.judge.harmful(part_loss, max(own_loss, still_loss), slack=MEMBER_SLACK):
+                self._blame_members(st, res, own, part, f"effect: this node's own part of the round, where its "
+                                                        f"screening was outvoted, alone gives {part_loss:.4f} "
+                                                        f"against {max(own_loss, still_loss):.4f}")
+
+    def _effect_refusal(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         """The effect check of a round's average (``locoswarm.node.core.judge``): None unless its outer step
         does worse on a held-out batch than both this node's phi as it is and the step on its own contribution;
         else the reason, after blaming each part whose own effect is that bad on its reducer

@@ -81,6 +81,10 @@ class PartOrigin:
     # part alone is harmful the outer loop judges each alone (``OuterLoop._blame_members``): colluders that
     # make most of a group set the centre a reducer screens against, but not what their own deltas do.
     shares: tuple[MemberShare, ...] = ()
+    # ... and whether this node's screening of it was outvoted (a contribution pointed against its own and with
+    # the others' median, ``robust.Agreement.outvoted``): it could not tell who is odd, so the outer loop asks
+    # the held-out loss even where the round's average passes (``OuterLoop._judge_contested``).
+    contested: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -696,6 +696,8 @@ class _Reduced:
     # sender -> (agreement, its weight over the reducer's own): the direction judgement of each accepted
     # contribution (``locoswarm.node.core.robust``), for the reputation's agreement evidence
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the reducer was outvoted on some contribution (``PartOrigin.contested``)
+    contested: bool = False
 
 
 class _Reduction:
@@ -830,7 +832,8 @@ class _Reduction:
                     for i, a in zip(screening.accepted, screening.scores, strict=True)]
         scores = {senders[i]: (score, cons[i].weight / own_weight if own_weight > 0 else 1.0)
                   for i, score in zip(screening.accepted, evidence, strict=True) if score is not None}
-        return _Reduced(reduced, total, extras, refused, scores)
+        contested = any(a is not None and a.others >= 2 and a.outvoted for a in screening.scores)
+        return _Reduced(reduced, total, extras, refused, scores, contested)
 
     def fail(self, error: str) -> None:
         if not self.done.done():
@@ -1729,8 +1732,10 @@ class SwarmTransport(Transport):
         self._remember_payload(req, reduced.items(), averaged=True)
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
         one_lineage = all(v == req.lineage for v in session.lineages.values())
+        shares = self._member_shares(session, req, codec, bounds)
+        contested = bool(shares) and session.done.result().contested
         origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage,
-                              self._member_shares(session, req, codec, bounds) if j == me else ())
+                              shares if j == me else (), contested and j == me)
                    for j in range(n) if len(parts[j])]
         # Our reduced part may still be streaming to the others: wait (briefly) so the round's byte
         # count is complete; the result itself is already final.
