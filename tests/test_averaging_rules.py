@@ -115,8 +115,9 @@ def test_each_in_process_members_own_part_carries_the_others_contributions_to_it
 
 def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_decoded() -> None:
     """``SwarmTransport._member_shares``: the contributions this node's session reduced, decoded over its part's
-    range, each with whether it came from this node's phi; not its own, not a refused one; none in a pair, for a
-    round of phi itself or of low-rank coefficients, or while the reduction has not finished."""
+    range, each with whether it came from this node's phi; not its own, not a refused one; none in a pair (unless
+    another member of the round excludes the partner), for a round of phi itself or of low-rank coefficients, or
+    while the reduction has not finished."""
     from locoswarm.node.core.transport import AverageRequest
     from locoswarm.node.swarm.averaging import _Reduced
 
@@ -128,11 +129,12 @@ def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_de
               for k, m in enumerate(["QmMe", "QmB", "QmC", "QmBad"])}
     encoded = {m: encode_chunks(codec, d) for m, d in deltas.items()}
 
-    async def session(members: list[str], finished: bool = True) -> SimpleNamespace:
+    async def session(members: list[str], finished: bool = True, accused: tuple[str, ...] = ()) -> SimpleNamespace:
         done = asyncio.get_running_loop().create_future()
         if finished:
             done.set_result(_Reduced({}, 3.0, [], {"QmBad": ("bad_weight", "too heavy", False)}))
         return SimpleNamespace(members=members, part=part, done=done, lineages={"QmMe": 7, "QmB": 7, "QmC": 9},
+                               accused=frozenset(accused),
                                contributions={m: (PartContribution(m, 1.0, {c: encoded[m][c] for c in part}), [])
                                               for m in members})
 
@@ -146,6 +148,8 @@ def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_de
         assert torch.equal(share.values, deltas[share.member][lo:hi])
     pair = asyncio.run(session(["QmMe", "QmB"]))
     assert SwarmTransport._member_shares(stub, pair, req, codec, bounds) == ()
+    accused_pair = asyncio.run(session(["QmMe", "QmB"], accused=("QmB",)))  # another member of the round excludes it
+    assert [s.member for s in SwarmTransport._member_shares(stub, accused_pair, req, codec, bounds)] == ["QmB"]
     running = asyncio.run(session(["QmMe", "QmB", "QmC"], finished=False))
     assert SwarmTransport._member_shares(stub, running, req, codec, bounds) == ()
     assert SwarmTransport._member_shares(stub, group, replace(req, digest=b"phi"), codec, bounds) == ()

@@ -1755,9 +1755,12 @@ class SwarmTransport(Transport):
         """Each other member's contribution to this node's own part, decoded (``PartOrigin.shares``), for the
         outer loop's judgement of each alone: those the screening took (muted ones included: it is what they
         sent). None in a pair (with the alpha merge an honest partner's contribution may point against ours,
-        ``_check_reduced_direction``), for rounds of phi itself (``req.digest``) and for low-rank coefficients
-        (``req.basis``)."""
-        if req.digest or req.basis or len(session.members) < 3 or not len(session.part):
+        ``_check_reduced_direction``) unless another member of the round excludes the partner (the rule for
+        direction evidence, ``Agreement.evidence_where``), for rounds of phi itself (``req.digest``) and for
+        low-rank coefficients (``req.basis``)."""
+        if req.digest or req.basis or not len(session.part):
+            return ()
+        if len(session.members) < 3 and not any(m in session.accused for m in session.members if m != self.peer_id):
             return ()
         if not session.done.done() or session.done.cancelled():
             return ()
