@@ -893,20 +893,12 @@ class OuterLoop:
         The average itself passed and is applied: this is attribution only, a few forward passes in such rounds.
         Why: two flippers that make most of an honest node's groups are the median there, so its direction
         judgements of them count for nothing and, without a harmful average, nothing else judged them."""
-        if self.judge is None or res.average is None or not (pend.wire_numel == st.numel == res.average.numel()):
+        contested = [p for p in res.parts if p.contested and p.shares]
+        if self.judge is None or not contested or not (pend.wire_numel == st.numel == res.average.numel()):
             return
-        for part in res.parts:
-            if not (part.contested and part.shares and 0 <= part.start < part.end <= st.numel):
-                continue
-            self.stats.contested_checks += 1
-            alone = own.clone()
-            alone[part.start:part.end] = res.average.to(own.device)[part.start:part.end]
-            own_loss, still_loss, part_loss = self.judge.losses(st, [self._stepped(st, own), st.phi,
-                                                                     self._stepped(st, alone)])
-            if self.judge.harmful(part_loss, max(own_loss, still_loss), slack=MEMBER_SLACK):
-                self._blame_members(st, res, own, part, f"effect: this node's own part of the round, where its "
-                                                        f"screening was outvoted, alone gives {part_loss:.4f} "
-                                                        f"against {max(own_loss, still_loss):.4f}")
+        self.stats.contested_checks += len(contested)
+        self._blame_parts(st, res, own, res.average.to(st.device), "effect: a round that passed, where this "
+                          "node's screening of its own part was outvoted", parts=contested)
 
     def _effect_refusal(self, st: FragmentState, res: AverageResult, pend: _Pending) -> str | None:
         """The effect check of a round's average (``locoswarm.node.core.judge``): None unless its outer step
@@ -954,12 +946,13 @@ class OuterLoop:
         return best
 
     def _blame_parts(self, st: FragmentState, res: AverageResult, own: torch.Tensor, average: torch.Tensor,
-                     reason: str) -> None:
+                     reason: str, parts: Sequence[PartOrigin] | None = None) -> None:
         """Which reducers' parts make a refused average harmful: each part alone (this node's own progress
         elsewhere) on one held-out batch, against the worse of standing still and the own step on that batch;
         a part that is harmful alone is its reducer's doing. Where this node's own part does worse alone by
-        MEMBER_SLACK of the tolerance, its members' contributions are judged alone too (``_blame_members``)."""
-        parts: list[PartOrigin] = [p for p in res.parts if 0 <= p.start < p.end <= st.numel]
+        MEMBER_SLACK of the tolerance, its members' contributions are judged alone too (``_blame_members``).
+        ``parts``: only these of the round's parts (all by default)."""
+        parts = [p for p in (res.parts if parts is None else parts) if 0 <= p.start < p.end <= st.numel]
         candidates = [self._stepped(st, own), st.phi]
         for part in parts:
             mixed = own.clone()

@@ -1762,9 +1762,7 @@ class SwarmTransport(Transport):
             return ()
         if len(session.members) < 3 and not any(m in session.accused for m in session.members if m != self.peer_id):
             return ()
-        if not session.done.done() or session.done.cancelled():
-            return ()
-        if session.done.exception() is not None:
+        if not session.done.done() or session.done.cancelled() or session.done.exception() is not None:
             return ()
         refused = session.done.result().refused
         shares = []
