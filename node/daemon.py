@@ -848,8 +848,8 @@ class Node:
         do. A banned peer's claims do not count, nor those of a peer that served this node a state it refused
         lately (``Reputation.offended``: colluding liars corroborate each other's claims), nor a claim its own
         rounds contradict (``RoundClaims``: a claim of a state it does not hold); its claimant is banned after
-        ``LIES_BAN`` such claims that its rounds never backed."""
-        from locoswarm.node.swarm.versions import LIES_BAN, Claim, absurd_version, believe
+        ``LIES_BAN`` such claims that its rounds never backed (``RoundClaims.liar``)."""
+        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
         bound = self._version_bound()
         round_claims = self.transport.round_claims
@@ -869,9 +869,9 @@ class Node:
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
                 if round_claims.doubted(fragment, pid, int(fs.version), now):
-                    lies = round_claims.lies(fragment, pid, now)
-                    if lies >= LIES_BAN:
-                        self.reputation.refuse(pid, "version_claim", f"{lies} heartbeat claims of fragment {fragment} "
+                    if lies := round_claims.liar(pid, now):
+                        told = ", ".join(f"{n} of fragment {f}" for f, n in lies.items())
+                        self.reputation.refuse(pid, "version_claim", f"{sum(lies.values())} heartbeat claims ({told}) "
                                                "that its own rounds never backed", conclusive=True)
                     continue
                 if not offended:

@@ -11,6 +11,7 @@ bounded. Every process is killed by its process group; files live under pytest's
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -340,12 +341,13 @@ def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> No
 def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_round() -> None:
     """Time to a ban: from the hostile node's first round in the window (or the sleeper's turn, whichever is later)
     to the honest node's own record of the ban; rounds: its swarm clock's advance between the two, linear between
-    samples, times the rounds per clock step. Without the node's record, the first sample that shows the ban."""
+    samples, times the rounds per clock step. Without the node's record, the first sample that shows the ban. Each
+    attacker's ban is timed from its own start."""
     from locoswarm.node.bench.robustness import Sample, judged
 
     def sample(t: float, clock: int, first: float | None, banned: bool) -> Sample:
         return Sample(t=t, evals=[2.0], rounds_ok=0, rounds_failed=0, rss_mb=1.0, clocks=[clock],
-                      banned=[["QmA"] if banned else []], attacker_first=first)
+                      banned=[["QmA"] if banned else []], attacker_first={} if first is None else {"QmA": first})
 
     samples = [sample(0.0, 100, None, False), sample(2.0, 120, 1.5, False), sample(4.0, 140, 1.5, False),
                sample(6.0, 160, 1.5, True)]
@@ -355,6 +357,44 @@ def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_r
     assert late["bans"]["QmA"] == {"seconds": pytest.approx(3.0), "rounds": pytest.approx((160 - 130) * 0.25)}
     never = judged(0, ["QmH"], ["QmA"], samples[:3], 0.0, 0.25)
     assert never["bans"]["QmA"] is None
+    for s in samples[2:]:  # a second attacker that began 2 s after the first and was banned with it
+        s.attacker_first["QmB"] = 3.5
+        s.banned[0].append("QmB")
+    both = judged(0, ["QmH"], ["QmA", "QmB"], samples, 0.0, 0.25, banned_at={"QmA": 4.5, "QmB": 4.5})
+    assert both["bans"]["QmA"]["seconds"] == pytest.approx(3.0)
+    assert both["bans"]["QmB"] == {"seconds": pytest.approx(1.0), "rounds": pytest.approx((145 - 135) * 0.25)}
+
+
+def test_a_hostile_nodes_attack_starts_with_its_first_round_to_an_honest_member_once_carried_out(
+        tmp_path: Path) -> None:
+    """``attack_start``: a hostile node's attack begins with its first round in the window that reached an honest
+    member, but not before its log says the attack was carried out (a state liar forges its first heartbeat
+    seconds after its first round); nothing before both. ``carried_out_at`` reads that moment from its log."""
+    from locoswarm.node.bench.hostile import NODE_ATTACKS
+    from locoswarm.node.bench.robustness import attack_start, carried_out_at
+
+    log = tmp_path / "hostile0.log"
+    assert carried_out_at(log) is None  # no log yet
+    log.write_text("12:00:00 INFO  locoswarm.node: joined\n")
+    assert carried_out_at(log) is None
+    attack = NODE_ATTACKS["replayliar"](0.0)
+    handler = logging.FileHandler(log)
+    logging.getLogger("locoswarm.hostile").addHandler(handler)
+    try:
+        before = time.time()
+        attack.carried_out()
+        attack.carried_out()  # logged once
+    finally:
+        logging.getLogger("locoswarm.hostile").removeHandler(handler)
+        handler.close()
+    at = carried_out_at(log)
+    assert at is not None and before - 1e-3 <= at <= time.time() + 1e-3 and log.read_text().count(CARRIED_OUT) == 1
+    started = 1000.0
+    merged = [{"kind": "merged", "time": 1002.0}, {"kind": "merged", "time": 999.0}]
+    assert attack_start(merged, None, started) is None        # not carried out yet
+    assert attack_start([], 1001.0, started) is None          # no round reached an honest member yet
+    assert attack_start(merged, 1001.0, started) == pytest.approx(2.0)  # its first round in the window
+    assert attack_start(merged, 1009.0, started) == pytest.approx(9.0)  # its first lie, after its rounds began
 
 
 def test_a_hostile_round_that_sent_nothing_does_not_start_its_attack() -> None:

@@ -16,6 +16,7 @@ from locoswarm.node.swarm.versions import (
     CAUGHT_S,
     LIE_MARGIN_S,
     LIES_BAN,
+    LIES_IN_ONE,
     VERSION_SLACK,
     Belief,
     Claim,
@@ -228,9 +229,10 @@ def test_a_claim_its_claimants_rounds_contradict_is_not_believed_for_a_while() -
 
 def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
     """``RoundClaims.lies`` (rule 5): a member that claims two versions more than its rounds name tells a new lie
-    with each claim its rounds then contradict, and ``LIES_BAN`` of them in one fragment within ``CAUGHT_S`` ban it.
-    An honest member that follows its group down had named the claimed version in a round shortly before: caught
-    (its claim is doubted) but no lie. Lies age out after ``CAUGHT_S``; members and fragments are apart."""
+    with each claim its rounds then contradict, and ``LIES_BAN`` of them in one fragment within ``CAUGHT_S`` ban it
+    (``RoundClaims.liar``). An honest member that follows its group down had named the claimed version in a round
+    shortly before: caught (its claim is doubted) but no lie. Lies age out after ``CAUGHT_S``; members and
+    fragments are apart."""
     liar = RoundClaims()
     t = 0.0
     for real in range(10, 10 + LIES_BAN):
@@ -241,9 +243,10 @@ def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
         assert liar.doubted(0, "liar", real + 2, now=t + 3)
         assert liar.lies(0, "liar", now=t + 3) == real - 9
         t += 10.0
-    assert liar.lies(0, "liar", now=t) == LIES_BAN
-    assert liar.lies(1, "liar", now=t) == 0 and liar.lies(0, "other", now=t) == 0
+    assert liar.lies(0, "liar", now=t) == LIES_BAN and liar.liar("liar", now=t) == {0: LIES_BAN}
+    assert liar.lies(1, "liar", now=t) == 0 and liar.lies(0, "other", now=t) == 0 and not liar.liar("other", now=t)
     assert liar.lies(0, "liar", now=t + CAUGHT_S) < LIES_BAN  # the first lies aged out
+    assert not liar.liar("liar", now=t + CAUGHT_S)
     assert liar.doubted(0, "liar", 12, now=t + 4) is False    # a claim its rounds back (11 + 1) is no new lie
     assert liar.lies(0, "liar", now=t + 4) == LIES_BAN
 
@@ -254,12 +257,43 @@ def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
         assert not honest.doubted(0, "honest", v, now=100.0 * drop + 1)
         honest.record(0, "honest", v - 3, now=100.0 * drop + 2)
         assert honest.doubted(0, "honest", v, now=100.0 * drop + 3)  # caught: its claim is doubted for a while
-    assert honest.lies(0, "honest", now=100.0 * LIES_BAN + 3) == 0
+    assert honest.lies(0, "honest", now=100.0 * LIES_BAN + 3) == 0 and not honest.liar("honest")
     late = RoundClaims()  # a heartbeat read late: the round that named the claim came within LIE_MARGIN_S before
     late.record(0, "honest", 30, now=0.0)
     assert not late.doubted(0, "honest", 30, now=LIE_MARGIN_S - 1)
     late.record(0, "honest", 27, now=LIE_MARGIN_S)
     assert late.doubted(0, "honest", 30, now=LIE_MARGIN_S) and late.lies(0, "honest", now=LIE_MARGIN_S) == 0
+
+
+def lie_once(claims: RoundClaims, fragment: int, member: str, real: int, t: float) -> None:
+    """``member`` claims ``real`` + 2 of ``fragment`` at ``t``, and its next round names ``real``: one lie."""
+    claims.doubted(fragment, member, real + 2, now=t)
+    claims.record(fragment, member, real, now=t + 1)
+    assert claims.doubted(fragment, member, real + 2, now=t + 2)
+
+
+def test_lies_over_several_fragments_ban_where_one_fragment_holds_two_of_them() -> None:
+    """``RoundClaims.liar`` (rule 5): a liar that claims two versions ahead in every fragment lies in each of them
+    with each outer step, so its lies are counted over all fragments: ``LIES_BAN`` in all ban it once
+    ``LIES_IN_ONE`` of them are in one fragment. An honest member that drops to its group's version unseen in every
+    fragment at once (one lie in each, however many fragments) is not banned for it, nor for that twice in one
+    fragment alone."""
+    assert LIES_IN_ONE < LIES_BAN
+    liar = RoundClaims()
+    lie_once(liar, 0, "liar", 10, 0.0)
+    lie_once(liar, 1, "liar", 20, 1.0)
+    assert not liar.liar("liar", now=3.0)  # one lie in each of two fragments
+    lie_once(liar, 0, "liar", 11, 4.0)
+    assert liar.liar("liar", now=6.0) == {0: 2, 1: 1}
+    assert not liar.liar("liar", now=4.0 + CAUGHT_S + 1)  # they age out as in one fragment
+    honest = RoundClaims()
+    for f in range(8):  # one unseen drop in each of 8 fragments: LIES_BAN lies in all, none two in one fragment
+        lie_once(honest, f, "honest", 30, float(f))
+    assert sum(honest.lies(f, "honest", now=10.0) for f in range(8)) == 8 and not honest.liar("honest", now=10.0)
+    twice = RoundClaims()
+    lie_once(twice, 0, "honest", 30, 0.0)
+    lie_once(twice, 0, "honest", 40, 50.0)
+    assert twice.lies(0, "honest", now=60.0) == LIES_IN_ONE and not twice.liar("honest", now=60.0)
 
 
 @pytest.mark.parametrize("served_bad_state", [False, True])

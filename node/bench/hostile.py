@@ -65,6 +65,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -86,6 +87,7 @@ VERSION_LIE = 1000       # ``state``: versions claimed above the real ones
 CLOCK_JUMP = 10_000      # ``clock``: clock claimed above the real one, once more per period
 ATTACK_ENV = "LOCOSWARM_ATTACK"
 CARRIED_OUT = "attack carried out"  # logged once a patch changed what the node sends (NodeAttack.carried_out)
+CARRIED_OUT_AT = re.compile(re.escape(CARRIED_OUT) + r": '[^']*' at (\d+(?:\.\d+)?)")  # ... and when (epoch s)
 MIB = 1 << 20
 
 
@@ -138,7 +140,7 @@ class NodeAttack(ABC):
         one: the adversarial tests look for this line to know the attack ran at all."""
         if not self._carried_out:
             self._carried_out = True
-            log.warning("hostile node: %s: %r", CARRIED_OUT, self.name)
+            log.warning("hostile node: %s: %r at %.3f", CARRIED_OUT, self.name, time.time())
 
     def install(self) -> None:
         """The attack's patches, and for an attacker that keeps its peers, a reputation that bans nobody: the

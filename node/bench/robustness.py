@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from locoswarm.node.bench.hostile import CARRIED_OUT
+from locoswarm.node.bench.hostile import CARRIED_OUT, CARRIED_OUT_AT
 from locoswarm.node.core.outer_loop import HEALTHY_SLACK
 from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
@@ -142,8 +142,9 @@ class Sample:
     clocks: list[int] = field(default_factory=list)          # each honest node's swarm clock
     banned: list[list[str]] = field(default_factory=list)    # each honest node's banned peers
     attacker_rounds: int = 0  # rounds the hostile nodes took part in so far (merged, failed or refused)
-    attacker_first: float | None = None  # seconds since the window opened of the hostile nodes' first round in it
-    #                                      that sent to an honest member (``attack_round``)
+    # per hostile node (peer id), seconds since the window opened to the start of its attack: its first round in the
+    # window that sent to an honest member (``attack_round``), not before its attack was first carried out
+    attacker_first: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -320,13 +321,15 @@ class ScenarioRun:
         task = self.progress.add_task(f"  {self.scenario.name}", total=self.seconds) if self.progress else None
         samples = []
         t0 = time.monotonic()
-        first = None
+        first: dict[str, float] = {}
         while (elapsed := time.monotonic() - t0) < self.seconds:
             statuses = [p.status() for p in self.honest]
             hostile = [p.status() for p in self.extra] if self.scenario.kind != "clean" else []
-            rounds = [e["time"] - started for st in hostile for e in st.get("events", [])
-                      if attack_round(e) and e.get("time", 0) >= started]
-            first = min([*rounds, *([] if first is None else [first])], default=None)
+            for proc, st in zip(self.extra if hostile else [], hostile, strict=True):
+                if st.get("peer_id") and st["peer_id"] not in first:
+                    start = attack_start(st.get("events", []), carried_out_at(proc.log_path), started)
+                    if start is not None:
+                        first[st["peer_id"]] = start
             samples.append(Sample(
                 t=time.time() - started,
                 evals=[(st.get("eval_curve") or [[0, None]])[-1][1] for st in statuses],
@@ -335,7 +338,7 @@ class ScenarioRun:
                 rss_mb=max(p.rss_mb() for p in self.honest),
                 clocks=[int(st.get("clock", 0)) for st in statuses],
                 attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0) for st in hostile),
-                attacker_first=first,
+                attacker_first=dict(first),
                 banned=[sorted(p for p, r in ((st.get("reputation") or {}).get("peers") or {}).items()
                                if r.get("banned")) for st in statuses]))
             if task is not None:
@@ -416,22 +419,41 @@ def attack_round(event: dict) -> bool:
     return kind == "failed" and not any(text in str(event.get("detail", "")) for text in UNSENT_FAILURES)
 
 
+def carried_out_at(log_path: Path) -> float | None:
+    """When a hostile node's log says its attack was first carried out (epoch seconds; None: not yet)."""
+    with contextlib.suppress(OSError):
+        found = CARRIED_OUT_AT.search(log_path.read_text(errors="replace"))
+        return float(found.group(1)) if found else None
+    return None
+
+
+def attack_start(events: list[dict], carried_out: float | None, started: float) -> float | None:
+    """Seconds since the window opened (``started``, epoch) at which a hostile node's attack began: its first round in
+    the window that reached an honest member (``attack_round``), and not before its attack was first carried out
+    (``carried_out``, epoch): a state liar's lies begin with its first forged heartbeat, seconds after its first
+    round (robustness bench, 4 + 2 replayliar: 7 s). None until both happened."""
+    rounds = [e["time"] - started for e in events if attack_round(e) and e.get("time", 0) >= started]
+    if not rounds or carried_out is None:
+        return None
+    return max(min(rounds), carried_out - started)
+
+
 def judged(i: int, honest_ids: list[str], attackers: list[str], samples: list[Sample], turn_after: float,
            slots_per_step: float, in_rounds: bool = True, banned_at: dict[str, float] | None = None) -> dict:
     """What honest node ``i`` did about its peers during the window: per attacker the seconds and rounds from the
-    attack's start to its first ban by this node (None: not banned), and the ids of the other honest nodes (whose
-    refusals by this node the summary counts). The attack starts ``turn_after`` s into the window, and a node
-    attack not before the hostile nodes' first round in it that sent to an honest member (``attack_round``: it acts
-    through rounds, and a joining node takes a while to get into one; a client's attack starts with the window). A
-    ban's time is the node's own record (``banned_at``: seconds since the window opened), else the first sample
-    that shows it; its rounds are the node's swarm clock advance from the start to the ban (linear between samples)
-    times ``slots_per_step``."""
+    start of its attack to its first ban by this node (None: not banned), and the ids of the other honest nodes
+    (whose refusals by this node the summary counts). The attack starts ``turn_after`` s into the window, and a
+    node attack not before that hostile node's own start (``Sample.attacker_first``: its first round that sent to an
+    honest member, since it acts through rounds and a joining node takes a while to get into one, and not before
+    its attack was carried out; a client's attack starts with the window). A ban's time is the node's own record
+    (``banned_at``: seconds since the window opened), else the first sample that shows it; its rounds are the
+    node's swarm clock advance from the start to the ban (linear between samples) times ``slots_per_step``."""
     banned_at = banned_at or {}
     clocks = [[s.t, s.clocks[i]] for s in samples if i < len(s.clocks)]
-    firsts = [s.attacker_first for s in samples if s.attacker_first is not None]
-    start = (max(turn_after, min(firsts)) if firsts else None) if in_rounds else turn_after
     bans: dict[str, dict | None] = {}
     for a in attackers:
+        firsts = [s.attacker_first[a] for s in samples if a in s.attacker_first]
+        start = (max(turn_after, min(firsts)) if firsts else None) if in_rounds else turn_after
         t = banned_at.get(a)
         if t is None:
             t = next((s.t for s in samples if i < len(s.banned) and a in s.banned[i]), None)

@@ -39,10 +39,12 @@ must pass before a node acts on it:
    A contradicted claim is not yet a lie: an honest member that follows its group claimed a version it held.
    But it held it, so its rounds named that version (or the one before) shortly before it dropped. A
    contradicted claim that none of the claimant's rounds backed, from ``LIE_MARGIN_S`` before the claim was first
-   seen until it was contradicted, is a lie (``RoundClaims.lies``); ``LIES_BAN`` of them in one fragment within
-   ``CAUGHT_S`` ban the claimant. A liar that claims two versions ahead of what it holds tells a new lie with each
-   outer step; an honest member drops that way only where its group is two versions behind, and it would
-   have to do so unseen three times in two minutes.
+   seen until it was contradicted, is a lie (``RoundClaims.lies``); ``LIES_BAN`` of them within ``CAUGHT_S``, over
+   all fragments but ``LIES_IN_ONE`` in one of them, ban the claimant (``RoundClaims.liar``). A liar that claims two
+   versions ahead of what it holds tells a new lie with each outer step of each fragment; an honest member drops
+   that way only where its group is two versions behind, once per fragment, and then claims what it holds: it
+   would have to do so unseen twice in one fragment, and a third time, within two minutes. Counted per fragment
+   only, a replay liar of a 4 + 2 run was banned 9-17 s after its first forged claim (robustness bench, 13a8383).
 
 A claim newer than the belief that nobody corroborates (``Belief.unconfirmed``) is not believed, but it is
 not ignored either: the transport *probes* it now and then (one download from its claimant, judged by the
@@ -70,9 +72,11 @@ CONTRADICTED_BY = 2
 CAUGHT_S = 120.0        # how long a member caught contradicting its claims has them capped at its rounds' version + 1
 # A contradicted claim is a lie (module docstring, 5) where no round of the member named the claimed version or the
 # one before it since LIE_MARGIN_S before the claim was first seen (a heartbeat read late, published every 2 s by
-# default, names a version its rounds did name just before); LIES_BAN lies of one fragment within CAUGHT_S ban.
+# default, names a version its rounds did name just before); LIES_BAN lies within CAUGHT_S, LIES_IN_ONE of them in
+# one fragment, ban.
 LIE_MARGIN_S = 30.0
 LIES_BAN = 3
+LIES_IN_ONE = 2
 NAMED_KEPT = 16          # the rounds' versions kept per (fragment, member) to tell a lie from a drop
 # A holder whose round named 2 or more below the version to catch up to within this long holds a state of its own
 # making there (``RoundClaims.refutes``); an older round says nothing of what it holds now (a node behind meets the
@@ -139,8 +143,8 @@ def plausible_version(claims: Mapping[str, int], own: str | None = None, *, boun
     return values[1]
 
 
-__all__ = ["LIES_BAN", "Belief", "Claim", "RoundClaims", "absurd_version", "believe", "plausible_version",
-           "state_digest", "version_bound"]
+__all__ = ["LIES_BAN", "LIES_IN_ONE", "Belief", "Claim", "RoundClaims", "absurd_version", "believe",
+           "plausible_version", "state_digest", "version_bound"]
 
 
 class RoundClaims:
@@ -195,9 +199,18 @@ class RoundClaims:
 
     def lies(self, fragment: int, member: str, now: float | None = None) -> int:
         """How many of ``member``'s claims of ``fragment`` were found lies within ``CAUGHT_S`` (module docstring,
-        5): claims its rounds contradicted and never backed; ``LIES_BAN`` of them ban it."""
+        5): claims its rounds contradicted and never backed."""
         now = time.monotonic() if now is None else now
         return sum(1 for t in self._lies.get((fragment, member), {}).values() if now - t < CAUGHT_S)
+
+    def liar(self, member: str, now: float | None = None) -> dict[int, int]:
+        """``member``'s lies within ``CAUGHT_S`` per fragment (:meth:`lies`) where they ban it: ``LIES_BAN`` in
+        all, ``LIES_IN_ONE`` of them in one fragment (module docstring, 5); else an empty dict."""
+        now = time.monotonic() if now is None else now
+        counts = {f: n for (f, m) in self._lies if m == member and (n := self.lies(f, member, now))}
+        if sum(counts.values()) >= LIES_BAN and max(counts.values()) >= LIES_IN_ONE:
+            return dict(sorted(counts.items()))
+        return {}
 
     def lied(self, member: str, now: float | None = None) -> bool:
         """Whether any claim of ``member``'s was found a lie within ``CAUGHT_S``: this node's own evidence for
