@@ -365,6 +365,24 @@ def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_r
     assert both["bans"]["QmB"] == {"seconds": pytest.approx(1.0), "rounds": pytest.approx((145 - 135) * 0.25)}
 
 
+def test_honest_refusals_of_honest_nodes_are_counted_in_the_window_apart_from_those_before_it() -> None:
+    """``honest_refusals``: what the honest nodes refused of each other during the attack window, by kind, judged
+    and protocol apart; those counted while the honest swarm formed (the statuses read when the window opened) are
+    reported apart, and refusals of attackers never count."""
+    from locoswarm.node.bench.robustness import honest_refusals
+
+    honest = [
+        {"honest_ids": ["QmB"], "refused_before": {"QmB": {"clock": 3, "non_member": 1}},
+         "reputation": {"QmB": {"by_kind": {"clock": 3, "non_member": 2, "reduction": 1}, "offences": 0},
+                        "QmA": {"by_kind": {"contribution": 9}, "offences": 9}}},
+        {"honest_ids": ["QmC"], "refused_before": {},
+         "reputation": {"QmC": {"by_kind": {"effect": 2}, "offences": 1}}},
+    ]
+    out = honest_refusals(honest)
+    assert out == {"judged": 3, "protocol": 1, "offences": 1, "before_judged": 3, "before_protocol": 1,
+                   "non_member": 1, "reduction": 1, "effect": 2}
+
+
 def test_a_hostile_nodes_attack_starts_with_its_first_round_to_an_honest_member_once_carried_out(
         tmp_path: Path) -> None:
     """``attack_start``: a hostile node's attack begins with its first round in the window that reached an honest

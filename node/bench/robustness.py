@@ -194,17 +194,22 @@ PROTOCOL_KINDS = frozenset({"not_in_round", "non_member", "streams", "wire", "fi
 
 
 def honest_refusals(honest: list[dict]) -> dict[str, int]:
-    """Refusals the honest nodes counted of each other, by kind, with ``judged`` (refusals of something an honest
-    node sent: a contribution, a part, a state, a claim) and ``protocol`` (``PROTOCOL_KINDS``: when, not what)
-    totals and ``offences`` (those that count toward a ban)."""
-    out: dict[str, int] = {"judged": 0, "protocol": 0, "offences": 0}
+    """Refusals the honest nodes counted of each other during the window, by kind, with ``judged`` (refusals of
+    something an honest node sent: a contribution, a part, a state, a claim) and ``protocol`` (``PROTOCOL_KINDS``:
+    when, not what) totals and ``offences`` (those that count toward a ban, over the whole run); ``before_judged``
+    and ``before_protocol``: those counted before the window opened, while the honest swarm formed."""
+    out: dict[str, int] = {"judged": 0, "protocol": 0, "offences": 0, "before_judged": 0, "before_protocol": 0}
     for h in honest:
-        rep = h.get("reputation") or {}
+        rep, earlier = h.get("reputation") or {}, h.get("refused_before") or {}
         for other in h.get("honest_ids") or []:
-            r = rep.get(other) or {}
+            r, before = rep.get(other) or {}, earlier.get(other) or {}
             for kind, n in (r.get("by_kind") or {}).items():
-                out[kind] = out.get(kind, 0) + int(n)
-                out["protocol" if kind in PROTOCOL_KINDS else "judged"] += int(n)
+                old = min(int(n), int(before.get(kind, 0)))
+                group = "protocol" if kind in PROTOCOL_KINDS else "judged"
+                if int(n) > old:
+                    out[kind] = out.get(kind, 0) + int(n) - old
+                    out[group] += int(n) - old
+                out[f"before_{group}"] += old
             out["offences"] += int(r.get("offences") or 0)
     return out
 
@@ -401,6 +406,10 @@ class ScenarioRun:
             "reputation": {p: {k: r.get(k) for k in ("refused", "offences", "by_kind", "banned", "first_banned",
                                                      "last")}
                            for p, r in peers.items()},
+            # the refusals counted before the window opened (the honest swarm forming): ``honest_refusals`` counts
+            # the window's alone
+            "refused_before": {p: r.get("by_kind", {}) for p, r in
+                               ((before.get("reputation") or {}).get("peers") or {}).items()},
             "rss_mb_before": rss0, "rss_growth_mb": rss_max - rss0,
         }
 
@@ -718,6 +727,8 @@ def markdown_table(results: dict[str, dict]) -> str:
             to_ban = "not all"
         hh = r.get("honest_refusals") or {}
         honest_hh = f"{hh.get('judged', 0)} / {hh.get('offences', 0)} / {hh.get('protocol', 0)}"
+        if hh.get("before_judged") or hh.get("before_protocol"):
+            honest_hh += f" (before: {hh.get('before_judged', 0)} / {hh.get('before_protocol', 0)})"
         steps = [h.get("inner_steps", 0) for h in r["honest"]]
         rows.append(f"| {name} | {r['honest_alive']}/{len(r['honest'])} | {_fmt(r['final_eval'])} | {rel} | "
                     f"{rel_equal} | {rel_worst} | "
@@ -747,14 +758,17 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         "the window over the clean run's at the same clock; attacker refused: refusals of the attackers' peer ids "
         "counted by the honest nodes; banned by: honest "
         "nodes that ban every attacker at the end; to ban: the longest any honest node took to ban an attacker after "
-        "the attack began (the hostile node's first round in the window that sent to an honest member; a sleeper "
-        "turns a third into it) to the ban the node recorded, in seconds and in the rounds the node took part in "
+        "that attacker's attack began (its first round in the window that sent to an honest member, not before its "
+        "log says its attack was carried out; a sleeper turns a third into it) to the ban the node recorded, in "
+        "seconds and in the rounds the node took part in "
         "meanwhile (its swarm clock's "
         "advance x F / H; 'not all': some attacker was never banned by some honest node); honest refused by "
-        "honest: refusals the honest nodes counted of each other, of something one "
-        "sent (a contribution, a reduced part, a state, a claim), of those the offences (which count toward a ban), "
-        "and protocol refusals, which judge only when a stream came (a round the reducer had skipped or formed "
-        "otherwise; a state request before the holder's table showed the requester). Who banned whom, and when: "
+        "honest: refusals the honest nodes counted of each other during the window, of something one "
+        "sent (a contribution, a reduced part, a state, a claim), the offences among all their refusals (which count "
+        "toward a ban), and protocol refusals, which judge only when a stream came (a round the reducer had skipped "
+        "or formed otherwise; a state request before the holder's table showed the requester); 'before': the judged "
+        "and protocol refusals counted while the honest nodes formed their swarm, before the window. Who banned "
+        "whom, and when: "
         "`results.json` (each honest node's `bans`).",
         "", table, "",
         "![eval loss](robustness.png)", ""]
