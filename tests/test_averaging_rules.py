@@ -1500,3 +1500,15 @@ def test_a_node_is_stale_only_where_the_swarms_corroborated_version_is_ahead_too
     assert not stale(stub, req, 3, view)  # the reducer is not ahead of this node
     assert not stale(stub, req, 5, SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5, "QmPartner": 3}))
     assert not stale(stub, req, 5, None)
+
+
+def test_the_share_of_a_rounds_members_of_this_nodes_phi_says_whether_it_is_in_step() -> None:
+    """``kin_share`` (``AverageResult.kin``): the members that sent from this node's phi, itself included, over all
+    whose lineage is known; 1.0 where none is (a fragment is in step where more than half are)."""
+    from locoswarm.node.swarm.averaging import kin_share
+
+    assert kin_share({}, 7) == 1.0
+    assert kin_share({"me": 7, "a": 7, "b": 7}, 7) == 1.0
+    assert kin_share({"me": 7, "a": 7, "b": 7, "c": 7, "liar1": 9, "liar2": 9}, 7) == pytest.approx(4 / 6)
+    assert kin_share({"me": 7, "a": 7, "liar1": 9, "liar2": 9}, 7) == 0.5
+    assert kin_share({"me": 7, "joiner": 3}, 7) == 0.5

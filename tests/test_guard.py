@@ -53,6 +53,7 @@ class _Poisoned(AverageHandle):
         if res.ok and self.foreign:
             res.parts = [PartOrigin("QmPartner", 0, res.average.numel() if res.average is not None else 0,
                                     one_lineage=False)]
+            res.kin = 0.5  # its partner sent from another phi
         if res.ok and self.edit is not None:
             self.edit(res)
         return res
@@ -763,8 +764,10 @@ def test_a_fragment_in_step_with_the_swarm_takes_no_catch_up_much_worse_than_its
     versions it is ahead (2 + 2 state liars: an honest node took 7 catch-ups up to 16% and 39% worse, and its eval
     rose 14% above clean). Refused without blame, however often it is served; a catch-up taken within it leaves the
     fragment in step. Failed rounds do not end it (two drifters' join failed an honest node's rounds, and it then
-    took their states 20% and 29% worse); a round merged with a member of another phi does; a swarm far enough
-    ahead is taken within ``SNAPSHOT_SLACK``, and that catch-up ends being in step."""
+    took their states 20% and 29% worse); a round merged where half the members or more sent from another phi does,
+    a minority of another phi does not (``AverageResult.kin``: two colluding state liars in every group of 6 took 4
+    honest nodes out of step); a swarm far enough ahead is taken within ``SNAPSHOT_SLACK``, and that catch-up ends
+    being in step."""
     from locoswarm.node.core.outer_loop import IN_STEP_GAP, IN_STEP_SLACK
 
     assert IN_STEP_SLACK < SNAPSHOT_SLACK
@@ -814,6 +817,16 @@ def test_a_fragment_in_step_with_the_swarm_takes_no_catch_up_much_worse_than_its
         step(t)
     assert not loops[0].states[0].in_step
     assert [e.kind for e in catch_up(loops[0], transports[0], 8, 2, 0.005)] == ["caught_up"]
+    loops, transports, step = _pair(judge_target=target)  # one member of three of another phi: in step still
+    def minority(res: AverageResult) -> None:
+        res.parts = [PartOrigin("QmPartner", 0, res.average.numel(), one_lineage=False)]
+        res.kin = 2 / 3
+
+    transports[0].edit = {6: minority}
+    for t in range(1, 7):
+        step(t)
+    assert loops[0].states[0].in_step
+    assert [e.kind for e in catch_up(loops[0], transports[0], 8, 2, 0.005)] == ["refused"]
 
     loop, transport = in_step_pair()
     gap = round(IN_STEP_GAP * SNAPSHOT_SLACK / IN_STEP_SLACK)  # the snapshot slack's reach

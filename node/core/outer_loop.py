@@ -127,23 +127,24 @@ FOLDED_SLACK = 0.0
 # states from peers never met in a round (tried: a node resumed after SIGKILL meets nobody until it has caught up,
 # and honest catch-ups 6-7% worse than its phi were refused until the suite's test timed out).
 DOUBTED_SLACK = 0.05
-# ... and past IN_STEP_SLACK times the tolerance for each IN_STEP_GAP versions the download is ahead (at least once,
-# at most SNAPSHOT_SLACK) where the fragment is in step with its group (``FragmentState.in_step``: it merged a round
-# with peers that all sent from its own phi, and since then merged no round with a member of another phi, took no
-# catch-up judged otherwise and was not restored): a few outer steps of the lineage it was in step with move the
-# held-out loss by a few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse
-# than a healthy phi is no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2
-# colluding state liars (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one
-# honest node took 7 catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1%
-# above clean (3.8% with this rule). A catch-up taken within it leaves the fragment in step (its phi is as healthy as
-# the one it replaced).
+# ... and past IN_STEP_SLACK times the tolerance for each IN_STEP_GAP versions the download is ahead (at least once, at
+# most SNAPSHOT_SLACK) where the fragment is in step with its group (``FragmentState.in_step``: it merged a round with
+# peers in which more than half of the members, itself included, sent from its phi, and since then merged no round in
+# which half or more sent from another phi (a minority of colluders of another phi in its groups leaves it in step),
+# took no catch-up judged otherwise and was not restored): a few outer steps of the lineage it was in step with move the
+# held-out loss by a few percent at most (honest catch-ups in clean runs: -1.3% to +2.6%), so a state much worse than a
+# healthy phi is no progress worth taking, whoever vouches for its version. Why: with 2 honest nodes and 2 colluding
+# state liars (robustness bench, ``replayliar``, 31b7f64) the liars' claims were the swarm's belief, and one honest node
+# took 7 catch-ups from them, up to 16% and 39% worse than its own phi; the run's worst moment was 14.1% above clean
+# (3.8% with this rule). A catch-up taken within it leaves the fragment in step (its phi is as healthy as the one it
+# replaced).
 # Rounds that fail do not end it: two drifters' join made an honest node's rounds fail (group mismatches) until it
-# dropped its progress, and it then took their states 5-6 versions ahead, 20% and 29% worse, by the SNAPSHOT_SLACK
-# a node out of step gets (2 + 2 drift, 992a8a6: worst +75.6% above clean). A node behind for real is not stranded
-# by it: the further the swarm gets ahead, the more its phi may do worse on this node's batches (a small corpus),
-# 10% at 8 versions, 50% at 40. Only after rounds of one lineage: a node whose phi left its group's (a bad join:
-# its group's phi measured 26% worse beside its other fragment) is not in step, and a 5% bound for every catch-up
-# kept such a node on a phi of its own for a whole window (robustness bench, 8ed535c).
+# dropped its progress, and it then took their states 5-6 versions ahead, 20% and 29% worse, by the SNAPSHOT_SLACK a
+# node out of step gets (2 + 2 drift, 992a8a6: worst +75.6% above clean). A node behind for real is not stranded by it:
+# the further the swarm gets ahead, the more its phi may do worse on this node's batches (a small corpus), 10% at 8
+# versions, 50% at 40. Only after rounds of one lineage: a node whose phi left its group's (a bad join: its group's phi
+# measured 26% worse beside its other fragment) is not in step, and a 5% bound for every catch-up kept such a node on a
+# phi of its own for a whole window (robustness bench, 8ed535c).
 IN_STEP_SLACK = 0.05
 IN_STEP_GAP = 4
 # With ``[robust] health_slack`` above 0 (``EffectJudge.health_slack``; HEALTHY_SLACK is the value the robustness bench
@@ -1021,11 +1022,14 @@ class OuterLoop:
             st.folded = False
             if res.ok and res.group_size > 1:
                 # A round with peers ends a run of catch-ups (``_loss_before_catch_ups``), and says whether this
-                # fragment is in step with its group (``IN_STEP_SLACK``): not where a member sent from another phi.
-                # An honest node that refused its honest partner's phi, once merging rounds with it again, must be
-                # able to take that phi: one held out for 90 s against the loss it had before its catch-ups (2.71),
-                # while its own phi went to 4.4 and 13.8 in rounds with that partner (2 + 2 drift, 55354b7).
-                st.in_step = all(part.one_lineage for part in res.parts)
+                # fragment is in step with its group (``IN_STEP_SLACK``): where more than half of the members sent
+                # from its phi (``AverageResult.kin``). An honest node that refused its honest partner's phi, once
+                # merging rounds with it again, must be able to take that phi: one held out for 90 s against the
+                # loss it had before its catch-ups (2.71), while its own phi went to 4.4 and 13.8 in rounds with that
+                # partner (2 + 2 drift, 55354b7). A minority of another phi leaves it in step: two colluding state
+                # liars of another phi in every group of 6 took 4 honest nodes out of step, and each then took a
+                # catch-up from them 13-18% worse than its own phi (4 + 2 replayliar, 13a8383).
+                st.in_step = res.kin > 0.5
                 self._loss_before_catch_ups = None
         if res.ok:
             if kind == "merged" and res.group_size == 1:

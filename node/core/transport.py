@@ -137,6 +137,10 @@ class AverageResult:
     # Members of the group that some reducer reduced without (their part came late, was refused, or they formed
     # another group): the members' lists differed, so this round's list is no basis for the next one.
     missing: int = 0
+    # The share of the members whose contributions to this node's part came, this node included, that sent from its
+    # phi (1.0: all, or not known). A fragment is in step with its group where more than half did
+    # (``OuterLoop``, ``IN_STEP_SLACK``).
+    kin: float = 1.0
 
     @classmethod
     def failed(cls, error: str, *, own_weight: float = 0.0, refused: bool = False) -> AverageResult:

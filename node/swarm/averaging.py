@@ -899,6 +899,11 @@ class _BackgroundFetch(FetchHandle):
         return snapshot
 
 
+def kin_share(lineages: Mapping[str, int], own: int) -> float:
+    """The share of a round's members (``lineages``: each one's phi crc, this node's included) that sent from this
+    node's phi ``own`` (``AverageResult.kin``); 1.0 where none is known."""
+    return sum(v == own for v in lineages.values()) / len(lineages) if lineages else 1.0
+
 class SwarmTransport(Transport):
     """Averaging with peers found in the DHT (see module docstring).
 
@@ -1731,7 +1736,8 @@ class SwarmTransport(Transport):
             return AverageResult.failed("incomplete group result", own_weight=req.weight)
         self._remember_payload(req, reduced.items(), averaged=True)
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
-        one_lineage = all(v == req.lineage for v in session.lineages.values())
+        kin = kin_share(session.lineages, req.lineage)
+        one_lineage = kin == 1.0
         shares = self._member_shares(session, req, codec, bounds)
         contested = bool(shares) and session.done.result().contested
         origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage,
@@ -1748,7 +1754,7 @@ class SwarmTransport(Transport):
             encoded=EncodedAverage(codec.name, req.numel, tuple(reduced[c] for c in range(len(bounds)))),
             total_weight=total_weight, own_weight=req.weight, bytes_sent=sent, bytes_received=received,
             basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
-            parts=origins, missing=sum(r.missing for r in results))
+            parts=origins, missing=sum(r.missing for r in results), kin=kin)
 
     def _member_shares(self, session: _Reduction, req: AverageRequest, codec: Codec,
                        bounds: list[tuple[int, int]]) -> tuple[MemberShare, ...]:
