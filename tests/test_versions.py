@@ -265,6 +265,25 @@ def test_claims_the_rounds_never_backed_are_lies_and_three_ban() -> None:
     assert late.doubted(0, "honest", 30, now=LIE_MARGIN_S) and late.lies(0, "honest", now=LIE_MARGIN_S) == 0
 
 
+def test_a_lie_is_judged_at_the_round_that_contradicted_it_not_when_the_node_asks() -> None:
+    """A liar two versions ahead steps on: the round after its claim was seen names two below it, and its next
+    round one below. A node that asks only after both (it reads claims at its own sends) still finds the lie: the
+    claim is judged by the rounds up to the one that contradicted it. An honest member whose round named the claimed
+    version before the contradicting one told none."""
+    liar = RoundClaims()
+    liar.record(0, "liar", 8, now=0.0)
+    assert not liar.doubted(0, "liar", 12, now=1.0)   # seen
+    liar.record(0, "liar", 10, now=2.0)               # contradicts it
+    liar.record(0, "liar", 11, now=3.0)               # its next outer step: one below the claim
+    assert not liar.doubted(0, "liar", 12, now=4.0)   # its rounds back 12 now (11 + 1): believed again ...
+    assert liar.lies(0, "liar", now=4.0) == 1 and liar.caught(now=4.0) == [(0, "liar")]  # ... but it lied
+    honest = RoundClaims()
+    honest.doubted(0, "honest", 12, now=1.0)
+    honest.record(0, "honest", 12, now=2.0)           # it held the version it claimed
+    honest.record(0, "honest", 9, now=3.0)            # then took its group's, three below
+    assert honest.doubted(0, "honest", 12, now=4.0) and honest.lies(0, "honest", now=4.0) == 0
+
+
 def lie_once(claims: RoundClaims, fragment: int, member: str, real: int, t: float) -> None:
     """``member`` claims ``real`` + 2 of ``fragment`` at ``t``, and its next round names ``real``: one lie."""
     claims.doubted(fragment, member, real + 2, now=t)

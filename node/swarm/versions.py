@@ -186,16 +186,18 @@ class RoundClaims:
         named = self._named.get(key)
         if not named:
             return False
-        version, at = named[-1]
-        if at > seen and version <= claim - CONTRADICTED_BY:
-            self._caught[key] = now
-            if not any(v >= claim - 1 and t >= seen - LIE_MARGIN_S for v, t in named):
+        # contradicted by the first round after the claim was seen that named two or more below it, even where a
+        # later round named more (a liar's next outer step: asked only then, its claim looked backed)
+        contradicting = [t for v, t in named if t > seen and v <= claim - CONTRADICTED_BY]
+        if contradicting:
+            self._caught[key] = max(self._caught.get(key, -math.inf), contradicting[-1])
+            if not any(v >= claim - 1 and seen - LIE_MARGIN_S <= t <= contradicting[0] for v, t in named):
                 lies = self._lies.setdefault(key, {})
                 for old in [c for c, t in lies.items() if now - t >= CAUGHT_S]:
                     del lies[old]
                 lies.setdefault(int(claim), now)
         caught = now - self._caught.get(key, -math.inf) < CAUGHT_S
-        return caught and claim > version + 1
+        return caught and claim > named[-1][0] + 1
 
     def lies(self, fragment: int, member: str, now: float | None = None) -> int:
         """How many of ``member``'s claims of ``fragment`` were found lies within ``CAUGHT_S`` (module docstring,
