@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from locoswarm.node.bench.hostile import CARRIED_OUT, CARRIED_OUT_AT
+from locoswarm.node.bench.hostile import CARRIED_OUT_AT
 from locoswarm.node.core.outer_loop import HEALTHY_SLACK
 from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
@@ -329,8 +329,8 @@ class ScenarioRun:
         first: dict[str, float] = {}
         while (elapsed := time.monotonic() - t0) < self.seconds:
             statuses = [p.status() for p in self.honest]
-            hostile = [p.status() for p in self.extra] if self.scenario.kind != "clean" else []
-            for proc, st in zip(self.extra if hostile else [], hostile, strict=True):
+            hostile = [(p, p.status()) for p in self.extra] if self.scenario.kind != "clean" else []
+            for proc, st in hostile:
                 if st.get("peer_id") and st["peer_id"] not in first:
                     start = attack_start(st.get("events", []), carried_out_at(proc.log_path), started)
                     if start is not None:
@@ -342,7 +342,7 @@ class ScenarioRun:
                 rounds_failed=sum(st.get("syncs_failed", 0) for st in statuses),
                 rss_mb=max(p.rss_mb() for p in self.honest),
                 clocks=[int(st.get("clock", 0)) for st in statuses],
-                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0) for st in hostile),
+                attacker_rounds=sum(st.get("syncs_ok", 0) + st.get("syncs_failed", 0) for _, st in hostile),
                 attacker_first=dict(first),
                 banned=[sorted(p for p, r in ((st.get("reputation") or {}).get("peers") or {}).items()
                                if r.get("banned")) for st in statuses]))
@@ -372,8 +372,7 @@ class ScenarioRun:
         and leaves an honest node, whose scenario would read as a perfect defence."""
         if self.scenario.kind == "clean" or self.scenario.kind in CLIENT_KINDS:
             return None
-        return sum(1 for p in self.extra
-                   if p.log_path.is_file() and CARRIED_OUT in p.log_path.read_text(errors="replace"))
+        return sum(1 for p in self.extra if carried_out_at(p.log_path) is not None)
 
     @staticmethod
     def collect(proc: LocalProc, before: dict, rss0: float, started: float, attackers: list[str],

@@ -904,6 +904,7 @@ def kin_share(lineages: Mapping[str, int], own: int) -> float:
     node's phi ``own`` (``AverageResult.kin``); 1.0 where none is known."""
     return sum(v == own for v in lineages.values()) / len(lineages) if lineages else 1.0
 
+
 class SwarmTransport(Transport):
     """Averaging with peers found in the DHT (see module docstring).
 
