@@ -41,7 +41,7 @@ from locoswarm.node.swarm.averaging import (
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.swarm.versions import RoundClaims
-from locoswarm.node.transport.groups import consensus_members, form_groups, kept_apart
+from locoswarm.node.transport.groups import PROBE_EVERY, consensus_members, form_groups, is_probe_round, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
@@ -240,9 +240,37 @@ def test_a_peer_most_members_ban_is_left_alone_not_given_its_partners_company(ro
     banned, partner = "QmF0", "QmF1"
     members = [*honest, banned, partner]
     groups = form_groups(members, 0, round_, 8, {h: [banned] for h in honest})
-    assert [banned] in groups and sorted([*honest, partner]) in groups, groups
+    if is_probe_round(0, round_):  # the one that does not exclude it judges it itself
+        assert sorted([banned, partner]) in groups and honest in groups, groups
+    else:
+        assert [banned] in groups and sorted([*honest, partner]) in groups, groups
     groups = form_groups(["QmH0", "QmH1", "QmH2", "QmL"], 0, round_, 8, {"QmL": ["QmH0"]})
     assert ["QmH0"] not in groups and not any({"QmH0", "QmL"} <= set(g) for g in groups), groups
+
+
+def test_a_member_that_has_not_judged_a_shunned_peer_meets_it_in_probe_rounds_only() -> None:
+    """3 honest + 1: two honest members banned the flipper, the third has no evidence of its own and two voters
+    are too few to follow. Left alone in every round, the flipper was never met by the third again (robustness
+    bench: banned by 2 of 3 for 180 s). In a probe round the third is grouped with it (and judges it); in other
+    rounds it averages with the honest pair and the flipper is alone. Once all three exclude it, no probe gives it
+    company. Probes come in about one round in PROBE_EVERY, at most 4 * PROBE_EVERY rounds apart over these 200
+    rounds of each fragment (numbered as swarm-clock steps 8 apart)."""
+    honest0, honest1, third, flipper = "QmH0", "QmH1", "QmH2", "QmX"
+    members = [honest0, honest1, third, flipper]
+    excluded = {honest0: [flipper], honest1: [flipper]}
+    for fragment in range(2):
+        probes = []
+        for round_ in range(fragment * 4, 1600, 8):
+            groups = form_groups(members, fragment, round_, 4, excluded)
+            if is_probe_round(fragment, round_):
+                probes.append(round_)
+                assert sorted([third, flipper]) in groups and [honest0, honest1] in groups, groups
+            else:
+                assert [flipper] in groups and [honest0, honest1, third] in groups, groups
+            everyone = form_groups(members, fragment, round_, 4, {**excluded, third: [flipper]})
+            assert [flipper] in everyone and [honest0, honest1, third] in everyone, everyone
+        assert 200 / PROBE_EVERY / 2 < len(probes) < 200 / PROBE_EVERY * 2, probes
+        assert max(b - a for a, b in zip([-8, *probes], probes)) <= 4 * PROBE_EVERY * 8, probes
 
 
 def test_the_placement_is_the_same_on_every_member_whatever_order_it_saw() -> None:

@@ -13,6 +13,17 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from fractions import Fraction
 
 PLACEMENT_TRIES = 32  # orders tried when bans conflict (members are few: cheap)
+# One round in PROBE_EVERY of each fragment (drawn from the round's seed, the same on every member) gives a member
+# that most of the others exclude the company of those that do not (``form_groups``), so that they judge it
+# themselves. Why: left alone in every round, it was never met again by the one honest node that had not yet met
+# it, and with only two other voters (3 honest + 1) their exclusions are no evidence that node follows
+# (``locoswarm.node.swarm.averaging.FOLLOWED_VOTERS``): a flipper was banned by 2 of 3 honest nodes for the whole
+# 180 s window (robustness bench, 376bfaf). Rarer probes cost the prober less (a round with the suspect instead of
+# with the others) but leave the ban later: in a pair the prober judges the suspect's contribution against its own
+# (``Agreement.evidence_where``) and needs two such scores (``reputation.MIN_EVIDENCE``). Drawn by a hash, not by the
+# round's number: a fragment's round numbers are swarm-clock steps some multiple of H apart, so a residue would
+# probe in every round or in none.
+PROBE_EVERY = 3
 
 
 def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
@@ -52,6 +63,11 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     first honest node or the colluder alone, at random, so the second honest node averaged with the colluder
     in about half such rounds (robustness bench, `ipm x2`: its eval rose 26% for a while). A colluder can
     accuse an honest member too, which brings back only that coin toss.
+
+    Except in a probe round (``is_probe_round``, one in ``PROBE_EVERY``): there a shunned member that some other
+    member of the round does not exclude is placed as any other member is, so it shares a group with (some of)
+    those that do not exclude it, and they judge it by what it sends rather than by the others' word. A colluding
+    partner that nobody excludes yet keeps it company in such rounds, out of the honest groups for that round.
     """
     seed = int.from_bytes(hashlib.blake2b(f"{fragment}:{round_}".encode(), digest_size=8).digest(), "big")
     rng = random.Random(seed)
@@ -76,6 +92,8 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
                 conflicts[other].add(peer)
     capacity = -(-len(order) // n_groups)
     shunned = majority_shunned(order, excluded)
+    if is_probe_round(fragment, round_):
+        shunned = {p for p in shunned if all(p in conflicts[q] for q in present if q != p)}
     accused = {other for peer, banned in excluded.items() if peer in present for other in banned}
     best: list[list[str]] | None = None
     best_score = (len(order) + 1,) * 4
@@ -93,6 +111,13 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
             break  # nothing can beat it
     assert best is not None
     return best
+
+
+def is_probe_round(fragment: int, round_: int) -> bool:
+    """Whether ``form_groups`` gives the round's shunned members company (``PROBE_EVERY``): a hash of the round,
+    not its number, so that no fragment's probes fall on a fixed phase of the others'."""
+    digest = hashlib.blake2b(f"probe:{fragment}:{round_}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % PROBE_EVERY == 0
 
 
 def consensus_members(members: Sequence[str], versions: Mapping[str, int]) -> list[str]:
