@@ -270,7 +270,7 @@ def test_a_member_that_has_not_judged_a_shunned_peer_meets_it_in_probe_rounds_on
             everyone = form_groups(members, fragment, round_, 4, {**excluded, third: [flipper]})
             assert [flipper] in everyone and [honest0, honest1, third] in everyone, everyone
         assert 200 / PROBE_EVERY / 2 < len(probes) < 200 / PROBE_EVERY * 2, probes
-        assert max(b - a for a, b in zip([-8, *probes], probes)) <= 4 * PROBE_EVERY * 8, probes
+        assert max(b - a for a, b in itertools.pairwise([-8, *probes])) <= 4 * PROBE_EVERY * 8, probes
 
 
 def test_the_placement_is_the_same_on_every_member_whatever_order_it_saw() -> None:
