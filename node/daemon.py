@@ -849,12 +849,16 @@ class Node:
         lately (``Reputation.offended``: colluding liars corroborate each other's claims), nor a claim its own
         rounds contradict (``RoundClaims``: a claim of a state it does not hold); its claimant is banned after
         ``LIES_BAN`` such claims that its rounds never backed (``RoundClaims.liar``)."""
+        from locoswarm.node.swarm.membership import heartbeat_age
         from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
         bound = self._version_bound()
         round_claims = self.transport.round_claims
         claims: dict[str, Claim] = {}
         now = time.monotonic()
+        # a claim dates from its heartbeat's publication (RoundClaims.doubted), at most two intervals back: a peer
+        # table read that late (a DHT failure keeps the last one) is no evidence of when it was published
+        reach = 2.0 * self.cfg.network.heartbeat_interval
         for pid, hb in self.peer_table.items():
             if not hb.has_state or self.reputation.is_banned(pid):
                 continue
@@ -868,7 +872,8 @@ class Node:
                     self.reputation.refuse(pid, "version_lie", f"heartbeat claims version {fs.version} of fragment "
                                                                f"{fragment}; the swarm clock allows {bound}")
                     continue
-                if round_claims.doubted(fragment, pid, int(fs.version), now):
+                published = now - min(heartbeat_age(hb), reach)
+                if round_claims.doubted(fragment, pid, int(fs.version), now, published):
                     if lies := round_claims.liar(pid, now):
                         told = ", ".join(f"{n} of fragment {f}" for f, n in lies.items())
                         self.reputation.refuse(pid, "version_claim", f"{sum(lies.values())} heartbeat claims ({told}) "

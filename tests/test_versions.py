@@ -284,6 +284,38 @@ def test_a_lie_is_judged_at_the_round_that_contradicted_it_not_when_the_node_ask
     assert honest.doubted(0, "honest", 12, now=4.0) and honest.lies(0, "honest", now=4.0) == 0
 
 
+def test_a_claim_dates_from_its_heartbeats_publication_not_from_when_it_was_read() -> None:
+    """A liar publishes a claim two versions ahead of its state; its next round names its real version, and the
+    round after that one more. A node that reads the heartbeat only after both rounds (tables are read every 2 s)
+    finds the lie where the claim dates from the heartbeat's publication, and not where it dates from the read:
+    then nothing after it contradicts it. A heartbeat dated after the read counts from the read. An honest member
+    whose rounds back its claim told no lie, however early its claim is dated."""
+    def read(published: float | None) -> RoundClaims:
+        claims = RoundClaims()
+        claims.record(0, "liar", 9, now=0.0)
+        claims.record(0, "liar", 10, now=1.5)   # after its heartbeat of 12 at 1.0: two below the claim
+        claims.record(0, "liar", 11, now=2.5)   # its next outer step: one below
+        claims.doubted(0, "liar", 12, now=3.0, published=published)
+        return claims
+
+    assert read(published=1.0).lies(0, "liar", now=3.0) == 1
+    assert read(published=None).lies(0, "liar", now=3.0) == 0
+    assert read(published=9.0).lies(0, "liar", now=3.0) == 0  # dated ahead: seen at the read
+    honest = RoundClaims()
+    honest.record(0, "honest", 11, now=0.5)
+    honest.record(0, "honest", 12, now=1.5)  # it holds what its heartbeat at 1.0 claims
+    honest.doubted(0, "honest", 12, now=3.0, published=1.0)
+    assert honest.lies(0, "honest", now=3.0) == 0 and not honest.doubted(0, "honest", 12, now=3.5)
+
+
+def test_a_heartbeats_age_is_never_negative() -> None:
+    from locoswarm.node.swarm.membership import _dht_time, heartbeat_age
+    from locoswarm.protocol import swarm_pb2
+
+    assert heartbeat_age(swarm_pb2.Heartbeat(time=_dht_time() + 60)) == 0.0
+    assert 29 < heartbeat_age(swarm_pb2.Heartbeat(time=_dht_time() - 30)) < 31
+
+
 def lie_once(claims: RoundClaims, fragment: int, member: str, real: int, t: float) -> None:
     """``member`` claims ``real`` + 2 of ``fragment`` at ``t``, and its next round names ``real``: one lie."""
     claims.doubted(fragment, member, real + 2, now=t)
@@ -324,15 +356,17 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims(served_bad_
     import time
 
     from locoswarm.node.daemon import Node
+    from locoswarm.node.swarm.membership import _dht_time
     from locoswarm.node.swarm.reputation import Reputation
 
     def heartbeat(version: int) -> SimpleNamespace:
-        return SimpleNamespace(has_state=True, reachability="public",
+        return SimpleNamespace(has_state=True, reachability="public", time=_dht_time(),
                                fragments=[SimpleNamespace(fragment=0, version=version, digest=b"d")])
 
     claims = RoundClaims()
     node = SimpleNamespace(peer_table={}, reputation=Reputation(), transport=SimpleNamespace(round_claims=claims),
-                           _version_bound=lambda: 10_000)
+                           _version_bound=lambda: 10_000,
+                           cfg=SimpleNamespace(network=SimpleNamespace(heartbeat_interval=2.0)))
     node._outbound_peers = lambda: Node._outbound_peers(node)
     if served_bad_state:
         node.reputation.refuse("QmLiar", "bad_state", "effect: 4x worse", forgivable=False)

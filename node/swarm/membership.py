@@ -61,6 +61,12 @@ def _dht_time() -> float:
     return get_dht_time()
 
 
+def heartbeat_age(hb: swarm_pb2.Heartbeat) -> float:
+    """How long ago ``hb`` says it was published, by this node's DHT time: 0 for one dated ahead of it (a peer's
+    clock ahead of ours, or a lie, is no reason to date its claims earlier than we read them)."""
+    return max(0.0, _dht_time() - float(hb.time))
+
+
 class Membership:
     """This node's heartbeats and its view of the live peers of its swarm (same name and fingerprint).
 
@@ -360,5 +366,6 @@ __all__ = [
     "Membership",
     "fingerprints_key",
     "fragment_spread",
+    "heartbeat_age",
     "swarm_key",
 ]

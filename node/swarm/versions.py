@@ -39,7 +39,8 @@ must pass before a node acts on it:
    A contradicted claim is not yet a lie: an honest member that follows its group claimed a version it held.
    But it held it, so its rounds named that version (or the one before) shortly before it dropped. A
    contradicted claim that none of the claimant's rounds backed, from ``LIE_MARGIN_S`` before the claim was first
-   seen until it was contradicted, is a lie (``RoundClaims.lies``); ``LIES_BAN`` of them within ``CAUGHT_S``, over
+   seen (dated from its heartbeat's publication, at most two heartbeat intervals before it was read) until it was
+   contradicted, is a lie (``RoundClaims.lies``); ``LIES_BAN`` of them within ``CAUGHT_S``, over
    all fragments but ``LIES_IN_ONE`` in one of them, ban the claimant (``RoundClaims.liar``). A liar that claims two
    versions ahead of what it holds tells a new lie with each outer step of each fragment; an honest member drops
    that way only where its group is two versions behind, once per fragment, and then claims what it holds: it
@@ -173,14 +174,22 @@ class RoundClaims:
             self._caught.pop(old, None)
             self._lies.pop(old, None)
 
-    def doubted(self, fragment: int, member: str, claim: int, now: float | None = None) -> bool:
+    def doubted(self, fragment: int, member: str, claim: int, now: float | None = None,
+                published: float | None = None) -> bool:
         """Whether ``member``'s heartbeat claim of version ``claim`` of ``fragment`` is contradicted by a round it
         named a version in after the claim was first seen, or it was caught so lately and claims more than its
-        rounds' version + 1."""
+        rounds' version + 1.
+
+        ``published``: when the heartbeat says it was published (on the clock of ``now``; the caller bounds how
+        far back), taken as the time the claim was seen where it is earlier than ``now``. Why: a liar two versions
+        ahead of its state tells the truth two outer steps later, and with heartbeats read every 2 s its rounds
+        had often reached the claim before this node read it: a 3 + 1 replay liar took 28-37 rounds to its three
+        lies (robustness bench, 816bea5 and da2dc71). A heartbeat dated ahead of ``now`` is seen ``now``, so
+        dating it late gains a liar nothing over being read late."""
         now = time.monotonic() if now is None else now
         key = (fragment, member)
         if self._claimed.get(key, (None, 0.0))[0] != claim:
-            self._claimed[key] = (int(claim), now)
+            self._claimed[key] = (int(claim), now if published is None else min(now, published))
         self._keep(self._claimed, key)
         seen = self._claimed[key][1]
         named = self._named.get(key)
