@@ -4,6 +4,7 @@ reducer session (screening, refusals, partial reduction) driven on an event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import replace
@@ -1091,6 +1092,24 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     refused = judge(louder, 0, part("QmB", 1), part("QmD", 2, 4.0))
     assert refused is not None and "QmD" in refused and f"at most {SPREAD_REFUSE:g}x" in refused
     assert not louder.reputation.is_banned("QmD")  # one part is no ban
+
+    # a round where another member's contribution to our own part had no pull (a flipper that may have turned
+    # QmD's part): no evidence against QmD, however many such rounds; a part beyond SPREAD_REFUSE is still refused
+    disputed = transport()
+    for r in range(3 * SPREAD_WINDOW):
+        own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmX"}))
+        SwarmTransport._judge_spreads(disputed, 0, r, own, [part("QmD", 3 * r + 2, 2.0)])
+    assert not disputed.reputation.is_banned("QmD")
+    with pytest.raises(PartRefused, match="no evidence against the reducer"):
+        SwarmTransport._judge_spreads(disputed, 0, 0, part("QmMe", 0)._replace(disputed=frozenset({"QmX"})),
+                                      [part("QmD", 2, 4.0)])
+    assert not disputed.reputation.is_banned("QmD") and "QmD" in disputed._refused_sources
+    self_disputed = transport()  # the disputed member is the reducer itself: its parts are evidence as before
+    for r in range(2 * SPREAD_WINDOW):
+        own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmD"}))
+        with contextlib.suppress(PartRefused):
+            SwarmTransport._judge_spreads(self_disputed, 0, r, own, [part("QmD", 3 * r + 2, 2.0)])
+    assert self_disputed.reputation.is_banned("QmD")
 
     in_pair = transport(view=SimpleNamespace(judges_reduced_part=lambda reducer: False))
     for r in range(2 * SPREAD_WINDOW):

@@ -683,6 +683,9 @@ class _PartResult(NamedTuple):
     geometry: PartGeometry | None  # against this member's own contribution (``part_geometry``)
     missing: int = 0               # group members the reducer went without (``ReduceHeader.missing``)
     same_lineage: bool = True      # the reducer's header names this member's phi (``SPREAD_BAN_OTHER_PHI``)
+    # this member's own part only: the other members whose contributions to it had no pull (agreement at or below
+    # ``agreement_floor``): the round had a sender that may have turned another reducer's part (``_judge_spreads``)
+    disputed: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -1708,8 +1711,10 @@ class SwarmTransport(Transport):
             # our part is the reference of the others' spread only where it mixes others' contributions in
             mixed = not req.digest and reduced.total_weight > req.weight * (1 + 1e-6)
             geometry = part_geometry(codec, req, reduced.chunks, bounds) if mixed else None
+            disputed = frozenset(p for p, (score, _) in reduced.scores.items()
+                                 if p != self.peer_id and score <= self.robust.agreement_floor)
             return _PartResult(self.peer_id, reduced.chunks, reduced.total_weight, reduced.extras, geometry,
-                               len(session.dropped))
+                               len(session.dropped), disputed=disputed)
 
         own_norm = _norm(decode_chunks(codec, req.chunks, req.numel)) if req.numel else 0.0
         tasks = [own_part()] + [self._send_part(group[j], req, ghash, parts[j], bounds, extras, own_norm)
@@ -2092,7 +2097,14 @@ class SwarmTransport(Transport):
         ``PartRefused`` for a part beyond SPREAD_REFUSE or from a reducer this judgement just banned. Not evidence
         where ``_check_reduced_direction``'s is not (a pair), and none without a reference: our own part must mix
         others' contributions in. A member cannot frame an honest reducer far: what it sends that reducer moves
-        the part by at most its share of the group's weight times the clip radius."""
+        the part by at most its share of the group's weight times the clip radius.
+
+        Nor is it evidence in a round where another member's contribution to our own part had no pull
+        (``_PartResult.disputed``): that member may have turned this reducer's part, which the reducer's screening
+        of other chunks let pass (the part is still refused beyond SPREAD_REFUSE). Why: a flipper that joined with
+        40 steps' progress got an honest reducer banned by both other honest nodes of a 3 + 1 run within 4 s of
+        its first round, each judging the reducer's parts 2.6x as spread as its own over four of them, while the
+        flipper's contributions to their own parts had no pull (robustness bench, 7182100)."""
         if own.geometry is None or self.reputation is None:
             return
         view = self._local_view(fragment, round_)
@@ -2100,6 +2112,14 @@ class SwarmTransport(Transport):
             if part.geometry is None or (view is not None and not view.judges_reduced_part(part.reducer)):
                 continue
             ratio = spread_ratio(part.geometry, own.geometry)
+            if own.disputed - {part.reducer}:
+                if ratio > SPREAD_REFUSE:
+                    _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
+                    raise PartRefused(f"peer {part.reducer[:12]} sent a reduced part that spreads {ratio:.2f}x as "
+                                      f"far from this node's contribution as its own part (at most "
+                                      f"{SPREAD_REFUSE:g}x; a member this round's screening gave no pull may have "
+                                      "turned it: no evidence against the reducer)")
+                continue
             kind, bound = (("reduction_spread", SPREAD_BAN) if part.same_lineage
                            else ("reduction_spread_other_phi", SPREAD_BAN_OTHER_PHI))
             banned = self.reputation.judge(
@@ -2147,8 +2167,8 @@ class SwarmTransport(Transport):
             return
         for reducer in reducers:
             level = self.part_drift.level(reducer)
-            if reducer == self.peer_id or level is None:
-                continue
+            if reducer == self.peer_id or level is None or parts[0].disputed - {reducer}:
+                continue  # (a disputed round: observed, but no evidence against a reducer, as in _judge_spreads)
             banned = self.reputation.judge(
                 reducer, "reduction_persistence", ref - level, window=PERSISTENCE_WINDOW,
                 ban_below=-PERSISTENCE_BAN, good_from=-PERSISTENCE_BAN / 2, accumulate=True,
