@@ -687,6 +687,11 @@ class _PartResult(NamedTuple):
     # ``agreement_floor``): the round had a sender that may have turned another reducer's part (``_judge_spreads``)
     disputed: frozenset[str] = frozenset()
 
+    def turned_by_another(self, reducer: str) -> bool:
+        """Whether (this member's own part says) a member other than ``reducer`` had no pull in this round, and
+        may have turned ``reducer``'s part: its spread and persistence are then no evidence against it."""
+        return bool(self.disputed - {reducer})
+
 
 @dataclass
 class _Reduced:
@@ -2112,23 +2117,19 @@ class SwarmTransport(Transport):
             if part.geometry is None or (view is not None and not view.judges_reduced_part(part.reducer)):
                 continue
             ratio = spread_ratio(part.geometry, own.geometry)
-            if own.disputed - {part.reducer}:
-                if ratio > SPREAD_REFUSE:
-                    _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
-                    raise PartRefused(f"peer {part.reducer[:12]} sent a reduced part that spreads {ratio:.2f}x as "
-                                      f"far from this node's contribution as its own part (at most "
-                                      f"{SPREAD_REFUSE:g}x; a member this round's screening gave no pull may have "
-                                      "turned it: no evidence against the reducer)")
-                continue
-            kind, bound = (("reduction_spread", SPREAD_BAN) if part.same_lineage
-                           else ("reduction_spread_other_phi", SPREAD_BAN_OTHER_PHI))
-            banned = self.reputation.judge(
-                part.reducer, kind, -math.log(max(ratio, 1e-6)), window=SPREAD_WINDOW,
-                ban_below=-math.log(bound), good_from=-math.log(SPREAD_BAN) / 2, accumulate=True,
-                detail=f"log of how much more its reduced parts spread than this node's own, {ratio:.2f}x last")
+            banned = False
+            if not own.turned_by_another(part.reducer):
+                kind, bound = (("reduction_spread", SPREAD_BAN) if part.same_lineage
+                               else ("reduction_spread_other_phi", SPREAD_BAN_OTHER_PHI))
+                banned = self.reputation.judge(
+                    part.reducer, kind, -math.log(max(ratio, 1e-6)), window=SPREAD_WINDOW,
+                    ban_below=-math.log(bound), good_from=-math.log(SPREAD_BAN) / 2, accumulate=True,
+                    detail=f"log of how much more its reduced parts spread than this node's own, {ratio:.2f}x last")
             if banned or ratio > SPREAD_REFUSE:
                 _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
                 why = "its parts' spread banned it" if banned else f"at most {SPREAD_REFUSE:g}x"
+                if own.turned_by_another(part.reducer):
+                    why += "; a member this round gave no pull may have turned it: no evidence against the reducer"
                 raise PartRefused(f"peer {part.reducer[:12]} sent a reduced part that spreads {ratio:.2f}x as far "
                                   f"from this node's contribution as its own part ({why})")
 
@@ -2167,8 +2168,8 @@ class SwarmTransport(Transport):
             return
         for reducer in reducers:
             level = self.part_drift.level(reducer)
-            if reducer == self.peer_id or level is None or parts[0].disputed - {reducer}:
-                continue  # (a disputed round: observed, but no evidence against a reducer, as in _judge_spreads)
+            if reducer == self.peer_id or level is None or parts[0].turned_by_another(reducer):
+                continue  # a disputed round is observed, but no evidence against a reducer (as in _judge_spreads)
             banned = self.reputation.judge(
                 reducer, "reduction_persistence", ref - level, window=PERSISTENCE_WINDOW,
                 ban_below=-PERSISTENCE_BAN, good_from=-PERSISTENCE_BAN / 2, accumulate=True,

@@ -64,8 +64,8 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
     in about half such rounds (robustness bench, `ipm x2`: its eval rose 26% for a while). A colluder can
     accuse an honest member too, which brings back only that coin toss.
 
-    Except in a probe round (``is_probe_round``, one in ``PROBE_EVERY``): there a shunned member that some other
-    member of the round does not exclude is placed as any other member is, so it shares a group with (some of)
+    Except in a probe round (``is_probe_round``, one in ``PROBE_EVERY``): there a shunned member that has no
+    conflict with some other member of the round is placed as any other member is, so it shares a group with (some of)
     those that do not exclude it, and they judge it by what it sends rather than by the others' word. A colluding
     partner that nobody excludes yet keeps it company in such rounds, out of the honest groups for that round.
     """
@@ -114,8 +114,8 @@ def form_groups(members: list[str], fragment: int, round_: int, group_size: int,
 
 
 def is_probe_round(fragment: int, round_: int) -> bool:
-    """Whether ``form_groups`` gives the round's shunned members company (``PROBE_EVERY``): a hash of the round,
-    not its number, so that no fragment's probes fall on a fixed phase of the others'."""
+    """Whether ``form_groups`` gives the round's shunned members company (``PROBE_EVERY``): a hash of the fragment
+    and round, not a residue of the round's number (``PROBE_EVERY`` says why)."""
     digest = hashlib.blake2b(f"probe:{fragment}:{round_}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % PROBE_EVERY == 0
 
