@@ -678,6 +678,31 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
         assert SwarmTransport._state_source(stub, "QmHonest")
 
 
+def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_one_and_serves_no_state() -> None:
+    """Without an honest majority the senders' median is the drifters': an alarm of the effect check (this node's loss
+    climbing through rounds that each passed) caps the bound, and a drifter muted round after round is then listed
+    with the banned peers (``_shunned``: what the match entries name as excluded, so every member places the round
+    alike) and serves no catch-up, with no offence counted. The honest partner is neither; once the alarm lapses,
+    the drifter is no longer shunned."""
+    from locoswarm.node.core.persistence import ALARM_S, DRIFT_ROUNDS, SUSTAINED_MUTES
+
+    rep = Reputation(threshold=3)
+    rep.refuse("QmBanned", "direction", "mean -0.3 over its last 2", conclusive=True)
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                           deviations=DeviationMemory())
+    senders, levels = ["QmHonest", "QmD1", "QmD2"], [0.45, 0.9, 0.9]
+    for _ in range(DRIFT_ROUNDS + 1):
+        stub.deviations.standing_drift(senders, levels)
+    assert SwarmTransport._shunned(stub) == ["QmBanned"] and SwarmTransport._state_source(stub, "QmD1")
+    SwarmTransport.alarm(stub, "fragment 0: a test")
+    for _ in range(SUSTAINED_MUTES):
+        stub.deviations.standing_drift(senders, levels)
+    assert SwarmTransport._shunned(stub) == ["QmBanned", "QmD1", "QmD2"]
+    assert not SwarmTransport._state_source(stub, "QmD1") and SwarmTransport._state_source(stub, "QmHonest")
+    assert not rep.is_banned("QmD1") and rep.banned() == ["QmBanned"]  # shunned, not banned
+    assert stub.deviations.shunned(now=time.monotonic() + ALARM_S + 1) == []
+
+
 def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> None:
     """A snapshot says whether this node muted its source lately for its standing drift (the outer loop's effect
     check then allows it only ``DOUBTED_SLACK`` worse): its phi carries the drift that was muted."""

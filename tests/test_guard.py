@@ -78,6 +78,7 @@ class PoisoningTransport(Transport):
         self.blamed: list[PartOrigin] = []
         self.edit: dict[int, object] = {}  # round -> a change made to its (complete) result
         self.members_blamed: list[str] = []
+        self.alarms: list[str] = []
         self.group_version: int | None = None
         self.latest: int | None = None
 
@@ -106,6 +107,9 @@ class PoisoningTransport(Transport):
 
     def reject_member(self, result: AverageResult, share: MemberShare, reason: str) -> None:
         self.members_blamed.append(share.member)
+
+    def alarm(self, reason: str) -> None:
+        self.alarms.append(reason)
 
 
 def test_a_catch_up_far_from_our_phi_is_a_conclusive_offence_whatever_it_measures() -> None:
@@ -650,8 +654,9 @@ def test_rounds_each_within_the_tolerance_cannot_add_up_past_the_healthiest_phi(
     """Rounds whose averages each do a little worse than the phi they replace, well within the tolerance, are taken
     until the held-out loss would rise past ``HEALTHY_SLACK`` times the tolerance above the lowest loss of a phi this
     node held (two drifters walked an honest node from 2.65 to 38 this way); then refused without blame, while a
-    round that does better than the phi as it stands is still taken. A restore forgets the marks."""
-    from locoswarm.node.core.outer_loop import HEALTHY_SLACK
+    round that does better than the phi as it stands is still taken. A restore forgets the marks. From half that
+    slack on (``ALARM_SHARE``), each round that passes the tolerance alarms the transport (``Transport.alarm``)."""
+    from locoswarm.node.core.outer_loop import ALARM_SHARE, HEALTHY_SLACK
 
     class Drifting(QuadraticJudge):
         """Every round's average does ``rise`` worse than phi as it stands (``level``); the own step no better."""
@@ -670,12 +675,15 @@ def test_rounds_each_within_the_tolerance_cannot_add_up_past_the_healthiest_phi(
     judge = loops[0].judge = Drifting(target)
     judge.rise = 0.4 * HEALTHY_SLACK * judge.relative_tolerance  # 0.2% a round: the tolerance is 5%
 
+    alarmed: list[int] = []  # alarms raised by each judged round, in order
+
     def rounds(first: int, last: int) -> list[str]:
         kinds = []
         for t in range(first, last):
             for e in step(t)[0]:
                 if e.kind in ("merged", "refused"):
                     kinds.append(e.kind)
+                    alarmed.append(len(transports[0].alarms) - sum(alarmed))
                     if e.kind == "merged":
                         judge.level *= 1 + judge.rise
                     else:
@@ -686,6 +694,9 @@ def test_rounds_each_within_the_tolerance_cannot_add_up_past_the_healthiest_phi(
     assert kinds[:3] == ["merged", "merged", "refused"] and set(kinds[2:]) == {"refused"}, kinds
     assert judge.level <= 2.0 * (1 + HEALTHY_SLACK * judge.relative_tolerance)
     assert not transports[0].blamed  # a sum of small steps is nobody's doing alone
+    # 0.2% above the marks: quiet; 0.4% (past half the slack of 0.5%) and on: an alarm each round
+    assert ALARM_SHARE == 0.5 and alarmed[:3] == [0, 1, 1] and set(alarmed[2:]) == {1}, alarmed
+    assert "healthiest phi held" in transports[0].alarms[0], transports[0].alarms[0]
     judge.rise = -0.01  # a round that does better than phi as it stands: taken, however far above the marks
     judge.level *= 1.5
     assert set(rounds(11, 15)) == {"merged"}

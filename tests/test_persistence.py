@@ -231,3 +231,34 @@ def test_only_a_sender_muted_round_after_round_is_kept_apart_and_its_doubt_lapse
     for i in range(DRIFT_ROUNDS + 3 * SUSTAINED_OF):
         other.standing_drift(["y"], [0.95 if i % 3 == 0 else 0.6], now=t)
         assert other.apart(now=t) == [] and not other.drifting("y")
+
+
+def test_an_alarm_caps_the_bound_for_a_while_and_shuns_only_a_sender_muted_round_after_round() -> None:
+    """No honest majority: the reducer judges its partner h and two drifters d1, d2 whose standing drift sets the
+    senders' median, so nobody is muted. An alarm (the effect check saw the loss climb through rounds that each
+    passed) caps the bound at ALARM_CEILING for ALARM_S: the drifters are muted from then on, never h, and once muted
+    round after round they are shunned (kept out of this node's rounds) until the alarm lapses. A configured ceiling
+    shuns nobody this way: it keeps drifters apart by its published doubts already (``apart``)."""
+    from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DRIFT_ROUNDS, SUSTAINED_MUTES
+
+    senders, levels = ["h", "d1", "d2"], [0.45, 0.9, 0.9]
+    assert levels[0] < ALARM_CEILING < levels[1]
+    memory = DeviationMemory()
+    t = 100.0
+    for _ in range(DRIFT_ROUNDS + 2):
+        assert memory.standing_drift(senders, levels, now=t) == [None] * 3, "the median is the drifters'"
+    assert not memory.alarmed(now=t) and memory.shunned(now=t) == []
+    memory.alarm(now=t)
+    for i in range(SUSTAINED_MUTES):
+        why = memory.standing_drift(senders, levels, now=t + i)
+        assert why[0] is None and why[1] and why[2] and "alarm" in why[1], why
+        assert memory.shunned(now=t + i) == ([] if i < SUSTAINED_MUTES - 1 else ["d1", "d2"])
+    assert memory.drifting("d1", now=t + 10) and not memory.drifting("h", now=t + 10)
+    later = t + ALARM_S + 1
+    assert not memory.alarmed(now=later) and memory.shunned(now=later) == [] and not memory.drifting("d1", now=later)
+    assert memory.standing_drift(senders, levels, now=later) == [None] * 3, "the median's bound again"
+    configured = DeviationMemory(ceiling=0.75)
+    configured.alarm(now=t)
+    for i in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
+        configured.standing_drift(senders, levels, now=t + i)
+    assert configured.shunned(now=t + 10) == [] and configured.apart(now=t + 10) == ["d1", "d2"]

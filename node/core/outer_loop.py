@@ -161,6 +161,13 @@ IN_STEP_GAP = 4
 # test suite's small corpus (held-out losses of 0.5-0.9 that swing by a third between rounds) an honest pair refused
 # about 500 of each other's rounds in 8 minutes with it, and the hostile-node tests failed their honest checks.
 HEALTHY_SLACK = 0.1
+# ... and where a round's average passes the tolerance but its loss is more than ALARM_SHARE of that health slack above
+# the healthiest mark (5% with the bench's values), the transport is alarmed (``Transport.alarm``): this node's loss is
+# climbing by a sum of rounds, and for a while it judges its peers' persistent differences from its own progress
+# against a fixed ceiling (``core.persistence.ALARM_CEILING``) rather than only the senders' median, which two
+# colluders without an honest majority set. Why half: the mark stops the climb, the alarm must find its cause before.
+# Why not for a round that fails the tolerance: a flip or a bad part is refused and attributed by itself.
+ALARM_SHARE = 0.5
 # In a refused round, this node's own part and then each member's contribution to it are judged alone against
 # this many effect tolerances (10% at the default) over the worse of phi and the own step (``_blame_members``): a
 # paired comparison on one batch, so far tighter than the tolerance of a whole round, which must allow for honest
@@ -921,6 +928,10 @@ class OuterLoop:
             group_loss, still_loss = next(losses), next(losses)
             healthiest, health_slack = self._note_health(still_loss), self.judge.health_slack()
             unhealthy = health_slack > 0 and self.judge.harmful(group_loss, healthiest, slack=health_slack)
+            if (health_slack > 0 and self.judge.harmful(group_loss, healthiest, slack=ALARM_SHARE * health_slack)
+                    and not self.judge.harmful(group_loss, still_loss)):
+                self.transport.alarm(f"fragment {st.index}: a round's average gives a held-out loss of "
+                                     f"{group_loss:.4f} against the {healthiest:.4f} of the healthiest phi held")
             if not self.judge.harmful(group_loss, still_loss) and not (unhealthy and group_loss > still_loss):
                 return None
             own_loss = next(losses)

@@ -265,5 +265,10 @@ class Transport(ABC):
         is harmful alone (its effect on the held-out loss): a transport holds it against that member. Nothing to
         do by default."""
 
+    def alarm(self, reason: str) -> None:  # noqa: B027
+        """The core's effect check saw this node's held-out loss climb well above the healthiest it held, through
+        rounds that each passed (``core.outer_loop.ALARM_SHARE``): a sum of small harms, nobody's alone. A transport
+        may judge its peers' persistent differences more strictly for a while. Nothing to do by default."""
+
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release resources."""

@@ -54,7 +54,7 @@ import torch
 from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
-from locoswarm.node.core.persistence import DeviationMemory, sample_index
+from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DeviationMemory, sample_index
 from locoswarm.node.core.robust import make_aggregator
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.step_log import REPLAY_DEPTH
@@ -1325,7 +1325,7 @@ class SwarmTransport(Transport):
         if not self.ready():
             return AverageResult.failed("joining: peers have not all seen this node's heartbeat yet",
                                         own_weight=req.weight)
-        banned = self.reputation.banned() if self.reputation is not None else []
+        banned = self._shunned()
         matched = self._standing_round(req, banned) or await self._matchmake(req)
         timing["matched"] = time.monotonic() - started
         if matched is None:
@@ -1590,7 +1590,7 @@ class SwarmTransport(Transport):
         from hivemind.utils import get_dht_time
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
-        banned = self.reputation.banned() if self.reputation is not None else []
+        banned = self._shunned()
         live = self._live()
         not_banned = live - set(banned)
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
@@ -2190,6 +2190,22 @@ class SwarmTransport(Transport):
         offence = part.one_lineage or self._unlined_harm.offence(part.reducer)
         self._offence(part.reducer, "bad_effect", reason, offence=offence)
         _pause_source(self._refused_sources, part.reducer, TURNED_SOURCE_S)
+
+    def alarm(self, reason: str) -> None:
+        """The outer loop's effect check saw this node's loss climb through rounds that each passed: for ``ALARM_S``
+        the standing-drift bound is at most ``ALARM_CEILING``, and a sender muted round after round for it is kept
+        out of this node's rounds and serves it no state (``DeviationMemory.alarm``, ``shunned``)."""
+        if not self.deviations.alarmed():
+            log.info("alarm: %s: for %.0f s a sender whose difference from this node's own progress persists above "
+                     "%.2f has no pull here, and one muted round after round is kept out of its rounds",
+                     reason, ALARM_S, ALARM_CEILING)
+        self.deviations.alarm()
+
+    def _shunned(self) -> list[str]:
+        """Whom this node keeps out of its rounds and names as excluded in its match entries: the peers it bans, and
+        during an alarm the senders muted round after round for their standing drift (no offence counted)."""
+        banned = self.reputation.banned() if self.reputation is not None else []
+        return sorted(set(banned) | set(self.deviations.shunned()))
 
     def reject_member(self, result: AverageResult, share: MemberShare, reason: str) -> None:
         """The outer loop refused ``result``, and ``share``, a member's own contribution to this node's part, is
