@@ -155,6 +155,18 @@ class OuterSection:
                                   "beyond (0 = carry it forever, unbounded)")
 
 
+#: The widest matchmaking window a round may agree on, seconds (``swarm.averaging.agreed_window``): members wait
+#: for each other at most this long, whatever a member's window claims.
+MAX_WINDOW_S = 60.0
+
+
+def longest_round_s(matchmaking_timeout: float, round_timeout: float) -> float:
+    """The longest one round may take from its start to its result: the widest matchmaking window it may agree on,
+    the exchange's timeout and 5 s of slack. The outer loop's wait for a result, the averaging streams' timeout and
+    the other ranks' patience with rank 0 all derive from it (``NetworkSection.longest_round_s``)."""
+    return max(matchmaking_timeout, MAX_WINDOW_S) + round_timeout + 5.0
+
+
 @dataclass
 class NetworkSection:
     group_size: int = setting(4, shared=True, min=2, max=1024,
@@ -174,6 +186,10 @@ class NetworkSection:
                                      help="a merged round's member list stands for the fragment's next round "
                                           "while this node's view of the swarm is unchanged: that round skips "
                                           "the DHT matchmaking (false: every round matchmakes)")
+
+    def longest_round_s(self) -> float:
+        """:func:`longest_round_s` of these settings."""
+        return longest_round_s(self.matchmaking_timeout, self.round_timeout)
 
 
 #: Robust aggregators (``locoswarm.node.core.robust``), declared here once: the schema is their single home.
@@ -234,7 +250,10 @@ class RobustSection:
                                        "refused where its held-out loss is more than this share of "
                                        "effect_tolerance above the lowest loss of any phi this node held on that "
                                        "batch (bounds the sum of rounds each within the tolerance; the robustness "
-                                       "bench runs 0.1); 0 turns it off")
+                                       "bench runs 0.1); past half of it, the round also alarms the transport: for "
+                                       "60 s a peer whose difference from this node's own progress persists above "
+                                       "0.75 has no pull here, and one muted round after round is kept out of this "
+                                       "node's rounds; 0 turns both off")
     judge_sequences: int = setting(4, shared=False, min=1, max=4096,
                                    help="held-out sequences of the effect check's batch (one forward pass each "
                                         "for the average, the own contribution and phi)")

@@ -445,7 +445,7 @@ class Node:
         from locoswarm.node.core.judge import LossJudge
         from locoswarm.node.core.outer_loop import OuterLoop
         from locoswarm.node.data import TrainBatches, judge_batches
-        from locoswarm.node.swarm.averaging import MAX_WINDOW_S, ByteCounters, SwarmTransport
+        from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
         from locoswarm.node.swarm.clock import SwarmClock
         from locoswarm.node.swarm.reputation import Reputation
         from locoswarm.node.swarm.state_sync import StateClient, StateServer
@@ -480,8 +480,7 @@ class Node:
             standing_members=cfg.network.standing_members,
             joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound,
             admission=self.admission, certificate=self.certificate, reachability=self.reachability, kin=self._kin,
-            outbound_peers=self._outbound_peers)
-        self.transport.counters = self.counters
+            outbound_peers=self._outbound_peers, counters=self.counters)
         judge = None
         if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
             judge = LossJudge(self.model, judge_batches(self.corpus.eval, rb.judge_sequences, cfg.inner.seq_len),
@@ -489,8 +488,7 @@ class Node:
                               health_slack=rb.health_slack)
         self.outer = OuterLoop(self.model, self.fragments, cfg.outer, self.transport, judge=judge,
                                expected_group_size=cfg.network.group_size,
-                               wait_timeout=max(cfg.network.matchmaking_timeout, MAX_WINDOW_S)
-                               + cfg.network.round_timeout + 5,
+                               wait_timeout=cfg.network.longest_round_s(),
                                state_device=outer_state_device(cfg.outer.offload, self._outer_device()),
                                theta_access=self.theta_sync)
         self.state_server = StateServer(

@@ -237,8 +237,9 @@ def test_an_alarm_caps_the_bound_for_a_while_and_shuns_only_a_sender_muted_round
     """No honest majority: the reducer judges its partner h and two drifters d1, d2 whose standing drift sets the
     senders' median, so nobody is muted. An alarm (the effect check saw the loss climb through rounds that each
     passed) caps the bound at ALARM_CEILING for ALARM_S: the drifters are muted from then on, never h, and once muted
-    round after round they are shunned (kept out of this node's rounds) until the alarm lapses. A configured ceiling
-    shuns nobody this way: it keeps drifters apart by its published doubts already (``apart``)."""
+    round after round they are shunned (kept out of this node's rounds) until the alarm lapses. Nobody is shunned
+    whom the median mutes (an honest majority), nor with a configured ceiling: both keep drifters out by the
+    published doubts already (``idle_reducers``, ``apart``)."""
     from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DRIFT_ROUNDS, SUSTAINED_MUTES
 
     senders, levels = ["h", "d1", "d2"], [0.45, 0.9, 0.9]
@@ -257,6 +258,14 @@ def test_an_alarm_caps_the_bound_for_a_while_and_shuns_only_a_sender_muted_round
     later = t + ALARM_S + 1
     assert not memory.alarmed(now=later) and memory.shunned(now=later) == [] and not memory.drifting("d1", now=later)
     assert memory.standing_drift(senders, levels, now=later) == [None] * 3, "the median's bound again"
+    # with an honest majority the senders' median mutes the drifter already (its published doubts idle it): an
+    # alarm shuns nobody, so the members' exclusions do not change with each alarm
+    majority = DeviationMemory()
+    for i in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
+        majority.standing_drift(["h1", "h2", "h3", "d"], [0.4, 0.45, 0.4, 0.9], now=t + i)
+        if i == DRIFT_ROUNDS:
+            majority.alarm(now=t + i)
+    assert majority.drifting("d", now=t + 10) and majority.shunned(now=t + 10) == []
     configured = DeviationMemory(ceiling=0.75)
     configured.alarm(now=t)
     for i in range(DRIFT_ROUNDS + SUSTAINED_MUTES):

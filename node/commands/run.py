@@ -101,9 +101,7 @@ def run_node(args: argparse.Namespace) -> int:
     if not args.rank_timeout > 0:
         raise UserError(f"--rank-timeout {args.rank_timeout} is not allowed; give seconds > 0")
     # Rank 0 may wait out a round between two steps: the others must not give up on it meanwhile.
-    ranks = RankGroup.from_env(max(args.rank_timeout,
-                                   cfg.network.matchmaking_timeout + cfg.network.round_timeout + 60.0),
-                               parallel=args.parallel)
+    ranks = RankGroup.from_env(max(args.rank_timeout, cfg.network.longest_round_s()), parallel=args.parallel)
     if ranks is None and args.nproc == 1 and args.parallel != "ddp":
         raise UserError(f"--parallel {args.parallel} needs several ranks; add --nproc N (N >= 2) or run under "
                         "torchrun")

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from locoswarm.node.config import RobustSection
+from locoswarm.node.config import MAX_WINDOW_S, RobustSection, longest_round_s
 from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DeviationMemory, sample_index
@@ -231,7 +231,6 @@ SUSPECT_SOURCE_S = 60.0
 # a few steps apart in wall time (their swarm clocks differ by a step or two), and with a 26M-parameter model on
 # a small machine (5-6 s per step) a fixed 5 s window merged 0 of 17 rounds, unshaped; 3 steps merged 5 of 13.
 WINDOW_STEPS = 4.0
-MAX_WINDOW_S = 60.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
 ALONE_S = 10.0               # seconds without any live peer before a node takes outer steps alone (``_alone``)
@@ -979,7 +978,8 @@ class SwarmTransport(Transport):
                  admission: Admission | None = None, certificate: bytes = b"",
                  reachability: Reachability | None = None,
                  outbound_peers: Callable[[], Collection[str]] | None = None,
-                 kin: Callable[[str, int], bool] | None = None) -> None:
+                 kin: Callable[[str, int], bool] | None = None,
+                 counters: ByteCounters | None = None) -> None:
         self.runtime = runtime
         self.kin = kin or (lambda peer, fragment: True)
         self.reachability = reachability
@@ -1011,7 +1011,8 @@ class SwarmTransport(Transport):
         self._fetch_steps = fetch_steps
         self._no_replay: dict[int, float] = {}  # fragment -> until when its catch-ups download the state instead
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
-        self.counters = ByteCounters()
+        # the node's counters, shared with its state client: one tally of the node's bytes
+        self.counters = counters if counters is not None else ByteCounters()
         self.refusals: deque[str] = deque(maxlen=50)
         self.dial_failures = DialFailures()
         # what members' round headers name of their versions, held against their heartbeats (``versions``, rule 5)
@@ -1047,7 +1048,7 @@ class SwarmTransport(Transport):
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
         self._max_chunk_msg = max(codec.encoded_size(elems), 4 * elems) + 1024
-        self._stream_timeout = max(matchmaking_timeout, MAX_WINDOW_S) + round_timeout + 5.0
+        self._stream_timeout = longest_round_s(matchmaking_timeout, round_timeout)
         self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self._serve_part, swarm_pb2.AverageRequest,
