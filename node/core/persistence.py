@@ -70,13 +70,12 @@ DOUBT_S = 60.0
 #: An alarm (:meth:`DeviationMemory.alarm`): this node's effect check saw its held-out loss climb well above the
 #: healthiest it held through rounds each within the tolerance (``core.outer_loop.ALARM_SHARE``), the mark of a sum of
 #: small harms. For ALARM_S after the last alarm the standing-drift bound is at most ALARM_CEILING, as with a configured
-#: ceiling, and a sender muted round after round is shunned (:meth:`DeviationMemory.shunned`). Why only then: a
-#: fixed ceiling separates drifters from honest partners on one corpus (a 2 + 2 drift run: honest 0.37-0.56, drifters
-#: 0.77-0.91) but not honest partners on different data (0.61-0.80), who then kept apart for good; with no honest
-#: majority the median bound mutes nobody, and two drifters took both honest nodes 10% above their healthiest in 30
-#: rounds (15 s) before the health mark stopped them, +15.2% above clean at worst (robustness bench, 61939bd). Honest
-#: partners on different data cost each other the held-out loss of their own data only where the averaging does, and
-#: an alarm that finds nobody above the ceiling changes nothing.
+#: ceiling, and a sender that only this ceiling mutes, round after round, is shunned (:meth:`DeviationMemory.shunned`).
+#: Why only then: a fixed ceiling separates drifters from honest partners on one corpus (a 2 + 2 drift run: honest
+#: 0.37-0.56, drifters 0.77-0.91) but not honest partners on different data (0.61-0.80), who then kept apart for good;
+#: with no honest majority the median bound mutes nobody, and two drifters took both honest nodes 10% above their
+#: healthiest in 30 rounds (15 s) before the health mark stopped them, +15.2% above clean at worst (robustness bench,
+#: 61939bd). An alarm that finds nobody above the ceiling changes nothing.
 ALARM_CEILING = 0.75
 ALARM_S = 60.0
 
@@ -115,8 +114,9 @@ class DeviationMemory:
         return self.ceiling < 1.0
 
     def alarm(self, *, now: float | None = None) -> None:
-        """This node's held-out loss climbed through rounds that each passed (``ALARM_CEILING``): for ``ALARM_S`` the
-        standing-drift bound is at most ``ALARM_CEILING`` and a sender muted round after round is shunned."""
+        """This node's held-out loss climbed through rounds that each passed (``core.outer_loop.ALARM_SHARE``): for
+        ``ALARM_S`` the standing-drift bound is at most ``ALARM_CEILING`` and a sender that only this bound mutes,
+        round after round, is shunned (:meth:`shunned`)."""
         now = time.monotonic() if now is None else now
         self._alarm_until = max(self._alarm_until, now + ALARM_S)
 
