@@ -2194,8 +2194,9 @@ class SwarmTransport(Transport):
 
     def alarm(self, reason: str) -> None:
         """The outer loop's effect check saw this node's loss climb through rounds that each passed: for ``ALARM_S``
-        the standing-drift bound is at most ``ALARM_CEILING``, and a sender muted round after round for it is kept
-        out of this node's rounds and serves it no state (``DeviationMemory.alarm``, ``shunned``)."""
+        the standing-drift bound is at most ``ALARM_CEILING``; a sender that this bound alone mutes round after round
+        is kept out of this node's rounds (``DeviationMemory.alarm``, ``shunned``), and any sender muted round
+        after round serves it no state meanwhile (``DeviationMemory.drifting``)."""
         if not self.deviations.alarmed():
             log.info("alarm: %s: for %.0f s a sender whose difference from this node's own progress persists above "
                      "%.2f has no pull here, and one muted round after round is kept out of its rounds",
@@ -2204,7 +2205,9 @@ class SwarmTransport(Transport):
 
     def _shunned(self) -> list[str]:
         """Whom this node keeps out of its rounds and names as excluded in its match entries: the peers it bans, and
-        during an alarm the senders muted round after round for their standing drift (no offence counted)."""
+        during an alarm the senders only the alarm's bound mutes round after round (no offence counted). A round
+        treats them all as banned here, so the others' exclusions of a shunned peer make this node no ban of it
+        (``_follow_majority_bans``) until the alarm lapses."""
         banned = self.reputation.banned() if self.reputation is not None else []
         return sorted(set(banned) | set(self.deviations.shunned()))
 
