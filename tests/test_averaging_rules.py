@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -22,8 +23,12 @@ from locoswarm.node.swarm.averaging import (
     FOLLOWED_EVIDENCE,
     FOLLOWED_OFFENCES,
     FOLLOWED_SHARE,
+    FOLLOWED_SPREAD,
     FOLLOWED_VOTERS,
     NO_SHOW_ROUNDS,
+    SPREAD_BAN,
+    SPREAD_BAN_OTHER_PHI,
+    SPREAD_WINDOW,
     UNLINED_HARM,
     MatchView,
     NoShows,
@@ -1426,6 +1431,46 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     assert rep4.offences("f1", FOLLOWED_OFFENCES) == 2
     clock[0] += 601.0
     assert rep4.offences("f1", FOLLOWED_OFFENCES) == 0
+
+
+def test_a_node_whose_parts_of_a_reducer_spread_far_follows_the_others_ban_and_honest_spreads_frame_nobody() -> None:
+    """3 + 1 with a reducer that adds a fixed pattern to its part (``reducedrift``): two honest nodes banned it, and
+    placement then puts the third with it in pairs, where two excluding voters are too few to follow without
+    evidence. Two of its parts judged here at 4.0x and 3.4x (of another phi: far from the 4x ban over four) are that
+    evidence. Parts spreading as honest ones do (1.2x to 2.2x) are none: two colluders excluding an honest reducer
+    before two honest nodes ban nobody; one part is never enough."""
+    def judge(rep: Reputation, peer: str, ratios: tuple[float, ...], kind: str = "reduction_spread_other_phi") -> None:
+        bound = SPREAD_BAN_OTHER_PHI if kind.endswith("other_phi") else SPREAD_BAN
+        for r in ratios:  # as SwarmTransport._judge_spreads records them
+            rep.judge(peer, kind, -math.log(r), window=SPREAD_WINDOW, ban_below=-math.log(bound),
+                      good_from=-math.log(SPREAD_BAN) / 2, accumulate=True)
+
+    def stub_for(rep: Reputation, me: str) -> SimpleNamespace:
+        stub = SimpleNamespace(peer_id=me, reputation=rep, refusals=[], round_claims=RoundClaims())
+        stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
+        return stub
+
+    assert set(FOLLOWED_SPREAD) == {"reduction_spread", "reduction_spread_other_phi"}
+    members, excluded = ["h1", "h2", "h3", "a"], {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}
+    rep = Reputation(threshold=3)
+    stub = stub_for(rep, "h3")
+    judge(rep, "a", (4.0,))
+    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    assert rep.banned() == []                                  # one part: not evidence
+    judge(rep, "a", (3.4,))
+    assert rep.banned() == []                                  # not banned by its own spreads yet
+    SwarmTransport._follow_majority_bans(stub, members, {**excluded, "h2": []}, banned=[])
+    assert rep.banned() == []                                  # 1 of 2 voters: no majority
+    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    assert rep.banned() == ["a"] and "spread more than 2.5x" in stub.refusals[-1]
+
+    # honest spreads, of either lineage, with colluders excluding that reducer before two honest nodes: no ban
+    for ratios, kind in (((1.2, 2.2, 1.9), "reduction_spread"), ((2.2, 2.4), "reduction_spread_other_phi")):
+        rep = Reputation(threshold=3)
+        judge(rep, "h1", ratios, kind)
+        SwarmTransport._follow_majority_bans(stub_for(rep, "h2"), ["h1", "h2", "f1", "f2"],
+                                             {"h1": [], "h2": [], "f1": ["h1"], "f2": ["h1"]}, banned=[])
+        assert rep.banned() == [], ratios
 
 
 def test_a_member_most_of_the_round_doubts_reduces_no_part_and_no_minority_takes_an_honest_part() -> None:

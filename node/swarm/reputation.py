@@ -341,10 +341,12 @@ class Reputation:
             rec.expire(self._now(), self.window_s)
             return any(o.kind == kind for o in rec.offences)
 
-    def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8, within_s: float | None = None) -> bool:
+    def suspects(self, peer: str, kinds: tuple[str, ...], *, recent: int = 8, within_s: float | None = None,
+                 below: float = 0.0) -> bool:
         """Whether this node's own judgements of ``peer`` lean against it: the last ``recent`` scores of each of
-        ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below 0. Not a ban by itself; the evidence
-        a node asks of its own before it follows other members' bans (``averaging.majority_excluded``), and what
+        ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below ``below`` (0: on balance). Not a ban by
+        itself; the evidence a node asks of its own before it follows other members' bans
+        (``averaging.majority_excluded``), and what
         keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``). With ``within_s``, only where the
         newest of those scores is at most that old: a suspicion nothing renews lapses (a node that no longer meets
         the peer in rounds, on a lineage of its own, gathers no evidence either way)."""
@@ -357,7 +359,7 @@ class Reputation:
                 if self._now() - newest > within_s:
                     return False
             scores = [s for k in kinds for s in list(rec.scores.get(k, ()))[-recent:]]
-        return len(scores) >= MIN_EVIDENCE and sum(scores) / len(scores) < 0.0
+        return len(scores) >= MIN_EVIDENCE and sum(scores) / len(scores) < below
 
     def banned(self) -> list[str]:
         """The peers banned now, sorted (matchmaking leaves them out of this node's groups)."""
