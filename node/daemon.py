@@ -56,11 +56,26 @@ from locoswarm.node.status import (
     Spread,
     StatusEvent,
 )
+from locoswarm.node.swarm import tamper
 from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:
+    from hivemind import DHT
+
+    from locoswarm.node.control.server import ControlServer
+    from locoswarm.node.core.outer_loop import OuterLoop
+    from locoswarm.node.data import Corpus, TrainBatches
+    from locoswarm.node.fsutil import StateDirLock
+    from locoswarm.node.inner import InnerOptimizer
+    from locoswarm.node.partition import Fragment
     from locoswarm.node.swarm.admission import Admission
-    from locoswarm.node.swarm.state_sync import StateServer
+    from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
+    from locoswarm.node.swarm.clock import SwarmClock
+    from locoswarm.node.swarm.membership import Membership
+    from locoswarm.node.swarm.reachability import ReachServer
+    from locoswarm.node.swarm.reputation import Reputation
+    from locoswarm.node.swarm.runtime import NetworkRuntime
+    from locoswarm.node.swarm.state_sync import StateClient, StateServer
     from locoswarm.node.swarm.versions import Belief
 
 log = logging.getLogger("locoswarm.node")
@@ -137,6 +152,40 @@ class Node:
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self._alone = False
         self._warned_short_rounds = False    # the round period was found shorter than the matchmaking window
+        # What the phases of ``run`` build, in order; None (or empty) until that phase ran. Whatever reads them
+        # before (``status_snapshot``, ``_shutdown_network`` after a failed start) checks for None.
+        # ``_prepare``: the state dir's lock (rank 0's), the training device
+        self._state_lock: StateDirLock | None = None
+        self.device: torch.device | None = None
+        # ``_start_network``: the DHT and p2pd, this node's identity and addresses, membership, reachability
+        self.dht: DHT | None = None
+        self.runtime: NetworkRuntime | None = None
+        self.peer_id = ""
+        self.maddrs: list[str] = []
+        self.swarm_key = ""
+        self.membership: Membership | None = None
+        self.reach_server: ReachServer | None = None
+        # ``_load``: the data, the model and its fragments, the inner optimizer
+        self.corpus: Corpus | None = None
+        self.evals: list[torch.Tensor] = []
+        self.model: torch.nn.Module | None = None
+        self.train_model: torch.nn.Module | None = None
+        self.fragments: list[Fragment] = []
+        self.inner: InnerOptimizer | None = None
+        self.saved_inner: InnerOptimizer | None = None
+        # ``_build``: this node's data shard, the transport, the outer loop and the state client
+        self.data_seed = 0
+        self.batches: TrainBatches | None = None
+        self.counters: ByteCounters | None = None
+        self.reputation: Reputation | None = None
+        self.swarm_clock: SwarmClock | None = None
+        self.state_client: StateClient | None = None
+        self.transport: SwarmTransport | None = None
+        self.outer: OuterLoop | None = None
+        # ``_start_control``, ``_start_heartbeats``, ``_join_or_resume``
+        self.control: ControlServer | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self.initial_eval: float | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -167,9 +216,8 @@ class Node:
             process.stop_watchdog(watchdog)
             if self.ranks is not None:
                 self.ranks.close(failed=self.rank_failed)
-            lock = getattr(self, "_state_lock", None)
-            if lock is not None:
-                lock.release()
+            if self._state_lock is not None:
+                self._state_lock.release()
 
     def _install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM: a graceful leave. A rank started by ``--nproc`` ignores SIGINT: a terminal's
@@ -759,7 +807,7 @@ class Node:
         heartbeats (``locoswarm.node.swarm.versions.state_digest``)."""
         from locoswarm.node.swarm.versions import state_digest
 
-        snap = self.outer.snapshot(fragment)
+        snap = tamper.installed().published(self.outer.snapshot(fragment), self.outer)
         self._digests[fragment] = state_digest(snap.phi, snap.momentum)
         self.published[fragment] = snap
 
@@ -924,12 +972,13 @@ class Node:
         from hivemind.utils import get_dht_time
 
         schedule = self.outer.schedule_state()
-        return swarm_pb2.Heartbeat(
+        heartbeat = swarm_pb2.Heartbeat(
             peer_id=self.peer_id, addrs=self.maddrs[:4], fingerprint=self.fingerprint, clock=self.clock,
             inner_step=self.local_step, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
             loss=float(self.loss or 0.0), fragments=self._fragment_statuses(), time=get_dht_time(), leaving=leaving,
             has_state=self.state == "training", control_port=self.opts.control_port,
             shared_r=list(schedule.shared_r or ()), reachability=self.reachability.state)
+        return tamper.installed().heartbeat(heartbeat, self.outer)
 
     def _fragment_statuses(self) -> list[swarm_pb2.FragmentStatus]:
         """Per published fragment: version, phi's hash and norm, last send (the heartbeat's part; hashing
@@ -990,9 +1039,8 @@ class Node:
     def status_snapshot(self) -> NodeStatus:
         """The node's status now: what ``status.json`` holds and the control API serves (``locoswarm.node.status``)."""
         now = time.time()
-        if not hasattr(self, "outer"):  # not built yet
-            return NodeStatus(peer_id=getattr(self, "peer_id", ""), addrs=list(getattr(self, "maddrs", [])),
-                              state=self.state, now=now)
+        if self.outer is None:  # not built yet
+            return NodeStatus(peer_id=self.peer_id, addrs=list(self.maddrs), state=self.state, now=now)
         from locoswarm.node.swarm.membership import fragment_spread
 
         own = self._fragment_statuses()
@@ -1041,7 +1089,7 @@ class Node:
         with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        device = getattr(self, "device", None)
+        device = self.device
         out = MemoryStatus(rss=rss, peak_rss=max(peak, rss), device="" if device is None else str(device))
         if device is not None and device.type == "cuda":
             out = dataclasses.replace(out, device_allocated=int(torch.cuda.memory_allocated(device)),
@@ -1115,13 +1163,10 @@ class Node:
     def _shutdown_network(self) -> None:
         self.stop.set()
         self._beat.set()
-        for name in ("control", "transport"):
-            obj = getattr(self, name, None)
-            if obj is not None:
-                obj.close()
-        runtime = getattr(self, "runtime", None)
-        if runtime is not None:
-            runtime.stop()
-        dht = getattr(self, "dht", None)
-        if dht is not None:
-            dht.shutdown()
+        for closing in (self.control, self.transport):
+            if closing is not None:
+                closing.close()
+        if self.runtime is not None:
+            self.runtime.stop()
+        if self.dht is not None:
+            self.dht.shutdown()

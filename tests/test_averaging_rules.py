@@ -467,6 +467,38 @@ def test_a_norm_far_above_the_groups_has_no_pull_and_is_not_refused() -> None:
     assert float((avg - honest_mean).norm()) < 0.3 * float(honest_mean.norm())  # fp4: a quantization apart
 
 
+def test_the_wire_seam_is_the_identity_and_an_installed_tamper_rewrites_the_reduced_part_it_streams() -> None:
+    """``locoswarm.node.swarm.tamper``: a node rewrites nothing; the hostile-node benchmark installs a ``Tamper``
+    whose hooks see each value just before it leaves, here a reducer's part (``badreduce``'s seam), never a
+    consensus round's unless the hook chooses; installing the identity again restores the honest part."""
+    from locoswarm.node.bench.hostile import BadReduceAttack
+    from locoswarm.node.swarm import tamper
+
+    assert type(tamper.installed()) is tamper.Tamper
+
+    def reduced(consensus: bool) -> torch.Tensor:
+        async def run() -> torch.Tensor:
+            s = _session(["me", "h1"])
+            s.consensus = consensus
+            s.add(_contribution("me", _honest(0)), [])
+            s.add(_contribution("h1", _honest(1)), [])
+            return _reduced(s)
+        return asyncio.run(run())
+
+    honest, consensus = reduced(False), reduced(True)
+    try:
+        tamper.install(BadReduceAttack(period=1.0))
+        turned = reduced(False)
+        assert torch.allclose(turned, -3.0 * honest, atol=0.05 * float(honest.abs().max()))
+        assert torch.equal(reduced(True), consensus)  # rounds of phi itself: left alone by this attack
+    finally:
+        tamper.install(tamper.Tamper())
+    assert torch.equal(reduced(False), honest)
+    req = SimpleNamespace(fragment=0)
+    seam = tamper.installed()
+    assert seam.contribution("QmR", req, range(1), [(0, 1)], CODEC) is req and seam.sender("QmR", "QmMe") == "QmMe"
+
+
 def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not() -> None:
     # The stream-cap callback on a stand-in transport: the open streams are what the server's gate says.
     open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}

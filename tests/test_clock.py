@@ -482,14 +482,14 @@ def test_invalid_arguments_are_refused():
 
 # ---- the daemon: no heartbeat before the checkpoint loaded ------------------------------------
 
-def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch):
+def test_the_daemon_loads_the_checkpoint_before_its_first_heartbeat(monkeypatch, tmp_path):
     from locoswarm.node import daemon
+    from locoswarm.node.config import SwarmConfig
     from locoswarm.node.swarm import process
 
     order: list[str] = []
-    node = daemon.Node.__new__(daemon.Node)
-    node.stop = SimpleNamespace(is_set=lambda: True, set=lambda: None)
-    node.ranks, node.rank_failed = None, False  # a single-process node (``--nproc 1``)
+    node = daemon.Node(SwarmConfig(), daemon.NodeOptions(state_dir=tmp_path / "state"))  # a single-process node
+    assert node.outer is None and node.status_snapshot().peer_id == ""  # every phase's attribute exists, unset
     for name in ("_prepare", "_start_network", "_load", "_build", "_start_control", "_train", "_leave",
                  "_shutdown_network"):
         monkeypatch.setattr(node, name, lambda name=name: order.append(name), raising=False)

@@ -1,8 +1,10 @@
 """``python -m locoswarm.node.bench.hostile``: a hostile peer, for the adversarial tests and ``bench robustness``.
 
 Nothing here is imported by the node: the production modules carry no attack code. A hostile *node*
-is the ordinary ``locoswarm run`` with monkeypatches applied in its own process before it starts
-(``--attack KIND``, or env ``LOCOSWARM_ATTACK``); every other argument is ``locoswarm run``'s. Kinds:
+is the ordinary ``locoswarm run`` with its attack installed in its own process before it starts (``--attack KIND``,
+or env ``LOCOSWARM_ATTACK``): the hooks of the node's public wire seam (``locoswarm.node.swarm.tamper``), and for
+some kinds a wrapper of the transport's public ``start_average`` or of the reputation's public face. Every other
+argument is ``locoswarm run``'s. Kinds:
 
 - ``weight``:  its contributions claim a token weight of 1e30;
 - ``values``:  its contribution chunks hold values of 1e30 (finite, encoded with the swarm's codec);
@@ -73,9 +75,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm.tamper import Tamper
 
 if TYPE_CHECKING:
     import torch
@@ -120,11 +125,12 @@ def nan_chunk(codec, numel: int) -> bytes:
     return bytes(data)
 
 
-# ---- node attacks: monkeypatches of one node process -----------------------------------------------
+# ---- node attacks: the wire seam's hooks in one node process -----------------------------------------
 
 
-class NodeAttack(ABC):
-    """One attack of a hostile node: patches applied to the node's classes before it runs."""
+class NodeAttack(Tamper, ABC):
+    """One attack of a hostile node: the wire seam's hooks it overrides (``Tamper``), installed before the node
+    runs, and patches of public methods where an attack needs more (:meth:`apply`)."""
 
     name: str
     help: str
@@ -143,50 +149,41 @@ class NodeAttack(ABC):
             log.warning("hostile node: %s: %r at %.3f", CARRIED_OUT, self.name, time.time())
 
     def install(self) -> None:
-        """The attack's patches, and for an attacker that keeps its peers, a reputation that bans nobody: the
-        node's own defences would otherwise judge the honest contributions against its own hostile one, ban
-        every honest node, exclude them in its match entries and so leave their groups (isolated, harmless,
-        and never judged again)."""
+        """The attack's hooks and patches, and for an attacker that keeps its peers, a reputation that bans
+        nobody: the node's own defences would otherwise judge the honest contributions against its own hostile
+        one, ban every honest node, exclude them in its match entries and so leave their groups (isolated,
+        harmless, and never judged again)."""
         if self.keeps_peers:
             from locoswarm.node.swarm.reputation import Reputation
 
             Reputation.is_banned = lambda self, peer: False
             Reputation.banned = lambda self: []
             Reputation.offended = lambda self, peer, kind: False
+        tamper.install(self)
         self.apply()
 
-    @abstractmethod
     def apply(self) -> None:
-        """Install the patches (in this process only)."""
+        """Patches beyond the seam's hooks (in this process only); none by default."""
 
 
 class _ContributionAttack(NodeAttack):
-    """Rewrites the request this node streams to each reducer (``SwarmTransport._send_part``)."""
+    """Rewrites the request this node streams to each reducer (``Tamper.contribution``)."""
 
-    def apply(self) -> None:
-        from locoswarm.node.swarm.averaging import SwarmTransport
-
-        original = SwarmTransport._send_part
-        attack = self
-
-        @functools.wraps(original)
-        async def send_part(transport, peer, req, ghash, part, bounds, *rest):
-            forged = attack.rewrite(transport, req, part, bounds)
-            attack.carried_out()
-            return await original(transport, peer, forged, ghash, part, bounds, *rest)
-
-        SwarmTransport._send_part = send_part
+    def contribution(self, reducer, req, part, bounds, codec):
+        forged = self.rewrite(codec, req, part, bounds)
+        self.carried_out()
+        return forged
 
     @abstractmethod
-    def rewrite(self, transport, req, part: range, bounds: list[tuple[int, int]]):
-        """The request as sent to the reducer of ``part``."""
+    def rewrite(self, codec, req, part: range, bounds):
+        """The request as sent to the reducer of ``part`` (``codec``: the one its chunks are encoded with)."""
 
 
 class WeightAttack(_ContributionAttack):
     name = "weight"
     help = "contributions claim a token weight of 1e30"
 
-    def rewrite(self, transport, req, part, bounds):
+    def rewrite(self, codec, req, part, bounds):
         return dataclasses.replace(req, weight=ABSURD)
 
 
@@ -194,8 +191,7 @@ class ValuesAttack(_ContributionAttack):
     name = "values"
     help = "contribution chunks hold values of 1e30 (encoded with the codec)"
 
-    def rewrite(self, transport, req, part, bounds):
-        codec = transport._codec(req.codec)
+    def rewrite(self, codec, req, part, bounds):
         chunks = list(req.chunks)
         for c in part:
             chunks[c] = absurd_chunk(codec, bounds[c][1] - bounds[c][0])
@@ -206,8 +202,7 @@ class NanAttack(_ContributionAttack):
     name = "nan"
     help = "contribution chunks decode to NaN (NaN fp4 scales)"
 
-    def rewrite(self, transport, req, part, bounds):
-        codec = transport._codec(req.codec)
+    def rewrite(self, codec, req, part, bounds):
         chunks = list(req.chunks)
         for c in part:
             chunks[c] = nan_chunk(codec, bounds[c][1] - bounds[c][0])
@@ -218,112 +213,62 @@ class ReducerAttack(NodeAttack):
     name = "reducer"
     help = "as a reducer, returns reduced chunks of 1e30"
 
-    def apply(self) -> None:
-        from locoswarm.node.swarm import averaging
-
-        original = averaging._Reduction._reduce
-        attack = self
-
-        @functools.wraps(original)
-        def reduce(session):
-            result = original(session)
-            result.chunks = {c: absurd_chunk(session.codec, session.sizes[c]) for c in result.chunks}
-            attack.carried_out()
-            return result
-
-        averaging._Reduction._reduce = reduce
+    def reduced(self, fragment, round_, chunks, codec, sizes, *, consensus):
+        self.carried_out()
+        return {c: absurd_chunk(codec, sizes[c]) for c in chunks}
 
 
 class StateAttack(NodeAttack):
     name = "state"
     help = "heartbeats claim version +1000 of every fragment; the state server serves NaN phi"
 
-    def apply(self) -> None:
+    def published(self, snapshot, outer):
         import torch
 
         from locoswarm.node.core.transport import FragmentSnapshot
-        from locoswarm.node.daemon import Node
 
-        publish, heartbeat = Node._publish, Node._heartbeat
-        attack = self
+        nan = torch.full_like(snapshot.phi, math.nan)
+        self.carried_out()
+        return FragmentSnapshot(snapshot.fragment, snapshot.version + VERSION_LIE, nan, nan.clone())
 
-        @functools.wraps(publish)
-        def poisoned_publish(node, fragment: int) -> None:
-            publish(node, fragment)
-            snap = node.published[fragment]
-            nan = torch.full_like(snap.phi, math.nan)
-            node.published[fragment] = FragmentSnapshot(fragment, snap.version + VERSION_LIE, nan, nan.clone())
-            attack.carried_out()
-
-        @functools.wraps(heartbeat)
-        def plausible_heartbeat(node, leaving: bool = False):
-            hb = heartbeat(node, leaving)
-            for fs in hb.fragments:  # the norm a peer sees looks healthy; only the served state is NaN
-                fs.phi_norm = float(node.outer.snapshot(fs.fragment).phi.norm())
-            return hb
-
-        Node._publish, Node._heartbeat = poisoned_publish, plausible_heartbeat
+    def heartbeat(self, heartbeat, outer):
+        for fs in heartbeat.fragments:  # the norm a peer sees looks healthy; only the served state is NaN
+            fs.phi_norm = float(outer.snapshot(fs.fragment).phi.norm())
+        return heartbeat
 
 
 class ClockAttack(NodeAttack):
     name = "clock"
     help = "the heartbeat clock claims +10000 more every --attack-period seconds"
 
-    def apply(self) -> None:
-        from locoswarm.node.daemon import Node
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.started = time.monotonic()
 
-        heartbeat = Node._heartbeat
-        started = time.monotonic()
-        period = self.period
-        attack = self
-
-        @functools.wraps(heartbeat)
-        def lying_heartbeat(node, leaving: bool = False):
-            hb = heartbeat(node, leaving)
-            hb.clock += CLOCK_JUMP * (1 + int((time.monotonic() - started) // period))
-            attack.carried_out()
-            return hb
-
-        Node._heartbeat = lying_heartbeat
+    def heartbeat(self, heartbeat, outer):
+        heartbeat.clock += CLOCK_JUMP * (1 + int((time.monotonic() - self.started) // self.period))
+        self.carried_out()
+        return heartbeat
 
 
 class ForgeAttack(NodeAttack):
     name = "forge"
     help = "contribution headers name another member as the sender"
 
-    def apply(self) -> None:
-        from locoswarm.node.swarm import averaging
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.transport = None
 
-        original_init, original_open = averaging.SwarmTransport.__init__, averaging.open_stream
-        transports: list = []
-        attack = self
+    def attached(self, transport) -> None:
+        self.transport = transport
 
-        @functools.wraps(original_init)
-        def init(transport, *args, **kwargs):
-            original_init(transport, *args, **kwargs)
-            transports.append(transport)
-
-        def forged_sender(reducer: str) -> str:
-            own = transports[0].peer_id if transports else ""
-            others = sorted(p for p in (transports[0].live_peers() if transports else []) if p not in (reducer, own))
-            return others[0] if others else reducer
-
-        async def forge(requests: AsyncIterator, reducer: str) -> AsyncIterator:
-            async for msg in requests:
-                if msg.HasField("header"):
-                    msg.header.sender = forged_sender(reducer)
-                    if msg.header.sender != reducer:
-                        attack.carried_out()
-                yield msg
-
-        @functools.wraps(original_open)
-        def open_stream(p2p, peer_id, name, requests, *args, **kwargs):
-            if name == averaging.AVERAGE_HANDLER and hasattr(requests, "__aiter__"):
-                requests = forge(requests, peer_id)
-            return original_open(p2p, peer_id, name, requests, *args, **kwargs)
-
-        averaging.SwarmTransport.__init__ = init
-        averaging.open_stream = open_stream
+    def sender(self, reducer, own):
+        live = self.transport.live_peers() if self.transport is not None else []
+        others = sorted(p for p in live if p not in (reducer, own))
+        forged = others[0] if others else reducer
+        if forged != reducer:
+            self.carried_out()
+        return forged
 
 
 # ---- in-bound node attacks --------------------------------------------------------------------------
@@ -367,9 +312,10 @@ class _RequestAttack(NodeAttack):
     def rewrite(self, transport, req):
         import torch
 
+        from locoswarm.node.core.codecs import get_codec
         from locoswarm.node.core.payload import decode_chunks, encode_chunks
 
-        codec = transport._codec(req.codec)
+        codec = get_codec(req.codec or transport.codec.name, transport.codec.block_size)
         own = decode_chunks(codec, req.chunks, req.numel)
         values = self.values(req, own)
         if values is None:
@@ -453,40 +399,37 @@ class ReplayAttack(NodeAttack):
     help = "sends the reduced chunks its group agreed on two rounds before as its contribution"
     keeps_peers = True
 
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.seen: dict[int, list[dict[int, bytes]]] = {}  # fragment -> reduced chunks of its last rounds, oldest first
+        self.current: dict[tuple[int, int], dict[int, bytes]] = {}
+
+    def keep(self, fragment: int, round_: int, chunks: dict[int, bytes]) -> None:
+        rounds = self.current.setdefault((fragment, round_), {})
+        rounds.update(chunks)
+        history = self.seen.setdefault(fragment, [])
+        if not history or history[-1] is not rounds:
+            history.append(rounds)
+            del history[:-4]
+
+    def returned(self, reducer, req, chunks):
+        if not req.digest:
+            self.keep(req.fragment, req.round, dict(chunks))
+
+    def reduced(self, fragment, round_, chunks, codec, sizes, *, consensus):
+        if not consensus:
+            self.keep(fragment, round_, dict(chunks))
+        return chunks
+
     def apply(self) -> None:
-        from locoswarm.node.swarm import averaging
+        from locoswarm.node.swarm.averaging import SwarmTransport
 
-        seen: dict[int, list[dict[int, bytes]]] = {}  # fragment -> reduced chunks of its last rounds, oldest first
-        original_send, original_reduce = averaging.SwarmTransport._send_part, averaging._Reduction._reduce
-        original_start = averaging.SwarmTransport.start_average
-        current: dict[tuple[int, int], dict[int, bytes]] = {}
+        original_start = SwarmTransport.start_average
         attack = self
-
-        def keep(fragment: int, round_: int, chunks: dict[int, bytes]) -> None:
-            rounds = current.setdefault((fragment, round_), {})
-            rounds.update(chunks)
-            history = seen.setdefault(fragment, [])
-            if not history or history[-1] is not rounds:
-                history.append(rounds)
-                del history[:-4]
-
-        @functools.wraps(original_send)
-        async def send_part(transport, peer, req, *rest):
-            result = await original_send(transport, peer, req, *rest)
-            if not req.digest:
-                keep(req.fragment, req.round, result.chunks)
-            return result
-
-        @functools.wraps(original_reduce)
-        def reduce(session):
-            result = original_reduce(session)
-            if not session.consensus:
-                keep(session.key[0], session.key[1], dict(result.chunks))
-            return result
 
         @functools.wraps(original_start)
         def start_average(transport, req):
-            history = seen.get(req.fragment, [])
+            history = attack.seen.get(req.fragment, [])
             old = history[-3] if len(history) >= 3 else None
             if req.digest or old is None:
                 return original_start(transport, req)
@@ -496,9 +439,7 @@ class ReplayAttack(NodeAttack):
                 attack.carried_out()
             return original_start(transport, dataclasses.replace(req, chunks=chunks))
 
-        averaging.SwarmTransport._send_part = send_part
-        averaging._Reduction._reduce = reduce
-        averaging.SwarmTransport.start_average = start_average
+        SwarmTransport.start_average = start_average
 
 
 class _PartAttack(NodeAttack):
@@ -507,23 +448,11 @@ class _PartAttack(NodeAttack):
 
     keeps_peers = True
 
-    def apply(self) -> None:
-        from locoswarm.node.swarm import averaging
-
-        original = averaging._Reduction._reduce
-        turn, attack = self.turn, self
-
-        @functools.wraps(original)
-        def reduce(session):
-            result = original(session)
-            if not session.consensus:
-                result.chunks = {c: session.codec.encode(turn(session.key[0], c,
-                                                              session.codec.decode(data, session.sizes[c])))
-                                 for c, data in result.chunks.items()}
-                attack.carried_out()
-            return result
-
-        averaging._Reduction._reduce = reduce
+    def reduced(self, fragment, round_, chunks, codec, sizes, *, consensus):
+        if consensus:
+            return chunks
+        self.carried_out()
+        return {c: codec.encode(self.turn(fragment, c, codec.decode(data, sizes[c]))) for c, data in chunks.items()}
 
     @staticmethod
     @abstractmethod
@@ -569,25 +498,12 @@ class StateLiarAttack(NodeAttack):
     lie = 2
     keeps_peers = True
 
-    def apply(self) -> None:
+    def published(self, snapshot, outer):
         from locoswarm.node.core.transport import FragmentSnapshot
-        from locoswarm.node.daemon import Node
-        from locoswarm.node.swarm.versions import state_digest
 
-        publish = Node._publish
-        lie, poison, attack = self.lie, self.poison, self
-
-        @functools.wraps(publish)
-        def poisoned_publish(node, fragment: int) -> None:
-            publish(node, fragment)
-            snap = node.published[fragment]
-            poisoned = FragmentSnapshot(fragment, snap.version + lie, poison(snap.phi, snap.version),
-                                        snap.momentum.clone())
-            node._digests[fragment] = state_digest(poisoned.phi, poisoned.momentum)
-            node.published[fragment] = poisoned
-            attack.carried_out()
-
-        Node._publish = poisoned_publish
+        self.carried_out()
+        return FragmentSnapshot(snapshot.fragment, snapshot.version + self.lie,
+                                self.poison(snapshot.phi, snapshot.version), snapshot.momentum.clone())
 
     @staticmethod
     def poison(phi: torch.Tensor, version: int) -> torch.Tensor:
@@ -618,39 +534,34 @@ class ReplayLiarAttack(StateLiarAttack):
             "state: its last group average negated, twice, with the digests they really reach (a replay that "
             "checks out step by step and ends where the liar claims)")
 
-    def apply(self) -> None:
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.block_size = 0  # of the swarm's block codecs: read from the transport once it is built
+
+    def attached(self, transport) -> None:
+        self.block_size = transport.codec.block_size
+
+    def published(self, snapshot, outer):
         from locoswarm.node.core.codecs import get_codec
         from locoswarm.node.core.payload import decode_chunks, encode_chunks
         from locoswarm.node.core.state import state_digest
         from locoswarm.node.core.transport import EncodedAverage, FragmentSnapshot, OuterStep
-        from locoswarm.node.daemon import Node
 
-        publish = Node._publish
-        lie, attack = self.lie, self
-
-        @functools.wraps(publish)
-        def forged_publish(node, fragment: int) -> None:
-            publish(node, fragment)
-            snap = node.published[fragment]
-            if not snap.steps:  # nothing logged to forge from yet (a catch-up or a consensus broke the chain)
-                return
-            last = snap.steps[-1].average
-            codec = get_codec(last.codec, node.cfg.outer.block_size)
-            turned = encode_chunks(codec, -decode_chunks(codec, list(last.chunks), last.numel))
-            forged = EncodedAverage(last.codec, last.numel, tuple(turned))
-            delta = decode_chunks(codec, list(forged.chunks), forged.numel)  # what a replaying node decodes
-            phi, momentum = snap.phi.clone(), snap.momentum.clone()
-            steps = []
-            for k in range(1, lie + 1):
-                before = state_digest(phi, momentum)
-                node.outer.optimizer.step(phi, momentum, delta)
-                steps.append(OuterStep(snap.version + k, forged, before, state_digest(phi, momentum)))
-            node.published[fragment] = FragmentSnapshot(fragment, snap.version + lie, phi, momentum,
-                                                        steps=tuple(steps))
-            node._digests[fragment] = state_digest(phi, momentum)
-            attack.carried_out()
-
-        Node._publish = forged_publish
+        if not snapshot.steps:  # nothing logged to forge from yet (a catch-up or a consensus broke the chain)
+            return snapshot
+        last = snapshot.steps[-1].average
+        codec = get_codec(last.codec, self.block_size)
+        turned = encode_chunks(codec, -decode_chunks(codec, list(last.chunks), last.numel))
+        forged = EncodedAverage(last.codec, last.numel, tuple(turned))
+        delta = decode_chunks(codec, list(forged.chunks), forged.numel)  # what a replaying node decodes
+        phi, momentum = snapshot.phi.clone(), snapshot.momentum.clone()
+        steps = []
+        for k in range(1, self.lie + 1):
+            before = state_digest(phi, momentum)
+            outer.optimizer.step(phi, momentum, delta)
+            steps.append(OuterStep(snapshot.version + k, forged, before, state_digest(phi, momentum)))
+        self.carried_out()
+        return FragmentSnapshot(snapshot.fragment, snapshot.version + self.lie, phi, momentum, steps=tuple(steps))
 
 
 NODE_ATTACKS: dict[str, type[NodeAttack]] = {a.name: a for a in (

@@ -76,6 +76,7 @@ from locoswarm.node.core.transport import (
     PartOrigin,
     Transport,
 )
+from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
@@ -814,7 +815,10 @@ class _Reduction:
                 f"{p[:12]}: {why}" for p, why in sorted(self.dropped.items())))
             return
         try:
-            self.done.set_result(self._reduce())
+            reduced = self._reduce()
+            reduced.chunks = tamper.installed().reduced(self.key[0], self.key[1], reduced.chunks, self.codec,
+                                                        self.sizes, consensus=self.consensus)
+            self.done.set_result(reduced)
         except Exception as exc:  # a bug, never a peer's doing: contributions were checked on arrival
             log.warning("reduction failed: %r", exc)
             self.fail(f"reduction failed: {type(exc).__name__}: {exc}")
@@ -1065,6 +1069,7 @@ class SwarmTransport(Transport):
             max_request_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES), idle_timeout=self._stream_timeout,
             max_streams_per_peer=self.robust.max_streams_per_peer, max_streams=64 + 4 * group_size,
             on_refused=self._stream_refused, gatekeeper=self._refuse_banned), timeout=30)
+        tamper.installed().attached(self)
 
     def _own_subkey(self) -> str:
         from locoswarm.node.swarm.records import dht_identity, owner_subkey
@@ -1815,9 +1820,12 @@ class SwarmTransport(Transport):
     async def _send_part(self, peer: str, req: AverageRequest, ghash: bytes, part: range,
                          bounds: list[tuple[int, int]], extras: list[float], own_norm: float):
         """Stream our chunks of ``part`` to its reducer ``peer``; return its reduced part, checked."""
+        seam = tamper.installed()
+        codec = self._codec(req.codec)
+        req = seam.contribution(peer, req, part, bounds, codec)
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=req.fragment, round=req.round, group_hash=ghash,
-            sender=self.peer_id, weight=req.weight, version=req.version, extras=extras,
+            sender=seam.sender(peer, self.peer_id), weight=req.weight, version=req.version, extras=extras,
             n_chunks=len(part), codec=req.codec, basis=req.basis, lineage=req.lineage))
 
         async def requests() -> AsyncIterator[swarm_pb2.AverageRequest]:
@@ -1828,7 +1836,6 @@ class SwarmTransport(Transport):
                 self.counters.sent(peer, req.fragment, req.round, msg.ByteSize())
                 yield msg
 
-        codec = self._codec(req.codec)
         chunks: dict[int, bytes] = {}
         stream = open_stream(self.runtime.p2p, peer, AVERAGE_HANDLER, requests(), swarm_pb2.AverageReply,
                              max_reply_bytes=max(self._max_chunk_msg, MAX_HEADER_BYTES),
@@ -1889,6 +1896,7 @@ class SwarmTransport(Transport):
                                           evidence=view is None or view.judges_reduced_part(peer),
                                           stale=self._stale_here(req, int(h.version), view))
         self._remember_payload(req, chunks.items(), averaged=True)
+        seam.returned(peer, req, chunks)
         return _PartResult(peer, chunks, h.total_weight, list(h.extras), geometry, min(h.missing, MAX_EXPECTED),
                            same_lineage=int(h.lineage) == req.lineage)
 
