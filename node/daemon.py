@@ -57,6 +57,7 @@ from locoswarm.node.status import (
     StatusEvent,
 )
 from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm.view import SwarmView
 from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:
@@ -113,8 +114,9 @@ class NodeOptions:
     metrics_port: int = 0          # Prometheus text endpoint (0 = off)
 
 
-class Node:
-    """One swarm node. ``ranks``: the node's process group when it runs over several GPUs or CPU ranks
+class Node(SwarmView):
+    """One swarm node, and its transport's view of the swarm (``SwarmView``: ``live_peers``, ``pace_peers``,
+    ``latest_versions``, ...). ``ranks``: the node's process group when it runs over several GPUs or CPU ranks
     (``locoswarm.node.ranks``); None for a single process, which never touches ``torch.distributed``."""
 
     def __init__(self, cfg: SwarmConfig, opts: NodeOptions, ranks: RankGroup | None = None) -> None:
@@ -347,7 +349,7 @@ class Node:
 
         return [p for p, hb in self.peer_table.items() if hb.reachability != OUTBOUND_ONLY and not hb.leaving]
 
-    def _outbound_peers(self) -> set[str]:
+    def outbound_peers(self) -> set[str]:
         """Live peers whose heartbeats say nobody can dial them: they serve no state and reduce no part."""
         from locoswarm.node.swarm.reachability import OUTBOUND_ONLY
 
@@ -518,17 +520,10 @@ class Node:
         self.transport = SwarmTransport(
             self.runtime, swarm_key=self.swarm_key, fingerprint=self.fingerprint, codec=codec,
             group_size=cfg.network.group_size, matchmaking_timeout=cfg.network.matchmaking_timeout,
-            round_timeout=cfg.network.round_timeout,
-            live_peers=lambda: [p for p, hb in self.peer_table.items() if hb.has_state],
-            latest_versions=self._latest_versions, fetch=self.state_client.fetch,
-            fetch_steps=self.state_client.fetch_steps,
-            pace_peers=self._pace_peers, grace=self._straggler_grace, step_time=self._step_seconds,
-            ready=self._in_rounds,
-            robust=cfg.robust, reputation=self.reputation, max_weight=self._max_weight,
-            standing_members=cfg.network.standing_members,
-            joining_peers=self._joining_peers, serving_peers=self._serving_peers, version_bound=self._version_bound,
-            admission=self.admission, certificate=self.certificate, reachability=self.reachability, kin=self._kin,
-            outbound_peers=self._outbound_peers, counters=self.counters)
+            round_timeout=cfg.network.round_timeout, view=self, states=self.state_client,
+            robust=cfg.robust, reputation=self.reputation, standing_members=cfg.network.standing_members,
+            admission=self.admission, certificate=self.certificate, reachability=self.reachability,
+            counters=self.counters)
         judge = None
         if rb.effect_check:  # what a round's average would do to the model, on held-out data (core.judge)
             judge = LossJudge(self.model, judge_batches(self.corpus.eval, rb.judge_sequences, cfg.inner.seq_len),
@@ -583,7 +578,7 @@ class Node:
     def _join_or_resume(self, meta: dict | None) -> None:
         self.peer_table = self._wait_for_peers()
         self.swarm_clock.observe_table(self.peer_table)
-        plans = {f.index: self._latest_versions(f.index) for f in self.fragments}
+        plans = {f.index: self.latest_versions(f.index) for f in self.fragments}
         holders = sorted({p for belief in plans.values() for p in belief.holders})
         if holders:
             before = self.counters.total_received
@@ -748,7 +743,7 @@ class Node:
         (several multi-process runs at h = 8 on the tiny preset: 0.15-0.5 s between rounds, a 3 s window)."""
         if self._warned_short_rounds or self.local_step < 2 * self.cfg.outer.h or not self.peer_table:
             return
-        step, window, h = self._step_seconds(), self.transport.window(), self.cfg.outer.h
+        step, window, h = self.step_time(), self.transport.window(), self.cfg.outer.h
         if not (step > 0 and math.isfinite(step)) or h * step >= window:
             return
         self._warned_short_rounds = True
@@ -841,7 +836,12 @@ class Node:
         self._event("realigned", f"adaptive schedule: took the state of slot leader {hint.leader[:12]} "
                                  f"at slot {hint.round}")
 
-    def _pace_peers(self) -> list[str]:
+    # ---- the swarm as the transport sees it (SwarmView) -------------------------------------------------
+    def live_peers(self) -> list[str]:
+        """Peers whose heartbeats say they train: every round's candidates."""
+        return [p for p, hb in self.peer_table.items() if hb.has_state]
+
+    def pace_peers(self) -> list[str]:
         """Live peers that keep the swarm's pace (``membership.pace_set``: the same set on every member),
         the ones a round waits for."""
         from locoswarm.node.swarm.membership import pace_set
@@ -850,14 +850,14 @@ class Node:
         rates[self.peer_id] = self.tokens_per_s  # as our heartbeat announces it
         return sorted(pace_set(rates) - {self.peer_id})
 
-    def _straggler_grace(self) -> float:
+    def straggler_grace(self) -> float:
         """How long a round may wait for peers outside the pace set without stalling training: the
         overlap tau, in steps at the swarm's inner-step rate (the median of the announced rates, about
         the same on every member, so members cut stragglers at about the same moment); this node's own
         step time while no rate is known."""
-        return max(0.05, 0.8 * self.cfg.outer.tau * self._step_seconds())
+        return max(0.05, 0.8 * self.cfg.outer.tau * self.step_time())
 
-    def _step_seconds(self) -> float:
+    def step_time(self) -> float:
         """Seconds per inner step of the swarm (its clock's rate), this node's own while none is known."""
         rate = self.swarm_clock.rate()
         if rate and rate > 0 and math.isfinite(rate):
@@ -869,17 +869,17 @@ class Node:
         hb = self.peer_table.get(peer)
         return hb is not None and hb.has_state
 
-    def _joining_peers(self) -> list[str]:
+    def joining_peers(self) -> list[str]:
         """Peers joining now by their heartbeats: no state yet. A lone node takes no solo step meanwhile, so the
         state they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
         return [p for p, hb in self.peer_table.items() if not hb.has_state]
 
-    def _serving_peers(self) -> list[str]:
+    def serving_peers(self) -> list[str]:
         """Peers this node serves a state download now (they show before the downloader's heartbeat reaches
         this node's table); no solo step while one lasts (``SwarmTransport._joiner_waited_for``)."""
         return self.state_server.downloading_peers() if self.state_server is not None else []
 
-    def _version_bound(self) -> int:
+    def version_bound(self) -> int:
         """The most outer versions a fragment can hold at the swarm's clock (``locoswarm.node.swarm.versions``)."""
         from locoswarm.node.swarm.versions import version_bound
 
@@ -887,7 +887,7 @@ class Node:
         sends = 1 if o.schedule == "fixed" else (o.sends_per_h or o.fragments)
         return version_bound(max(self.clock, self.swarm_clock.estimate()), o.h, sends)
 
-    def _latest_versions(self, fragment: int) -> Belief:
+    def latest_versions(self, fragment: int) -> Belief:
         """The version of ``fragment`` to believe among the peers' heartbeats, and the holders to take it from
         (``locoswarm.node.swarm.versions``): at most what the swarm clock allows (a claim far above it is an
         offence), corroborated by a second claimant, from the holders that announce the digest most of them
@@ -898,7 +898,7 @@ class Node:
         from locoswarm.node.swarm.membership import heartbeat_age
         from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
-        bound = self._version_bound()
+        bound = self.version_bound()
         round_claims = self.transport.round_claims
         claims: dict[str, Claim] = {}
         now = time.monotonic()
@@ -929,10 +929,10 @@ class Node:
                     claims[pid] = Claim(int(fs.version), bytes(fs.digest))
         # Nobody can dial an outbound-only holder: the version to take is the newest that peers one can download
         # from hold (a version only outbound-only peers hold reaches the others through their rounds instead).
-        outbound = self._outbound_peers()
+        outbound = self.outbound_peers()
         return believe({p: c for p, c in claims.items() if p not in outbound}, bound=bound)
 
-    def _kin(self, peer: str, fragment: int) -> bool:
+    def kin(self, peer: str, fragment: int) -> bool:
         """Whether ``peer``'s heartbeat announces this node's published state of every fragment but ``fragment``:
         the same digest at the same version, or a version one apart (``FragmentSnapshot.kin``)."""
         hb = self.peer_table.get(peer)
@@ -947,7 +947,7 @@ class Node:
                 return False
         return True
 
-    def _max_weight(self, peer: str, own_weight: float) -> float:
+    def max_weight(self, peer: str, own_weight: float) -> float:
         """The most tokens ``peer`` can claim in a round where this node claims ``own_weight``: what it
         trains in the same time at its announced throughput (at most 64x ours), times the screening's
         slack. A peer without a heartbeat gets the slack alone.
@@ -1016,8 +1016,8 @@ class Node:
         except Exception as exc:
             log.warning("heartbeat failed: %s", exc)
 
-    def _in_rounds(self) -> bool:
-        """Whether rounds may count on every peer knowing us (see ``SwarmTransport``'s ``ready``);
+    def in_rounds(self) -> bool:
+        """Whether rounds may count on every peer knowing us (``SwarmView.in_rounds``);
         with no peer at all there is nobody to disagree, and a lone node's rounds are its own."""
         if not self.peer_table:
             return True

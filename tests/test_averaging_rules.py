@@ -617,8 +617,9 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
 
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
-                           _latest_versions=lambda fragment: Belief(11, b"", ["QmLiar", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set, round_claims=RoundClaims(),
+                           view=SimpleNamespace(outbound_peers=set,
+                                                latest_versions=lambda f: Belief(11, b"", ["QmLiar", "QmOther"])),
+                           _refused_sources={}, round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
@@ -640,8 +641,9 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
 
     holders = ["QmHonest", "QmLiar", "QmQuiet"]
     stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
-                           _latest_versions=lambda fragment: Belief(12, b"d", list(holders)),
-                           _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+                           view=SimpleNamespace(latest_versions=lambda fragment: Belief(12, b"d", list(holders)),
+                                                outbound_peers=set),
+                           _refused_sources={}, dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub.round_claims.record(0, "QmHonest", 11)
@@ -666,8 +668,9 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
 
     rep = Reputation(threshold=3)
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
-                           _latest_versions=lambda fragment: Belief(11, b"", ["QmDrifter", "QmOther"]),
-                           _refused_sources={}, outbound_peers=set, round_claims=RoundClaims(),
+                           view=SimpleNamespace(outbound_peers=set,
+                                                latest_versions=lambda f: Belief(11, b"", ["QmDrifter", "QmOther"])),
+                           _refused_sources={}, round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
@@ -690,7 +693,8 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
 def test_a_peer_this_node_failed_to_dial_lately_serves_no_catch_up() -> None:
     """A cut pair (bench swarm --cut 2-3): a node asked the peer it could not reach for state, twice, and waited for
     each dial to fail. A peer its dials failed to lately is no catch-up source; once a stream opened, it is again."""
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+                           dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     assert SwarmTransport._state_source(stub, "QmCut")
     stub.dial_failures.failed("QmCut")
@@ -706,7 +710,8 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
     from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
 
     for ceiling, refused in ((0.75, True), (1.0, False)):
-        stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+        stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+                               dial_failures=DialFailures(),
                                deviations=DeviationMemory(ceiling=ceiling))
         for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
             stub.deviations.standing_drift(["QmDrifter", "QmHonest"], [0.95, 0.3], now=0.0)
@@ -725,7 +730,8 @@ def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_
 
     rep = Reputation(threshold=3)
     rep.refuse("QmBanned", "direction", "mean -0.3 over its last 2", conclusive=True)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+                           dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     senders, levels = ["QmHonest", "QmD1", "QmD2"], [0.45, 0.9, 0.9]
     for _ in range(DRIFT_ROUNDS + 1):
@@ -757,10 +763,11 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
             met = RoundClaims()  # both met in rounds: only the muting makes a doubt here
             for peer in ("QmDrifter", "QmHonest"):
                 met.record(0, peer, 3)
-            stub = SimpleNamespace(deviations=memory, _probed={}, _fetch=served, peer_id="QmSelf", round_claims=met,
+            stub = SimpleNamespace(deviations=memory, _probed={}, states=SimpleNamespace(fetch=served),
+                                   peer_id="QmSelf", round_claims=met,
                                    _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]),
                                    _replay=lambda fragment, holders, have, belief: (None, None),
-                                   kin=lambda peer, fragment: peer == "QmHonest")
+                                   view=SimpleNamespace(kin=lambda peer, fragment: peer == "QmHonest"))
             snapshot = SwarmTransport.fetch_fragment(stub, 0)
             assert snapshot.doubted is doubted, (ceiling, source)
             assert snapshot.kin is (source == "QmHonest")  # FragmentSnapshot.kin: as the daemon's view says
@@ -777,7 +784,7 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
@@ -803,7 +810,8 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
+    stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+                           dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
 
@@ -830,7 +838,8 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+                           view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _unlined_harm=EveryNth(UNLINED_HARM),
                            _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
@@ -858,7 +867,7 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     from locoswarm.node.swarm.averaging import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
@@ -883,7 +892,7 @@ def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> N
 
     for step, expected in [(0.0, 5.0), (float("nan"), 5.0), (0.26, 5.0), (4.9, WINDOW_STEPS * 4.9),
                            (1e6, MAX_WINDOW_S)]:
-        stub = SimpleNamespace(matchmaking_timeout=5.0, step_time=lambda s=step: s)
+        stub = SimpleNamespace(matchmaking_timeout=5.0, view=SimpleNamespace(step_time=lambda s=step: s))
         assert SwarmTransport.window(stub) == pytest.approx(expected), step
 
 
@@ -897,7 +906,7 @@ def test_the_node_warns_once_when_a_fragments_rounds_come_faster_than_the_window
     for h, warned in ((8, True), (120, False)):
         caplog.clear()
         stub = SimpleNamespace(_warned_short_rounds=False, local_step=500, peer_table={"QmPeer": object()},
-                               cfg=SimpleNamespace(outer=SimpleNamespace(h=h)), _step_seconds=lambda: 0.05,
+                               cfg=SimpleNamespace(outer=SimpleNamespace(h=h)), step_time=lambda: 0.05,
                                transport=SimpleNamespace(window=lambda: 3.0))
         with caplog.at_level(logging.WARNING, logger="locoswarm"):
             Node._check_round_period(stub)
@@ -989,7 +998,8 @@ def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypat
     clock = [100.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
     view: list[str] = []
-    stub = SimpleNamespace(live_peers=lambda: list(view), _peer_seen_at=float("-inf"), _joiner_waited_for=lambda: False)
+    stub = SimpleNamespace(view=SimpleNamespace(live_peers=lambda: list(view)), _peer_seen_at=float("-inf"),
+                           _joiner_waited_for=lambda: False)
     stub._live = lambda: SwarmTransport._live(stub)
     assert SwarmTransport._alone(stub), "never saw a peer: a swarm of one"
     view.append("QmPeer")
@@ -1010,8 +1020,9 @@ def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(mo
     monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
     joining: list[str] = []
     serving: list[str] = []
-    stub = SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining), _peer_seen_at=float("-inf"),
-                           _joining_since={}, serving_peers=lambda: list(serving))
+    stub = SimpleNamespace(view=SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining),
+                                                serving_peers=lambda: list(serving)),
+                           _peer_seen_at=float("-inf"), _joining_since={})
     stub._live = lambda: SwarmTransport._live(stub)
     stub._joiner_waited_for = lambda: SwarmTransport._joiner_waited_for(stub)
     assert SwarmTransport._alone(stub)
@@ -1601,7 +1612,8 @@ def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_st
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
     judged: list[str] = []
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={}, outbound_peers=set,
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+                           view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory(),
                            _offence=lambda *args, **kwargs: None,
                            _judge_reduction=lambda peer, *args, **kwargs: judged.append(peer))
@@ -1638,7 +1650,7 @@ def test_a_node_is_stale_only_where_the_swarms_corroborated_version_is_ahead_too
     from locoswarm.node.swarm.versions import Belief
 
     believed = [5]
-    stub = SimpleNamespace(peer_id="QmMe", _latest_versions=lambda fragment: Belief(believed[0]))
+    stub = SimpleNamespace(peer_id="QmMe", view=SimpleNamespace(latest_versions=lambda fragment: Belief(believed[0])))
     view = SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5})
     req = AverageRequest(fragment=0, round=100, chunks={}, numel=8, weight=1.0, version=3)
     stale = SwarmTransport._stale_here

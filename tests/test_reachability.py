@@ -202,7 +202,8 @@ def test_an_outbound_only_peer_serves_no_catch_up() -> None:
     from locoswarm.node.swarm.averaging import SwarmTransport
     from locoswarm.node.swarm.dial_failures import DialFailures
 
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, outbound_peers=lambda: {"QmNatted"},
+    stub = SimpleNamespace(reputation=None, _refused_sources={},
+                           view=SimpleNamespace(outbound_peers=lambda: {"QmNatted"}),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     assert not SwarmTransport._state_source(stub, "QmNatted")
     assert SwarmTransport._state_source(stub, "QmPublic")

@@ -426,18 +426,18 @@ def test_the_node_bounds_a_peers_claim_by_a_whole_carry_not_by_its_own_young_cla
     whole_carry = 4 * 32 * 10 * (max(4, MIN_CARRY_ALLOWANCE) + 1)
     slack = cfg.robust.weight_factor
     # No heartbeat yet: the slack over a whole carry, however little this node claims itself.
-    assert node._max_weight("peer", 2.0) == slack * whole_carry
+    assert node.max_weight("peer", 2.0) == slack * whole_carry
     # A peer twice as fast may claim twice as much; one slower is not held below our own bound.
     node.peer_table["fast"] = SimpleNamespace(tokens_per_s=2000.0)
     node.peer_table["slow"] = SimpleNamespace(tokens_per_s=10.0)
-    assert node._max_weight("fast", 2.0) == 2 * slack * whole_carry
-    assert node._max_weight("slow", 2.0) == slack * whole_carry
+    assert node.max_weight("fast", 2.0) == 2 * slack * whole_carry
+    assert node.max_weight("slow", 2.0) == slack * whole_carry
     # Our own claim above a whole carry (many failed rounds) raises the bound with it.
-    assert node._max_weight("peer", 10 * whole_carry) == slack * 10 * whole_carry
+    assert node.max_weight("peer", 10 * whole_carry) == slack * 10 * whole_carry
     # A claim of a normal round against our young one passes screening (clamped), a 1e30 one does not.
     round_tokens = 4 * 32 * 10
-    ok = screen([stats("me", 2.0, [1.0]), stats("peer", round_tokens, [1.0], max_weight=node._max_weight("peer", 2.0))],
+    ok = screen([stats("me", 2.0, [1.0]), stats("peer", round_tokens, [1.0], max_weight=node.max_weight("peer", 2.0))],
                 S, trusted=0)
-    bad = screen([stats("me", 2.0, [1.0]), stats("peer", 1e30, [1.0], max_weight=node._max_weight("peer", 2.0))],
+    bad = screen([stats("me", 2.0, [1.0]), stats("peer", 1e30, [1.0], max_weight=node.max_weight("peer", 2.0))],
                  S, trusted=0)
     assert not ok.refusals and [r.kind for r in bad.refusals] == ["bad_weight"]

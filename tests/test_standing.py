@@ -15,9 +15,19 @@ from locoswarm.node.swarm.dht import start_dht, visible_maddrs
 from locoswarm.node.swarm.reachability import Reachability
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
-from locoswarm.node.swarm.versions import Belief
+from locoswarm.node.swarm.view import SwarmView
 
 SWARM = {"QmA", "QmB", "QmC"}
+
+
+class _Peers(SwarmView):
+    """A node's view of a swarm of ``peers`` that all train (everything else: a lone node's answers)."""
+
+    def __init__(self, peers: list[str]) -> None:
+        self.peers = list(peers)
+
+    def live_peers(self) -> list[str]:
+        return list(self.peers)
 
 
 def _recorded(enabled: bool = True) -> StandingMembers:
@@ -102,8 +112,7 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
             other = ids[1 - i]
             transports.append(SwarmTransport(
                 runtime, swarm_key="locoswarm/standing-test/fp/", fingerprint="fp", codec=codec, group_size=2,
-                matchmaking_timeout=5.0, round_timeout=20.0, live_peers=lambda o=other: [o],
-                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None))
+                matchmaking_timeout=5.0, round_timeout=20.0, view=_Peers([other])))
 
         def round_(number: int, versions: list[int]) -> list:
             # each round's payloads differ (the same bytes in a later round would be a replay)
@@ -145,8 +154,7 @@ def test_a_round_a_reducer_completed_without_a_member_leaves_no_list_standing(tm
             others = [p for p in ids if p != ids[i]]
             transports.append(SwarmTransport(
                 runtime, swarm_key="locoswarm/standing-test-missing/fp/", fingerprint="fp", codec=codec,
-                group_size=3, matchmaking_timeout=3.0, round_timeout=5.0, live_peers=lambda o=others: list(o),
-                latest_versions=lambda fragment: Belief(), fetch=lambda fragment, holders, least, digest: None,
+                group_size=3, matchmaking_timeout=3.0, round_timeout=5.0, view=_Peers(others),
                 reachability=Reachability("outbound-only" if i == 2 else "public")))
 
         def round_(number: int, who: list[int]) -> list:
@@ -198,8 +206,7 @@ def _three_doubt_the_fourth(tmp_path, swarm_key: str, rounds: int, dhts: list, r
         others = [p for p in ids if p != ids[i]]
         transports.append(SwarmTransport(
             runtime, swarm_key=swarm_key, fingerprint="fp", codec=CODEC, group_size=4, matchmaking_timeout=5.0,
-            round_timeout=20.0, live_peers=lambda o=others: o, robust=robust, latest_versions=lambda fragment: Belief(),
-            fetch=lambda fragment, holders, least, digest: None))
+            round_timeout=20.0, view=_Peers(others), robust=robust))
         if i < 3:
             honest = [p for p in ids[:3] if p != ids[i]]
             for _ in range(rounds):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,12 @@ from locoswarm.node.swarm.versions import (
     state_digest,
     version_bound,
 )
+from locoswarm.node.swarm.view import StateSource
+
+
+def _states(fetch: Callable, fetch_steps: Callable | None = None) -> SimpleNamespace:
+    """A stand-in for the transport's ``StateSource``: ``fetch``, and ``fetch_steps`` (None: no replay served)."""
+    return SimpleNamespace(fetch=fetch, fetch_steps=fetch_steps or (lambda *args: None))
 
 
 def _transport(belief: Belief, **fields) -> SimpleNamespace:
@@ -36,9 +43,10 @@ def _transport(belief: Belief, **fields) -> SimpleNamespace:
     from locoswarm.node.swarm.dial_failures import DialFailures
 
     stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                           _refused_sources={}, outbound_peers=set, dial_failures=DialFailures(),
-                           deviations=DeviationMemory(), _probed={}, _no_replay={}, _fetch_steps=None,
-                           _latest_versions=lambda fragment: belief, kin=lambda source, fragment: True)
+                           _refused_sources={}, dial_failures=DialFailures(),
+                           deviations=DeviationMemory(), _probed={}, _no_replay={}, states=StateSource(),
+                           view=SimpleNamespace(outbound_peers=set, latest_versions=lambda fragment: belief,
+                                                kin=lambda source, fragment: True))
     stub.__dict__.update(fields)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
@@ -127,7 +135,8 @@ def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
     from locoswarm.node.swarm.averaging import PROBE_INTERVAL_S, SwarmTransport
 
     fetched = []
-    stub = _transport(Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")}), _fetch=lambda *args: fetched.append(args))
+    stub = _transport(Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")}),
+                      states=_states(lambda *args: fetched.append(args)))
     assert SwarmTransport.latest_version(stub, 0) == 42
     SwarmTransport.fetch_fragment(stub, 0)
     assert fetched == [(0, ["ahead"], 42, b"x")]
@@ -153,9 +162,10 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
                                   (["liar"], "liar", []),
                                   (["h1", "liar"], "h1", [])):
         fetched: list[tuple] = []
-        stub = _transport(Belief(40, b"good", holders), _fetch=lambda *args, fetched=fetched: fetched.append(args),
-                          _fetch_steps=lambda fragment, order, have, version, served=served: steps_from(
-                              served, b"good" if served == "h1" else b"forged"))
+        stub = _transport(Belief(40, b"good", holders),
+                          states=_states(lambda *args, fetched=fetched: fetched.append(args),
+                                         lambda fragment, order, have, version, served=served: steps_from(
+                                             served, b"good" if served == "h1" else b"forged")))
         got = SwarmTransport.fetch_fragment(stub, 0, have=38)
         assert fetched == want, (holders, served)
         if served == "h1":
@@ -179,7 +189,7 @@ def test_holders_whose_rounds_named_the_version_serve_first() -> None:
             asked.append((fragment, order, version, digest))
             return FragmentSnapshot(0, 41, torch.zeros(2), torch.zeros(2), source=order[0])
 
-        return _transport(Belief(40, b"good", holders), _fetch=fetch), asked
+        return _transport(Belief(40, b"good", holders), states=_states(fetch)), asked
 
     stub, asked = transport(["seen", "stranger"])
     stub.round_claims.record(0, "seen", 39, now=time.monotonic())
@@ -349,7 +359,7 @@ def test_lies_over_several_fragments_ban_where_one_fragment_holds_two_of_them() 
 
 @pytest.mark.parametrize("served_bad_state", [False, True])
 def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims(served_bad_state: bool) -> None:
-    """The daemon's belief (``Node._latest_versions``) skips a doubted claim, and refuses its claimant as a
+    """The daemon's belief (``Node.latest_versions``) skips a doubted claim, and refuses its claimant as a
     ``version_claim`` offence that bans once ``LIES_BAN`` of its claims were lies; an honest holder whose rounds
     name what it claims keeps being believed. A claimant that served this node a bad state is not believed, and its
     claims are still held against its rounds: it is banned for its lies all the same."""
@@ -365,18 +375,18 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims(served_bad_
 
     claims = RoundClaims()
     node = SimpleNamespace(peer_table={}, reputation=Reputation(), transport=SimpleNamespace(round_claims=claims),
-                           _version_bound=lambda: 10_000,
+                           version_bound=lambda: 10_000,
                            cfg=SimpleNamespace(network=SimpleNamespace(heartbeat_interval=2.0)))
-    node._outbound_peers = lambda: Node._outbound_peers(node)
+    node.outbound_peers = lambda: Node.outbound_peers(node)
     if served_bad_state:
         node.reputation.refuse("QmLiar", "bad_state", "effect: 4x worse", forgivable=False)
     for real in range(10, 10 + LIES_BAN):
         node.peer_table = {"QmLiar": heartbeat(real + 2), "QmHonest": heartbeat(real), "QmOther": heartbeat(real)}
-        Node._latest_versions(node, 0)  # the claims are seen
+        Node.latest_versions(node, 0)  # the claims are seen
         time.sleep(0.002)
         claims.record(0, "QmLiar", real)
         claims.record(0, "QmHonest", real)
-        belief = Node._latest_versions(node, 0)
+        belief = Node.latest_versions(node, 0)
         assert belief.version == real and "QmLiar" not in belief.holders
     assert node.reputation.is_banned("QmLiar") and not node.reputation.is_banned("QmHonest")
     kinds = {"version_claim": 1, "bad_state": 1} if served_bad_state else {"version_claim": 1}
@@ -384,7 +394,7 @@ def test_the_node_bans_a_claimant_whose_rounds_never_back_its_claims(served_bad_
 
 
 def test_a_holder_is_kin_where_it_announces_this_nodes_other_fragments() -> None:
-    """``Node._kin`` (``FragmentSnapshot.kin``): a holder's heartbeat announces this node's published version and
+    """``Node.kin`` (``FragmentSnapshot.kin``): a holder's heartbeat announces this node's published version and
     digest of every fragment but the one downloaded, or a version one apart; the same version with another digest
     (another lineage), two versions apart, or no heartbeat is not."""
 
@@ -399,6 +409,6 @@ def test_a_holder_is_kin_where_it_announces_this_nodes_other_fragments() -> None
              "lineage": ((0, 11, b"x"), (1, 20, b"z")), "far": ((0, 11, b"x"), (1, 22, b"y")),
              "missing": ((0, 11, b"x"),)}
     node.peer_table = {peer: heartbeat(*fs) for peer, fs in cases.items()}
-    assert {peer: Node._kin(node, peer, 0) for peer in [*cases, "stranger"]} == {
+    assert {peer: Node.kin(node, peer, 0) for peer in [*cases, "stranger"]} == {
         "same": True, "ahead": True, "lineage": False, "far": False, "missing": False, "stranger": False}
-    assert Node._kin(node, "lineage", 1)  # downloading fragment 1: its fragment 0 is one version apart from ours
+    assert Node.kin(node, "lineage", 1)  # downloading fragment 1: its fragment 0 is one version apart from ours

@@ -263,7 +263,7 @@ class ForgeAttack(NodeAttack):
         self.transport = transport
 
     def sender(self, reducer, own):
-        live = self.transport.live_peers() if self.transport is not None else []
+        live = self.transport.view.live_peers() if self.transport is not None else []
         others = sorted(p for p in live if p not in (reducer, own))
         forged = others[0] if others else reducer
         if forged != reducer:

@@ -1432,7 +1432,7 @@ class OuterLoop:
 def carry_steps(h: int, max_carry: int) -> int:
     """The most inner steps of local progress one sync of a fragment carries: the send intervals of ``h`` steps of
     ``max_carry`` failed rounds and of the round itself (``OuterLoop._bound_progress``; what a peer's token claim
-    may cover: ``Node._max_weight``)."""
+    may cover: ``Node.max_weight``)."""
     return (max(0, int(max_carry)) + 1) * max(1, int(h))
 
 

@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
@@ -84,6 +84,7 @@ from locoswarm.node.swarm.reputation import Allowance, EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import Belief, RoundClaims, absurd_version, plausible_version, state_digest
+from locoswarm.node.swarm.view import StateSource, SwarmView
 from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
     consensus_members,
@@ -935,72 +936,46 @@ class SwarmTransport(Transport):
         fingerprint: refused when a peer's header carries another one.
         codec: the swarm's payload codec.
         group_size, matchmaking_timeout, round_timeout: from ``[network]``.
-        live_peers: returns the ids of live peers (from heartbeats): matchmaking closes as soon as they
-            are all in.
-        latest_versions: ``latest_versions(fragment)``: the version to believe from heartbeats and its holders
-            (``locoswarm.node.swarm.versions.Belief``).
-        fetch_steps: ``fetch_steps(fragment, peers, have, version)`` fetches a replay of the steps from ``have`` to
-        ``version`` (``locoswarm.node.core.step_log``; None: catch-ups always download the state).
-        fetch: ``fetch(fragment, peers, version, digest)`` downloads a fragment's outer state from given peers
-            (``locoswarm.node.swarm.state_sync``).
-        version_bound: the most outer versions a fragment can hold at the swarm's clock now (None: no bound):
-            members' claims above it are not believed, and far above it are offences.
+        view: the swarm as this node sees it (``locoswarm.node.swarm.view.SwarmView``): its live peers (matchmaking
+            closes as soon as they are all in) and those that keep pace (once they are in, stragglers get only
+            ``straggler_grace()`` seconds, the wait the overlap hides, before the round starts without them); the
+            swarm's step time (the matchmaking window is at least ``WINDOW_STEPS`` of them, at most
+            ``MAX_WINDOW_S``); whether the members count this node in yet (a joining node waits until every peer
+            has had the time to see its heartbeat: members that disagree on whether it is live form different
+            groups); the version to believe and its holders, and the most versions a fragment can hold at the
+            swarm's clock (claims above it are not believed, far above it are offences); the most tokens a peer
+            can claim (its heartbeat throughput); peers joining (a lone node takes no solo outer steps while one
+            joins, for at most ``JOIN_WAIT_S``) and those it serves a download (none while one lasts); outbound-only
+            peers; and whether a holder is kin (``FragmentSnapshot.kin``).
+        states: where catch-ups download a fragment's state or replay its steps
+            (``locoswarm.node.swarm.view.StateSource``; the daemon's ``StateClient``).
         admission: a closed swarm's rule (``locoswarm.node.swarm.admission``; None: an open swarm): match entries
             without a valid certificate are ignored, and streams from peers that are not live members refused.
         certificate: this node's, carried in its match entries (a closed swarm).
-        pace_peers: the live peers that keep pace with this node: once they are in, stragglers get only
-            ``grace()`` seconds (the wait the overlap hides) before the round starts without them.
-        step_time: returns the swarm's seconds per inner step (0 when unknown): the matchmaking window is at
-            least ``WINDOW_STEPS`` of them (at most ``MAX_WINDOW_S``).
-        ready: whether this node may enter rounds: a joining node waits until every peer has had the
-            time to see its heartbeat, since members that disagree on whether it is live would form
-            different groups and fail the round for everyone.
         robust: the ``[robust]`` settings (screening and the aggregator; stream caps).
         reputation: where offences are counted and bans looked up (``locoswarm.node.swarm.reputation``); None:
             nothing is counted and nobody is banned.
-        max_weight: ``max_weight(peer, own_weight)``: the most tokens ``peer`` can plausibly claim in a
-            round where this node claims ``own_weight`` (from its heartbeat throughput); None: no bound
-            beyond the screening's.
         subkey: this node's owner subkey for its match entries (default: built from the DHT's identity).
         standing_members: a merged round's member list stands for the fragment's next round while this
             node's view of the swarm is unchanged: that round skips the DHT (``locoswarm.node.swarm.standing``).
-        joining_peers: returns the ids of peers still joining (the daemon: a heartbeat without state): a lone node
-            takes no solo outer steps while one joins, for at most ``JOIN_WAIT_S`` (``_joiner_waited_for``).
-        serving_peers: returns the ids of peers this node serves a state download now: no solo outer steps while
-            one lasts, however long (the download's own limits end a stalled one).
-        kin: whether a peer announces this node's state of every fragment but the given one
-            (``FragmentSnapshot.kin``; the daemon: its heartbeat's versions and digests).
+        counters: the node's byte counters, shared with its state client (default: its own).
     """
 
     def __init__(self, runtime: NetworkRuntime, *, swarm_key: str, fingerprint: str, codec: Codec,
                  group_size: int, matchmaking_timeout: float, round_timeout: float,
-                 live_peers: Callable[[], list[str]],
-                 latest_versions: Callable[[int], Belief],
-                 fetch: Callable[[int, list[str], int, bytes], FragmentSnapshot | None],
-                 fetch_steps: Callable[[int, list[str], int, int], FragmentSnapshot | None] | None = None,
-                 pace_peers: Callable[[], list[str]] | None = None,
-                 grace: Callable[[], float] | None = None,
-                 step_time: Callable[[], float] | None = None,
-                 ready: Callable[[], bool] | None = None,
+                 view: SwarmView | None = None, states: StateSource | None = None,
                  robust: RobustSection | None = None,
                  reputation=None,
-                 max_weight: Callable[[str, float], float] | None = None,
                  subkey: str | None = None, standing_members: bool = True,
-                 joining_peers: Callable[[], list[str]] | None = None,
-                 serving_peers: Callable[[], list[str]] | None = None,
-                 version_bound: Callable[[], int | None] | None = None,
                  admission: Admission | None = None, certificate: bytes = b"",
                  reachability: Reachability | None = None,
-                 outbound_peers: Callable[[], Collection[str]] | None = None,
-                 kin: Callable[[str, int], bool] | None = None,
                  counters: ByteCounters | None = None) -> None:
         self.runtime = runtime
-        self.kin = kin or (lambda peer, fragment: True)
+        self.view = view if view is not None else SwarmView()
+        self.states = states if states is not None else StateSource()
         self.reachability = reachability
-        self.outbound_peers = outbound_peers or (lambda: ())
         self.admission = admission
         self.certificate = certificate
-        self.version_bound = version_bound or (lambda: None)
         self.dht = runtime.dht
         self.peer_id = runtime.peer_id
         self.swarm_key = swarm_key
@@ -1009,20 +984,11 @@ class SwarmTransport(Transport):
         self.group_size = group_size
         self.matchmaking_timeout = matchmaking_timeout
         self.round_timeout = round_timeout
-        self.live_peers = live_peers
-        self.pace_peers = pace_peers or live_peers
-        self.grace = grace or (lambda: matchmaking_timeout)
-        self.step_time = step_time or (lambda: 0.0)
-        self.ready = ready or (lambda: True)
         self.robust = robust or RobustSection()
         self.reputation = reputation
-        self.max_weight = max_weight
         self.subkey = subkey or self._own_subkey()
         # The newest slot where this node's adaptive-schedule state differed from the slot leader's.
         self.schedule_hint: ScheduleHint | None = None
-        self._latest_versions = latest_versions
-        self._fetch = fetch
-        self._fetch_steps = fetch_steps
         self._no_replay: dict[int, float] = {}  # fragment -> until when its catch-ups download the state instead
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         # the node's counters, shared with its state client: one tally of the node's bytes
@@ -1044,8 +1010,6 @@ class SwarmTransport(Transport):
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.no_shows = NoShows()
         self._peer_seen_at = -math.inf  # monotonic time a live peer was last seen (see ``_alone``)
-        self.joining_peers = joining_peers or (lambda: [])
-        self.serving_peers = serving_peers or (lambda: [])
         self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
         self.standing = StandingMembers(standing_members)
         self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
@@ -1136,7 +1100,7 @@ class SwarmTransport(Transport):
     def _plausible(self, claims: dict[str, int]) -> int:
         """The group's corroborated version of members' ``claims`` within the swarm clock's bound
         (``locoswarm.node.swarm.versions``); a claim far above the bound is an offence of its member."""
-        bound = self.version_bound()
+        bound = self.view.version_bound()
         if bound is not None:
             for peer, version in claims.items():
                 if peer != self.peer_id and absurd_version(version, bound):
@@ -1174,7 +1138,7 @@ class SwarmTransport(Transport):
         ``dial_failures``): a download from it would only wait for the dial to fail."""
         if time.monotonic() < self._refused_sources.get(peer, -math.inf):
             return False
-        if peer in self.outbound_peers():  # nobody can dial it: a download from it would only time out
+        if peer in self.view.outbound_peers():  # nobody can dial it: a download from it would only time out
             return False
         if peer in self.dial_failures.peers():  # this node could not dial it lately (``dial_failures``)
             return False
@@ -1188,7 +1152,7 @@ class SwarmTransport(Transport):
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is
         read (counted, no new offence); in a closed swarm, so is a peer that is not a live member."""
-        if self.admission is not None and peer not in set(self.live_peers()):
+        if self.admission is not None and peer not in set(self.view.live_peers()):
             self.admission.stranger(peer)
             self._offence(peer, "stranger", "stream from a peer that is not a member of this closed swarm",
                           offence=False)
@@ -1207,7 +1171,7 @@ class SwarmTransport(Transport):
     def window(self) -> float:
         """Seconds a round's matchmaking stays open after its first arrival: ``matchmaking_timeout``, or
         ``WINDOW_STEPS`` of the swarm's inner steps where those are longer (at most ``MAX_WINDOW_S``)."""
-        step = self.step_time()
+        step = self.view.step_time()
         if not (step > 0 and math.isfinite(step)):
             return self.matchmaking_timeout
         return max(self.matchmaking_timeout, min(WINDOW_STEPS * step, MAX_WINDOW_S))
@@ -1217,7 +1181,7 @@ class SwarmTransport(Transport):
         (``locoswarm.node.swarm.versions``), or the version the group of its last merged round reached when
         that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
         newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
-        belief = self._latest_versions(fragment)
+        belief = self.view.latest_versions(fragment)
         now = time.monotonic()
         for peer, claim in sorted(belief.unconfirmed.items()):
             if self._state_source(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
@@ -1266,10 +1230,10 @@ class SwarmTransport(Transport):
                 return None
             log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
                      ", ".join(h[:12] for h in order))
-            snapshot = self._fetch(fragment, order, belief.version, belief.digest)
+            snapshot = self.states.fetch(fragment, order, belief.version, belief.digest)
         if snapshot is not None and snapshot.source:
             snapshot.doubted = self.deviations.muted_lately(snapshot.source)
-            snapshot.kin = self.kin(snapshot.source, fragment)
+            snapshot.kin = self.view.kin(snapshot.source, fragment)
         return snapshot
 
     def _replay(self, fragment: int, holders: list[str], have: int | None,
@@ -1278,10 +1242,10 @@ class SwarmTransport(Transport):
         replays them against the digests the holder sent with them and, where the swarm's holders announce one,
         the digest of the believed version; None where a replay is not possible or not worth asking. With it, the
         holder whose steps contradicted the announced digest, if one did."""
-        if (self._fetch_steps is None or have is None or not 0 < belief.version - have <= REPLAY_DEPTH
+        if (have is None or not 0 < belief.version - have <= REPLAY_DEPTH
                 or time.monotonic() < self._no_replay.get(fragment, -math.inf)):
             return None, None
-        snapshot = self._fetch_steps(fragment, holders, have, belief.version)
+        snapshot = self.states.fetch_steps(fragment, holders, have, belief.version)
         if snapshot is None:
             return None, None
         claimed = {have: snapshot.steps[0].before, **{s.version: s.after for s in snapshot.steps}}
@@ -1343,7 +1307,7 @@ class SwarmTransport(Transport):
 
     async def _average_timed(self, req: AverageRequest, timing: dict[str, float], started: float) -> AverageResult:
         """One round; ``timing["matched"]``: seconds from ``started`` until its member list was decided."""
-        if not self.ready():
+        if not self.view.in_rounds():
             return AverageResult.failed("joining: peers have not all seen this node's heartbeat yet",
                                         own_weight=req.weight)
         banned = self._shunned()
@@ -1437,7 +1401,7 @@ class SwarmTransport(Transport):
         # never saw it enter a round again, and every round it formed through the DHT failed ("you are not in
         # this reducer's group", a bench run's 90 failed rounds of one honest node after a ban).
         expected = (live - set(banned)) | {self.peer_id}
-        if (set(self.pace_peers()) | {self.peer_id}) & expected != expected:
+        if (set(self.view.pace_peers()) | {self.peer_id}) & expected != expected:
             self.standing.forget(req.fragment)  # someone falls behind: matchmaking gives it only the grace
             return None
         # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
@@ -1487,10 +1451,10 @@ class SwarmTransport(Transport):
         120 s left them a lineage behind: every round of blocking DiLoCo in that bench failed), and a stalled
         one ends by the stream's own idle timeout. A peer that keeps a download going only delays the lone
         node's outer steps; its inner steps go on, and their progress is carried to its next outer step."""
-        if self.serving_peers():
+        if self.view.serving_peers():
             return True
         now = time.monotonic()
-        joining = set(self.joining_peers())
+        joining = set(self.view.joining_peers())
         for peer in [p for p in self._joining_since if p not in joining]:
             del self._joining_since[peer]
         for peer in joining:
@@ -1500,7 +1464,7 @@ class SwarmTransport(Transport):
 
     def _live(self) -> set[str]:
         """The live peers now (heartbeats), noting when any was last seen."""
-        live = set(self.live_peers())
+        live = set(self.view.live_peers())
         if live:
             self._peer_seen_at = time.monotonic()
         return live
@@ -1620,9 +1584,10 @@ class SwarmTransport(Transport):
                          self.deviations.apart(), self.outbound_only(), self.dial_failures.peers())
         await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
                              subkey=self.subkey, return_future=True)
-        core = (set(self.pace_peers()) | {self.peer_id}) & own_expected
+        core = (set(self.view.pace_peers()) | {self.peer_id}) & own_expected
         trusted = not_banned | {self.peer_id}
-        grace = min(self.grace(), own_window)
+        grace = self.view.straggler_grace()
+        grace = min(self.matchmaking_timeout if grace is None else grace, own_window)
         read: dict[str, swarm_pb2.MatchEntry] = {}
         while True:
             read.update(await self._read_entries(key))
@@ -1907,7 +1872,7 @@ class SwarmTransport(Transport):
         only from the reducers' replies, and a hostile reducer claiming a version ahead would otherwise have its
         turned parts go unjudged there."""
         return (view is not None and reducer_version > req.version and behind_the_others(self.peer_id, view.versions)
-                and self._latest_versions(req.fragment).version > req.version)
+                and self.view.latest_versions(req.fragment).version > req.version)
 
     def _dial_failed(self, peer: str, why: str) -> None:
         if self.dial_failures.failed(peer):
@@ -1989,7 +1954,7 @@ class SwarmTransport(Transport):
         chunks = await self._read_part(session, remote, h, requests)
         self._refuse_replay(session, remote, chunks)
         own = self._sessions_own_weight(session)
-        max_weight = self.max_weight(remote, own) if self.max_weight is not None and own > 0 else math.inf
+        max_weight = self.view.max_weight(remote, own) if own > 0 else math.inf
         session.add(PartContribution(remote, float(h.weight), chunks, max_weight=max_weight), list(h.extras))
         session.claim_version(remote, int(h.version), int(h.lineage))
         self.round_claims.record(int(h.fragment), remote, int(h.version))

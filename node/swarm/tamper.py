@@ -30,7 +30,7 @@ class Tamper:
     """The identity at every point of the seam; a hostile node's attack overrides the hooks it needs."""
 
     def attached(self, transport: SwarmTransport) -> None:
-        """The node's transport was built (an attack may read its public face: ``peer_id``, ``live_peers``)."""
+        """The node's transport was built (an attack may read its public face: ``peer_id``, ``codec``, ``view``)."""
 
     def contribution(self, reducer: str, req: AverageRequest, part: range, bounds: Sequence[tuple[int, int]],
                      codec: Codec) -> AverageRequest:
