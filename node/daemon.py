@@ -763,7 +763,7 @@ class Node(SwarmView):
                 self.theta_sync.reset_inner()
         detail = f"fragment {ev.fragment} round v{ev.version}"
         if ev.kind == "merged" and ev.group_size == 1:
-            # Alone in the swarm: an outer step on our own progress (see SwarmTransport._solo), counted by
+            # Alone in the swarm: an outer step on our own progress (see ``LonePolicy.solo``), counted by
             # the core (``OuterStats.solo_steps``) and announced once per stretch alone, so that it does not
             # flood the log and events.
             if not self._alone:
@@ -871,12 +871,12 @@ class Node(SwarmView):
 
     def joining_peers(self) -> list[str]:
         """Peers joining now by their heartbeats: no state yet. A lone node takes no solo step meanwhile, so the
-        state they download stays the newest (``SwarmTransport._joiner_waited_for``)."""
+        state they download stays the newest (``LonePolicy.joiner_waited_for``)."""
         return [p for p, hb in self.peer_table.items() if not hb.has_state]
 
     def serving_peers(self) -> list[str]:
         """Peers this node serves a state download now (they show before the downloader's heartbeat reaches
-        this node's table); no solo step while one lasts (``SwarmTransport._joiner_waited_for``)."""
+        this node's table); no solo step while one lasts (``LonePolicy.joiner_waited_for``)."""
         return self.state_server.downloading_peers() if self.state_server is not None else []
 
     def version_bound(self) -> int:

@@ -993,55 +993,50 @@ def test_a_node_steps_alone_only_after_it_has_seen_no_peer_for_a_while(monkeypat
     """A view emptied for a moment (a heartbeat read that failed) is not solitude: a solo outer step then, at
     the version the peers step together, would leave equal versions with different phi. A node that never saw
     a peer is alone at once (a swarm of one trains from its first round)."""
-    import locoswarm.node.swarm.averaging as averaging
+    import locoswarm.node.swarm.lone as lone
 
     clock = [100.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lone.time, "monotonic", lambda: clock[0])
     view: list[str] = []
-    stub = SimpleNamespace(view=SimpleNamespace(live_peers=lambda: list(view)), _peer_seen_at=float("-inf"),
-                           _joiner_waited_for=lambda: False)
-    stub._live = lambda: SwarmTransport._live(stub)
-    assert SwarmTransport._alone(stub), "never saw a peer: a swarm of one"
+    policy = lone.LonePolicy(SimpleNamespace(live_peers=lambda: list(view), serving_peers=list, joining_peers=list))
+    assert policy.alone(), "never saw a peer: a swarm of one"
     view.append("QmPeer")
-    assert not SwarmTransport._alone(stub)
+    assert not policy.alone()
     view.clear()
-    clock[0] += averaging.ALONE_S / 2
-    assert not SwarmTransport._alone(stub), "the peer vanished a moment ago"
-    clock[0] += averaging.ALONE_S
-    assert SwarmTransport._alone(stub), "no peer for ALONE_S: alone"
+    clock[0] += lone.ALONE_S / 2
+    assert not policy.alone(), "the peer vanished a moment ago"
+    clock[0] += lone.ALONE_S
+    assert policy.alone(), "no peer for ALONE_S: alone"
 
 
 def test_a_lone_node_takes_no_solo_step_while_a_peer_joins_for_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Solo steps while a joiner downloads the state leave it a lineage behind (at 5 Mbit/s the swarm then spent
     a minute downloading states back and forth); a heartbeat that never gets state stops it only for a while."""
-    import locoswarm.node.swarm.averaging as averaging
+    import locoswarm.node.swarm.lone as lone
 
     clock = [100.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lone.time, "monotonic", lambda: clock[0])
     joining: list[str] = []
     serving: list[str] = []
-    stub = SimpleNamespace(view=SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining),
-                                                serving_peers=lambda: list(serving)),
-                           _peer_seen_at=float("-inf"), _joining_since={})
-    stub._live = lambda: SwarmTransport._live(stub)
-    stub._joiner_waited_for = lambda: SwarmTransport._joiner_waited_for(stub)
-    assert SwarmTransport._alone(stub)
+    policy = lone.LonePolicy(SimpleNamespace(live_peers=lambda: [], joining_peers=lambda: list(joining),
+                                             serving_peers=lambda: list(serving)))
+    assert policy.alone()
     joining.append("QmJoiner")
-    assert not SwarmTransport._alone(stub), "a peer is downloading the state: no solo step"
-    clock[0] += averaging.JOIN_WAIT_S / 2
-    assert not SwarmTransport._alone(stub)
-    clock[0] += averaging.JOIN_WAIT_S
-    assert SwarmTransport._alone(stub), "joining for longer than JOIN_WAIT_S: it no longer holds the node back"
-    joining[:] = [f"QmFlood{i}" for i in range(2 * averaging.MAX_JOINERS)]
-    assert not SwarmTransport._alone(stub) and len(stub._joining_since) == averaging.MAX_JOINERS
+    assert not policy.alone(), "a peer is downloading the state: no solo step"
+    clock[0] += lone.JOIN_WAIT_S / 2
+    assert not policy.alone()
+    clock[0] += lone.JOIN_WAIT_S
+    assert policy.alone(), "joining for longer than JOIN_WAIT_S: it no longer holds the node back"
+    joining[:] = [f"QmFlood{i}" for i in range(2 * lone.MAX_JOINERS)]
+    assert not policy.alone() and policy.joiners_tracked() == lone.MAX_JOINERS
     joining.clear()
-    assert SwarmTransport._alone(stub) and stub._joining_since == {}, "peers that stopped joining are forgotten"
+    assert policy.alone() and policy.joiners_tracked() == 0, "peers that stopped joining are forgotten"
     # a download this node serves holds it back as long as it lasts (a big state on a slow link takes minutes)
     serving.append("QmDownloader")
-    clock[0] += 10 * averaging.JOIN_WAIT_S
-    assert not SwarmTransport._alone(stub), "a download served now: no solo step, however long it takes"
+    clock[0] += 10 * lone.JOIN_WAIT_S
+    assert not policy.alone(), "a download served now: no solo step, however long it takes"
     serving.clear()
-    assert SwarmTransport._alone(stub), "the download ended: solo steps again"
+    assert policy.alone(), "the download ended: solo steps again"
 
 
 def test_a_peer_every_other_member_excludes_is_dropped_from_the_round_whoever_saw_its_entry() -> None:

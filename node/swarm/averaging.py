@@ -78,6 +78,7 @@ from locoswarm.node.core.transport import (
 )
 from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.dial_failures import DialFailures
+from locoswarm.node.swarm.lone import MAX_JOINERS, LonePolicy
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
@@ -245,9 +246,7 @@ SUSPECT_SOURCE_S = 60.0
 WINDOW_STEPS = 4.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
-ALONE_S = 10.0               # seconds without any live peer before a node takes outer steps alone (``_alone``)
-JOIN_WAIT_S = 120.0          # how long a peer that is still joining (no state yet) keeps a lone node from solo steps
-MAX_JOINERS = 256            # joining peers tracked for that (first come; a flood of heartbeats cannot grow it)
+MAX_TRACKED = MAX_JOINERS    # peers held in any per-peer pause or probe table (first come)
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
 WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
@@ -281,9 +280,9 @@ SHUNNED_CUT = "; this node dropped: every other member excludes it"
 
 def _pause_source(paused: dict[str, float], peer: str, seconds: float) -> None:
     """``peer`` serves no catch-up for ``seconds`` from now (``SwarmTransport._state_source``); a longer pause
-    already set stands. At most ``MAX_JOINERS`` peers are held, the oldest entry going first."""
+    already set stands. At most ``MAX_TRACKED`` peers are held, the oldest entry going first."""
     paused[peer] = max(time.monotonic() + seconds, paused.get(peer, -math.inf))
-    while len(paused) > MAX_JOINERS:
+    while len(paused) > MAX_TRACKED:
         paused.pop(next(iter(paused)))
 
 
@@ -944,9 +943,9 @@ class SwarmTransport(Transport):
             has had the time to see its heartbeat: members that disagree on whether it is live form different
             groups); the version to believe and its holders, and the most versions a fragment can hold at the
             swarm's clock (claims above it are not believed, far above it are offences); the most tokens a peer
-            can claim (its heartbeat throughput); peers joining (a lone node takes no solo outer steps while one
-            joins, for at most ``JOIN_WAIT_S``) and those it serves a download (none while one lasts); outbound-only
-            peers; and whether a holder is kin (``FragmentSnapshot.kin``).
+            can claim (its heartbeat throughput); peers joining and those it serves a download (a lone node takes
+            no solo outer steps meanwhile: ``lone.LonePolicy``); outbound-only peers; and whether a holder is kin
+            (``FragmentSnapshot.kin``).
         states: where catch-ups download a fragment's state or replay its steps
             (``locoswarm.node.swarm.view.StateSource``; the daemon's ``StateClient``).
         admission: a closed swarm's rule (``locoswarm.node.swarm.admission``; None: an open swarm): match entries
@@ -1009,8 +1008,7 @@ class SwarmTransport(Transport):
         self._unlined_harm = EveryNth(UNLINED_HARM)  # harmful averages from other phis, per reducer
         self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
         self.no_shows = NoShows()
-        self._peer_seen_at = -math.inf  # monotonic time a live peer was last seen (see ``_alone``)
-        self._joining_since: dict[str, float] = {}  # joining peer -> when this node first saw it joining
+        self.lone = LonePolicy(self.view)  # when this node is a swarm of one and steps alone
         self.standing = StandingMembers(standing_members)
         self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
         self._stale_grace = Allowance(STALE_GRACE, STALE_GRACE_S)  # stale contributions not judged (STALE_GRACE)
@@ -1215,7 +1213,7 @@ class SwarmTransport(Transport):
             return None
         for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves
             self._probed[(fragment, peer)] = time.monotonic()
-        while len(self._probed) > MAX_JOINERS:
+        while len(self._probed) > MAX_TRACKED:
             self._probed.pop(next(iter(self._probed)))
         order = holder_order(self.peer_id, fragment, belief.holders)
         snapshot, contradicted = self._replay(fragment, order, have, belief)
@@ -1334,8 +1332,8 @@ class SwarmTransport(Transport):
                      if self.peer_id in g)
         if len(group) < 2:
             self._not_in_round(req.fragment, req.round)
-            if len(members) == 1 and not req.digest and self._alone():
-                return self._solo(req)
+            if len(members) == 1 and not req.digest and self.lone.alone():
+                return self.lone.solo(req, self._codec(req.codec))
             if len(members) > 1 and outbound >= set(members):
                 await self._explain_view(req, "outbound-only members alone")  # the public ones: late, or never
                 return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
@@ -1394,7 +1392,7 @@ class SwarmTransport(Transport):
             return None
         from hivemind.utils import get_dht_time
 
-        live = self._live()
+        live = self.lone.live()
         # No-shows count here: a live peer outside the list declines it even when matchmaking would not wait for
         # it. Otherwise a member that missed two rounds (a ban taking effect at different moments on different
         # nodes) stayed a no-show for good: the others kept their standing list without it, never matchmade, so
@@ -1431,52 +1429,6 @@ class SwarmTransport(Transport):
     async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
         with contextlib.suppress(Exception):
             await self.dht.store(key, value, expiration_time=expiration, subkey=self.subkey, return_future=True)
-
-    def _alone(self) -> bool:
-        """Whether this node is a swarm of one: no live peer now, and none for ``ALONE_S`` (or never). A view
-        emptied by a heartbeat read that failed for a moment is not solitude: a solo outer step taken then, at
-        the version the peers stepped together, left equal versions with different phi (a suspected cause of
-        a joiner test that failed once under load with three phi hashes at equal versions)."""
-        return not self._live() and not self._joiner_waited_for() and time.monotonic() - self._peer_seen_at >= ALONE_S
-
-    def _joiner_waited_for(self) -> bool:
-        """Whether a peer is joining: this node serves it a state download now (``serving_peers``), or its
-        heartbeat shows no state (``joining_peers``) since less than ``JOIN_WAIT_S``. A lone node then takes no
-        solo steps, so the state the joiner is downloading stays the swarm's newest. A bench run at 5 Mbit/s:
-        the first node took 7 solo outer steps during the joiners' 45 s download of v1, and the swarm then spent
-        its first minute downloading states back and forth between the two lineages. The bound keeps a
-        heartbeat that never gets state (a stuck or hostile peer) from stopping it for good. A download this
-        node serves has no such bound: it lasts as long as the state's size and the link make it (three joiners
-        of the small preset, 208 MB each, took 4 minutes at 20 Mbit/s, and the first node's solo steps after
-        120 s left them a lineage behind: every round of blocking DiLoCo in that bench failed), and a stalled
-        one ends by the stream's own idle timeout. A peer that keeps a download going only delays the lone
-        node's outer steps; its inner steps go on, and their progress is carried to its next outer step."""
-        if self.view.serving_peers():
-            return True
-        now = time.monotonic()
-        joining = set(self.view.joining_peers())
-        for peer in [p for p in self._joining_since if p not in joining]:
-            del self._joining_since[peer]
-        for peer in joining:
-            if peer not in self._joining_since and len(self._joining_since) < MAX_JOINERS:
-                self._joining_since[peer] = now
-        return any(now - since < JOIN_WAIT_S for since in self._joining_since.values())
-
-    def _live(self) -> set[str]:
-        """The live peers now (heartbeats), noting when any was last seen."""
-        live = set(self.view.live_peers())
-        if live:
-            self._peer_seen_at = time.monotonic()
-        return live
-
-    def _solo(self, req: AverageRequest) -> AverageResult:
-        """A node with no live peer is a swarm of one: its "group average" is its own (quantized)
-        contribution, so it takes ordinary outer steps (DiLoCo with one worker) instead of carrying an
-        ever larger delta into the first round with peers, whose outer step would then be huge."""
-        average = decode_chunks(self._codec(req.codec), req.chunks, req.numel)
-        return AverageResult(ok=True, average=average, extras=req.extras.clone(), group_size=1,
-                             total_weight=req.weight, own_weight=req.weight, max_version=req.version,
-                             basis=req.basis)
 
     @staticmethod
     async def _agree_on_basis(req: AverageRequest, tags: list[bytes]) -> AverageRequest | None:
@@ -1576,7 +1528,7 @@ class SwarmTransport(Transport):
 
         key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
         banned = self._shunned()
-        live = self._live()
+        live = self.lone.live()
         not_banned = live - set(banned)
         own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
         own_window = self.window()
