@@ -20,11 +20,6 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
-    FOLLOWED_EVIDENCE,
-    FOLLOWED_OFFENCES,
-    FOLLOWED_SHARE,
-    FOLLOWED_SPREAD,
-    FOLLOWED_VOTERS,
     NO_SHOW_ROUNDS,
     SPREAD_BAN,
     SPREAD_BAN_OTHER_PHI,
@@ -39,12 +34,20 @@ from locoswarm.node.swarm.averaging import (
     awaited,
     group_hash,
     idle_reducers,
-    majority_excluded,
     match_entry,
     peer_tag,
     plausible_version,
 )
 from locoswarm.node.swarm.dial_failures import DialFailures
+from locoswarm.node.swarm.offences import (
+    FOLLOWED_EVIDENCE,
+    FOLLOWED_OFFENCES,
+    FOLLOWED_SHARE,
+    FOLLOWED_SPREAD,
+    FOLLOWED_VOTERS,
+    OffenceBook,
+    majority_excluded,
+)
 from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.swarm.versions import RoundClaims
 from locoswarm.node.transport.groups import PROBE_EVERY, consensus_members, form_groups, is_probe_round, kept_apart
@@ -1267,11 +1270,10 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, refusals=[], _refused_sources={}, deviations=DeviationMemory())
+    book = OffenceBook("QmMe", rep, RoundClaims(), spread_ban=SPREAD_BAN)
+    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory(), _offence=book.refuse)
     stub._judge_reduction = lambda peer, agreement, same_lineage=True: SwarmTransport._judge_reduction(
         stub, peer, agreement, same_lineage=same_lineage)
-    stub._offence = lambda peer, kind, detail, offence=True, conclusive=False: SwarmTransport._offence(
-        stub, peer, kind, detail, offence=offence, conclusive=conclusive)
     check = SwarmTransport._check_reduced_direction
     for same in (True, False):
         check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
@@ -1373,17 +1375,15 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     would never gather evidence). The same two colluders excluding an honest member ban nobody here, and with two
     honest members and two colluders the colluders' votes ban nobody without this node's own evidence."""
     rep = Reputation(threshold=3)
-    stub = SimpleNamespace(peer_id="h4", reputation=rep, round_claims=RoundClaims())
-    stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
-    stub.refusals = []
+    stub = OffenceBook("h4", rep, RoundClaims(), spread_ban=SPREAD_BAN)
     members = ["h1", "h2", "h3", "h4", "f1", "f2"]
     framing = {"h1": [], "h2": [], "h3": [], "h4": [], "f1": ["h1"], "f2": ["h1"]}
-    SwarmTransport._follow_majority_bans(stub, members, framing, banned=[])
+    stub.follow_majority_bans(members, framing, banned=[])
     assert rep.banned() == []
-    SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "f1", "f2"], {"f1": ["h1"], "f2": ["h1"]}, banned=[])
+    stub.follow_majority_bans(["h1", "h2", "f1", "f2"], {"f1": ["h1"], "f2": ["h1"]}, banned=[])
     assert rep.banned() == []
     excluded = {"h1": ["f1", "f2"], "h2": ["f1", "f2"], "h3": ["f1", "f2"], "h4": [], "f1": [], "f2": []}
-    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    stub.follow_majority_bans(members, excluded, banned=[])
     assert rep.banned() == ["f1", "f2"]
     assert all("majority_ban" in line for line in stub.refusals)
 
@@ -1397,9 +1397,7 @@ def test_a_node_that_caught_a_state_liar_once_follows_the_others_ban_of_it() -> 
 
     for lied in (False, True):
         rep, claims = Reputation(threshold=3), RoundClaims()
-        stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[], round_claims=claims)
-        stub._offence = lambda peer, kind, detail, stub=stub, **kw: SwarmTransport._offence(stub, peer, kind,
-                                                                                             detail, **kw)
+        stub = OffenceBook("h3", rep, claims, spread_ban=SPREAD_BAN)
         if lied:  # claimed v12 while its rounds, before and after the claim was seen, named v10
             claims.record(0, "liar", 10)
             claims.doubted(0, "liar", 12)
@@ -1408,10 +1406,10 @@ def test_a_node_that_caught_a_state_liar_once_follows_the_others_ban_of_it() -> 
             assert claims.doubted(0, "liar", 12) and claims.lied("liar") and not claims.lied("h1")
             assert not claims.lied("liar", now=time.monotonic() + CAUGHT_S)
         excluded = {"h1": ["liar"], "h2": ["liar"], "h3": [], "liar": []}
-        SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "h3", "liar"], excluded, banned=[])
+        stub.follow_majority_bans(["h1", "h2", "h3", "liar"], excluded, banned=[])
         assert rep.banned() == (["liar"] if lied else []), lied
     # the liar's votes against an honest member ban nobody: no lie of that member's was found here
-    SwarmTransport._follow_majority_bans(stub, ["h1", "h2", "h3", "liar"], {"liar": ["h1"]}, banned=[])
+    stub.follow_majority_bans(["h1", "h2", "h3", "liar"], {"liar": ["h1"]}, banned=[])
     assert rep.banned() == ["liar"]
 
 
@@ -1424,44 +1422,43 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     parts (which colluders can turn), or where the offences were before its last ban ended."""
     clock = [0.0]
     rep = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub = SimpleNamespace(peer_id="h3", reputation=rep, refusals=[], round_claims=RoundClaims())
-    stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
+    stub = OffenceBook("h3", rep, RoundClaims(), spread_ban=SPREAD_BAN)
     members = ["h1", "h2", "h3", "a"]
     excluded = {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}
     rep.refuse("a", "bad_weight", "token weight 40 is more than 10x its bound 4")
-    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    stub.follow_majority_bans(members, excluded, banned=[])
     assert rep.banned() == []                                  # one offence: not enough
     rep.refuse("a", "bad_weight", "token weight 40 is more than 10x its bound 4")
-    SwarmTransport._follow_majority_bans(stub, members, {**excluded, "h2": []}, banned=[])
+    stub.follow_majority_bans(members, {**excluded, "h2": []}, banned=[])
     assert rep.banned() == []                                  # 1 of 2 voters: no majority
-    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    stub.follow_majority_bans(members, excluded, banned=[])
     assert rep.banned() == ["a"]
     assert "after 2 offences" in stub.refusals[-1]
 
     framed = {"h1": [], "h2": [], "f1": ["h1"], "f2": ["h1"]}
     four = ["h1", "h2", "f1", "f2"]
     rep3 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub.reputation, stub.peer_id = rep3, "h2"
+    stub = OffenceBook("h2", rep3, RoundClaims(), spread_ban=SPREAD_BAN)
     rep3.refuse("h1", "bad_contribution", "norm 4x the reference (an honest joiner's first delta)")
     rep3.refuse("h1", "bad_reduction", "reduced part points against its own contribution")
-    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    stub.follow_majority_bans(four, framed, banned=[])
     assert rep3.banned() == []                                 # a reduced part is no evidence, one offence too few
     rep3.refuse("h1", "clock", "claims a clock 9 steps ahead", offence=False)
-    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    stub.follow_majority_bans(four, framed, banned=[])
     assert rep3.banned() == []
     assert rep3.offences("h1", FOLLOWED_OFFENCES) == 1 and rep3.offences("h1", ("bad_reduction",)) == 1
     rep3.refuse("h1", "replay", "2 of 2 chunks seen in round 40")
-    SwarmTransport._follow_majority_bans(stub, four, framed, banned=[])
+    stub.follow_majority_bans(four, framed, banned=[])
     assert rep3.banned() == ["h1"]                             # two of its own: the majority makes the ban
     # offences that earned a ban are spent: after it ends, the colluders' votes need two new ones
     rep4 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub.reputation, stub.peer_id = rep4, "h2"
+    stub = OffenceBook("h2", rep4, RoundClaims(), spread_ban=SPREAD_BAN)
     for _ in range(3):
         rep4.refuse("f1", "bad_weight", "token weight 40 is more than 10x its bound 4")
     assert rep4.banned() == ["f1"]
     clock[0] += 61.0
     assert rep4.offences("f1", FOLLOWED_OFFENCES) == 0
-    SwarmTransport._follow_majority_bans(stub, four, {"h1": ["f1"], "f2": ["f1"], "h2": [], "f1": []}, banned=[])
+    stub.follow_majority_bans(four, {"h1": ["f1"], "f2": ["f1"], "h2": [], "f1": []}, banned=[])
     assert rep4.banned() == []
     clock[0] += 600.0                                          # and offences leave the window
     rep4.refuse("f1", "replay", "2 of 2 chunks seen in round 40")
@@ -1483,30 +1480,28 @@ def test_a_node_whose_parts_of_a_reducer_spread_far_follows_the_others_ban_and_h
             rep.judge(peer, kind, -math.log(r), window=SPREAD_WINDOW, ban_below=-math.log(bound),
                       good_from=-math.log(SPREAD_BAN) / 2, accumulate=True)
 
-    def stub_for(rep: Reputation, me: str) -> SimpleNamespace:
-        stub = SimpleNamespace(peer_id=me, reputation=rep, refusals=[], round_claims=RoundClaims())
-        stub._offence = lambda peer, kind, detail, **kw: SwarmTransport._offence(stub, peer, kind, detail, **kw)
-        return stub
+    def stub_for(rep: Reputation, me: str) -> OffenceBook:
+        return OffenceBook(me, rep, RoundClaims(), spread_ban=SPREAD_BAN)
 
     assert set(FOLLOWED_SPREAD) == {"reduction_spread", "reduction_spread_other_phi"}
     members, excluded = ["h1", "h2", "h3", "a"], {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}
     rep = Reputation(threshold=3)
     stub = stub_for(rep, "h3")
     judge(rep, "a", (4.0,))
-    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    stub.follow_majority_bans(members, excluded, banned=[])
     assert rep.banned() == []                                  # one part: not evidence
     judge(rep, "a", (3.4,))
     assert rep.banned() == []                                  # not banned by its own spreads yet
-    SwarmTransport._follow_majority_bans(stub, members, {**excluded, "h2": []}, banned=[])
+    stub.follow_majority_bans(members, {**excluded, "h2": []}, banned=[])
     assert rep.banned() == []                                  # 1 of 2 voters: no majority
-    SwarmTransport._follow_majority_bans(stub, members, excluded, banned=[])
+    stub.follow_majority_bans(members, excluded, banned=[])
     assert rep.banned() == ["a"] and "spread more than 2.5x" in stub.refusals[-1]
 
     # honest spreads, of either lineage, with colluders excluding that reducer before two honest nodes: no ban
     for ratios, kind in (((1.2, 2.2, 1.9), "reduction_spread"), ((2.2, 2.4), "reduction_spread_other_phi")):
         rep = Reputation(threshold=3)
         judge(rep, "h1", ratios, kind)
-        SwarmTransport._follow_majority_bans(stub_for(rep, "h2"), ["h1", "h2", "f1", "f2"],
+        stub_for(rep, "h2").follow_majority_bans( ["h1", "h2", "f1", "f2"],
                                              {"h1": [], "h2": [], "f1": ["h1"], "f2": ["h1"]}, banned=[])
         assert rep.banned() == [], ratios
 
@@ -1582,7 +1577,7 @@ def test_a_stale_senders_contributions_are_no_evidence_a_few_times_a_minute_then
         judge(stub, "QmJoiner", -0.31, 1.0, same_lineage=False, stale=True)  # the banned joiner's scores
     assert not rep.is_banned("QmJoiner") and rep.offences("QmJoiner", ("direction",)) == 0
     # kept as this node's own view for following a majority's ban (a flipper the others banned at once)
-    assert rep.suspects("QmJoiner", averaging.FOLLOWED_EVIDENCE)
+    assert rep.suspects("QmJoiner", FOLLOWED_EVIDENCE)
     assert "direction" not in rep.snapshot()["peers"]["QmJoiner"]["scores"]
     now[0] += averaging.STALE_GRACE_S + 1
     for _ in range(averaging.STALE_GRACE):

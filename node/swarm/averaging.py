@@ -43,10 +43,9 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -79,6 +78,12 @@ from locoswarm.node.core.transport import (
 from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.lone import MAX_JOINERS, LonePolicy
+from locoswarm.node.swarm.offences import (
+    FOLLOWED_SHARE,
+    FOLLOWED_VOTERS,
+    STALE_DIRECTION,
+    OffenceBook,
+)
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
@@ -188,41 +193,6 @@ JUDGED_WEIGHT = 0.25
 # bench, tiny preset, clean/flip/sleeper/stateliar windows): honest contributions of another lineage had a
 # lowest mean over 4 of -0.05 (of one lineage: +0.12), a flipper's from another phi a median of -0.25.
 OTHER_LINEAGE_MARGIN = 0.1
-# The judged kinds whose scores are this node's own evidence when it follows the round's majority in a ban
-# (``SwarmTransport._follow_majority_bans``): the directions of the peer's own contributions only. A reduced part's
-# agreement is not the reducer's doing alone: colluders that outvote an honest reducer in its group turn its part,
-# and with their exclusions as the majority they could otherwise get it banned by the other honest members.
-STALE_DIRECTION = "direction_stale"  # the kind of a stale contribution's direction score (``STALE_GRACE``)
-FOLLOWED_EVIDENCE = ("direction", STALE_DIRECTION)
-# ... and the spread of the peer's reduced parts (``_judge_spreads``), where its last parts judged here spread more than
-# SPREAD_BAN times as far as this node's own on the whole (the geometric mean, at least ``MIN_EVIDENCE`` parts): unlike
-# a part's agreement, the spread is not judged in a round where another member's contribution to this node's own
-# part had no pull, and what a member sends a reducer moves its part by at most its share of the weight times the
-# clip radius. Honest parts of 4 + 2 runs, under attack, reached 2.80x as the geometric mean of two in a row, 2.00x
-# of four (SPREAD_BAN's comment). Why: in 3 + 1, once two honest nodes banned a reducer that adds a fixed pattern
-# (``reducedrift``), placement put the third with it in pairs; the two excluders are too few voters to follow
-# without evidence, and the third banned it 4 s later, 14 rounds after its first attack, with its first two
-# parts at 4.00x and 3.4x in hand (robustness bench, 318e346).
-FOLLOWED_SPREAD = ("reduction_spread", "reduction_spread_other_phi")
-# A member that more than this share of at least FOLLOWED_VOTERS of the round's other voters exclude is banned here
-# without evidence of this node's own. Judge and judged are not voters, so c colluders framing an honest member
-# before h - 2 other honest voters reach the share only if c > 2 (h - 2) while c < h: never with at least 3
-# voters. It is what bans colluders on a node that never met them: once the other honest members exclude them,
-# placement keeps them out of its groups (``form_groups``), so it gathers no evidence of its own (robustness
-# bench, 4 honest + 2 ipm: one honest node never banned either). With h honest members it follows c colluders
-# only where h >= 2c (4 + 2: 3 of 4 voters); beyond that its own evidence is needed.
-FOLLOWED_SHARE = Fraction(2, 3)
-FOLLOWED_VOTERS = 3
-# The offences that are this node's own evidence for following the round's (strict) majority in a ban once they
-# number one short of its own ban threshold: what the peer itself sent in its contributions and headers, never a
-# reduced part (colluders turn an honest reducer's part) nor a clock or group view (honest members disagree on
-# those now and then). Why: in 3 + 1, an attacker claiming 10x its weight (or sending 10x values) is refused by
-# every honest reducer; two nodes banned it at their third offence, and then placement kept it out of the third
-# node's groups, which stayed at two offences and had too few voters (2) for ``FOLLOWED_VOTERS`` (robustness
-# bench, out-of-bound kinds, 90 s: weight and values banned by 2 of 3). Two colluders framing an honest member
-# before two honest nodes are a majority too, so one offence (an honest joiner's large first delta) is not enough.
-FOLLOWED_OFFENCES = ("bad_contribution", "bad_weight", "bad_part", "bad_header", "duplicate", "replay",
-                     "forged_sender", "harmful_contribution")
 # The judged kinds whose scores, leaning against a peer (``Reputation.suspects``), keep it from serving this node a
 # catch-up (``SwarmTransport._state_source``) before any ban: the directions of its contributions and of its reduced
 # parts. Why: two drifting colluders with two honest nodes merged rounds between themselves, so their versions ran
@@ -532,23 +502,6 @@ def shunned_dropped(members: list[str], entries: Mapping[str, swarm_pb2.MatchEnt
         if others and all(peer in entries[m].excluded for m in others if m in entries):
             out.remove(peer)
     return out
-
-
-def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]], own: str,
-                      banned: Iterable[str], *, share: Fraction = Fraction(1, 2), min_voters: int = 2) -> list[str]:
-    """The members (other than ``own``) that a strict majority of the round's other voters exclude: the members
-    neither ``own`` nor the judged one nor banned here, at least two of them.
-
-    A member that every other member bans is dropped from the round (``shunned_dropped``), but a colluder never
-    bans its partner, so two colluders are never dropped that way. Once the other honest members ban both, the
-    one honest member left to group with them is outvoted in every group it shares with them: the pair is the
-    median of the others, its own judgements of them are no evidence, and in a robustness-bench run (4 honest
-    + 2 flippers) that node banned one flipper after 95 rounds and never the other. The majority is evidence
-    only together with the node's own (``SwarmTransport._follow_majority_bans``): two colluders among two honest
-    members are a majority against each honest one. With ``share`` 2/3 and ``min_voters`` 3 it is the bound no
-    minority reaches against an honest member (``FOLLOWED_SHARE``)."""
-    shunned = majority_shunned(members, excluded, ignore=[*banned, own], min_voters=min_voters, share=share)
-    return [p for p in members if p in shunned]
 
 
 def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], group: list[str]) -> frozenset[str]:
@@ -992,10 +945,12 @@ class SwarmTransport(Transport):
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         # the node's counters, shared with its state client: one tally of the node's bytes
         self.counters = counters if counters is not None else ByteCounters()
-        self.refusals: deque[str] = deque(maxlen=50)
         self.dial_failures = DialFailures()
         # what members' round headers name of their versions, held against their heartbeats (``versions``, rule 5)
         self.round_claims = RoundClaims()
+        # every refusal of a peer, and the bans this node follows from the others' exclusions
+        self.book = OffenceBook(self.peer_id, reputation, self.round_claims, spread_ban=SPREAD_BAN)
+        self.refusals = self.book.refusals  # the last few, for the status
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
         self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
@@ -1042,48 +997,10 @@ class SwarmTransport(Transport):
                                "locoswarm.node.swarm.dht.start_dht)")
         return owner_subkey(self.peer_id, identity)
 
-    def _follow_majority_bans(self, members: list[str], excluded: Mapping[str, Iterable[str]],
-                              banned: Iterable[str]) -> None:
-        """Ban a member that most of the round's other members exclude (``majority_excluded``) where this node's
-        own judgements of it lean against it too (``Reputation.suspects``: its contributions' directions, or its
-        reduced parts' spread beyond SPREAD_BAN, ``FOLLOWED_SPREAD``) or it counted all but the last of the
-        offences that would ban it here (``FOLLOWED_OFFENCES``) or one of its claims was a lie here
-        (``RoundClaims.lied``); their exclusions alone never ban, unless more
-        than ``FOLLOWED_SHARE`` of at least ``FOLLOWED_VOTERS`` voters exclude it. The ban takes effect from the
-        next round: this round's groups are already agreed."""
-        if self.reputation is None:
-            return
-        overwhelming = set(majority_excluded(members, excluded, self.peer_id, banned, share=FOLLOWED_SHARE,
-                                             min_voters=FOLLOWED_VOTERS))
-        for peer in majority_excluded(members, excluded, self.peer_id, banned):
-            if self.reputation.suspects(peer, FOLLOWED_EVIDENCE):
-                self._offence(peer, "majority_ban", "excluded by most of the round's other members, and this "
-                                                    "node's own judgements of it lean against it", conclusive=True)
-            elif self.reputation.suspects(peer, FOLLOWED_SPREAD, below=-math.log(SPREAD_BAN)):
-                self._offence(peer, "majority_ban", "excluded by most of the round's other members, and its reduced "
-                                                    f"parts spread more than {SPREAD_BAN:g}x as far as this node's "
-                                                    "own here", conclusive=True)
-            elif peer in overwhelming:
-                self._offence(peer, "majority_ban", f"excluded by more than {FOLLOWED_SHARE} of at least "
-                                                    f"{FOLLOWED_VOTERS} of the round's other members",
-                              conclusive=True)
-            elif (own := self.reputation.offences(peer, FOLLOWED_OFFENCES)) >= max(1, self.reputation.threshold - 1):
-                self._offence(peer, "majority_ban", f"excluded by most of the round's other members, after {own} "
-                                                    "offences of its own contributions here", conclusive=True)
-            elif self.round_claims.lied(peer):
-                # a state liar the others banned leaves this node's groups, and with them the rounds that would
-                # prove its next lies here (robustness bench, 3 + 1 replayliar: banned by 2 of 3)
-                self._offence(peer, "majority_ban", "excluded by most of the round's other members, after a "
-                                                    "version claim of its that its own rounds never backed here",
-                              conclusive=True)
-
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
                  forgivable: bool = True) -> None:
-        """Count a refusal of ``peer`` (an offence unless it may be an honest peer's bad luck; ``conclusive``:
-        something this project's code never sends, a ban at once; ``forgivable``: ``Reputation.refuse``)."""
-        self.refusals.append(f"{peer[:12]}: {kind}: {detail}")
-        if self.reputation is not None:
-            self.reputation.refuse(peer, kind, detail, offence=offence, conclusive=conclusive, forgivable=forgivable)
+        """Count a refusal of ``peer`` in the offence book (``OffenceBook.refuse``)."""
+        self.book.refuse(peer, kind, detail, offence=offence, conclusive=conclusive, forgivable=forgivable)
 
     def _stream_refused(self, peer: str, why: str) -> None:
         """A stream refused by the caps. Alone it may be an honest peer's burst, or the server being full
@@ -1155,7 +1072,7 @@ class SwarmTransport(Transport):
             self._offence(peer, "stranger", "stream from a peer that is not a member of this closed swarm",
                           offence=False)
             return "refused: this is a closed swarm, and your peer id is not a member of it"
-        if not self._banned(peer):
+        if not self.book.banned(peer):
             return None
         self._offence(peer, "banned", "stream from a banned peer", offence=False)
         return "refused: this node bans your peer id for now"
@@ -1325,7 +1242,7 @@ class SwarmTransport(Transport):
                 self._digests.pop((req.fragment, req.round), None)
                 return AverageResult.failed(f"{NOT_AT_CONSENSUS_VERSION}: its members hold another version than "
                                             f"this node's {req.version}; it catches up instead", own_weight=req.weight)
-        self._follow_majority_bans(members, excluded, banned)
+        self.book.follow_majority_bans(members, excluded, banned)
         apart = kept_apart(excluded, doubted) if self.deviations.keeps_apart else excluded
         outbound, apart = route_around(members, declared_outbound, undialable, apart)
         group = next(g for g in form_groups(members, req.fragment, req.round, self.group_size, apart, outbound)
@@ -2147,7 +2064,7 @@ class SwarmTransport(Transport):
         """Whom this node keeps out of its rounds and names as excluded in its match entries: the peers it bans, and
         during an alarm the senders only the alarm's bound mutes round after round (no offence counted). A round
         treats them all as banned here, so the others' exclusions of a shunned peer make this node no ban of it
-        (``_follow_majority_bans``) until the alarm lapses."""
+        (``OffenceBook.follow_majority_bans``) until the alarm lapses."""
         banned = self.reputation.banned() if self.reputation is not None else []
         return sorted(set(banned) | set(self.deviations.shunned()))
 

@@ -320,7 +320,7 @@ class Reputation:
     def offences(self, peer: str, kinds: tuple[str, ...]) -> int:
         """How many offences of ``kinds`` this node counted against ``peer`` within the window since its last ban
         ended (forgiven ones not included): the evidence of its own that a node asks before it follows other
-        members' exclusions of a peer it has not banned yet (``SwarmTransport._follow_majority_bans``)."""
+        members' exclusions of a peer it has not banned yet (``OffenceBook.follow_majority_bans``)."""
         with self._lock:
             rec = self._peers.get(peer_key(peer))
             if rec is None:
@@ -346,7 +346,7 @@ class Reputation:
         """Whether this node's own judgements of ``peer`` lean against it: the last ``recent`` scores of each of
         ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below ``below`` (0: on balance). Not a ban by
         itself; the evidence a node asks of its own before it follows other members' bans
-        (``averaging.majority_excluded``), and what
+        (``offences.majority_excluded``), and what
         keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``). With ``within_s``, only where the
         newest of those scores is at most that old: a suspicion nothing renews lapses (a node that no longer meets
         the peer in rounds, on a lineage of its own, gathers no evidence either way)."""

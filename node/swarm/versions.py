@@ -225,7 +225,7 @@ class RoundClaims:
 
     def lied(self, member: str, now: float | None = None) -> bool:
         """Whether any claim of ``member``'s was found a lie within ``CAUGHT_S``: this node's own evidence for
-        following the others' ban of it (``SwarmTransport._follow_majority_bans``)."""
+        following the others' ban of it (``OffenceBook.follow_majority_bans``)."""
         now = time.monotonic() if now is None else now
         return any(member == m and any(now - t < CAUGHT_S for t in lies.values())
                    for (_, m), lies in self._lies.items())

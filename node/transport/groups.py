@@ -17,7 +17,7 @@ PLACEMENT_TRIES = 32  # orders tried when bans conflict (members are few: cheap)
 # that most of the others exclude the company of those that do not (``form_groups``), so that they judge it
 # themselves. Why: left alone in every round, it was never met again by the one honest node that had not yet met
 # it, and with only two other voters (3 honest + 1) their exclusions are no evidence that node follows
-# (``locoswarm.node.swarm.averaging.FOLLOWED_VOTERS``): a flipper was banned by 2 of 3 honest nodes for the whole
+# (``locoswarm.node.swarm.offences.FOLLOWED_VOTERS``): a flipper was banned by 2 of 3 honest nodes for the whole
 # 180 s window (robustness bench, 376bfaf). Rarer probes cost the prober less (a round with the suspect instead of
 # with the others) but leave the ban later: in a pair the prober judges the suspect's contribution against its own
 # (``Agreement.evidence_where``) and needs two such scores (``reputation.MIN_EVIDENCE``). Drawn by a hash, not by the
@@ -146,7 +146,7 @@ def majority_shunned(members: Sequence[str], excluded: Mapping[str, Iterable[str
     the honest members banned one of two, the other was placed with it in every round to spare it a lone (failed)
     round, out of every honest member's groups, so no honest reducer judged it again and it went unbanned for
     minutes (robustness bench, 4 honest + 2 flippers). The swarm also bans such a member on its own evidence
-    (``locoswarm.node.swarm.averaging.majority_excluded``)."""
+    (``locoswarm.node.swarm.offences.majority_excluded``)."""
     skip = set(ignore)
     sets = {p: set(excluded.get(p, ())) for p in members}
     out = set()
