@@ -300,6 +300,29 @@ def test_hostile_cli_refuses_bad_arguments() -> None:
     assert res.returncode == 0 and "inject" in res.stdout and "locoswarm run" in res.stdout
 
 
+def test_split_data_deals_each_directorys_entries_out_to_disjoint_balanced_shares(tmp_path: Path) -> None:
+    """``bench robustness --split-data``: every entry with data files lands in exactly one share, the largest first
+    to the smallest share so far; skipped and empty entries in none; too few entries is a one-line error."""
+    from locoswarm.node.bench.robustness import split_data
+    from locoswarm.node.errors import UserError
+
+    root = tmp_path / "corpus"
+    for name, size in (("big", 9000), ("mid", 5000), ("small", 3000), ("tiny", 1000)):
+        (root / name).mkdir(parents=True)
+        (root / name / "a.txt").write_text("x" * size)
+    (root / "module.py").write_text("y" * 2000)
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "c.txt").write_text("z" * 50_000)
+    (root / "empty").mkdir()
+    (root / "empty" / "image.bin").write_bytes(b"\0" * 100)
+    shares = split_data([str(root)], 2)
+    names = [sorted(Path(e).name for e in share) for share in shares]
+    assert sorted(n for share in names for n in share) == ["big", "mid", "module.py", "small", "tiny"]
+    assert names == [["big", "tiny"], ["mid", "module.py", "small"]]  # 10000 and 10000 bytes
+    with pytest.raises(UserError, match="too few for 6 honest nodes"):
+        split_data([str(root)], 6)
+
+
 def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> None:
     """Both runs' eval loss averaged over the EQUAL_SPAN clock steps before the clock both reached (linear between
     evals where no point falls inside): no extrapolation of either curve, whichever went further."""

@@ -24,10 +24,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from locoswarm.node.bench.hostile import CARRIED_OUT_AT
+from locoswarm.node.config import DataSection
 from locoswarm.node.core.outer_loop import HEALTHY_SLACK
 from locoswarm.node.core.transport import UNSENT_FAILURES
 from locoswarm.node.errors import UserError
@@ -37,6 +39,7 @@ OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge",
 IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
             "statenoise", "versionliar", "replayliar")
 KINDS = ("clean", *OUT_OF_BOUND, *IN_BOUND)
+SPLIT_SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__"})  # never a share (``split_data``)
 CLIENT_KINDS = ("inject", "flood", "download")
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +53,41 @@ TINY_SWARM = {
     "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 10.0, "heartbeat_interval": 0.5},
     "robust": {"health_slack": HEALTHY_SLACK},  # off by default (node/core/outer_loop.py); measured with it on
 }
+
+
+def split_data(paths: Sequence[str], parts: int, extensions: Sequence[str] | None = None) -> list[list[str]]:
+    """``parts`` disjoint shares of the data for non-identically distributed honest nodes (``--split-data``): the
+    entries directly inside each directory of ``paths`` (the standard library's when none: its sub-packages and
+    modules), dealt out by the bytes of their data files, largest first, each to the share smallest so far. Each
+    share is a corpus of its own topics (asyncio to one node, email to another), the data a volunteer brings."""
+    from locoswarm.node.data import discover_files, stdlib_dir
+
+    extensions = DataSection().extensions if extensions is None else extensions
+    roots = [Path(p) for p in paths] or [stdlib_dir()]
+    entries: list[Path] = []
+    for root in roots:
+        if root.is_dir():
+            entries += [e for e in sorted(root.iterdir()) if e.name not in SPLIT_SKIPPED and not e.name.startswith(".")]
+        else:
+            entries.append(root)
+    sized = []
+    for entry in entries:
+        try:
+            size = sum(f.stat().st_size for f in discover_files([str(entry)], extensions))
+        except UserError:  # no data file in it
+            continue
+        if size:
+            sized.append((size, str(entry)))
+    shares: list[list[str]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for size, entry in sorted(sized, reverse=True):
+        i = totals.index(min(totals))
+        shares[i].append(entry)
+        totals[i] += size
+    if any(not share for share in shares):
+        raise UserError(f"--split-data: the data has {len(sized)} entries with data files, too few for {parts} "
+                        "honest nodes; give a directory with more files or sub-directories")
+    return [sorted(share) for share in shares]
 
 
 def write_tiny_config(path: Path) -> Path:
@@ -218,8 +256,9 @@ class ScenarioRun:
     """One scenario: start the swarm, attack, sample, collect, stop everything."""
 
     def __init__(self, scenario: Scenario, root: Path, config: Path, data: list[str], honest: int,
-                 seconds: float, progress=None, nice_others: int = 0) -> None:
+                 seconds: float, progress=None, nice_others: int = 0, shares: list[list[str]] | None = None) -> None:
         self.scenario = scenario
+        self.shares = shares  # each honest node's own data (``split_data``); None: all train on ``data``
         self.nice_others = nice_others
         self.root = root
         self.config = config
@@ -231,10 +270,12 @@ class ScenarioRun:
         self.honest: list[LocalProc] = []
         self.extra: list[LocalProc] = []
 
-    def node_args(self) -> list[str]:
+    def node_args(self, honest: int | None = None) -> list[str]:
+        """A node's arguments; ``honest``: the honest node's index, for its share of split data."""
         # 16 held-out batches per evaluation: with 4, single values scattered by +-20% on a clean swarm
         args = ["--config", str(self.config), "--eval-every", "25", "--eval-batches", "16", "--threads", "1"]
-        return args + (["--data", *self.data] if self.data else [])
+        data = self.shares[honest] if self.shares is not None and honest is not None else self.data
+        return args + (["--data", *data] if data else [])
 
     def spawn(self, name: str, module: list[str], args: list[str], niceness: int = 0) -> LocalProc:
         proc = LocalProc(name, module, [*args, "--state-dir", str(self.root / name)], self.root / name,
@@ -282,13 +323,13 @@ class ScenarioRun:
             (outer.sends_per_h or outer.fragments) / max(1, outer.h))
 
     def start_honest(self) -> str:
-        first = self.spawn("honest0", ["locoswarm.node.cli", "run"], self.node_args())
+        first = self.spawn("honest0", ["locoswarm.node.cli", "run"], self.node_args(0))
         self.honest.append(first)
         addrs = first.wait_for(lambda s: s.get("addrs"), 120, "addresses")["addrs"]
         boot = next((a for a in addrs if "/127.0.0.1/" in a), addrs[0])
         for i in range(1, self.n_honest):
             self.honest.append(self.spawn(f"honest{i}", ["locoswarm.node.cli", "run"],
-                                          [*self.node_args(), "--bootstrap", boot]))
+                                          [*self.node_args(i), "--bootstrap", boot]))
         if self.n_honest > 1:
             for proc in self.honest:
                 proc.wait_for(lambda s: s.get("syncs_ok", 0) >= 2, 180, "two merged rounds")
@@ -510,6 +551,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--render", action="store_true",
                    help="run nothing: write report.md and robustness.png again from --out's results.json (after a "
                         "change of the report's columns)")
+    p.add_argument("--split-data", action="store_true",
+                   help="give each honest node a disjoint share of the data (not identically distributed: the "
+                        "entries of each data directory dealt out by size); attackers and bystanders read all of it")
     p.add_argument("--nice-others", type=int, default=0, metavar="N",
                    help="run the added peers (attackers and bystanders alike) at nice N, so that on a small machine "
                         "the honest nodes keep the cores as they would with the attackers on machines of their own "
@@ -556,9 +600,12 @@ def run_robustness(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     data = [str(Path(d).resolve()) for d in data_paths(args)]
+    shares = split_data(data, args.honest) if args.split_data else None
     setup = {"honest": args.honest, "seconds": args.seconds, "nice_others": args.nice_others,
              "config": args.config or TINY_SWARM,
              "data": data or "the node's default corpus", "scenarios": [s.name for s in scenarios]}
+    if shares is not None:
+        setup["split_data"] = shares
     results: dict[str, dict] = {}
     started = time.perf_counter()
     with local_swarm_runs("robustness", len(scenarios), console) as (tmp, progress, overall):
@@ -567,7 +614,7 @@ def run_robustness(args: argparse.Namespace) -> int:
             root.mkdir()
             config = Path(args.config).resolve() if args.config else write_tiny_config(root / "peers.toml")
             outcome = ScenarioRun(scenario, root, config, data, args.honest, args.seconds, progress,
-                                  nice_others=args.nice_others).run()
+                                  nice_others=args.nice_others, shares=shares).run()
             results[scenario.name] = outcome.summary()
             keep_logs(root, out / "logs" / scenario.name)
             progress.console.print(_one_line(scenario.name, results[scenario.name]))
