@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from locoswarm.node.core.codec_table import CODECS
 from locoswarm.node.errors import ConfigError
 
 
@@ -117,7 +118,7 @@ class OuterSection:
                              help="delay-compensation strength of the 'compensate' method")
     lr: float = setting(0.7, shared=True, min=0.0, max=10.0, min_exclusive=True, help="outer lr eta")
     momentum: float = setting(0.9, shared=True, min=0.0, max=1.0, help="outer Nesterov momentum mu")
-    codec: str = setting("fp4", shared=True, choices=("fp32", "bf16", "int8", "fp4", "lowrank"),
+    codec: str = setting("fp4", shared=True, choices=(*CODECS, "lowrank"),
                          help="payload codec of pseudo-gradients: a block codec, or lowrank (DiLoCoX's adaptive "
                               "low-rank compression of matrices, coded with lowrank_codec)")
     block_size: int = setting(64, shared=True, min=8, max=65536, help="elements per codec scale block")
@@ -132,7 +133,7 @@ class OuterSection:
     lowrank_max_rank: int = setting(32, shared=True, min=1, max=4096,
                                     help="codec lowrank: the largest rank; a matrix is sent low-rank only when its "
                                          "factors at this rank have fewer elements than the matrix")
-    lowrank_codec: str = setting("int8", shared=True, choices=("fp32", "bf16", "int8", "fp4"),
+    lowrank_codec: str = setting("int8", shared=True, choices=CODECS,
                                  help="codec lowrank: the block codec of the low-rank factors and the other tensors")
     schedule: str = setting("fixed", shared=True, choices=("fixed", "adaptive"),
                             help="fixed (evenly spaced offsets) or adaptive (CoCoDC)")

@@ -133,6 +133,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from locoswarm.node.core.codec_table import CODECS
+from locoswarm.node.core.codec_table import codec_bits as table_bits
 from locoswarm.node.core.late_window import AUTO, late_window
 from locoswarm.node.errors import UserError
 
@@ -140,7 +142,6 @@ from locoswarm.node.errors import UserError
 # Constants
 # --------------------------------------------------------------------------------------------------
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")  # widest first
 BLOCK_SIZE = 64  # elements per fp32 codec scale (locoswarm.node.core.codecs default)
 PHASES = 2  # reduce-scatter + all-gather, one latency each
 ROUND_OVERHEAD_S = 1.0  # O: fixed seconds per sync (matchmaking, group formation; see the docstring)
@@ -278,16 +279,10 @@ def _parse_int(value: str, flag: str, low: int, high: int | None = None) -> int:
 # --------------------------------------------------------------------------------------------------
 
 def codec_bits(codec: str, block_size: int = BLOCK_SIZE) -> float:
-    """Wire bits per parameter of a codec, scale overhead included (fp4 at block 64: 4.5)."""
-    if codec == "fp32":
-        return 32.0
-    if codec == "bf16":
-        return 16.0
-    if codec == "int8":
-        return 8.0 + 32.0 / block_size
-    if codec == "fp4":
-        return 4.0 + 32.0 / block_size
-    raise UserError(f"codec: cannot use {codec!r}; expected one of {', '.join(CODECS)}")
+    """Wire bits per parameter of a codec, scale overhead included (fp4 at block 64: 4.5; ``core/codec_table.py``)."""
+    if codec not in CODECS:
+        raise UserError(f"codec: cannot use {codec!r}; expected one of {', '.join(CODECS)}")
+    return table_bits(codec, block_size)
 
 
 def ring_factor(workers: int) -> float:

@@ -68,6 +68,26 @@ def test_bits_per_element() -> None:
     assert get_codec("fp4", 64).encoded_size(65) == 2 * 4 + 33
 
 
+def test_the_codec_table_is_what_the_codecs_encode_and_what_the_config_allows() -> None:
+    """``core/codec_table.py`` is the torch-free home of the codecs' names and wire cost (the planner and the
+    configuration read it): each codec's encoded size over whole blocks is exactly its ``codec_bits``."""
+    from locoswarm.node.config import config_from_dict
+    from locoswarm.node.core.codec_table import ELEMENT_BITS, codec_bits
+    from locoswarm.node.errors import ConfigError
+
+    assert set(ELEMENT_BITS) == set(CODECS)
+    for name in CODECS:
+        for block in (8, 64, 256):
+            codec = get_codec(name, block)
+            assert codec.bits == ELEMENT_BITS[name]
+            assert codec.bits_per_element(block * 100) == pytest.approx(codec_bits(name, block)), (name, block)
+    for name in CODECS:
+        cfg = config_from_dict({"outer": {"codec": name, "lowrank_codec": name}}).outer
+        assert (cfg.codec, cfg.lowrank_codec) == (name, name)
+    with pytest.raises(ConfigError, match='"fp32", "bf16", "int8", "fp4", "lowrank"'):
+        config_from_dict({"outer": {"codec": "fp8"}})
+
+
 def test_codec_attributes() -> None:
     for name, bits in zip(CODECS, (32, 16, 8, 4), strict=True):
         codec = get_codec(name, 32)

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from locoswarm.node.core.codec_table import CODECS
+
 __all__ = [
     "CODECS",
     "FP4_LEVELS",
@@ -42,7 +44,6 @@ __all__ = [
     "quantization_error",
 ]
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp4")
 # Bytes per element of the widest codec (fp32); int8 and fp4 take at most 1.5 and 1.0 at the smallest block size, 8.
 MAX_BYTES_PER_ELEMENT = 4
 
