@@ -379,7 +379,7 @@ def corpus_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.int16) if vocab_size <= 1 << 15 else np.dtype(np.int32)
 
 
-def _tokenize(tokenizer, data: bytes) -> np.ndarray:
+def tokenize_bytes(tokenizer, data: bytes) -> np.ndarray:
     """``data``'s tokens in :func:`corpus_dtype`."""
     dtype = corpus_dtype(tokenizer.vocab_size)
     if hasattr(tokenizer, "encode_bytes"):
@@ -496,7 +496,7 @@ def load_corpus(paths: Sequence[str], data_cfg: DataSection, tokenizer, *,
     blocks = _TokenBlocks(corpus_dtype(tokenizer.vocab_size))
     for key, data in reader.documents():
         keys.append(key)
-        docs.append(blocks.add(_tokenize(tokenizer, data)))
+        docs.append(blocks.add(tokenize_bytes(tokenizer, data)))
     del blocks  # the views in docs keep the blocks they need
     where = _name_paths(paths)
     binary = reader.skipped_binary

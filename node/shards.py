@@ -31,12 +31,12 @@ import torch
 
 from locoswarm.node.data import (
     SEGMENT_BYTES,
-    _tokenize,
     discover_files,
     is_binary,
     segments_of,
     split_value,
     stream_segments,
+    tokenize_bytes,
 )
 from locoswarm.node.errors import UserError
 
@@ -283,7 +283,7 @@ def prepare(paths: Sequence[str], out: Path, data_cfg, tokenizer, tokenizer_spec
             docs = _chain(docs, _hf_dataset(hf, data_cfg.text_field, SEGMENT_BYTES, stats))
         for key, data in docs:
             split = "eval" if split_value(key, data_cfg.seed) < data_cfg.eval_fraction else "train"
-            tokens = np.asarray(_tokenize(tokenizer, data), dtype=np.int64)
+            tokens = np.asarray(tokenize_bytes(tokenizer, data), dtype=np.int64)
             writers[split].add(np.concatenate([tokens, eos]))
             if on_progress is not None:
                 on_progress(stats.bytes)
