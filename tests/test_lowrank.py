@@ -25,7 +25,7 @@ from locoswarm.node.config import (
     fingerprint,
 )
 from locoswarm.node.core.codecs import get_codec
-from locoswarm.node.core.compress import BlockCompressor, make_compressor, wire_codec
+from locoswarm.node.core.compress import BlockCompressor, wire_codec
 from locoswarm.node.core.lowrank import (
     GROW_BELOW,
     SHRINK_ABOVE,
@@ -34,7 +34,7 @@ from locoswarm.node.core.lowrank import (
     LowRankLayout,
     lowrank_bits_per_element,
 )
-from locoswarm.node.core.outer_loop import OuterLoop
+from locoswarm.node.core.outer_loop import OuterLoop, make_compressor
 from locoswarm.node.core.payload import decode_chunks, payload_size
 from locoswarm.node.core.transport import AverageRequest
 from locoswarm.node.data import ByteTokenizer, load_corpus

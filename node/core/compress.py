@@ -9,14 +9,13 @@ such a vector and turns the group's mean of those vectors back into a dense aver
   coefficients of the fragment's matrices on a basis the group shares, so that the group's mean of the
   coefficients is the compression of the mean (DiLoCoX's adaptive low-rank compression).
 
-The outer loop chooses one once from the config (:func:`make_compressor`) and asks it; it never tests the
+The outer loop chooses one once from the config (``outer_loop.make_compressor``) and asks it; it never tests the
 codec's name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,13 +105,3 @@ def wire_codec(outer: OuterSection) -> Codec:
     """The block codec of the vectors a swarm's reducers average under these settings."""
     inner = outer.lowrank_codec if outer.codec == "lowrank" else outer.codec
     return get_codec(inner, outer.block_size)
-
-
-def make_compressor(outer: OuterSection, fragments: Sequence[tuple[int, Sequence[tuple[int, ...]]]]) -> Compressor:
-    """The compressor ``[outer] codec`` names; ``fragments``: (index, shapes of its tensors) per fragment."""
-    if outer.codec == "lowrank":
-        from locoswarm.node.core.lowrank import LowRankCompressor
-
-        return LowRankCompressor(fragments, wire_codec(outer), rank=outer.lowrank_rank,
-                                 min_rank=outer.lowrank_min_rank, max_rank=outer.lowrank_max_rank)
-    return BlockCompressor(wire_codec(outer))

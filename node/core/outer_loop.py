@@ -41,7 +41,7 @@ import torch
 
 from locoswarm.node.config import OuterSection
 from locoswarm.node.core.codecs import get_codec
-from locoswarm.node.core.compress import Encoded, make_compressor
+from locoswarm.node.core.compress import BlockCompressor, Compressor, Encoded, wire_codec
 from locoswarm.node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
 from locoswarm.node.core.guard import (
     GuardLimits,
@@ -54,6 +54,7 @@ from locoswarm.node.core.guard import (
 )
 from locoswarm.node.core.judge import EffectJudge
 from locoswarm.node.core.late_window import has_late_window, late_window, stall_budget
+from locoswarm.node.core.lowrank import LowRankCompressor
 from locoswarm.node.core.merge import LateRule, make_merge_rule
 from locoswarm.node.core.outer_optimizer import NesterovOuterOptimizer
 from locoswarm.node.core.payload import decode_chunks, encode_chunks
@@ -275,6 +276,14 @@ class _Pending:
     phi_norm: float = 0.0     # norm of phi when it was sent (the yardstick when it contributed nothing)
     ticket: object | None = None  # what the compressor needs to read the result (locoswarm.node.core.compress)
     wire_numel: int = 0       # elements of the vector the group averaged (the fragment's, unless low-rank)
+
+
+def make_compressor(outer: OuterSection, fragments: Sequence[tuple[int, Sequence[tuple[int, ...]]]]) -> Compressor:
+    """The compressor ``[outer] codec`` names; ``fragments``: (index, shapes of its tensors) per fragment."""
+    if outer.codec == "lowrank":
+        return LowRankCompressor(fragments, wire_codec(outer), rank=outer.lowrank_rank,
+                                 min_rank=outer.lowrank_min_rank, max_rank=outer.lowrank_max_rank)
+    return BlockCompressor(wire_codec(outer))
 
 
 class OuterLoop:
