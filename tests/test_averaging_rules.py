@@ -1222,6 +1222,45 @@ def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
         yield req, bounds, parts
 
 
+def test_a_part_refused_for_its_direction_is_judged_for_its_spread_before_the_round_fails() -> None:
+    """A reducer whose parts point against ours from another phi (refused, no blame: honest reducers of another
+    lineage do that too) was refused round after round and never banned, its spread never judged (3 + 1
+    ``reducedrift``, 151 refusals, +31%). ``_judge_parts`` judges every part's spread first, then fails the round
+    with the direction refusal; a part whose spread is far beyond an honest one's bans its reducer in a few rounds,
+    and an honest part refused for its direction alone bans nobody."""
+    from locoswarm.node.core.payload import chunk_bounds
+    from locoswarm.node.swarm.averaging import SPREAD_WINDOW, _PartResult, part_geometry
+    from locoswarm.node.swarm.reputation import Reputation
+
+    def part(reducer: str, seed: int, drift: float = 0.0, refused: str = "") -> _PartResult:
+        req, chunks = _spread_round(seed, 4, drift)
+        return _PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)),
+                           same_lineage=False, refused=refused)
+
+    stub = SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: None)
+    stub._judge_spreads = lambda *a: SwarmTransport._judge_spreads(stub, *a)
+    stub._judge_persistence = lambda *a: None
+    against = "peer {} sent a reduced part that points against this node's own progress (agreement -0.14)"
+    bounds = chunk_bounds(NUMEL, 64)
+
+    def judge(r: int, *others: _PartResult) -> str:
+        req, _ = _spread_round(3 * r, 4)
+        with pytest.raises(PartRefused) as refused:
+            SwarmTransport._judge_parts(stub, req, CODEC, bounds, [part("QmMe", 3 * r), *others])
+        return str(refused.value)
+
+    for r in range(3 * SPREAD_WINDOW):  # an honest part refused for its direction: the round fails, nobody banned
+        assert judge(r, part("QmH", 3 * r + 1, refused=against.format("QmH"))) == against.format("QmH")
+    assert not stub.reputation.is_banned("QmH")
+    reasons = []
+    for r in range(3 * SPREAD_WINDOW, 4 * SPREAD_WINDOW):  # a pattern added, refused for its direction as well
+        reasons.append(judge(r, part("QmH", 3 * r + 1), part("QmD", 3 * r + 2, 6.0, refused=against.format("QmD"))))
+        if stub.reputation.is_banned("QmD"):
+            break
+    assert stub.reputation.is_banned("QmD") and not stub.reputation.is_banned("QmH"), reasons
+    assert all("QmD" in why for why in reasons)
+
+
 def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence_an_honest_one_never() -> None:
     """``reducenudge`` (0.8x its part's rms in a fixed pattern) stays inside the spread bounds, but its part's
     residual (orthogonal to our contribution) persists round after round more than the honest reducers' (whose
