@@ -77,7 +77,7 @@ from locoswarm.node.core.transport import (
 )
 from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.dial_failures import DialFailures
-from locoswarm.node.swarm.lone import MAX_JOINERS, LonePolicy
+from locoswarm.node.swarm.lone import LonePolicy
 from locoswarm.node.swarm.offences import (
     FOLLOWED_SHARE,
     FOLLOWED_VOTERS,
@@ -216,7 +216,7 @@ SUSPECT_SOURCE_S = 60.0
 WINDOW_STEPS = 4.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
-MAX_TRACKED = MAX_JOINERS    # peers held in any per-peer pause or probe table (first come)
+MAX_TRACKED = 256            # peers held in any per-peer pause or probe table (first come; a flood cannot grow one)
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
 WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
 PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
@@ -953,7 +953,6 @@ class SwarmTransport(Transport):
         self.round_claims = RoundClaims()
         # every refusal of a peer, and the bans this node follows from the others' exclusions
         self.book = OffenceBook(self.peer_id, reputation, self.round_claims, spread_ban=SPREAD_BAN)
-        self.refusals = self.book.refusals  # the last few, for the status
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
         self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
@@ -999,6 +998,11 @@ class SwarmTransport(Transport):
             raise RuntimeError("the DHT has no identity key to sign match entries with (start it with "
                                "locoswarm.node.swarm.dht.start_dht)")
         return owner_subkey(self.peer_id, identity)
+
+    @property
+    def refusals(self) -> Sequence[str]:
+        """The last few refusals of peers, newest last (the offence book's; for the status)."""
+        return self.book.refusals
 
     def _offence(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
                  forgivable: bool = True) -> None:
