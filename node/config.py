@@ -156,7 +156,7 @@ class OuterSection:
                                   "beyond (0 = carry it forever, unbounded)")
 
 
-#: The widest matchmaking window a round may agree on, seconds (``swarm.averaging.agreed_window``): members wait
+#: The widest matchmaking window a round may agree on, seconds (``swarm.matchmaking.agreed_window``): members wait
 #: for each other at most this long, whatever a member's window claims.
 MAX_WINDOW_S = 60.0
 

@@ -20,25 +20,27 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
-    NO_SHOW_ROUNDS,
     SPREAD_BAN,
     SPREAD_BAN_OTHER_PHI,
     SPREAD_WINDOW,
     UNLINED_HARM,
-    MatchView,
-    NoShows,
     PartRefused,
     SwarmTransport,
     _Reduction,
-    agreed_window,
-    awaited,
     group_hash,
     idle_reducers,
-    match_entry,
-    peer_tag,
     plausible_version,
 )
 from locoswarm.node.swarm.dial_failures import DialFailures
+from locoswarm.node.swarm.matchmaking import (
+    NO_SHOW_ROUNDS,
+    MatchView,
+    NoShows,
+    agreed_window,
+    awaited,
+    match_entry,
+    peer_tag,
+)
 from locoswarm.node.swarm.offences import (
     FOLLOWED_EVIDENCE,
     FOLLOWED_OFFENCES,
@@ -891,12 +893,28 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
 
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:
     """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round."""
-    from locoswarm.node.swarm.averaging import MAX_WINDOW_S, WINDOW_STEPS
+    from locoswarm.node.config import MAX_WINDOW_S
+    from locoswarm.node.swarm.lone import LonePolicy
+    from locoswarm.node.swarm.matchmaking import WINDOW_STEPS, Matchmaker
+    from locoswarm.node.swarm.standing import StandingMembers
+    from locoswarm.node.swarm.versions import RoundClaims
+    from locoswarm.node.swarm.view import SwarmView
+
+    class Paced(SwarmView):
+        def __init__(self, step: float) -> None:
+            self.step = step
+
+        def step_time(self) -> float:
+            return self.step
 
     for step, expected in [(0.0, 5.0), (float("nan"), 5.0), (0.26, 5.0), (4.9, WINDOW_STEPS * 4.9),
                            (1e6, MAX_WINDOW_S)]:
-        stub = SimpleNamespace(matchmaking_timeout=5.0, view=SimpleNamespace(step_time=lambda s=step: s))
-        assert SwarmTransport.window(stub) == pytest.approx(expected), step
+        view = Paced(step)
+        matchmaker = Matchmaker(None, "QmA", swarm_key="swarm", subkey="QmA", matchmaking_timeout=5.0, view=view,
+                                lone=LonePolicy(view), deviations=DeviationMemory(), dial_failures=DialFailures(),
+                                book=OffenceBook("QmA", None, RoundClaims(), spread_ban=SPREAD_BAN),
+                                standing=StandingMembers(True))
+        assert matchmaker.window() == pytest.approx(expected), step
 
 
 def test_the_node_warns_once_when_a_fragments_rounds_come_faster_than_the_window(caplog) -> None:
@@ -921,8 +939,8 @@ def test_the_node_warns_once_when_a_fragments_rounds_come_faster_than_the_window
 
 
 def test_members_close_the_round_on_the_longest_trusted_window() -> None:
+    from locoswarm.node.config import MAX_WINDOW_S
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import MAX_WINDOW_S
 
     req = AverageRequest(fragment=0, round=40, chunks=[], weight=1.0, numel=0, codec="fp4", version=3)
     entries = {"QmA": match_entry("QmA", req, 10.0, window=18.0), "QmB": match_entry("QmB", req, 10.5, window=21.0),
@@ -937,7 +955,7 @@ def _closed_lists(arrivals: dict[str, float], windows: dict[str, float]) -> dict
     """Each member's list as ``_matchmake`` closes it on its window (no member expected in full, no grace), every
     member reading every entry stored by then."""
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import closed_before
+    from locoswarm.node.swarm.matchmaking import closed_before
 
     req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
     entries = {p: match_entry(p, req, a, window=windows[p]) for p, a in arrivals.items()}
@@ -1047,7 +1065,7 @@ def test_a_peer_every_other_member_excludes_is_dropped_from_the_round_whoever_sa
     its window or not, every member forms the round without it; X's own exclusions drop nobody, and a peer
     only some members exclude stays (grouping keeps it apart from those)."""
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import shunned_dropped
+    from locoswarm.node.swarm.matchmaking import shunned_dropped
 
     req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
     honest = {p: match_entry(p, req, 1.0, excluded=["QmX"]) for p in ("QmA", "QmB", "QmC")}
@@ -1578,7 +1596,7 @@ def test_a_member_most_of_the_round_doubts_reduces_no_part_and_no_minority_takes
 
 def test_a_match_entry_carries_whom_its_author_doubts_bounded() -> None:
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import MAX_EXCLUDED
+    from locoswarm.node.swarm.matchmaking import MAX_EXCLUDED
 
     req = AverageRequest(fragment=0, round=8, chunks=[], weight=1.0, numel=0, codec="fp4", version=1)
     assert list(match_entry("QmA", req, 1.0, doubted=["QmZ", "QmY"]).doubted) == ["QmY", "QmZ"]

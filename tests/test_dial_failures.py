@@ -8,8 +8,8 @@ import pytest
 from locoswarm.node.bench.swarm import netns, spec
 from locoswarm.node.core.transport import AverageRequest
 from locoswarm.node.errors import UserError
-from locoswarm.node.swarm.averaging import match_entry
 from locoswarm.node.swarm.dial_failures import MAX_LISTED, DialFailures
+from locoswarm.node.swarm.matchmaking import match_entry
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.transport.groups import form_groups, route_around
 from locoswarm.protocol import swarm_pb2

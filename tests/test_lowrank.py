@@ -44,7 +44,8 @@ from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
 from locoswarm.node.sim.methods import method_config
 from locoswarm.node.sim.simulator import SimSpec, simulate
-from locoswarm.node.swarm.averaging import SwarmTransport, _Reduction, match_entry
+from locoswarm.node.swarm.averaging import SwarmTransport, _Reduction
+from locoswarm.node.swarm.matchmaking import match_entry
 from locoswarm.node.swarm.wire import WireError
 from locoswarm.node.transport.inprocess import InProcessHub
 from locoswarm.protocol import swarm_pb2

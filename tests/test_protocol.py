@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from locoswarm.protocol import swarm_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,11 +33,9 @@ def test_heartbeat_stays_small_with_many_fragments():
 def test_adaptive_slot_leader_state_becomes_the_schedule_hint() -> None:
     """In an adaptive-schedule slot, a member whose pick or state differs from the member with the smallest
     peer id is told that leader's state (to adopt); equal states, or being the leader, give no hint."""
-    from types import SimpleNamespace
-
     from locoswarm.node.core.schedule import ScheduleState
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import ScheduleHint, SwarmTransport, match_entry
+    from locoswarm.node.swarm.matchmaking import ScheduleHint, leader_schedule, match_entry
 
     def request(fragment: int, last_send: tuple, shared_r: tuple | None) -> AverageRequest:
         return AverageRequest(fragment=fragment, round=40, chunks=[], numel=0, weight=1.0, version=3,
@@ -44,14 +44,14 @@ def test_adaptive_slot_leader_state_becomes_the_schedule_hint() -> None:
     leader_req = request(0, (None, 32), None)
     mine = request(1, (36, 32), (0.25, 0.5))
     entries = {"QmA": match_entry("QmA", leader_req, 1.0), "QmB": match_entry("QmB", mine, 1.1)}
-    me = SimpleNamespace(peer_id="QmB", schedule_hint=None)
-    SwarmTransport._check_schedule(me, mine, entries["QmB"], entries)
-    assert me.schedule_hint == ScheduleHint(40, 0, ScheduleState((None, 32), None), "QmA")
+    assert leader_schedule("QmB", mine, entries["QmB"], entries) == \
+        ScheduleHint(40, 0, ScheduleState((None, 32), None), "QmA")
     agreeing = request(0, (None, 32), None)
-    me = SimpleNamespace(peer_id="QmB", schedule_hint=None)
-    SwarmTransport._check_schedule(me, agreeing, match_entry("QmB", agreeing, 1.1),
-                                   {"QmA": entries["QmA"], "QmB": match_entry("QmB", agreeing, 1.1)})
-    assert me.schedule_hint is None
-    leader = SimpleNamespace(peer_id="QmA", schedule_hint=None)
-    SwarmTransport._check_schedule(leader, leader_req, entries["QmA"], entries)
-    assert leader.schedule_hint is None
+    assert leader_schedule("QmB", agreeing, match_entry("QmB", agreeing, 1.1),
+                           {"QmA": entries["QmA"], "QmB": match_entry("QmB", agreeing, 1.1)}) is None
+    assert leader_schedule("QmA", leader_req, entries["QmA"], entries) is None
+    # a leader whose state is malformed (a shared_r of the wrong length) is its offence, not a hint
+    bad = match_entry("QmA", leader_req, 1.0)
+    bad.shared_r.extend([0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="malformed schedule state"):
+        leader_schedule("QmB", mine, entries["QmB"], {"QmA": bad, "QmB": entries["QmB"]})

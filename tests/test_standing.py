@@ -123,10 +123,10 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
 
         first = round_(10, [5, 5])
         assert all(r.ok and r.max_version == 5 for r in first), [(r.ok, r.error, r.max_version) for r in first]
-        assert all(t.standing.used == 0 for t in transports)
+        assert all(t.standing_rounds() == 0 for t in transports)
         second = round_(20, [5, 6])  # the first member is a version behind
         assert all(r.ok for r in second), [r.error for r in second]
-        assert [t.standing.used for t in transports] == [1, 1], "the second round took the standing members"
+        assert [t.standing_rounds() for t in transports] == [1, 1], "the second round took the standing members"
         assert [r.max_version for r in second] == [6, 6], "both members know the group's newest version"
         assert torch.allclose(second[0].average, torch.full((100,), 1.7))
         assert transports[0].latest_version(0) == 7, "the member behind learns the group's next version"
@@ -167,12 +167,12 @@ def test_a_round_a_reducer_completed_without_a_member_leaves_no_list_standing(tm
         assert all(r.ok and r.group_size == 3 and r.missing == 0 for r in first), [(r.ok, r.error) for r in first]
         second = round_(20, [0, 1])  # the outbound-only member does not come
         assert all(r.ok for r in second), [r.error for r in second]
-        assert [t.standing.used for t in transports[:2]] == [1, 1], "the second round stood on the list of three"
+        assert [t.standing_rounds() for t in transports[:2]] == [1, 1], "the second round stood on the list of three"
         assert all(r.missing >= 1 for r in second), [r.missing for r in second]
         third = round_(30, [0, 1, 2])
         assert all(r.ok and r.group_size == 3 for r in third), [(r.ok, r.error, r.group_size) for r in third]
         # the two that merged the incomplete round matchmade (the third stood on the first round's list, as before)
-        assert [t.standing.used for t in transports[:2]] == [1, 1], "the round after an incomplete one matchmade"
+        assert [t.standing_rounds() for t in transports[:2]] == [1, 1], "the round after an incomplete one matchmade"
     finally:
         _stop(transports, runtimes, dhts)
 
@@ -244,7 +244,7 @@ def test_a_member_the_others_doubt_reduces_no_part_and_every_round_still_merges(
         # the first round gave the reducers the differences to measure persistence with; from the second on the
         # doubted member is muted in every part (none is its own): the average is the honest three's mean
         assert torch.allclose(results[0].average, torch.full((N,), 2.2)), results[0].average[:4]
-        assert [t.standing.used for t in transports] == [1, 1, 1, 1], "the second round took the standing members"
+        assert [t.standing_rounds() for t in transports] == [1, 1, 1, 1], "the second round took the standing members"
     finally:
         _stop(transports, runtimes, dhts)
 
@@ -274,6 +274,6 @@ def test_with_a_drift_ceiling_a_member_the_others_keep_apart_is_in_none_of_their
             assert not results[3].ok and NO_PEER_IN_GROUP in (results[3].error or ""), results[3].error
             assert all({o.reducer for o in r.parts} == set(ids[:3]) for r in results[:3])
             assert torch.allclose(results[0].average, torch.full((N,), 2.0 + number / 100)), results[0].average[:4]
-        assert [t.standing.used for t in transports[:3]] == [1, 1, 1], "the second round took the standing members"
+        assert [t.standing_rounds() for t in transports[:3]] == [1, 1, 1], "the second round took the standing members"
     finally:
         _stop(transports, runtimes, dhts)

@@ -2,19 +2,13 @@
 
 A round of fragment ``p`` started at swarm step ``r``:
 
-1. **Matchmaking** through the DHT: each member stores a signed ``MatchEntry`` under the round's key
-   (under its owner subkey, see ``locoswarm.node.swarm.records``: nobody can enter a round in another peer's name)
-   and polls it until every peer it expects (live, not banned, not a no-show) and every peer the other
-   members' entries say they expect (``awaited``) has arrived, or the window (``network.matchmaking_timeout``,
-   or four of the swarm's inner steps where those are longer, after the first arrival) closes. Members
-   are sorted, shuffled by a seed derived from (p, r) and cut into balanced groups of at most
-   ``network.group_size``: random groups that change from round to round
-   (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its
-   entry; grouping never puts two peers in one group when one of them excludes the other, so every
-   member computes the same groups and a banned peer ends up alone. Under the adaptive schedule all
-   members of a send slot meet under one key whatever fragment they picked; a member whose pick or
-   schedule state differs from the slot leader's (smallest peer id) is told the leader's state to adopt.
-   A node with no live peer at all is a swarm of one: its round "averages" its own contribution.
+1. **Matchmaking** through the DHT (``locoswarm.node.swarm.matchmaking``): the members agree on the round's member
+   list. Members are sorted, shuffled by a seed derived from (p, r) and cut into balanced groups of at most
+   ``network.group_size`` (``locoswarm.node.transport.groups``): random groups that change from round to round
+   (2 = pairwise gossip; as large as the swarm = all-reduce). A member lists the peers it bans in its entry;
+   grouping never puts two peers in one group when one of them excludes the other, so every member computes the
+   same groups and a banned peer ends up alone. A node with no live peer at all is a swarm of one: its round
+   "averages" its own contribution (``locoswarm.node.swarm.lone``).
 2. **Exchange**: reduce-scatter then all-gather of the exact codec chunks (``locoswarm.node.transport.reduce``):
    member ``i`` streams its chunks of part ``j`` to member ``j`` (a member that most of the round doubts for its
    standing drift reduces no part: ``idle_reducers``; nor does one peers cannot dial, to which nobody opens a
@@ -50,12 +44,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from locoswarm.node.config import MAX_WINDOW_S, RobustSection, longest_round_s
+from locoswarm.node.config import RobustSection, longest_round_s
 from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DeviationMemory, sample_index
 from locoswarm.node.core.robust import make_aggregator
-from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.step_log import REPLAY_DEPTH
 from locoswarm.node.core.transport import (
     BASIS_MISMATCH,
@@ -78,6 +71,15 @@ from locoswarm.node.core.transport import (
 from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.lone import LonePolicy
+from locoswarm.node.swarm.matchmaking import (
+    MAX_BASIS_TAG,
+    MAX_EXPECTED,
+    MAX_VIEWS,
+    SHUNNED_CUT,
+    Matchmaker,
+    ScheduleHint,
+    own_subkey,
+)
 from locoswarm.node.swarm.offences import (
     FOLLOWED_SHARE,
     FOLLOWED_VOTERS,
@@ -119,9 +121,6 @@ MAX_REFUSED_ROUNDS = 64      # rounds for which streams refused before the group
 # packets), counted as a dial failure. Opening a stream on a connection takes a round trip, a new connection a
 # few, well under a second even on a 5 Mbit/s link full of parts.
 DIAL_PATIENCE_S = 5.0
-MAX_EXCLUDED = 32            # banned peers one match entry may list (keeps the record far below 8 KiB)
-MAX_EXPECTED = 64            # awaited peers one match entry may name (4-byte tags: 256 bytes)
-MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a fragment + a hash)
 MAX_HEADER_BYTES = 64 * 1024
 FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make one offence (a flood)
 MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
@@ -210,12 +209,6 @@ SUSPECT_SOURCE = ("direction", "reduction", "reduction_other_phi")
 SUSPECT_SOURCE_S = 60.0
 
 
-# The matchmaking window is at least this many of the swarm's inner steps (capped): members reach a slot up to
-# a few steps apart in wall time (their swarm clocks differ by a step or two), and with a 26M-parameter model on
-# a small machine (5-6 s per step) a fixed 5 s window merged 0 of 17 rounds, unshaped; 3 steps merged 5 of 13.
-WINDOW_STEPS = 4.0
-NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
-MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
 MAX_TRACKED = 256            # peers held in any per-peer pause or probe table (first come; a flood cannot grow one)
 REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
 WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
@@ -245,7 +238,6 @@ STALE_GRACE = 2
 STALE_GRACE_S = 60.0
 
 
-SHUNNED_CUT = "; this node dropped: every other member excludes it"
 
 
 def _pause_source(paused: dict[str, float], peer: str, seconds: float) -> None:
@@ -254,65 +246,6 @@ def _pause_source(paused: dict[str, float], peer: str, seconds: float) -> None:
     paused[peer] = max(time.monotonic() + seconds, paused.get(peer, -math.inf))
     while len(paused) > MAX_TRACKED:
         paused.pop(next(iter(paused)))
-
-
-@dataclass
-class MatchView:
-    """How this node formed a round's member list (kept to explain a group mismatch afterwards)."""
-
-    members: list[str]
-    expected: set[str]
-    first: float           # the first arrival (DHT time): the window opened then
-    window_end: float      # entries that arrived after this are not members
-    decided: float         # DHT time at which this node stopped waiting
-    cut: str               # why it stopped: "all expected", "grace" or "window" (+ SHUNNED_CUT)
-
-    def explain(self, entries: Mapping[str, float]) -> str:
-        """One line: this view next to ``entries`` (peer -> arrival) the round's key holds now."""
-        def ids(peers: Iterable[str]) -> str:
-            return "[" + " ".join(sorted(p[-6:] for p in peers)) + "]"
-        late = [p for p, a in entries.items() if p not in self.members and a > self.window_end]
-        unseen = [p for p, a in entries.items() if p not in self.members and a <= self.window_end]
-        missing = self.expected - set(entries)
-        late_by = "[" + " ".join(f"{p[-6:]}+{entries[p] - self.window_end:.1f}s" for p in sorted(late)) + "]"
-        return (f"formed {ids(self.members)} ({self.cut}, {self.decided - self.first:.2f} s after the first "
-                f"arrival); since then arrived late {late_by}, in time but unseen then {ids(unseen)}, "
-                f"never {ids(missing)}")
-
-
-class NoShows:
-    """Live peers that keep missing rounds. A peer that heartbeats but has not entered the last
-    ``NO_SHOW_ROUNDS`` rounds this node was in at all (a clock far from the swarm's, a broken or hostile
-    node) is no longer waited for: without this every round would wait the whole matchmaking window for
-    it. It is still a member of any round it does enter in time, and entering a round, even too late,
-    clears its record (``SwarmTransport._record_no_shows``): a straggler is waited for again."""
-
-    def __init__(self, rounds: int = NO_SHOW_ROUNDS) -> None:
-        self.rounds = rounds
-        self._missed: dict[str, int] = {}
-
-    def skipped(self) -> set[str]:
-        """The peers not waited for now."""
-        return {p for p, n in self._missed.items() if n >= self.rounds}
-
-    def record(self, expected: set[str], members: set[str], live: set[str]) -> None:
-        """One round closed: ``expected`` peers were waited for (or skipped), ``members`` came."""
-        for peer in expected - members:
-            self._missed[peer] = self._missed.get(peer, 0) + 1
-        for peer in [p for p in self._missed if p in members or p not in live]:
-            del self._missed[peer]  # it came, or it left the swarm: bounded by the live peers
-
-
-class Matched(NamedTuple):
-    """A round's member list and what their match entries said (a standing round: what the last merged one's did)."""
-
-    members: list[str]
-    versions: dict[str, int]          # the outer versions claimed (a standing round knows only its own)
-    excluded: dict[str, list[str]]    # each member's bans
-    bases: dict[str, bytes]           # each member's low-rank basis tag
-    doubted: dict[str, list[str]]     # whom each member mutes for their standing drift
-    outbound: frozenset[str] = frozenset()  # members peers cannot dial (``locoswarm.node.swarm.reachability``)
-    undialable: Mapping[str, list[str]] = {}  # whom each member's dials failed to lately (``dial_failures``)
 
 
 class RoundRefused(RuntimeError):
@@ -363,41 +296,6 @@ class ByteCounters:
         return sum(self.received_by_peer.values())
 
 
-@dataclass(frozen=True)
-class ScheduleHint:
-    """The adaptive schedule's state to adopt: ``leader`` picked ``fragment`` from ``state`` at ``round``."""
-
-    round: int
-    fragment: int
-    state: ScheduleState
-    leader: str
-
-
-def match_entry(peer_id: str, req: AverageRequest, arrival: float,
-                excluded: Iterable[str] = (), expected: Iterable[str] = (),
-                window: float = 0.0, certificate: bytes = b"", doubted: Iterable[str] = (),
-                outbound_only: bool = False, undialable: Iterable[str] = ()) -> swarm_pb2.MatchEntry:
-    """This member's record in a round's matchmaking key."""
-    entry = swarm_pb2.MatchEntry(peer_id=peer_id, arrival=arrival, weight=req.weight, version=req.version,
-                                 digest=req.digest, fragment=req.fragment, basis=req.basis, window=window,
-                                 certificate=certificate, outbound_only=outbound_only)
-    entry.excluded.extend(sorted(excluded)[:MAX_EXCLUDED])
-    entry.doubted.extend(sorted(doubted)[:MAX_EXCLUDED])
-    entry.undialable.extend(sorted(undialable)[:MAX_EXCLUDED])
-    entry.expected.extend(sorted(peer_tag(p) for p in expected if p != peer_id)[:MAX_EXPECTED])
-    if req.schedule is not None:
-        entry.scheduled = True
-        entry.last_send.extend(-1 if t is None else t for t in req.schedule.last_send)
-        entry.shared_r.extend(req.schedule.shared_r or ())
-    return entry
-
-
-def peer_tag(peer: str) -> int:
-    """A peer id in 4 bytes, for the awaited lists of match entries (a round's key holds every member's
-    entry, and DHT values must stay small)."""
-    return int.from_bytes(hashlib.blake2b(peer.encode(), digest_size=4).digest(), "big")
-
-
 def holder_order(own: str, fragment: int, holders: Sequence[str]) -> list[str]:
     """The order in which ``own`` asks ``holders`` for a fragment: a hash of the pair (rendezvous hashing), so
     that nodes catching up at once start with different holders instead of all with the first one listed."""
@@ -407,101 +305,12 @@ def holder_order(own: str, fragment: int, holders: Sequence[str]) -> list[str]:
     return sorted(holders, key=rank)
 
 
-def awaited(own: set[str], entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> set[int]:
-    """Whom this node waits for before it closes a round early, as peer tags: the peers it expects itself,
-    and every peer that a ``trusted`` member that entered the round expects (a live peer not banned here:
-    a banned liar's list counts for nothing, and a live liar's costs at most the window, as entering
-    every other round already could).
-
-    Each member used to wait only for its own expectation, which differs between members: a joiner does
-    not see every heartbeat yet, a member skips a peer it counts as a no-show or bans, the others do not.
-    It closed the window early, before an entry the others waited for, and the round failed for all of
-    them ("group mismatch", "in time but unseen then": 4-node robustness bench, two state liars)."""
-    wanted = {peer_tag(p) for p in own}
-    for peer, entry in entries.items():
-        if peer in trusted:
-            wanted.update(list(entry.expected)[:MAX_EXPECTED])
-    return wanted
-
-
-def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> float:
-    """The round's window: the longest of ours and the trusted entries' (finite, at most ``MAX_WINDOW_S``).
-    Each member's own window follows its view of the swarm's step time, and those differ by a second or two;
-    members that closed on their own windows formed different member lists ("window" on one, "all
-    expected" on another, 18-21 s after the first arrival, small preset)."""
-    window = own
-    for peer, entry in entries.items():
-        if peer in trusted and math.isfinite(entry.window):
-            window = max(window, min(entry.window, max(own, MAX_WINDOW_S)))
-    return window
-
-
 def behind_the_others(member: str, versions: Mapping[str, int]) -> bool:
     """Whether ``member``'s claimed version is below every other member's that ``versions`` holds (at least one):
     it holds a phi the rest of its round has left (``STALE_GRACE``)."""
     mine = versions.get(member)
     others = [v for m, v in versions.items() if m != member]
     return mine is not None and bool(others) and all(v > mine for v in others)
-
-
-def window_ends(entries: Mapping[str, swarm_pb2.MatchEntry]) -> dict[str, float]:
-    """For each member of ``entries``, the latest moment at which it can have closed its matchmaking window, as
-    ``SwarmTransport._matchmake`` closes it on that member, computed from the entries this node holds: its first
-    arrival among the members whose windows were still open when it came (``closed_before``), clamped to no
-    earlier than one window before its own arrival, plus the longest window of the entries that arrived by then
-    (that window grows as entries arrive, so it is taken to its fixed point). Every entry counts, trusted or not:
-    a member that trusts more entries than this node waits at most as long, so the bound stays an upper one. A
-    member keeps no entry that arrived after its end; it may have closed earlier (the grace cut)."""
-    order = sorted(entries, key=lambda p: (entries[p].arrival, p))
-    arrivals = [(entries[p].arrival, p) for p in order]
-    ends: dict[str, float] = {}
-    for peer in order:  # members that came earlier first: whether they were still open depends on their ends
-        own = entries[peer]
-        # those that came earlier and closed before it came count for nothing on it (``closed_before``)
-        counted = [(a, p) for a, p in arrivals if a >= own.arrival or ends[p] >= own.arrival]
-        window = own.window
-        while True:
-            first = min(max(a, own.arrival - window) for a, p in counted if a <= own.arrival)
-            seen = {p: entries[p] for a, p in counted if a <= first + window}
-            grown = agreed_window(own.window, seen, set(seen))
-            if grown <= window:
-                break
-            window = grown
-        ends[peer] = first + window
-    return ends
-
-
-def closed_before(entries: Mapping[str, swarm_pb2.MatchEntry], own: str) -> set[str]:
-    """The members of ``entries`` that came before ``own`` and whose windows closed before ``own``'s entry arrived
-    (``window_ends``): they formed the round without it, so it forms the round without them, and its own window
-    starts from the first of the others' arrivals.
-
-    A late member's window starts no earlier than one window before its arrival, so it kept every entry of that
-    span, also those of members that closed their windows long before it came, and its window started from
-    theirs: it closed at once, without the members that came just after it. Its member list then held peers whose
-    lists did not hold it: it reduced for them and waited for their parts until the partial reduction (6 s a
-    round), while they failed their rounds alone, and each such round made it later still (a 2 + 2 NAT test: one
-    outbound-only node failed 40 rounds in a row). A member's arrival is its own word: a member that claims an
-    early one is only dropped itself."""
-    arrival = entries[own].arrival
-    ends = window_ends(entries)
-    return {p for p, e in entries.items() if p != own and e.arrival < arrival and ends[p] < arrival}
-
-
-def shunned_dropped(members: list[str], entries: Mapping[str, swarm_pb2.MatchEntry]) -> list[str]:
-    """``members`` without those that every other member's entry excludes (a peer the whole round bans).
-
-    Such a peer ends up alone anyway, but it still enters rounds, and no member waits for it: a member that
-    closed its window before the peer's entry arrived formed the round without it, one that read the key a
-    moment later with it, and the two shuffled different lists into different groups ("group mismatch", every
-    round after three honest nodes had banned a hostile one). Dropped by every member, it cannot split them.
-    A peer's own exclusions cannot drop anyone the others do not ban, so a liar cannot push out an honest member."""
-    out = list(members)
-    for peer in members:
-        others = [m for m in members if m != peer]
-        if others and all(peer in entries[m].excluded for m in others if m in entries):
-            out.remove(peer)
-    return out
 
 
 def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], group: list[str]) -> frozenset[str]:
@@ -930,20 +739,14 @@ class SwarmTransport(Transport):
         self.states = states if states is not None else StateSource()
         self.reachability = reachability
         self.admission = admission
-        self.certificate = certificate
-        self.dht = runtime.dht
         self.peer_id = runtime.peer_id
         self.swarm_key = swarm_key
         self.fingerprint = fingerprint
         self.codec = codec
         self.group_size = group_size
-        self.matchmaking_timeout = matchmaking_timeout
         self.round_timeout = round_timeout
         self.robust = robust or RobustSection()
         self.reputation = reputation
-        self.subkey = subkey or self._own_subkey()
-        # The newest slot where this node's adaptive-schedule state differed from the slot leader's.
-        self.schedule_hint: ScheduleHint | None = None
         self._no_replay: dict[int, float] = {}  # fragment -> until when its catch-ups download the state instead
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         # the node's counters, shared with its state client: one tally of the node's bytes
@@ -963,10 +766,7 @@ class SwarmTransport(Transport):
         # (fragment, round) -> peers whose stream for it was refused before this node formed its group
         self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self._unlined_harm = EveryNth(UNLINED_HARM)  # harmful averages from other phis, per reducer
-        self._digests: dict[tuple[int, int], dict[str, bytes]] = {}
-        self.no_shows = NoShows()
         self.lone = LonePolicy(self.view)  # when this node is a swarm of one and steps alone
-        self.standing = StandingMembers(standing_members)
         self._refused_sources: dict[str, float] = {}  # peer -> until when it is not asked for state (monotonic)
         self._stale_grace = Allowance(STALE_GRACE, STALE_GRACE_S)  # stale contributions not judged (STALE_GRACE)
         self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
@@ -975,8 +775,12 @@ class SwarmTransport(Transport):
         # ... and of each reducer's parts, against this node's own contributions (``_judge_persistence``)
         self.part_drift = DeviationMemory()
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
-        self._tasks: set[asyncio.Task] = set()
-        self._views: OrderedDict[tuple[int, int], MatchView] = OrderedDict()
+        # who is in each round (``locoswarm.node.swarm.matchmaking``)
+        self.matchmaker = Matchmaker(
+            runtime.dht, self.peer_id, swarm_key=swarm_key, subkey=subkey or own_subkey(runtime.dht, self.peer_id),
+            matchmaking_timeout=matchmaking_timeout, view=self.view, lone=self.lone, deviations=self.deviations,
+            dial_failures=self.dial_failures, book=self.book, standing=StandingMembers(standing_members),
+            admission=admission, certificate=certificate, reachability=reachability)
         self._explained: set[tuple[int, int]] = set()  # rounds whose refused members were explained in the log
         # Messages are bounded by the largest chunk any round may carry (consensus rounds: fp32).
         elems = chunk_elems(codec.block_size)
@@ -989,15 +793,6 @@ class SwarmTransport(Transport):
             max_streams_per_peer=self.robust.max_streams_per_peer, max_streams=64 + 4 * group_size,
             on_refused=self._stream_refused, gatekeeper=self._refuse_banned), timeout=30)
         tamper.installed().attached(self)
-
-    def _own_subkey(self) -> str:
-        from locoswarm.node.swarm.records import dht_identity, owner_subkey
-
-        identity = dht_identity(self.dht)
-        if identity is None:
-            raise RuntimeError("the DHT has no identity key to sign match entries with (start it with "
-                               "locoswarm.node.swarm.dht.start_dht)")
-        return owner_subkey(self.peer_id, identity)
 
     @property
     def refusals(self) -> Sequence[str]:
@@ -1033,6 +828,20 @@ class SwarmTransport(Transport):
     def _banned(self, peer: str) -> bool:
         return self.reputation is not None and self.reputation.is_banned(peer)
 
+    @property
+    def schedule_hint(self) -> ScheduleHint | None:
+        """The newest slot where this node's adaptive-schedule state differed from the slot leader's
+        (``matchmaking.leader_schedule``), for the node to adopt between inner steps."""
+        return self.matchmaker.schedule_hint
+
+    def window(self) -> float:
+        """Seconds a round's matchmaking stays open after its first arrival (``Matchmaker.window``)."""
+        return self.matchmaker.window()
+
+    def outbound_only(self) -> bool:
+        """Whether peers cannot dial this node (``Matchmaker.outbound_only``): it reduces no part."""
+        return self.matchmaker.outbound_only()
+
     def streams_served(self) -> int:
         """Averaging streams peers opened to this node since its start (it reduced their parts)."""
         return self._server.served
@@ -1040,11 +849,6 @@ class SwarmTransport(Transport):
     def undialable(self) -> int:
         """How many peers this node's stream opens failed to lately (its match entries keep it apart from them)."""
         return len(self.dial_failures.peers())
-
-    def outbound_only(self) -> bool:
-        """Whether peers cannot dial this node (``locoswarm.node.swarm.reachability``): its match entries say so,
-        and it reduces no part."""
-        return self.reachability is not None and self.reachability.outbound_only
 
     def _state_source(self, peer: str) -> bool:
         """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
@@ -1089,14 +893,6 @@ class SwarmTransport(Transport):
         budget = 2 * self.window() + self.round_timeout + 5.0  # the agreed window may be another member's
         future = self.runtime.submit(asyncio.wait_for(self._average(request), budget))
         return _Handle(future, budget)
-
-    def window(self) -> float:
-        """Seconds a round's matchmaking stays open after its first arrival: ``matchmaking_timeout``, or
-        ``WINDOW_STEPS`` of the swarm's inner steps where those are longer (at most ``MAX_WINDOW_S``)."""
-        step = self.view.step_time()
-        if not (step > 0 and math.isfinite(step)):
-            return self.matchmaking_timeout
-        return max(self.matchmaking_timeout, min(WINDOW_STEPS * step, MAX_WINDOW_S))
 
     def _newest(self, fragment: int) -> Belief:
         """The version of ``fragment`` to catch up to and whom to ask: the heartbeats' belief
@@ -1209,8 +1005,7 @@ class SwarmTransport(Transport):
 
     def close(self) -> None:
         async def stop() -> None:
-            for task in list(self._tasks):
-                task.cancel()
+            self.matchmaker.close()
             await self._server.stop()
 
         with contextlib.suppress(Exception):
@@ -1233,11 +1028,11 @@ class SwarmTransport(Transport):
             return AverageResult.failed("joining: peers have not all seen this node's heartbeat yet",
                                         own_weight=req.weight)
         banned = self._shunned()
-        matched = self._standing_round(req, banned) or await self._matchmake(req)
+        matched = self.matchmaker.standing_round(req, banned) or await self.matchmaker.matchmake(req, banned)
         timing["matched"] = time.monotonic() - started
         if matched is None:
             self._not_in_round(req.fragment, req.round)
-            view = self._views.get((req.fragment, req.round))
+            view = self.matchmaker.view_of(req.fragment, req.round)
             if view is not None and view.cut.endswith(SHUNNED_CUT):
                 return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
@@ -1246,7 +1041,7 @@ class SwarmTransport(Transport):
             members = consensus_members(members, versions)
             if self.peer_id not in members:
                 self._not_in_round(req.fragment, req.round)
-                self._digests.pop((req.fragment, req.round), None)
+                self.matchmaker.take_digests(req.fragment, req.round)
                 return AverageResult.failed(f"{NOT_AT_CONSENSUS_VERSION}: its members hold another version than "
                                             f"this node's {req.version}; it catches up instead", own_weight=req.weight)
         self.book.follow_majority_bans(members, excluded, banned)
@@ -1259,7 +1054,7 @@ class SwarmTransport(Transport):
             if len(members) == 1 and not req.digest and self.lone.alone():
                 return self.lone.solo(req, self._codec(req.codec))
             if len(members) > 1 and outbound >= set(members):
-                await self._explain_view(req, "outbound-only members alone")  # the public ones: late, or never
+                await self.matchmaker.explain(req, "outbound-only members alone")  # the public ones: late, or never
                 return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
                                             "(behind NAT): none can open a stream to another", own_weight=req.weight)
             return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight)
@@ -1273,7 +1068,7 @@ class SwarmTransport(Transport):
                      "basis", req.fragment, req.round)
         req = agreed
         max_version = self._plausible({p: versions.get(p, req.version) for p in group})
-        digests = self._digests.pop((req.fragment, req.round), {})
+        digests = self.matchmaker.take_digests(req.fragment, req.round)
         if req.digest and all(digests.get(p) == req.digest for p in group):
             self._not_in_round(req.fragment, req.round)  # nobody will send us a part of it
             return AverageResult(ok=True, average=None, group_size=len(group), own_weight=req.weight,
@@ -1291,14 +1086,14 @@ class SwarmTransport(Transport):
             max_version = result.max_version
         result.max_version = max_version
         if not result.ok and GROUP_MISMATCH in (result.error or ""):
-            await self._explain_view(req)
+            await self.matchmaker.explain(req)
         # A round some reducer completed without a member (partial reduction) merged, but its members' lists
         # differed: standing on it kept them different for good. A member that failed alone ("no peer in group",
         # its window closed before the others came) matchmade, the others stood on the list that held it and
         # waited for its part until the partial reduction in every round, and so came too late for its window
         # again (a 2 + 2 NAT test: 40 rounds in a row). Such a round's next one matchmakes.
         if result.ok and not result.missing:
-            self.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
+            self.matchmaker.standing.record(req.fragment, req.round, members, excluded, banned, doubted,
                                  doubted.get(self.peer_id, ()),  # what our entry said, as the others hold it
                                  declared_outbound, undialable, own=self.peer_id)
         if result.ok:
@@ -1306,53 +1101,6 @@ class SwarmTransport(Transport):
             if max_version + 1 >= known:
                 self.recent[req.fragment] = (max_version + 1, group)
         return result
-
-    def _standing_round(self, req: AverageRequest, banned: list[str]) -> Matched | None:
-        """The round's members without the DHT, where the fragment's last merged round left them standing
-        and this node's view of the swarm has not changed since (``locoswarm.node.swarm.standing``); None:
-        matchmake. Its match entry is still stored, in the background, for members that matchmake."""
-        if not self.standing.enabled or req.digest or req.schedule is not None or req.basis:
-            self.standing.forget(req.fragment)
-            return None
-        from hivemind.utils import get_dht_time
-
-        live = self.lone.live()
-        # No-shows count here: a live peer outside the list declines it even when matchmaking would not wait for
-        # it. Otherwise a member that missed two rounds (a ban taking effect at different moments on different
-        # nodes) stayed a no-show for good: the others kept their standing list without it, never matchmade, so
-        # never saw it enter a round again, and every round it formed through the DHT failed ("you are not in
-        # this reducer's group", a bench run's 90 failed rounds of one honest node after a ban).
-        expected = (live - set(banned)) | {self.peer_id}
-        if (set(self.view.pace_peers()) | {self.peer_id}) & expected != expected:
-            self.standing.forget(req.fragment)  # someone falls behind: matchmaking gives it only the grace
-            return None
-        # (a member of the list missing from ``live`` does not decline it: see the module's docstring)
-        doubted = self.deviations.apart()
-        undialable = self.dial_failures.peers()
-        standing = self.standing.take(req.fragment, req.round, expected, banned, doubted, own=self.peer_id,
-                                      own_outbound=self.outbound_only(), own_undialable=undialable)
-        if standing is None:
-            return None
-        now = get_dht_time()
-        me = match_entry(self.peer_id, req, now, banned, expected, self.window(), self.certificate, doubted,
-                         self.outbound_only(), undialable)
-        key = self._match_key(req.fragment, req.round)
-        self._background(self._store_quietly(key, me.SerializeToString(), now + 300))
-        members = list(standing.members)
-        self._views[(req.fragment, req.round)] = MatchView(members, expected, now, now, now, "standing")
-        while len(self._views) > MAX_VIEWS:
-            self._views.popitem(last=False)
-        excluded = {p: list(standing.excluded.get(p, ())) for p in members}
-        # Only our own version is known here: the members' come with their headers (``_exchange``). Taking
-        # ours for theirs kept a member a version behind for good with the same phi (its "group version"
-        # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
-        return Matched(members, {self.peer_id: req.version}, excluded, {p: b"" for p in members},
-                       {p: list(standing.doubted.get(p, ())) for p in members}, standing.outbound,
-                       {p: list(standing.undialable.get(p, ())) for p in members})
-
-    async def _store_quietly(self, key: str, value: bytes, expiration: float) -> None:
-        with contextlib.suppress(Exception):
-            await self.dht.store(key, value, expiration_time=expiration, subkey=self.subkey, return_future=True)
 
     @staticmethod
     async def _agree_on_basis(req: AverageRequest, tags: list[bytes]) -> AverageRequest | None:
@@ -1366,163 +1114,9 @@ class SwarmTransport(Transport):
             return None
         return await asyncio.get_running_loop().run_in_executor(None, req.reencode, leader)
 
-    def _match_key(self, fragment: int, round_: int, slot_wide: bool = False) -> str:
-        if slot_wide:  # adaptive schedule: every member of the slot meets here, whichever fragment it picked
-            return f"{self.swarm_key}/match/slot/{round_}"
-        return f"{self.swarm_key}/match/{fragment}/{round_}"
-
-    def _check_schedule(self, req: AverageRequest, me: swarm_pb2.MatchEntry,
-                        entries: dict[str, swarm_pb2.MatchEntry]) -> None:
-        """Members of a slot must pick the same fragment from the same schedule state. When they do not,
-        the state of the member with the smallest peer id wins (one rule, so all converge on one state):
-        it is left in ``schedule_hint`` for the node to adopt between inner steps."""
-        leader = entries[min(entries)]
-        if not leader.scheduled or leader.peer_id == self.peer_id:
-            return
-        if (leader.fragment, list(leader.last_send), list(leader.shared_r)) == \
-                (me.fragment, list(me.last_send), list(me.shared_r)):
-            return
-        n = len(me.last_send)
-        if len(leader.last_send) != n or len(leader.shared_r) not in (0, n) or not _finite(leader.shared_r):
-            self._offence(leader.peer_id, "bad_header", "malformed schedule state in its match entry")
-            return
-        state = ScheduleState(tuple(None if t < 0 else int(t) for t in leader.last_send),
-                              tuple(leader.shared_r) if len(leader.shared_r) else None)
-        self.schedule_hint = ScheduleHint(req.round, int(leader.fragment), state, leader.peer_id)
-
-    async def _read_entries(self, key: str) -> dict[str, swarm_pb2.MatchEntry]:
-        """The round's entries, each published by the peer it names (signed under its owner subkey)."""
-        from locoswarm.node.swarm.records import subkey_peer
-
-        found = await self.dht.get(key, latest=True, return_future=True)
-        entries: dict[str, swarm_pb2.MatchEntry] = {}
-        if found is None or not isinstance(found.value, dict):
-            return entries
-        for subkey, item in found.value.items():
-            peer = subkey_peer(subkey)
-            if peer is None or not isinstance(item.value, bytes):
-                continue
-            try:
-                entry = swarm_pb2.MatchEntry.FromString(item.value)
-            except Exception:
-                continue
-            if entry.peer_id != peer or not math.isfinite(entry.arrival):
-                continue
-            if self.admission is not None and peer != self.peer_id and not self.admission.admits(
-                    peer, bytes(entry.certificate)):
-                continue  # a stranger in a closed swarm's round: not a member, whatever it writes
-            entries[peer] = entry
-        return entries
-
-    def _background(self, coro) -> None:
-        """Run ``coro`` on the network loop without waiting for it (a reference is kept until it ends)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _record_no_shows(self, key: str, awaited: set[str], live: set[str], window_end: float) -> None:
-        """Once the round's window would have closed for anyone waiting, count who entered it at all.
-
-        A peer that entered late (after this node closed the window early) is a straggler, not a no-show:
-        counting it as one stopped the others from waiting for it, so it was late to every later round too
-        and stayed out of the swarm (robustness bench, 'state': an honest node isolated for the whole run,
-        eval loss +35%). Only a peer that never enters the rounds (a clock far off, a broken node) is skipped."""
-        from hivemind.utils import get_dht_time
-
-        with contextlib.suppress(Exception):
-            await asyncio.sleep(max(0.0, window_end - get_dht_time()) + 0.3)
-            entries = await asyncio.wait_for(self._read_entries(key), 5.0)
-            self.no_shows.record(awaited, set(entries) | {self.peer_id}, live)
-
-    async def _explain_view(self, req: AverageRequest, failure: str = "group mismatch") -> None:
-        """Log, after a round failed with ``failure``, how this node's member list for it differs from what the
-        round's key holds now (members' views differ: the dominant failure of rounds on slow links, see issue 10;
-        a round of outbound-only members alone: where the public members were)."""
-        view = self._views.get((req.fragment, req.round))
-        if view is None:
-            return
-        with contextlib.suppress(Exception):
-            key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
-            entries = await asyncio.wait_for(self._read_entries(key), 5.0)
-            log.info("%s: fragment %d round %d: %s", failure, req.fragment, req.round,
-                     view.explain({p: e.arrival for p, e in entries.items()}))
-
-    async def _matchmake(self, req: AverageRequest) -> Matched | None:
-        from hivemind.utils import get_dht_time
-
-        key = self._match_key(req.fragment, req.round, slot_wide=req.schedule is not None)
-        banned = self._shunned()
-        live = self.lone.live()
-        not_banned = live - set(banned)
-        own_expected = (not_banned - self.no_shows.skipped()) | {self.peer_id}
-        own_window = self.window()
-        me = match_entry(self.peer_id, req, get_dht_time(), banned, own_expected, own_window, self.certificate,
-                         self.deviations.apart(), self.outbound_only(), self.dial_failures.peers())
-        await self.dht.store(key, me.SerializeToString(), expiration_time=get_dht_time() + 300,
-                             subkey=self.subkey, return_future=True)
-        core = (set(self.view.pace_peers()) | {self.peer_id}) & own_expected
-        trusted = not_banned | {self.peer_id}
-        grace = self.view.straggler_grace()
-        grace = min(self.matchmaking_timeout if grace is None else grace, own_window)
-        read: dict[str, swarm_pb2.MatchEntry] = {}
-        while True:
-            read.update(await self._read_entries(key))
-            read.setdefault(self.peer_id, me)
-            # members that closed their windows before this node came are not waited for, nor counted in its
-            # window: they came (nobody waits for them) and formed the round without it (``closed_before``)
-            closed = closed_before(read, self.peer_id)
-            entries = {p: e for p, e in read.items() if p not in closed}
-            wanted = awaited(own_expected, entries, trusted)
-            timeout = agreed_window(own_window, entries, trusted)
-            arrived = {peer_tag(p) for p in read} >= wanted
-            # An entry's arrival is the peer's word: no earlier than the round's window before ours, so that nobody
-            # can close the window for everyone by claiming an arrival in the past. The round's window, not our
-            # own: a member with a shorter one otherwise started its window later than the others and kept a
-            # member they had closed without (a grown window is every member's, ``agreed_window``).
-            first = min(max(e.arrival, me.arrival - timeout) for e in entries.values())
-            window_end = first + timeout
-            now = get_dht_time()
-            if arrived or now >= window_end:
-                cut = "all expected" if arrived else "window"
-                break
-            if set(read) >= core and now >= first + grace:
-                window_end = now  # stragglers are not waited for beyond the grace
-                cut = "grace"
-                break
-            await asyncio.sleep(0.02 if set(read) >= core else 0.05)
-        if not arrived:
-            await asyncio.sleep(0.3)  # let stores that raced the deadline land, then read once more
-            read.update(await self._read_entries(key))
-            closed = closed_before(read, self.peer_id)
-            entries = {p: e for p, e in read.items() if p not in closed}
-        if closed:
-            cut += f", without {len(closed)} that closed before this node came"
-        self._background(self._record_no_shows(key, not_banned, live, first + timeout))
-        if req.schedule is not None:
-            self._check_schedule(req, me, entries)
-            entries = {p: e for p, e in entries.items() if e.fragment == req.fragment}
-        in_time = sorted(p for p, e in entries.items() if e.arrival <= window_end)
-        members = shunned_dropped(in_time, entries)
-        if self.peer_id in in_time and self.peer_id not in members:
-            cut += SHUNNED_CUT
-        expected = own_expected | {p for p in live | set(entries) if peer_tag(p) in wanted}
-        self._views[(req.fragment, req.round)] = MatchView(members, expected, first, window_end, now, cut)
-        while len(self._views) > MAX_VIEWS:
-            self._views.popitem(last=False)
-        if self.peer_id not in members:
-            return None
-        self._digests[(req.fragment, req.round)] = {p: bytes(entries[p].digest) for p in members}
-        excluded = {p: list(entries[p].excluded)[:MAX_EXCLUDED] for p in members}
-        bases = {p: bytes(entries[p].basis)[:MAX_BASIS_TAG] for p in members}
-        doubted = {p: list(entries[p].doubted)[:MAX_EXCLUDED] for p in members}
-        outbound = frozenset(p for p in members if entries[p].outbound_only)
-        undialable = {p: list(entries[p].undialable)[:MAX_EXCLUDED] for p in members}
-        return Matched(members, {p: int(entries[p].version) for p in members}, excluded, bases, doubted, outbound,
-                       undialable)
-
     def standing_rounds(self) -> int:
         """Rounds that took a standing member list instead of matchmaking (``locoswarm.node.swarm.standing``)."""
-        return self.standing.used
+        return self.matchmaker.standing.used
 
     def exchanging(self) -> bool:
         """Whether a round of this node is exchanging its parts now (state downloads it serves wait for it)."""
@@ -2126,14 +1720,14 @@ class SwarmTransport(Transport):
 
     def _explain_refused_member(self, session: _Reduction, remote: str) -> None:
         """Log, once per round, why a peer is not in the group this node formed (its side of a mismatch: the
-        refused member logs the other side, ``_explain_view``)."""
+        refused member logs the other side, ``Matchmaker.explain``)."""
         fragment, round_ = session.key[0], session.key[1]
         if (fragment, round_) in self._explained:
             return
         self._explained.add((fragment, round_))
         while len(self._explained) > MAX_VIEWS:
             self._explained.pop()
-        view = self._views.get((fragment, round_))
+        view = self.matchmaker.view_of(fragment, round_)
         how = "no view kept" if view is None else f"its member list {sorted(p[-6:] for p in view.members)} ({view.cut})"
         log.info("group mismatch: fragment %d round %d: refused %s: this node's group %s, from %s", fragment, round_,
                  remote[-6:], sorted(p[-6:] for p in session.members), how)

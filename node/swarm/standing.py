@@ -84,7 +84,7 @@ class StandingMembers:
         banned = frozenset(banned)
         # A list holding a peer this node bans was formed while bans differed between members (its groups kept
         # the peer apart from some of them): a standing round would repeat that split for good, while members
-        # that matchmake drop the peer once everyone bans it (``averaging.shunned_dropped``), so it matchmakes.
+        # that matchmake drop the peer once everyone bans it (``matchmaking.shunned_dropped``), so it matchmakes.
         if (round_ <= standing.round or not view <= set(standing.members) or banned != standing.banned
                 or banned & set(standing.members) or frozenset(doubted) != standing.own_doubted
                 or (own is not None and own_outbound != (own in standing.outbound))
