@@ -20,11 +20,6 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
-    SPREAD_BAN,
-    SPREAD_BAN_OTHER_PHI,
-    SPREAD_WINDOW,
-    UNLINED_HARM,
-    PartRefused,
     SwarmTransport,
     _Reduction,
     group_hash,
@@ -32,6 +27,16 @@ from locoswarm.node.swarm.averaging import (
     plausible_version,
 )
 from locoswarm.node.swarm.dial_failures import DialFailures
+from locoswarm.node.swarm.judging import (
+    SPREAD_BAN,
+    SPREAD_BAN_OTHER_PHI,
+    SPREAD_WINDOW,
+    UNLINED_HARM,
+    PartJudge,
+    PartRefused,
+    PartResult,
+    SourcePauses,
+)
 from locoswarm.node.swarm.matchmaking import (
     NO_SHOW_ROUNDS,
     MatchView,
@@ -362,6 +367,27 @@ def test_plausible_version_needs_a_second_claimant() -> None:
 # ---- one reducer session ----------------------------------------------------------------------------
 
 CODEC = get_codec("fp4", 64)
+
+
+class _RecordingBook(OffenceBook):
+    """An offence book that also lists each refusal as ``("peer:kind", offence)``."""
+
+    def __init__(self, reputation: Reputation | None = None) -> None:
+        super().__init__("QmMe", reputation, RoundClaims(), spread_ban=SPREAD_BAN)
+        self.calls: list[tuple[str, bool]] = []
+
+    def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
+               forgivable: bool = True) -> None:
+        self.calls.append((f"{peer}:{kind}", offence))
+        super().refuse(peer, kind, detail, offence=offence, conclusive=conclusive, forgivable=forgivable)
+
+
+def _part_judge(reputation: Reputation | None = None, *, book: OffenceBook | None = None,
+                robust: RobustSection | None = None, pauses: SourcePauses | None = None, **kwargs) -> PartJudge:
+    """Node QmMe's judge as ``SwarmTransport`` builds it, on ``reputation``."""
+    book = book if book is not None else OffenceBook("QmMe", reputation, RoundClaims(), spread_ban=SPREAD_BAN)
+    return PartJudge("QmMe", reputation, book, robust or RobustSection(),
+                     pauses if pauses is not None else SourcePauses(), **kwargs)
 NUMEL = 3000
 
 
@@ -533,20 +559,17 @@ def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> 
 def test_a_harmful_part_is_an_offence_at_once_within_one_lineage_and_only_when_it_recurs_across_lineages():
     """The effect check's blame (``reject_part``): within one lineage each harmful part is an offence of its
     reducer; averaged from other phis (a join) every UNLINED_HARM-th is one, the others are refusals only."""
-    from locoswarm.node.core.transport import AverageResult, PartOrigin
+    from locoswarm.node.core.transport import PartOrigin
 
-    refusals: list[tuple[str, bool]] = []
-    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM), _refused_sources={},
-                           deviations=DeviationMemory(),
-                           _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
-    res = AverageResult(ok=True)
+    book = _RecordingBook()
+    judge, refusals = _part_judge(book=book), book.calls
     for _ in range(2):
-        SwarmTransport.reject_part(stub, res, PartOrigin("QmSame", 0, 8, one_lineage=True), "harm")
-    SwarmTransport.reject_part(stub, res, PartOrigin("QmMe", 0, 8, one_lineage=True), "harm")  # never ours
+        judge.harmful_part(PartOrigin("QmSame", 0, 8, one_lineage=True), "harm")
+    judge.harmful_part(PartOrigin("QmMe", 0, 8, one_lineage=True), "harm")  # never ours
     assert refusals == [("QmSame:bad_effect", True)] * 2
     refusals.clear()
     for _ in range(2 * UNLINED_HARM):
-        SwarmTransport.reject_part(stub, res, PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
+        judge.harmful_part(PartOrigin("QmJoin", 0, 8, one_lineage=False), "harm")
     assert len(refusals) == 2 * UNLINED_HARM
     assert [i for i, (_, offence) in enumerate(refusals) if offence] == [UNLINED_HARM - 1, 2 * UNLINED_HARM - 1]
 
@@ -555,19 +578,17 @@ def test_a_member_whose_contribution_alone_is_harmful_is_blamed_like_a_reducer_o
     """``reject_member``: a member whose own contribution to this node's part is harmful alone commits an offence
     within one lineage, from another phi every UNLINED_HARM-th; this node never blames itself; either way it
     serves no catch-up for a while; and the offence counts toward following the round's majority in a ban."""
-    from locoswarm.node.core.transport import AverageResult, MemberShare
+    from locoswarm.node.core.transport import MemberShare
 
-    refusals: list[tuple[str, bool]] = []
-    stub = SimpleNamespace(peer_id="QmMe", _unlined_harm=EveryNth(UNLINED_HARM), _refused_sources={},
-                           _offence=lambda peer, kind, detail, offence: refusals.append((f"{peer}:{kind}", offence)))
-    res, values = AverageResult(ok=True), torch.zeros(8)
-    SwarmTransport.reject_member(stub, res, MemberShare("QmFlip", values), "harm")
-    SwarmTransport.reject_member(stub, res, MemberShare("QmMe", values), "harm")
+    book = _RecordingBook()
+    judge, refusals, values = _part_judge(book=book), book.calls, torch.zeros(8)
+    judge.harmful_member(MemberShare("QmFlip", values), "harm")
+    judge.harmful_member(MemberShare("QmMe", values), "harm")
     assert refusals == [("QmFlip:harmful_contribution", True)]
-    assert "QmFlip" in stub._refused_sources and "QmMe" not in stub._refused_sources
+    assert "QmFlip" in judge.pauses and "QmMe" not in judge.pauses
     refusals.clear()
     for _ in range(UNLINED_HARM):
-        SwarmTransport.reject_member(stub, res, MemberShare("QmJoin", values, same_lineage=False), "harm")
+        judge.harmful_member(MemberShare("QmJoin", values, same_lineage=False), "harm")
     assert [offence for _, offence in refusals] == [False] * (UNLINED_HARM - 1) + [True]
     assert "harmful_contribution" in FOLLOWED_OFFENCES
 
@@ -624,7 +645,7 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            view=SimpleNamespace(outbound_peers=set,
                                                 latest_versions=lambda f: Belief(11, b"", ["QmLiar", "QmOther"])),
-                           _refused_sources={}, round_claims=RoundClaims(),
+                           pauses=SourcePauses(), round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
@@ -648,7 +669,7 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
                            view=SimpleNamespace(latest_versions=lambda fragment: Belief(12, b"d", list(holders)),
                                                 outbound_peers=set),
-                           _refused_sources={}, dial_failures=DialFailures(),
+                           pauses=SourcePauses(), dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub.round_claims.record(0, "QmHonest", 11)
@@ -675,7 +696,7 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            view=SimpleNamespace(outbound_peers=set,
                                                 latest_versions=lambda f: Belief(11, b"", ["QmDrifter", "QmOther"])),
-                           _refused_sources={}, round_claims=RoundClaims(),
+                           pauses=SourcePauses(), round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
@@ -698,7 +719,7 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
 def test_a_peer_this_node_failed_to_dial_lately_serves_no_catch_up() -> None:
     """A cut pair (bench swarm --cut 2-3): a node asked the peer it could not reach for state, twice, and waited for
     each dial to fail. A peer its dials failed to lately is no catch-up source; once a stream opened, it is again."""
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     assert SwarmTransport._state_source(stub, "QmCut")
@@ -715,7 +736,7 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
     from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
 
     for ceiling, refused in ((0.75, True), (1.0, False)):
-        stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+        stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                                dial_failures=DialFailures(),
                                deviations=DeviationMemory(ceiling=ceiling))
         for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
@@ -735,7 +756,7 @@ def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_
 
     rep = Reputation(threshold=3)
     rep.refuse("QmBanned", "direction", "mean -0.3 over its last 2", conclusive=True)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     senders, levels = ["QmHonest", "QmD1", "QmD2"], [0.45, 0.9, 0.9]
@@ -789,7 +810,7 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
@@ -815,7 +836,7 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
 
     now = [1000.0]
     monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
@@ -838,27 +859,27 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
     pauses its reducer as a catch-up source for TURNED_SOURCE_S (2 + 2 drift: an honest node caught up from a
     drifter seconds after refusing its parts, each phi worse); a pair's part, which is no evidence, does not; nor
     does an honest part; the pause ends by itself."""
-    import locoswarm.node.swarm.averaging as averaging
-    from locoswarm.node.core.transport import AverageResult, PartOrigin
+    import locoswarm.node.swarm.judging as judging
+    from locoswarm.node.core.transport import PartOrigin
 
     now = [1000.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+    monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
                            view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
-                           deviations=DeviationMemory(), _unlined_harm=EveryNth(UNLINED_HARM),
-                           _offence=lambda *args, **kwargs: None, _judge_reduction=lambda *args, **kwargs: None)
+                           deviations=DeviationMemory())
+    judge = _part_judge(pauses=stub.pauses)
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
-    check = SwarmTransport._check_reduced_direction
-    check(stub, "QmHonest", 0.4, same_lineage=True)
+    check = judge.reduced_direction
+    check("QmHonest", 0.4, same_lineage=True)
     with pytest.raises(PartRefused):
-        check(stub, "QmTurned", -0.2, same_lineage=True)
+        check("QmTurned", -0.2, same_lineage=True)
     with pytest.raises(PartRefused):
-        check(stub, "QmPartner", -0.6, same_lineage=True, evidence=False)
-    SwarmTransport.reject_part(stub, AverageResult(ok=True), PartOrigin("QmHarm", 0, 8, one_lineage=True), "harm")
+        check("QmPartner", -0.6, same_lineage=True, evidence=False)
+    judge.harmful_part(PartOrigin("QmHarm", 0, 8, one_lineage=True), "harm")
     assert source("QmHonest") and source("QmPartner")
     assert not source("QmTurned") and not source("QmHarm")
-    now[0] += averaging.TURNED_SOURCE_S + 0.1
+    now[0] += judging.TURNED_SOURCE_S + 0.1
     assert source("QmTurned") and source("QmHarm")
 
 
@@ -872,7 +893,7 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     from locoswarm.node.swarm.averaging import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, view=SimpleNamespace(outbound_peers=set),
+    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
@@ -1081,7 +1102,7 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
     and agrees with it; a part a reducer negated does not (REDUCED_AGREEMENT), and three such parts ban it."""
     from locoswarm.node.core.payload import chunk_bounds, encode_chunks
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, part_geometry
+    from locoswarm.node.swarm.judging import REDUCED_AGREEMENT, REDUCED_WINDOW, part_geometry
     from locoswarm.node.swarm.reputation import Reputation
 
     own, other = _honest(0), _honest(1)
@@ -1096,10 +1117,10 @@ def test_a_reduced_part_that_points_against_our_own_progress_is_refused_and_coun
     assert agreement(honest_part) > 0.5
     assert agreement(turned) < REDUCED_AGREEMENT
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep)
+    judge = _part_judge(rep)
     for _ in range(REDUCED_WINDOW):
-        SwarmTransport._judge_reduction(stub, "QmBad", agreement(turned))
-        SwarmTransport._judge_reduction(stub, "QmGood", agreement(honest_part))
+        judge.reduction("QmBad", agreement(turned))
+        judge.reduction("QmGood", agreement(honest_part))
     assert rep.is_banned("QmBad") and not rep.is_banned("QmGood")
 
 
@@ -1123,25 +1144,18 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     the part we reduced ourselves from the same members, and the evidence bans it within SPREAD_WINDOW rounds. A
     part beyond SPREAD_REFUSE (a larger pattern) is refused at once. Honest reducers' parts (the same mixing, other
     draws) never are, over many rounds, and nothing judged in a pair is evidence."""
-    from locoswarm.node.swarm.averaging import (
-        REDUCED_AGREEMENT,
-        SPREAD_REFUSE,
-        SPREAD_WINDOW,
-        _PartResult,
-        part_geometry,
-        spread_ratio,
-    )
+    from locoswarm.node.swarm.judging import REDUCED_AGREEMENT, SPREAD_REFUSE, part_geometry, spread_ratio
 
-    def part(reducer: str, seed: int, drift: float = 0.0) -> _PartResult:
+    def part(reducer: str, seed: int, drift: float = 0.0) -> PartResult:
         req, chunks = _spread_round(seed, 4, drift)
-        return _PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)))
+        return PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)))
 
-    def transport(view=None) -> SimpleNamespace:
-        return SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: view)
+    def transport() -> PartJudge:
+        return _part_judge(Reputation())
 
-    def judge(t: SimpleNamespace, r: int, *others: _PartResult) -> str | None:
+    def judge(t: PartJudge, r: int, *others: PartResult, view=None) -> str | None:
         try:
-            SwarmTransport._judge_spreads(t, 0, r, part("QmMe", 3 * r), list(others))
+            t.spreads(part("QmMe", 3 * r), list(others), view)
         except PartRefused as exc:
             return str(exc)
         return None
@@ -1162,7 +1176,7 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
             break
         assert refused is None
     assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
-    assert "QmD" in hostile._refused_sources
+    assert "QmD" in hostile.pauses
 
     # the same parts from a reducer that names another phi (an honest joiner mixes its own contribution from that
     # phi in): judged against SPREAD_BAN_OTHER_PHI, not banned at this spread; much louder ones are
@@ -1187,26 +1201,25 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     disputed = transport()
     for r in range(3 * SPREAD_WINDOW):
         own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmX"}))
-        SwarmTransport._judge_spreads(disputed, 0, r, own, [part("QmD", 3 * r + 2, 2.0)])
+        disputed.spreads(own, [part("QmD", 3 * r + 2, 2.0)], None)
     assert not disputed.reputation.is_banned("QmD")
     with pytest.raises(PartRefused, match="no evidence against the reducer"):
-        SwarmTransport._judge_spreads(disputed, 0, 0, part("QmMe", 0)._replace(disputed=frozenset({"QmX"})),
-                                      [part("QmD", 2, 4.0)])
-    assert not disputed.reputation.is_banned("QmD") and "QmD" in disputed._refused_sources
+        disputed.spreads(part("QmMe", 0)._replace(disputed=frozenset({"QmX"})), [part("QmD", 2, 4.0)], None)
+    assert not disputed.reputation.is_banned("QmD") and "QmD" in disputed.pauses
     self_disputed = transport()  # the disputed member is the reducer itself: its parts are evidence as before
     for r in range(2 * SPREAD_WINDOW):
         own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmD"}))
         with contextlib.suppress(PartRefused):
-            SwarmTransport._judge_spreads(self_disputed, 0, r, own, [part("QmD", 3 * r + 2, 2.0)])
+            self_disputed.spreads(own, [part("QmD", 3 * r + 2, 2.0)], None)
     assert self_disputed.reputation.is_banned("QmD")
 
-    in_pair = transport(view=SimpleNamespace(judges_reduced_part=lambda reducer: False))
+    in_pair, pair = transport(), SimpleNamespace(judges_reduced_part=lambda reducer: False)
     for r in range(2 * SPREAD_WINDOW):
-        assert judge(in_pair, r, part("QmD", 3 * r + 2, 4.0)) is None
+        assert judge(in_pair, r, part("QmD", 3 * r + 2, 4.0), view=pair) is None
     assert not in_pair.reputation.is_banned("QmD")
     alone = transport()  # no reference: our own part holds only our own contribution
     for r in range(2 * SPREAD_WINDOW):
-        SwarmTransport._judge_spreads(alone, 0, r, _PartResult("QmMe", {}, 1.0, [], None), [part("QmD", r, 4.0)])
+        alone.spreads(PartResult("QmMe", {}, 1.0, [], None), [part("QmD", r, 4.0)], None)
     assert not alone.reputation.is_banned("QmD")
 
 
@@ -1216,7 +1229,7 @@ def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
     two of eight chunks honestly, except that QmD adds ``nudge`` times its part's rms in a fixed sign pattern (the
     bench's ``reducenudge`` at 0.8). Yields (request, parts) per round, this node's own part first."""
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import _PartResult, part_geometry
+    from locoswarm.node.swarm.judging import part_geometry
 
     numel, members = 8 * 1024, ["QmMe", "QmB", "QmC", "QmD"]
     gen = torch.Generator().manual_seed(seed)
@@ -1236,35 +1249,32 @@ def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
                 values[lo:hi] += nudge * float(values[lo:hi].norm()) / (hi - lo) ** 0.5 * pattern[lo:hi]
             encoded = encode_chunks(CODEC, values)
             chunks = {c: encoded[c] for c in (2 * j, 2 * j + 1)}
-            parts.append(_PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, bounds)))
-        yield req, bounds, parts
+            parts.append(PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, bounds)))
+        yield req, parts
 
 
 def test_a_part_refused_for_its_direction_is_judged_for_its_spread_before_the_round_fails() -> None:
     """A reducer whose parts point against ours from another phi (refused, no blame: honest reducers of another
     lineage do that too) was refused round after round and never banned, its spread never judged (3 + 1
-    ``reducedrift``, 151 refusals, +31%). ``_judge_parts`` judges every part's spread first, then fails the round
+    ``reducedrift``, 151 refusals, +31%). ``PartJudge.parts`` judges every part's spread first, then fails the round
     with the direction refusal; a part whose spread is far beyond an honest one's bans its reducer in a few rounds,
     and an honest part refused for its direction alone bans nobody."""
     from locoswarm.node.core.payload import chunk_bounds
-    from locoswarm.node.swarm.averaging import SPREAD_WINDOW, _PartResult, part_geometry
+    from locoswarm.node.swarm.judging import part_geometry
     from locoswarm.node.swarm.reputation import Reputation
 
-    def part(reducer: str, seed: int, drift: float = 0.0, refused: str = "") -> _PartResult:
+    def part(reducer: str, seed: int, drift: float = 0.0, refused: str = "") -> PartResult:
         req, chunks = _spread_round(seed, 4, drift)
-        return _PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)),
+        return PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)),
                            same_lineage=False, refused=refused)
 
-    stub = SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: None)
-    stub._judge_spreads = lambda *a: SwarmTransport._judge_spreads(stub, *a)
-    stub._judge_persistence = lambda *a: None
+    stub = _part_judge(Reputation())
     against = "peer {} sent a reduced part that points against this node's own progress (agreement -0.14)"
-    bounds = chunk_bounds(NUMEL, 64)
 
-    def judge(r: int, *others: _PartResult) -> str:
+    def judge(r: int, *others: PartResult) -> str:
         req, _ = _spread_round(3 * r, 4)
         with pytest.raises(PartRefused) as refused:
-            SwarmTransport._judge_parts(stub, req, CODEC, bounds, [part("QmMe", 3 * r), *others])
+            stub.parts(req, [part("QmMe", 3 * r), *others], None)
         return str(refused.value)
 
     for r in range(3 * SPREAD_WINDOW):  # an honest part refused for its direction: the round fails, nobody banned
@@ -1284,37 +1294,36 @@ def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence
     residual (orthogonal to our contribution) persists round after round more than the honest reducers' (whose
     persistence is their members' data, the same for our own part): it is banned within a few rounds. Honest reducers
     whose members' data differ persistently are never banned over many rounds, nor is anyone judged in a pair."""
-    from locoswarm.node.swarm.averaging import SPREAD_BAN, spread_ratio
+    from locoswarm.node.swarm.judging import spread_ratio
 
-    def transport(view=None) -> SimpleNamespace:
-        return SimpleNamespace(reputation=Reputation(), _refused_sources={}, _local_view=lambda f, r: view,
-                               part_drift=DeviationMemory(), peer_id="QmMe")
+    def transport() -> PartJudge:
+        return _part_judge(Reputation())
 
     honest = transport()
-    for req, bounds, parts in _persistence_rounds(60, nudge=0.0):
-        SwarmTransport._judge_persistence(honest, req, CODEC, bounds, parts)
+    for req, parts in _persistence_rounds(60, nudge=0.0):
+        honest.persistence(req, parts, None)
     assert honest.part_drift.reference() is not None  # it judged: the reducers' median is known
     assert not any(honest.reputation.is_banned(p) for p in ("QmB", "QmC", "QmD"))
 
     hostile, ratios = transport(), []
-    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=1):
+    for req, parts in _persistence_rounds(30, nudge=0.8, seed=1):
         ratios.append(spread_ratio(parts[3].geometry, parts[0].geometry))
-        SwarmTransport._judge_persistence(hostile, req, CODEC, bounds, parts)
+        hostile.persistence(req, parts, None)
         if hostile.reputation.is_banned("QmD"):
             break
     assert hostile.reputation.is_banned("QmD") and len(ratios) <= 12, len(ratios)
-    assert "QmD" in hostile._refused_sources
+    assert "QmD" in hostile.pauses
     assert not hostile.reputation.is_banned("QmB") and not hostile.reputation.is_banned("QmC")
     assert sorted(ratios)[len(ratios) // 2] < SPREAD_BAN  # what the spread check alone lets through
 
-    in_pair = transport(view=SimpleNamespace(judges_reduced_part=lambda reducer: False))
-    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=2):
-        SwarmTransport._judge_persistence(in_pair, req, CODEC, bounds, parts)
+    in_pair, pair = transport(), SimpleNamespace(judges_reduced_part=lambda reducer: False)
+    for req, parts in _persistence_rounds(30, nudge=0.8, seed=2):
+        in_pair.persistence(req, parts, pair)
     assert not in_pair.reputation.is_banned("QmD")
     # low-rank payloads: chunks are coefficients on a basis that moves every round, not one coordinate per chunk
     low_rank = transport()
-    for req, bounds, parts in _persistence_rounds(30, nudge=0.8, seed=1):
-        SwarmTransport._judge_persistence(low_rank, replace(req, basis=b"ranks+hash"), CODEC, bounds, parts)
+    for req, parts in _persistence_rounds(30, nudge=0.8, seed=1):
+        low_rank.persistence(replace(req, basis=b"ranks+hash"), parts, None)
     assert not low_rank.reputation.is_banned("QmD") and low_rank.part_drift.reference() is None
 
 
@@ -1323,30 +1332,27 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     REDUCED_AGREEMENT ban it, and naming another phi (its own claim) does not save it: there REDUCED_WINDOW parts
     averaging below UNLINED_TURNED ban it; above that (an honest reducer of another lineage) never. An honest part
     (agreement above REDUCED_AGREEMENT) passes either way."""
-    from locoswarm.node.swarm.averaging import REDUCED_AGREEMENT, REDUCED_WINDOW, UNLINED_TURNED
+    from locoswarm.node.swarm.judging import REDUCED_AGREEMENT, REDUCED_WINDOW, UNLINED_TURNED
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
     book = OffenceBook("QmMe", rep, RoundClaims(), spread_ban=SPREAD_BAN)
-    stub = SimpleNamespace(reputation=rep, _refused_sources={}, deviations=DeviationMemory(), _offence=book.refuse)
-    stub._judge_reduction = lambda peer, agreement, same_lineage=True: SwarmTransport._judge_reduction(
-        stub, peer, agreement, same_lineage=same_lineage)
-    check = SwarmTransport._check_reduced_direction
+    check = _part_judge(rep, book=book).reduced_direction
     for same in (True, False):
-        check(stub, "QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
+        check("QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
     for _ in range(10 * REDUCED_WINDOW):  # another phi's honest reducer: refused, never an offence
         with pytest.raises(PartRefused, match="points against"):
-            check(stub, "QmElsewhere", UNLINED_TURNED + 0.15, same_lineage=False)
+            check("QmElsewhere", UNLINED_TURNED + 0.15, same_lineage=False)
     assert not rep.is_banned("QmElsewhere")
     turned = 0
     while not rep.is_banned("QmOther") and turned < 10 * REDUCED_WINDOW:
         with pytest.raises(PartRefused, match="points against"):
-            check(stub, "QmOther", -0.8, same_lineage=False)
+            check("QmOther", -0.8, same_lineage=False)
         turned += 1
     assert turned == REDUCED_WINDOW
     for _ in range(REDUCED_WINDOW):
         with pytest.raises(PartRefused, match="points against"):
-            check(stub, "QmSame", -0.5, same_lineage=True)
+            check("QmSame", -0.5, same_lineage=True)
     assert rep.is_banned("QmSame") and not rep.is_banned("QmHonest")
 
 
@@ -1356,27 +1362,26 @@ def test_a_flipper_is_banned_for_its_direction_whatever_lineage_it_names_an_hone
     alternates its claim is judged on both kinds together; an honest member of another lineage at the lowest mean
     measured (-0.06) is not, and neither is one that alternates lineages just above the bound of each."""
     from locoswarm.node.config import RobustSection
-    from locoswarm.node.swarm.averaging import OTHER_LINEAGE_MARGIN
+    from locoswarm.node.swarm.judging import OTHER_LINEAGE_MARGIN
     from locoswarm.node.swarm.reputation import Reputation
 
     r = RobustSection()
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, robust=r)
-    judge = SwarmTransport._judge_direction
+    judge = _part_judge(rep, robust=r).contribution
     judged = 0
     while not rep.is_banned("QmFlip") and judged < r.agreement_window:
-        judge(stub, "QmFlip", -0.25, 4.0, same_lineage=False)  # the median a flipper from another phi measured
+        judge("QmFlip", -0.25, 4.0, same_lineage=False)  # the median a flipper from another phi measured
         judged += 1
     assert rep.is_banned("QmFlip") and 2 <= judged <= r.agreement_window
     for _ in range(50):
-        judge(stub, "QmBehind", -0.06, 1.0, same_lineage=False)
-        judge(stub, "QmBoth", r.agreement_ban + 0.01, 1.0, same_lineage=True)
-        judge(stub, "QmBoth", r.agreement_ban - OTHER_LINEAGE_MARGIN + 0.01, 1.0, same_lineage=False)
+        judge("QmBehind", -0.06, 1.0, same_lineage=False)
+        judge("QmBoth", r.agreement_ban + 0.01, 1.0, same_lineage=True)
+        judge("QmBoth", r.agreement_ban - OTHER_LINEAGE_MARGIN + 0.01, 1.0, same_lineage=False)
     assert not rep.is_banned("QmBehind") and not rep.is_banned("QmBoth")
     for k in range(r.agreement_window):
-        judge(stub, "QmSwitch", -0.25, 4.0, same_lineage=k % 2 == 0)
+        judge("QmSwitch", -0.25, 4.0, same_lineage=k % 2 == 0)
     assert rep.is_banned("QmSwitch")
-    judge(stub, "QmLight", -0.9, 0.1, same_lineage=False)  # a joiner's step or two: not judged at all
+    judge("QmLight", -0.9, 0.1, same_lineage=False)  # a joiner's step or two: not judged at all
     assert "QmLight" not in rep.snapshot()["peers"]
 
 
@@ -1533,7 +1538,7 @@ def test_a_node_whose_parts_of_a_reducer_spread_far_follows_the_others_ban_and_h
     before two honest nodes ban nobody; one part is never enough."""
     def judge(rep: Reputation, peer: str, ratios: tuple[float, ...], kind: str = "reduction_spread_other_phi") -> None:
         bound = SPREAD_BAN_OTHER_PHI if kind.endswith("other_phi") else SPREAD_BAN
-        for r in ratios:  # as SwarmTransport._judge_spreads records them
+        for r in ratios:  # as PartJudge.spreads records them
             rep.judge(peer, kind, -math.log(r), window=SPREAD_WINDOW, ban_below=-math.log(bound),
                       good_from=-math.log(SPREAD_BAN) / 2, accumulate=True)
 
@@ -1620,31 +1625,29 @@ def test_a_stale_senders_contributions_are_no_evidence_a_few_times_a_minute_then
     went stale while it downloaded: honest ones measured -0.25 to +0.06 in 5 Mbit/s NAT runs, and one was banned)
     is not judged, STALE_GRACE times per STALE_GRACE_S; a flipper that stays the stale one is judged again after
     that and banned as before, and the grace comes back once the window has passed."""
-    import locoswarm.node.swarm.averaging as averaging
+    import locoswarm.node.swarm.judging as judging
     from locoswarm.node.config import RobustSection
-    from locoswarm.node.swarm.reputation import Allowance, Reputation
+    from locoswarm.node.swarm.reputation import Reputation
 
     now = [100.0]
     r = RobustSection()
     rep = Reputation()
-    stub = SimpleNamespace(reputation=rep, robust=r,
-                           _stale_grace=Allowance(averaging.STALE_GRACE, averaging.STALE_GRACE_S, now=lambda: now[0]))
-    judge = SwarmTransport._judge_direction
-    for _ in range(averaging.STALE_GRACE):
-        judge(stub, "QmJoiner", -0.31, 1.0, same_lineage=False, stale=True)  # the banned joiner's scores
+    judge = _part_judge(rep, robust=r, now=lambda: now[0]).contribution
+    for _ in range(judging.STALE_GRACE):
+        judge("QmJoiner", -0.31, 1.0, same_lineage=False, stale=True)  # the banned joiner's scores
     assert not rep.is_banned("QmJoiner") and rep.offences("QmJoiner", ("direction",)) == 0
     # kept as this node's own view for following a majority's ban (a flipper the others banned at once)
     assert rep.suspects("QmJoiner", FOLLOWED_EVIDENCE)
     assert "direction" not in rep.snapshot()["peers"]["QmJoiner"]["scores"]
-    now[0] += averaging.STALE_GRACE_S + 1
-    for _ in range(averaging.STALE_GRACE):
-        judge(stub, "QmJoiner", -0.31, 1.0, same_lineage=False, stale=True)
+    now[0] += judging.STALE_GRACE_S + 1
+    for _ in range(judging.STALE_GRACE):
+        judge("QmJoiner", -0.31, 1.0, same_lineage=False, stale=True)
     assert not rep.is_banned("QmJoiner")
     judged = 0
     while not rep.is_banned("QmFlip") and judged < 3 * r.agreement_window:
-        judge(stub, "QmFlip", -0.25, 4.0, same_lineage=False, stale=True)
+        judge("QmFlip", -0.25, 4.0, same_lineage=False, stale=True)
         judged += 1
-    assert rep.is_banned("QmFlip") and judged <= averaging.STALE_GRACE + r.agreement_window
+    assert rep.is_banned("QmFlip") and judged <= judging.STALE_GRACE + r.agreement_window
 
 
 def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_stale_progress(
@@ -1654,25 +1657,28 @@ def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_st
     state), is no evidence against the reducer and does not pause it as a catch-up source: pausing the only holders
     a NATed node could reach discarded every catch-up it started (three in 60 s). A part of the node's own lineage,
     or one while it is not stale, is refused and judged as before."""
-    import locoswarm.node.swarm.averaging as averaging
+    import locoswarm.node.swarm.judging as judging
 
     now = [1000.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    judged: list[str] = []
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, _refused_sources={},
+    monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
+    stub = SimpleNamespace(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
                            view=SimpleNamespace(outbound_peers=set),
-                           dial_failures=DialFailures(), deviations=DeviationMemory(),
-                           _offence=lambda *args, **kwargs: None,
-                           _judge_reduction=lambda peer, *args, **kwargs: judged.append(peer))
+                           dial_failures=DialFailures(), deviations=DeviationMemory())
+    rep = Reputation()
+    judge = _part_judge(rep, pauses=stub.pauses)
+
+    def judged() -> list[str]:  # the reducers whose parts' direction was evidence here
+        return sorted(p for p, r in rep.snapshot()["peers"].items()
+                      if {"reduction", "reduction_other_phi"} & set(r["scores"]))
     source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
-    check = SwarmTransport._check_reduced_direction
-    check(stub, "QmAhead", -0.63, same_lineage=False, stale=True)  # applied: the round merges
-    assert source("QmAhead") and judged == []
+    check = judge.reduced_direction
+    check("QmAhead", -0.63, same_lineage=False, stale=True)  # applied: the round merges
+    assert source("QmAhead") and judged() == []
     with pytest.raises(PartRefused):
-        check(stub, "QmSameLineage", -0.63, same_lineage=True, stale=True)
+        check("QmSameLineage", -0.63, same_lineage=True, stale=True)
     with pytest.raises(PartRefused):
-        check(stub, "QmNotStale", -0.63, same_lineage=False, stale=False)
-    assert judged == ["QmSameLineage", "QmNotStale"]
+        check("QmNotStale", -0.63, same_lineage=False, stale=False)
+    assert judged() == ["QmNotStale", "QmSameLineage"]
     assert not source("QmSameLineage") and not source("QmNotStale")
 
 

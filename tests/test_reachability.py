@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from locoswarm.node.swarm.averaging import unreachable_idle
+from locoswarm.node.swarm.judging import SourcePauses
 from locoswarm.node.swarm.reachability import (
     OUTBOUND_ONLY,
     PUBLIC,
@@ -202,7 +203,7 @@ def test_an_outbound_only_peer_serves_no_catch_up() -> None:
     from locoswarm.node.swarm.averaging import SwarmTransport
     from locoswarm.node.swarm.dial_failures import DialFailures
 
-    stub = SimpleNamespace(reputation=None, _refused_sources={},
+    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(),
                            view=SimpleNamespace(outbound_peers=lambda: {"QmNatted"}),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     assert not SwarmTransport._state_source(stub, "QmNatted")

@@ -12,6 +12,7 @@ import torch
 
 from locoswarm.node.core.codecs import get_codec
 from locoswarm.node.core.persistence import DeviationMemory
+from locoswarm.node.swarm.judging import SourcePauses
 from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
     CAUGHT_S,
@@ -43,7 +44,7 @@ def _transport(belief: Belief, **fields) -> SimpleNamespace:
     from locoswarm.node.swarm.dial_failures import DialFailures
 
     stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                           _refused_sources={}, dial_failures=DialFailures(),
+                           pauses=SourcePauses(), dial_failures=DialFailures(),
                            deviations=DeviationMemory(), _probed={}, _no_replay={}, states=StateSource(),
                            view=SimpleNamespace(outbound_peers=set, latest_versions=lambda fragment: belief,
                                                 kin=lambda source, fragment: True))

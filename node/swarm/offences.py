@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # and with their exclusions as the majority they could otherwise get it banned by the other honest members.
 STALE_DIRECTION = "direction_stale"  # the kind of a stale contribution's direction score (``STALE_GRACE``)
 FOLLOWED_EVIDENCE = ("direction", STALE_DIRECTION)
-# ... and the spread of the peer's reduced parts (``SwarmTransport._judge_spreads``), where its last parts judged here
+# ... and the spread of the peer's reduced parts (``judging.PartJudge.spreads``), where its last parts judged here
 # spread more than the spread ban (``averaging.SPREAD_BAN``) times as far as this node's own on the whole (the geometric
 # mean, at least ``MIN_EVIDENCE`` parts): unlike a part's agreement, the spread is not judged in a round where another
 # member's contribution to this node's own part had no pull, and what a member sends a reducer moves its part by at most
