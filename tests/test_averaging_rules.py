@@ -59,6 +59,7 @@ from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.swarm.versions import RoundClaims
 from locoswarm.node.transport.groups import PROBE_EVERY, consensus_members, form_groups, is_probe_round, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
+from tests.stand_ins import catch_up
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
 
@@ -175,7 +176,7 @@ def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_de
 def test_holders_are_asked_in_an_order_of_the_downloader_own() -> None:
     """Rendezvous order: a permutation, stable per downloader and fragment, different between downloaders (so
     that two nodes catching up at once do not both start with the first holder listed)."""
-    from locoswarm.node.swarm.averaging import holder_order
+    from locoswarm.node.swarm.catchup import holder_order
 
     holders = PEERS[:4]
     orders = {own: holder_order(own, 0, holders) for own in PEERS[4:]}
@@ -642,19 +643,17 @@ def test_a_peer_whose_state_was_refused_is_no_catch_up_source_even_as_a_group_me
     from locoswarm.node.swarm.versions import Belief
 
     rep = Reputation(threshold=3)
-    stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
+    stub = catch_up(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmLiar"])},
                            view=SimpleNamespace(outbound_peers=set,
                                                 latest_versions=lambda f: Belief(11, b"", ["QmLiar", "QmOther"])),
                            pauses=SourcePauses(), round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
-    stub._banned = lambda peer: SwarmTransport._banned(stub, peer)
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmLiar"])
+    assert stub.newest(0) == Belief(12, b"", ["QmHonest", "QmLiar"])
     rep.refuse("QmLiar", "bad_state", "phi at 0 has 9 non-finite value(s)")
     assert not rep.is_banned("QmLiar")
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
+    assert stub.newest(0) == Belief(12, b"", ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmLiar"])}
-    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
+    assert stub.newest(0) == Belief(11, b"", ["QmOther"])
 
 
 def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
@@ -666,21 +665,20 @@ def test_catch_ups_go_to_the_holders_whose_rounds_back_the_version() -> None:
     from locoswarm.node.swarm.versions import NAMED_RECENT_S, Belief
 
     holders = ["QmHonest", "QmLiar", "QmQuiet"]
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
+    stub = catch_up(peer_id="QmMe", reputation=None, recent={}, round_claims=RoundClaims(),
                            view=SimpleNamespace(latest_versions=lambda fragment: Belief(12, b"d", list(holders)),
                                                 outbound_peers=set),
                            pauses=SourcePauses(), dial_failures=DialFailures(),
                            deviations=DeviationMemory())
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     stub.round_claims.record(0, "QmHonest", 11)
     stub.round_claims.record(0, "QmLiar", 10)
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmHonest"])  # QmQuiet, never met, comes after
+    assert stub.newest(0) == Belief(12, b"d", ["QmHonest"])  # QmQuiet, never met, comes after
     holders.remove("QmHonest")
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmQuiet"])
+    assert stub.newest(0) == Belief(12, b"d", ["QmQuiet"])
     holders.remove("QmQuiet")
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", [])  # no catch-up now
+    assert stub.newest(0) == Belief(12, b"d", [])  # no catch-up now
     stub.round_claims.record(0, "QmLiar", 10, now=time.monotonic() - NAMED_RECENT_S)  # what it named long ago
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"d", ["QmLiar"])
+    assert stub.newest(0) == Belief(12, b"d", ["QmLiar"])
 
 
 def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until_it_is_cleared() -> None:
@@ -688,45 +686,44 @@ def test_a_peer_whose_parts_this_node_judged_against_it_serves_no_catch_up_until
     caught up from one of them again and again, each phi a little worse. A peer whose judged contributions or
     reduced parts lean against this node (``Reputation.suspects``) is no catch-up source, before any ban; one
     judgement is not enough, nor a single bad score among good ones, and good scores clear the suspicion."""
-    from locoswarm.node.swarm.averaging import SUSPECT_SOURCE
+    from locoswarm.node.swarm.catchup import SUSPECT_SOURCE
     from locoswarm.node.swarm.reputation import Reputation
     from locoswarm.node.swarm.versions import Belief
 
     rep = Reputation(threshold=3)
-    stub = SimpleNamespace(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
+    stub = catch_up(peer_id="QmMe", reputation=rep, recent={0: (12, ["QmMe", "QmHonest", "QmDrifter"])},
                            view=SimpleNamespace(outbound_peers=set,
                                                 latest_versions=lambda f: Belief(11, b"", ["QmDrifter", "QmOther"])),
                            pauses=SourcePauses(), round_claims=RoundClaims(),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
     judge = dict(window=3, ban_below=-0.5, good_from=0.0)
     assert set(SUSPECT_SOURCE) >= {"direction", "reduction", "reduction_other_phi"}
     rep.judge("QmDrifter", "reduction_other_phi", -0.3, **judge)
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest", "QmDrifter"])  # one score: no evidence
+    assert stub.newest(0) == Belief(12, b"", ["QmHonest", "QmDrifter"])  # one score: no evidence
     rep.judge("QmDrifter", "reduction_other_phi", -0.35, **judge)
     assert not rep.is_banned("QmDrifter")
-    assert SwarmTransport._newest(stub, 0) == Belief(12, b"", ["QmHonest"])
+    assert stub.newest(0) == Belief(12, b"", ["QmHonest"])
     stub.recent = {0: (11, ["QmMe", "QmDrifter"])}
-    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmOther"])
+    assert stub.newest(0) == Belief(11, b"", ["QmOther"])
     for _ in range(3):
         rep.judge("QmDrifter", "direction", 0.4, **judge)
-    assert SwarmTransport._newest(stub, 0) == Belief(11, b"", ["QmDrifter", "QmOther"])  # cleared by good scores
+    assert stub.newest(0) == Belief(11, b"", ["QmDrifter", "QmOther"])  # cleared by good scores
     rep.judge("QmHonest", "direction", 0.3, **judge)
     rep.judge("QmHonest", "reduction", -0.05, **judge)  # one bad score among good ones
-    assert stub._state_source("QmHonest")
+    assert stub.may_serve("QmHonest")
 
 
 def test_a_peer_this_node_failed_to_dial_lately_serves_no_catch_up() -> None:
     """A cut pair (bench swarm --cut 2-3): a node asked the peer it could not reach for state, twice, and waited for
     each dial to fail. A peer its dials failed to lately is no catch-up source; once a stream opened, it is again."""
-    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
+    stub = catch_up(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
-    assert SwarmTransport._state_source(stub, "QmCut")
+    assert stub.may_serve("QmCut")
     stub.dial_failures.failed("QmCut")
-    assert not SwarmTransport._state_source(stub, "QmCut") and SwarmTransport._state_source(stub, "QmOther")
+    assert not stub.may_serve("QmCut") and stub.may_serve("QmOther")
     stub.dial_failures.reached("QmCut")
-    assert SwarmTransport._state_source(stub, "QmCut")
+    assert stub.may_serve("QmCut")
 
 
 def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up() -> None:
@@ -736,14 +733,14 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
     from locoswarm.node.core.persistence import DRIFT_ROUNDS, SUSTAINED_MUTES
 
     for ceiling, refused in ((0.75, True), (1.0, False)):
-        stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
+        stub = catch_up(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                                dial_failures=DialFailures(),
                                deviations=DeviationMemory(ceiling=ceiling))
         for _ in range(DRIFT_ROUNDS + SUSTAINED_MUTES):
             stub.deviations.standing_drift(["QmDrifter", "QmHonest"], [0.95, 0.3], now=0.0)
         assert stub.deviations.apart() == [], "the doubt lapsed (stamped at 0, long ago)"
-        assert SwarmTransport._state_source(stub, "QmDrifter") is not refused
-        assert SwarmTransport._state_source(stub, "QmHonest")
+        assert stub.may_serve("QmDrifter") is not refused
+        assert stub.may_serve("QmHonest")
 
 
 def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_one_and_serves_no_state() -> None:
@@ -759,15 +756,16 @@ def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_
     stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
+    catch = catch_up(reputation=rep, deviations=stub.deviations)
     senders, levels = ["QmHonest", "QmD1", "QmD2"], [0.45, 0.9, 0.9]
     for _ in range(DRIFT_ROUNDS + 1):
         stub.deviations.standing_drift(senders, levels)
-    assert SwarmTransport._shunned(stub) == ["QmBanned"] and SwarmTransport._state_source(stub, "QmD1")
+    assert SwarmTransport._shunned(stub) == ["QmBanned"] and catch.may_serve("QmD1")
     SwarmTransport.alarm(stub, "fragment 0: a test")
     for _ in range(SUSTAINED_MUTES):
         stub.deviations.standing_drift(senders, levels)
     assert SwarmTransport._shunned(stub) == ["QmBanned", "QmD1", "QmD2"]
-    assert not SwarmTransport._state_source(stub, "QmD1") and SwarmTransport._state_source(stub, "QmHonest")
+    assert not catch.may_serve("QmD1") and catch.may_serve("QmHonest")
     assert not rep.is_banned("QmD1") and rep.banned() == ["QmBanned"]  # shunned, not banned
     assert stub.deviations.shunned(now=time.monotonic() + ALARM_S + 1) == []
 
@@ -789,12 +787,11 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
             met = RoundClaims()  # both met in rounds: only the muting makes a doubt here
             for peer in ("QmDrifter", "QmHonest"):
                 met.record(0, peer, 3)
-            stub = SimpleNamespace(deviations=memory, _probed={}, states=SimpleNamespace(fetch=served),
-                                   peer_id="QmSelf", round_claims=met,
-                                   _newest=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]),
-                                   _replay=lambda fragment, holders, have, belief: (None, None),
-                                   view=SimpleNamespace(kin=lambda peer, fragment: peer == "QmHonest"))
-            snapshot = SwarmTransport.fetch_fragment(stub, 0)
+            stub = catch_up(peer_id="QmSelf", deviations=memory, states=SimpleNamespace(fetch=served),
+                            round_claims=met, view=SimpleNamespace(kin=lambda peer, fragment: peer == "QmHonest"))
+            # the holders as if the drifter may serve (with a ceiling, ``may_serve`` would leave it out)
+            stub.newest = lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"])
+            snapshot = stub.fetch(0)
             assert snapshot.doubted is doubted, (ceiling, source)
             assert snapshot.kin is (source == "QmHonest")  # FragmentSnapshot.kin: as the daemon's view says
         assert not memory.muted_lately("QmDrifter", now=time.monotonic() + 2 * DOUBT_S), "the doubt lapses"
@@ -805,24 +802,24 @@ def test_a_suspicion_that_nothing_renews_lapses_and_the_suspect_serves_catch_ups
     suspicion: once the newest of its scores is older than ``SUSPECT_SOURCE_S`` the peer may serve a catch-up
     again (a CI run held an honest node 140 versions behind the others for 120 s). A suspect still judged in
     this node's rounds stays suspected: each score renews it."""
-    from locoswarm.node.swarm.averaging import SUSPECT_SOURCE, SUSPECT_SOURCE_S
+    from locoswarm.node.swarm.catchup import SUSPECT_SOURCE, SUSPECT_SOURCE_S
     from locoswarm.node.swarm.reputation import Reputation
 
     now = [1000.0]
     rep = Reputation(threshold=3, now=lambda: now[0])
-    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
+    stub = catch_up(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     judge = dict(window=8, ban_below=-0.9, good_from=0.0)
     for _ in range(2):
         rep.judge("QmSuspect", "direction", -0.4, **judge)
     assert rep.suspects("QmSuspect", SUSPECT_SOURCE) and not rep.is_banned("QmSuspect")
-    assert not SwarmTransport._state_source(stub, "QmSuspect")
+    assert not stub.may_serve("QmSuspect")
     now[0] += 0.9 * SUSPECT_SOURCE_S
     rep.judge("QmSuspect", "reduction", -0.2, **judge)  # judged again: renewed
     now[0] += 0.9 * SUSPECT_SOURCE_S
-    assert not SwarmTransport._state_source(stub, "QmSuspect")
+    assert not stub.may_serve("QmSuspect")
     now[0] += 0.2 * SUSPECT_SOURCE_S
-    assert SwarmTransport._state_source(stub, "QmSuspect")
+    assert stub.may_serve("QmSuspect")
     assert rep.suspects("QmSuspect", SUSPECT_SOURCE)  # without a bound on age (following bans) it still counts
 
 
@@ -831,25 +828,25 @@ def test_a_state_that_measured_worse_pauses_its_source_shortly_a_malformed_one_l
     """An honest swarm's phi moves every round: a holder whose phi measured worse than ours is asked again
     after WORSE_SOURCE_S (a node that refused the others' phi while a bad average had set them back would
     otherwise stay on a lineage of its own), one that served a malformed state only after REFUSED_SOURCE_S."""
-    import locoswarm.node.swarm.averaging as averaging
+    import locoswarm.node.swarm.catchup as catchup
     from locoswarm.node.core.transport import FragmentSnapshot
 
     now = [1000.0]
-    monkeypatch.setattr(averaging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
+    monkeypatch.setattr(catchup.time, "monotonic", lambda: now[0])
+    stub = catch_up(reputation=None, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
-                           deviations=DeviationMemory(), _offence=lambda *args, **kwargs: None)
-    source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
+                           deviations=DeviationMemory())
+    source = lambda peer: stub.may_serve(peer)  # noqa: E731
 
     def served(peer: str) -> FragmentSnapshot:
         return FragmentSnapshot(0, 7, torch.zeros(3), torch.zeros(3), source=peer)
 
-    SwarmTransport.reject_snapshot(stub, served("QmWorse"), "effect: worse", offence=False)
-    SwarmTransport.reject_snapshot(stub, served("QmBroken"), "phi is not finite", offence=True)
+    stub.reject_snapshot(served("QmWorse"), "effect: worse", offence=False)
+    stub.reject_snapshot(served("QmBroken"), "phi is not finite", offence=True)
     assert not source("QmWorse") and not source("QmBroken") and source("QmOther")
-    now[0] += averaging.WORSE_SOURCE_S + 0.1
+    now[0] += catchup.WORSE_SOURCE_S + 0.1
     assert source("QmWorse") and not source("QmBroken")
-    now[0] += averaging.REFUSED_SOURCE_S
+    now[0] += catchup.REFUSED_SOURCE_S
     assert source("QmBroken")
 
 
@@ -864,12 +861,12 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
 
     now = [1000.0]
     monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
+    stub = catch_up(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
                            view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
     judge = _part_judge(pauses=stub.pauses)
-    source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
+    source = lambda peer: stub.may_serve(peer)  # noqa: E731
     check = judge.reduced_direction
     check("QmHonest", 0.4, same_lineage=True)
     with pytest.raises(PartRefused):
@@ -890,16 +887,16 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
     import concurrent.futures
 
     from locoswarm.node.core.transport import FragmentSnapshot
-    from locoswarm.node.swarm.averaging import _BackgroundFetch
+    from locoswarm.node.swarm.catchup import _BackgroundFetch
 
     rep = Reputation(threshold=1)
-    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
+    stub = catch_up(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
 
     def landed(snapshot: FragmentSnapshot | None) -> _BackgroundFetch:
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(snapshot)
-        return _BackgroundFetch(future, lambda peer: SwarmTransport._state_source(stub, peer))
+        return _BackgroundFetch(future, stub.may_serve)
 
     def served(peer: str) -> FragmentSnapshot:
         return FragmentSnapshot(0, 9, torch.zeros(3), torch.zeros(3), source=peer)
@@ -1661,7 +1658,7 @@ def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_st
 
     now = [1000.0]
     monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
-    stub = SimpleNamespace(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
+    stub = catch_up(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
                            view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     rep = Reputation()
@@ -1670,7 +1667,7 @@ def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_st
     def judged() -> list[str]:  # the reducers whose parts' direction was evidence here
         return sorted(p for p, r in rep.snapshot()["peers"].items()
                       if {"reduction", "reduction_other_phi"} & set(r["scores"]))
-    source = lambda peer: SwarmTransport._state_source(stub, peer)  # noqa: E731
+    source = lambda peer: stub.may_serve(peer)  # noqa: E731
     check = judge.reduced_direction
     check("QmAhead", -0.63, same_lineage=False, stale=True)  # applied: the round merges
     assert source("QmAhead") and judged() == []

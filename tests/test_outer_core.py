@@ -518,7 +518,7 @@ class RecordingTransport(Transport):
 
     def _replay(self, fragment: int, have: int) -> FragmentSnapshot:
         """The holder's logged steps since ``have``, checked against the digests logged with them (as
-        ``SwarmTransport._replay`` does)."""
+        ``CatchUp._replay`` does)."""
         snap = self.replay_from.snapshot(fragment)
         steps = [s for s in snap.steps if s.version > have]
         assert len(steps) == snap.version - have, (snap.version, have, [s.version for s in snap.steps])

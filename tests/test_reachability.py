@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 
 from locoswarm.node.swarm.averaging import unreachable_idle
-from locoswarm.node.swarm.judging import SourcePauses
 from locoswarm.node.swarm.reachability import (
     OUTBOUND_ONLY,
     PUBLIC,
@@ -199,12 +198,8 @@ def test_a_port_nobody_listens_on_is_reported_unreachable() -> None:
 def test_an_outbound_only_peer_serves_no_catch_up() -> None:
     from types import SimpleNamespace
 
-    from locoswarm.node.core.persistence import DeviationMemory
-    from locoswarm.node.swarm.averaging import SwarmTransport
-    from locoswarm.node.swarm.dial_failures import DialFailures
+    from tests.stand_ins import catch_up
 
-    stub = SimpleNamespace(reputation=None, pauses=SourcePauses(),
-                           view=SimpleNamespace(outbound_peers=lambda: {"QmNatted"}),
-                           dial_failures=DialFailures(), deviations=DeviationMemory())
-    assert not SwarmTransport._state_source(stub, "QmNatted")
-    assert SwarmTransport._state_source(stub, "QmPublic")
+    stub = catch_up(view=SimpleNamespace(outbound_peers=lambda: {"QmNatted"}))
+    assert not stub.may_serve("QmNatted")
+    assert stub.may_serve("QmPublic")

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from locoswarm.node.core.codecs import get_codec
-from locoswarm.node.core.persistence import DeviationMemory
-from locoswarm.node.swarm.judging import SourcePauses
+from locoswarm.node.swarm.catchup import CatchUp
 from locoswarm.node.swarm.replay import ReplayMemory, Seen, conclusive
 from locoswarm.node.swarm.versions import (
     CAUGHT_S,
@@ -30,6 +29,7 @@ from locoswarm.node.swarm.versions import (
     version_bound,
 )
 from locoswarm.node.swarm.view import StateSource
+from tests.stand_ins import catch_up
 
 
 def _states(fetch: Callable, fetch_steps: Callable | None = None) -> SimpleNamespace:
@@ -37,23 +37,12 @@ def _states(fetch: Callable, fetch_steps: Callable | None = None) -> SimpleNames
     return SimpleNamespace(fetch=fetch, fetch_steps=fetch_steps or (lambda *args: None))
 
 
-def _transport(belief: Belief, **fields) -> SimpleNamespace:
-    """A stand-in for ``SwarmTransport`` with what ``_newest`` and ``fetch_fragment`` read: a fresh
-    ``RoundClaims``, no reputation or suspicions, ``belief`` as the heartbeats' (``fields`` replace any of it)."""
-    from locoswarm.node.swarm.averaging import SwarmTransport
-    from locoswarm.node.swarm.dial_failures import DialFailures
+def _transport(belief: Belief, states: StateSource | None = None) -> CatchUp:
+    """A node's ``CatchUp`` (``tests.stand_ins.catch_up``) with ``belief`` as the heartbeats' and ``states`` as its
+    state source: a fresh ``RoundClaims``, no reputation or suspicions."""
+    return catch_up(states=states, view=SimpleNamespace(outbound_peers=set, latest_versions=lambda fragment: belief,
+                                                        kin=lambda source, fragment: True))
 
-    stub = SimpleNamespace(peer_id="QmMe", round_claims=RoundClaims(), reputation=None, recent={},
-                           pauses=SourcePauses(), dial_failures=DialFailures(),
-                           deviations=DeviationMemory(), _probed={}, _no_replay={}, states=StateSource(),
-                           view=SimpleNamespace(outbound_peers=set, latest_versions=lambda fragment: belief,
-                                                kin=lambda source, fragment: True))
-    stub.__dict__.update(fields)
-    stub._state_source = lambda peer: SwarmTransport._state_source(stub, peer)
-    stub._newest = lambda fragment: SwarmTransport._newest(stub, fragment)
-    if "_replay" not in fields:
-        stub._replay = lambda *args: SwarmTransport._replay(stub, *args)
-    return stub
 
 def test_the_clock_bounds_the_versions_any_fragment_can_hold() -> None:
     # fixed schedule, H = 8: one slot per 8 steps, plus the slot at clock 0, plus the slack
@@ -133,17 +122,17 @@ def test_a_lone_newer_claim_is_unconfirmed_not_believed() -> None:
 
 
 def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
-    from locoswarm.node.swarm.averaging import PROBE_INTERVAL_S, SwarmTransport
+    from locoswarm.node.swarm.catchup import PROBE_INTERVAL_S
 
     fetched = []
     stub = _transport(Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")}),
                       states=_states(lambda *args: fetched.append(args)))
-    assert SwarmTransport.latest_version(stub, 0) == 42
-    SwarmTransport.fetch_fragment(stub, 0)
+    assert stub.newest(0).version == 42
+    stub.fetch(0)
     assert fetched == [(0, ["ahead"], 42, b"x")]
-    assert SwarmTransport.latest_version(stub, 0) == 40  # probed: not again for a while
+    assert stub.newest(0).version == 40  # probed: not again for a while
     stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
-    assert SwarmTransport.latest_version(stub, 0) == 42
+    assert stub.newest(0).version == 42
 
 
 def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of_that_catch_up() -> None:
@@ -152,7 +141,6 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
     checks. The other holders are; with none left there is no catch-up. A replay that matches is taken as it is."""
 
     from locoswarm.node.core.transport import FragmentSnapshot, OuterStep
-    from locoswarm.node.swarm.averaging import SwarmTransport
 
     def steps_from(source: str, after: bytes) -> FragmentSnapshot:
         empty = torch.zeros(0)
@@ -167,7 +155,7 @@ def test_a_holder_whose_steps_contradict_the_announced_digest_serves_no_state_of
                           states=_states(lambda *args, fetched=fetched: fetched.append(args),
                                          lambda fragment, order, have, version, served=served: steps_from(
                                              served, b"good" if served == "h1" else b"forged")))
-        got = SwarmTransport.fetch_fragment(stub, 0, have=38)
+        got = stub.fetch(0, have=38)
         assert fetched == want, (holders, served)
         if served == "h1":
             assert got is not None and got.is_replay and got.source == "h1"
@@ -181,9 +169,8 @@ def test_holders_whose_rounds_named_the_version_serve_first() -> None:
     none has named it, the others may serve."""
 
     from locoswarm.node.core.transport import FragmentSnapshot
-    from locoswarm.node.swarm.averaging import SwarmTransport
 
-    def transport(holders: list[str]) -> tuple[SimpleNamespace, list[tuple]]:
+    def transport(holders: list[str]) -> tuple[CatchUp, list[tuple]]:
         asked: list[tuple] = []
 
         def fetch(fragment: int, order: list[str], version: int, digest: bytes) -> FragmentSnapshot:
@@ -194,10 +181,10 @@ def test_holders_whose_rounds_named_the_version_serve_first() -> None:
 
     stub, asked = transport(["seen", "stranger"])
     stub.round_claims.record(0, "seen", 39, now=time.monotonic())
-    snap = SwarmTransport.fetch_fragment(stub, 0)
+    snap = stub.fetch(0)
     assert asked == [(0, ["seen"], 40, b"good")] and snap.source == "seen" and not snap.doubted
     stub, asked = transport(["seen", "stranger"])
-    SwarmTransport.fetch_fragment(stub, 0)  # nobody named it: both may serve
+    stub.fetch(0)  # nobody named it: both may serve
     assert asked and sorted(asked[0][1]) == ["seen", "stranger"]
 
 

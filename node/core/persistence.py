@@ -206,7 +206,7 @@ class DeviationMemory:
     def drifting(self, sender: str, *, now: float | None = None) -> bool:
         """With a ceiling (or during an alarm): whether ``sender`` was muted in at least ``SUSTAINED_MUTES`` of its
         last ``SUSTAINED_OF`` judged rounds here. Such a sender serves this node no state
-        (``averaging.SwarmTransport._state_source``), whether or not its doubt lapsed: its phi carries the drift it
+        (``catchup.CatchUp.may_serve``), whether or not its doubt lapsed: its phi carries the drift it
         spread (2 + 2 drift runs: an honest node took a drifter's phi, 2-15% worse than its own, six times in 12 s).
         Round after round, because an honest member whose rounds an attack disturbed is muted now and then too
         (3 + 1 flip: 0.74-0.80 against each other)."""

@@ -38,8 +38,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +49,6 @@ from locoswarm.node.core.codecs import CODECS, Codec
 from locoswarm.node.core.payload import chunk_bounds, chunk_elems, decode_chunks
 from locoswarm.node.core.persistence import ALARM_CEILING, ALARM_S, DeviationMemory
 from locoswarm.node.core.robust import make_aggregator
-from locoswarm.node.core.step_log import REPLAY_DEPTH
 from locoswarm.node.core.transport import (
     BASIS_MISMATCH,
     EXCLUDED_BY_ALL,
@@ -69,9 +68,9 @@ from locoswarm.node.core.transport import (
     Transport,
 )
 from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm.catchup import CatchUp
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.judging import (
-    MAX_TRACKED,
     SPREAD_BAN,
     PartJudge,
     PartRefused,
@@ -99,7 +98,7 @@ from locoswarm.node.swarm.replay import conclusive as replay_conclusive
 from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
-from locoswarm.node.swarm.versions import Belief, RoundClaims, absurd_version, plausible_version, state_digest
+from locoswarm.node.swarm.versions import RoundClaims, absurd_version, plausible_version
 from locoswarm.node.swarm.view import StateSource, SwarmView
 from locoswarm.node.swarm.wire import DialError, PeerRefused, RequestStream, WireError, open_stream, serve
 from locoswarm.node.transport.groups import (
@@ -137,28 +136,11 @@ MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 # whole round's): the bound is for absurd parts only, since an offence leads to a ban; the outer loop's
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
-NO_REPLAY_S = 60.0  # after a replay the core could not take, a fragment's catch-ups download the state this long
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
-# The judged kinds whose scores, leaning against a peer (``Reputation.suspects``), keep it from serving this node a
-# catch-up (``SwarmTransport._state_source``) before any ban: the directions of its contributions and of its reduced
-# parts. Why: two drifting colluders with two honest nodes merged rounds between themselves, so their versions ran
-# ahead; an honest node caught up from one of them six times in 10 s, each phi measured 0.4-6% worse than its own
-# (inside the snapshot slack), and its eval rose 13.5% above the clean run's before the reducer's turned parts
-# banned it (robustness bench, 2 + 2 drift, 74dfbf2). A suspect's phi is no better evidence of the swarm's than its
-# parts were: the node stays on its own lineage (or takes another holder's) until the suspicion clears or bans.
-SUSPECT_SOURCE = ("direction", "reduction", "reduction_other_phi")
-# ... for as long as that suspicion is renewed: once the newest of those scores is older than SUSPECT_SOURCE_S the
-# peer may serve catch-ups again. A node on a lineage of its own meets the suspect in no round, so nothing would
-# ever clear the suspicion, and with every holder suspected it never rejoins (a CI run of the low-rank joiner test
-# held one honest node 140 versions behind the other two for the test's last 120 s; its log did not show why, and
-# this is one of the two rules that could hold it there for good, with ``outer_loop.FOLDED_SLACK``). An attacker in
-# this node's rounds is judged at every one of them (seconds apart), so its suspicion stays fresh.
-SUSPECT_SOURCE_S = 60.0
 
 
-REFUSED_SOURCE_S = 120.0     # a peer whose state this node refused as malformed is not asked again for this long
-WORSE_SOURCE_S = 20.0        # ... and one whose state merely measured worse than ours (``_state_source``)
-PROBE_INTERVAL_S = 60.0      # a lone newer claim is probed at most this often per claimant (``_newest``)
+
+
 
 
 
@@ -205,15 +187,6 @@ class ByteCounters:
     @property
     def total_received(self) -> int:
         return sum(self.received_by_peer.values())
-
-
-def holder_order(own: str, fragment: int, holders: Sequence[str]) -> list[str]:
-    """The order in which ``own`` asks ``holders`` for a fragment: a hash of the pair (rendezvous hashing), so
-    that nodes catching up at once start with different holders instead of all with the first one listed."""
-    def rank(holder: str) -> bytes:
-        return hashlib.blake2b(f"{own}/{fragment}/{holder}".encode(), digest_size=8).digest()
-
-    return sorted(holders, key=rank)
 
 
 def behind_the_others(member: str, versions: Mapping[str, int]) -> bool:
@@ -500,36 +473,6 @@ class _Handle(AverageHandle):
         return self._future.done()
 
 
-class _BackgroundFetch(FetchHandle):
-    """A download in the fetch thread. Its snapshot is handed over only where its source is still one this node
-    takes state from (``still_source``: ``SwarmTransport._state_source``) when the download lands: a 2 + 2 drift
-    run had an honest node adopt a drifter's phi, 36% worse than its own, one second after banning that drifter
-    (the download had started before the ban), and the other honest node then caught up from it (robustness
-    bench, 22683e6)."""
-
-    def __init__(self, future: concurrent.futures.Future, still_source: Callable[[str], bool]) -> None:
-        super().__init__(None)
-        self._future = future
-        self._still_source = still_source
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self) -> FragmentSnapshot | None:
-        if self._future.cancelled():
-            return None
-        if self._future.exception() is not None:
-            log.info("state download failed: %r", self._future.exception())
-            return None
-        snapshot = self._future.result()
-        if snapshot is not None and snapshot.source and not self._still_source(snapshot.source):
-            log.info("state download of fragment %d from %s discarded: this node stopped taking state from its "
-                     "source while it downloaded (a ban, or a part of its refused)", snapshot.fragment,
-                     snapshot.source[:12])
-            return None
-        return snapshot
-
-
 def kin_share(lineages: Mapping[str, int], own: int) -> float:
     """The share of a round's members (``lineages``: each one's phi crc, this node's included) that sent from this
     node's phi ``own`` (``AverageResult.kin``); 1.0 where none is known."""
@@ -592,8 +535,6 @@ class SwarmTransport(Transport):
         self.round_timeout = round_timeout
         self.robust = robust or RobustSection()
         self.reputation = reputation
-        self._no_replay: dict[int, float] = {}  # fragment -> until when its catch-ups download the state instead
-        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
         # the node's counters, shared with its state client: one tally of the node's bytes
         self.counters = counters if counters is not None else ByteCounters()
         self.dial_failures = DialFailures()
@@ -604,20 +545,20 @@ class SwarmTransport(Transport):
         self._sessions: dict[tuple[int, int, bytes], _Reduction] = {}
         self._exchanges = 0  # this node's rounds whose exchange is in flight (``exchanging``)
         self._view_changed: asyncio.Event | None = None
-        # fragment -> (version the group reached in its last successful round, its members): heartbeats
-        # lag behind fast rounds, so this is how a member that missed a round learns it is behind.
-        self.recent: dict[int, tuple[int, list[str]]] = {}
         self._skipped: dict[tuple[int, int], float] = {}
         # (fragment, round) -> peers whose stream for it was refused before this node formed its group
         self._refused_early: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self.lone = LonePolicy(self.view)  # when this node is a swarm of one and steps alone
-        self.pauses = SourcePauses()  # peers not asked for state for a while (``_state_source``)
-        self._probed: dict[tuple[int, str], float] = {}  # (fragment, peer) -> when this node last asked it
+        self.pauses = SourcePauses()  # peers not asked for state for a while (``CatchUp.may_serve``)
         # what this node's reductions saw of each sender's deviations (``locoswarm.node.core.persistence``)
         self.deviations = DeviationMemory(ceiling=self.robust.drift_ceiling)
         # what members send a round, judged by what it would do (``locoswarm.node.swarm.judging``)
         self.judge = PartJudge(self.peer_id, reputation, self.book, self.robust, self.pauses)
         self.replays = ReplayMemory()  # chunks this node has seen, by round (``locoswarm.node.swarm.replay``)
+        # which version to catch up to, from whom (``locoswarm.node.swarm.catchup``)
+        self.catch_up = CatchUp(self.peer_id, view=self.view, states=self.states, reputation=reputation,
+                                book=self.book, round_claims=self.round_claims, pauses=self.pauses,
+                                dial_failures=self.dial_failures, deviations=self.deviations)
         # who is in each round (``locoswarm.node.swarm.matchmaking``)
         self.matchmaker = Matchmaker(
             runtime.dht, self.peer_id, swarm_key=swarm_key, subkey=subkey or own_subkey(runtime.dht, self.peer_id),
@@ -693,31 +634,6 @@ class SwarmTransport(Transport):
         """How many peers this node's stream opens failed to lately (its match entries keep it apart from them)."""
         return len(self.dial_failures.peers())
 
-    def _state_source(self, peer: str) -> bool:
-        """Whether ``peer`` may serve this node a catch-up: not banned, not an offender by its state
-        (``Reputation.offended``: a liar that was a group member serves NaN under an honest version), not suspected
-        by this node's own recent judgements of its contributions and reduced parts (``SUSPECT_SOURCE``), and no state
-        of its refused lately, else a node would download it again at every send: for ``REFUSED_SOURCE_S`` after a
-        malformed one, for ``WORSE_SOURCE_S`` after one the effect check found worse than ours. The latter is
-        short because an honest swarm's phi moves every round: a node that refused the others' phi while a bad
-        average had set them back (seen: 3.34 against its own 1.08, with a low-rank joiner) stays on a phi of
-        its own until it asks again. A reducer whose part this node refused pauses for ``TURNED_SOURCE_S``. With a
-        drift ceiling, a peer this node muted round after round for its standing drift serves none
-        (``DeviationMemory.drifting``). Nor does a peer nobody, or this node, can dial (outbound only, or listed by
-        ``dial_failures``): a download from it would only wait for the dial to fail."""
-        if self.pauses.paused(peer):
-            return False
-        if peer in self.view.outbound_peers():  # nobody can dial it: a download from it would only time out
-            return False
-        if peer in self.dial_failures.peers():  # this node could not dial it lately (``dial_failures``)
-            return False
-        if self.deviations.drifting(peer):  # with a drift ceiling: its phi carries the drift it spread
-            return False
-        return self.reputation is None or not (self.reputation.is_banned(peer)
-                                               or self.reputation.offended(peer, "bad_state")
-                                               or self.reputation.suspects(peer, SUSPECT_SOURCE,
-                                                                          within_s=SUSPECT_SOURCE_S))
-
     def _refuse_banned(self, peer: str) -> str | None:
         """The stream server's first question: a banned peer's stream is refused before anything of it is
         read (counted, no new offence); in a closed swarm, so is a peer that is not a live member."""
@@ -737,114 +653,21 @@ class SwarmTransport(Transport):
         future = self.runtime.submit(asyncio.wait_for(self._average(request), budget))
         return _Handle(future, budget)
 
-    def _newest(self, fragment: int) -> Belief:
-        """The version of ``fragment`` to catch up to and whom to ask: the heartbeats' belief
-        (``locoswarm.node.swarm.versions``), or the version the group of its last merged round reached when
-        that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
-        newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
-        belief = self.view.latest_versions(fragment)
-        now = time.monotonic()
-        for peer, claim in sorted(belief.unconfirmed.items()):
-            if self._state_source(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
-                return Belief(claim.version, claim.digest, [peer])
-        recent_version, members = self.recent.get(fragment, (-1, []))
-        others = [m for m in members if m != self.peer_id and self._state_source(m)]
-        holders = [h for h in belief.holders if self._state_source(h)]
-        # a holder whose own rounds name an older version serves a state of its making (``versions``, rule 5):
-        # none whose round said so lately (two colluding liars corroborate each other's claims, and in a 4 + 2
-        # robustness bench run they were the only holders: honest nodes took 3 to 7 catch-ups from them each, up
-        # to 14% worse than their own phi, before the liars' claims were caught); the backed ones where any are
-        holders = [h for h in holders if not self.round_claims.refutes(fragment, h, belief.version)]
-        # ... and of the others, those whose rounds named the version (or the one before) first, then those never
-        # met in a round: two colluders that just joined corroborate each other before any round of theirs is seen
-        holders = ([h for h in holders if self.round_claims.proves(fragment, h, belief.version)]
-                   or [h for h in holders if self.round_claims.backs(fragment, h, belief.version)] or holders)
-        if recent_version > belief.version and others:
-            return Belief(recent_version, b"", others)
-        if recent_version == belief.version and not belief.digest:
-            holders = holders + [m for m in others if m not in holders]
-        return Belief(belief.version, belief.digest, holders)
-
     def latest_version(self, fragment: int) -> int:
-        return self._newest(fragment).version
+        return self.catch_up.newest(fragment).version
 
     def fetch_fragment(self, fragment: int, have: int | None = None) -> FragmentSnapshot | None:
-        """A catch-up of ``fragment``: a replay of the steps from ``have`` where that is possible (at most
-        ``REPLAY_DEPTH`` versions behind, a holder that keeps them: ``_replay``), else the state."""
-        belief = self._newest(fragment)
-        if not belief.holders:
-            return None
-        for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves
-            self._probed[(fragment, peer)] = time.monotonic()
-        while len(self._probed) > MAX_TRACKED:
-            self._probed.pop(next(iter(self._probed)))
-        order = holder_order(self.peer_id, fragment, belief.holders)
-        snapshot, contradicted = self._replay(fragment, order, have, belief)
-        if snapshot is None:
-            # A holder whose own steps do not reach the digest the swarm's holders announce for the version holds
-            # another state there, whatever its heartbeat says, and a download serves its newest state, which no
-            # digest can check: ask the others only. (A replay liar, robustness bench, served its forged state this
-            # way right after its steps failed the check: 6-7% worse than the node's own phi, taken.)
-            order = [h for h in order if h != contradicted]
-            if not order:
-                log.info("catching up: fragment %d to v%d: no other holder; not now", fragment, belief.version)
-                return None
-            log.info("catching up: fragment %d to v%d from %s", fragment, belief.version,
-                     ", ".join(h[:12] for h in order))
-            snapshot = self.states.fetch(fragment, order, belief.version, belief.digest)
-        if snapshot is not None and snapshot.source:
-            snapshot.doubted = self.deviations.muted_lately(snapshot.source)
-            snapshot.kin = self.view.kin(snapshot.source, fragment)
-        return snapshot
-
-    def _replay(self, fragment: int, holders: list[str], have: int | None,
-                belief: Belief) -> tuple[FragmentSnapshot | None, str | None]:
-        """The steps from ``have`` to the believed version (``locoswarm.node.core.step_log``), checked as the core
-        replays them against the digests the holder sent with them and, where the swarm's holders announce one,
-        the digest of the believed version; None where a replay is not possible or not worth asking. With it, the
-        holder whose steps contradicted the announced digest, if one did."""
-        if (have is None or not 0 < belief.version - have <= REPLAY_DEPTH
-                or time.monotonic() < self._no_replay.get(fragment, -math.inf)):
-            return None, None
-        snapshot = self.states.fetch_steps(fragment, holders, have, belief.version)
-        if snapshot is None:
-            return None, None
-        claimed = {have: snapshot.steps[0].before, **{s.version: s.after for s in snapshot.steps}}
-        if belief.digest and claimed.get(belief.version) != belief.digest:
-            log.info("replay of fragment %d from %s: its steps do not lead to the state the swarm's holders announce "
-                     "for v%d; not asking it for the state", fragment, snapshot.source[:12],
-                     belief.version)
-            return None, snapshot.source
-
-        def verify(version: int, phi: torch.Tensor, momentum: torch.Tensor) -> bool:
-            return state_digest(phi, momentum) == claimed.get(version)
-
-        log.info("catching up: fragment %d from v%d to v%d by replaying %d step(s) from %s", fragment, have,
-                 snapshot.version, len(snapshot.steps), snapshot.source[:12])
-        return replace(snapshot, verify=verify), None
-
-    def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:
-        """A replay the core could not take: the next catch-ups of its fragment download the state for a while
-        (a digest that does not match is nobody's proven fault: another device's arithmetic, a step of its own)."""
-        log.info("replay of fragment %d from %s not taken: %s; downloading the state instead for %.0f s",
-                 snapshot.fragment, snapshot.source[:12], reason, NO_REPLAY_S)
-        self._no_replay[snapshot.fragment] = time.monotonic() + NO_REPLAY_S
+        return self.catch_up.fetch(fragment, have)
 
     def start_fetch(self, fragment: int, have: int | None = None) -> FetchHandle:
-        """Download in a background thread (one at a time: they share the link): a catch-up of a few MB
-        over a slow link took seconds, and blocking training for it made the node late to its next round
-        too, so it caught up again, and again (issue 10: catch-up loops at 5 Mbit/s)."""
-        if self._fetcher is None:
-            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="locoswarm-fetch")
-        return _BackgroundFetch(self._fetcher.submit(self.fetch_fragment, fragment, have), self._state_source)
+        return self.catch_up.start(fragment, have)
+
+    def reject_replay(self, snapshot: FragmentSnapshot, reason: str) -> None:
+        self.catch_up.reject_replay(snapshot, reason)
 
     def reject_snapshot(self, snapshot: FragmentSnapshot, reason: str, *, offence: bool = True,
                         conclusive: bool = False) -> None:
-        if snapshot.source:
-            # a state is other evidence than rounds: good rounds do not take its offence back (``reputation``)
-            self._offence(snapshot.source, "bad_state" if offence else "worse_state", reason, offence=offence,
-                          conclusive=conclusive, forgivable=False)
-            self.pauses.pause(snapshot.source, REFUSED_SOURCE_S if offence else WORSE_SOURCE_S)
+        self.catch_up.reject_snapshot(snapshot, reason, offence=offence, conclusive=conclusive)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -853,8 +676,7 @@ class SwarmTransport(Transport):
 
         with contextlib.suppress(Exception):
             self.runtime.call(stop(), timeout=5)
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self.catch_up.close()
 
     # ---- one round ------------------------------------------------------------------------------
     async def _average(self, req: AverageRequest) -> AverageResult:
@@ -940,9 +762,7 @@ class SwarmTransport(Transport):
                                  doubted.get(self.peer_id, ()),  # what our entry said, as the others hold it
                                  declared_outbound, undialable, own=self.peer_id)
         if result.ok:
-            known = self.recent.get(req.fragment, (-1, []))[0]
-            if max_version + 1 >= known:
-                self.recent[req.fragment] = (max_version + 1, group)
+            self.catch_up.merged(req.fragment, max_version + 1, group)
         return result
 
     @staticmethod

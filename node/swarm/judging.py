@@ -96,7 +96,7 @@ JUDGED_WEIGHT = 0.25
 OTHER_LINEAGE_MARGIN = 0.1
 
 # A reducer whose part this node refused, as pointing against its own progress or for its effect on the held-out
-# loss, serves it no catch-up for this long (``_state_source``): a phi is no better evidence of the swarm's than
+# loss, serves it no catch-up for this long (``CatchUp.may_serve``): a phi is no better evidence of the swarm's than
 # the part its holder just reduced. Why: in a 2 + 2 drift run an honest node refused a drifter's reduced parts
 # (agreement -0.15 to -0.28) and caught up from that same drifter two seconds later, three times in 10 s, each
 # phi 4-16% worse than its own, its held-out loss 2.63 to 3.82 before the bans (robustness bench, a31b1f9). As

@@ -347,7 +347,7 @@ class Reputation:
         ``kinds`` together, at least ``MIN_EVIDENCE`` of them, average below ``below`` (0: on balance). Not a ban by
         itself; the evidence a node asks of its own before it follows other members' bans
         (``offences.majority_excluded``), and what
-        keeps a peer from serving it a catch-up (``averaging.SUSPECT_SOURCE``). With ``within_s``, only where the
+        keeps a peer from serving it a catch-up (``catchup.SUSPECT_SOURCE``). With ``within_s``, only where the
         newest of those scores is at most that old: a suspicion nothing renews lapses (a node that no longer meets
         the peer in rounds, on a lineage of its own, gathers no evidence either way)."""
         with self._lock:
