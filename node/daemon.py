@@ -28,6 +28,8 @@ import json
 import logging
 import math
 import os
+import resource
+import signal
 import threading
 import time
 import zlib
@@ -38,10 +40,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from locoswarm.node.checkpoint import load_checkpoint, save_checkpoint
 from locoswarm.node.config import SwarmConfig, fingerprint
-from locoswarm.node.core.outer_loop import carry_steps
+from locoswarm.node.core.compress import wire_codec
+from locoswarm.node.core.judge import LossJudge
+from locoswarm.node.core.outer_loop import OuterLoop, carry_steps
 from locoswarm.node.core.schedule import ScheduleState
 from locoswarm.node.core.state import outer_state_device, tensor_crc
+from locoswarm.node.data import (
+    TrainBatches,
+    check_data_paths,
+    eval_batches,
+    evaluate,
+    judge_batches,
+    load_corpus,
+    load_tokenizer,
+)
+from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text, prepare_state_dir
+from locoswarm.node.inner import InnerOptimizer
+from locoswarm.node.model import build_meta_model, build_model, resolve_device
+from locoswarm.node.partition import partition
 from locoswarm.node.ranks import Command, RankFailure, RankGroup, ThetaSync, launched
 from locoswarm.node.status import (
     ByteStatus,
@@ -56,27 +75,41 @@ from locoswarm.node.status import (
     Spread,
     StatusEvent,
 )
-from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm import process, tamper
+from locoswarm.node.swarm.clock import SwarmClock
+from locoswarm.node.swarm.dht import check_port_free, join_command, maddr_port, start_dht, tcp_port_free, visible_maddrs
+from locoswarm.node.swarm.membership import Membership, fragment_spread, heartbeat_age, pace_set, swarm_key
+from locoswarm.node.swarm.reachability import (
+    FIRST_CHECK_S,
+    OUTBOUND_ONLY,
+    PUBLIC,
+    RECHECK_S,
+    Reachability,
+    ReachServer,
+    keep_checking,
+    peer_ids_of,
+)
+from locoswarm.node.swarm.reachability import check as check_reachability
+from locoswarm.node.swarm.reputation import Reputation
+from locoswarm.node.swarm.runtime import NetworkRuntime
+from locoswarm.node.swarm.state_sync import StateClient, StateServer
+from locoswarm.node.swarm.versions import Claim, absurd_version, believe, state_digest, version_bound
 from locoswarm.node.swarm.view import SwarmView
 from locoswarm.protocol import swarm_pb2
 
+# For annotations only. The averaging transport, records, admission and the control server are imported where first
+# used, for their start-up cost: every command's parser imports this module (``locoswarm --help`` takes about 3 s,
+# torch's import), and they load hivemind, libp2p records, cryptography or grpc on top (``swarm.averaging`` alone
+# about 1.2 s more, measured on the 2-core development machine); a node loads them in its first seconds anyway.
 if TYPE_CHECKING:
     from hivemind import DHT
 
     from locoswarm.node.control.server import ControlServer
-    from locoswarm.node.core.outer_loop import OuterLoop
-    from locoswarm.node.data import Corpus, TrainBatches
+    from locoswarm.node.data import Corpus
     from locoswarm.node.fsutil import StateDirLock
-    from locoswarm.node.inner import InnerOptimizer
     from locoswarm.node.partition import Fragment
     from locoswarm.node.swarm.admission import Admission
     from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
-    from locoswarm.node.swarm.clock import SwarmClock
-    from locoswarm.node.swarm.membership import Membership
-    from locoswarm.node.swarm.reachability import ReachServer
-    from locoswarm.node.swarm.reputation import Reputation
-    from locoswarm.node.swarm.runtime import NetworkRuntime
-    from locoswarm.node.swarm.state_sync import StateClient, StateServer
     from locoswarm.node.swarm.versions import Belief
 
 log = logging.getLogger("locoswarm.node")
@@ -136,7 +169,6 @@ class Node(SwarmView):
         self.admission: Admission | None = None  # a closed swarm's rule (``_admit_self``); None: an open swarm
         self.certificate = b""
         self.state_server: StateServer | None = None  # built with the network (``_start_network``)
-        from locoswarm.node.swarm.reachability import Reachability
 
         self.reachability = Reachability(opts.reachability)  # checked when the network starts
         self.state = "starting"              # starting, training, leaving, stopped
@@ -194,7 +226,6 @@ class Node(SwarmView):
         """Run the node; 0 after a clean leave, 1 when one of its ranks failed (it left the swarm cleanly)."""
         if self.ranks is not None and not self.ranks.is_leader:
             return self._follow()
-        from locoswarm.node.swarm import process
 
         if not launched():  # a launched rank stays in its launcher's process group (one killpg reaches all)
             process.become_group_leader()
@@ -224,9 +255,7 @@ class Node(SwarmView):
     def _install_signal_handlers(self) -> None:
         """SIGINT/SIGTERM: a graceful leave. A rank started by ``--nproc`` ignores SIGINT: a terminal's
         Ctrl+C reaches the whole group, and the launcher passes it on to rank 0 once (as SIGTERM)."""
-        import signal
 
-        from locoswarm.node.swarm import process
 
         process.install_signal_handlers(self.stop, first_words=lambda: "leaving the swarm (Ctrl+C again to force)"
                                         if self.state == "training" else "stopping (Ctrl+C again to force)")
@@ -237,9 +266,7 @@ class Node(SwarmView):
         """A rank > 0: no network, no state dir; rank 0's start, then inner steps until rank 0 says stop.
         It ignores SIGINT and SIGTERM (torchrun and a terminal signal every rank): it stops when rank 0 says
         so, or when rank 0 is gone (its next collective fails)."""
-        import signal
 
-        from locoswarm.node.data import TrainBatches
 
         assert self.ranks is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -275,19 +302,6 @@ class Node(SwarmView):
         return 0
 
     def _start_network(self) -> None:
-        from locoswarm.node.swarm.dht import join_command, maddr_port, start_dht, visible_maddrs
-        from locoswarm.node.swarm.membership import Membership, swarm_key
-        from locoswarm.node.swarm.reachability import (
-            FIRST_CHECK_S,
-            OUTBOUND_ONLY,
-            PUBLIC,
-            RECHECK_S,
-            ReachServer,
-            keep_checking,
-            peer_ids_of,
-        )
-        from locoswarm.node.swarm.reachability import check as check_reachability
-        from locoswarm.node.swarm.runtime import NetworkRuntime
 
         o = self.opts
         bootstrap = o.bootstrap or []
@@ -345,13 +359,11 @@ class Node(SwarmView):
     def _dialable_peers(self) -> list[str]:
         """Live peers whose heartbeats say peers can dial them (the checkers a dial-back asks; an outbound-only
         checker's answer would be as good, but those are most volunteers, and public ones know their own)."""
-        from locoswarm.node.swarm.reachability import OUTBOUND_ONLY
 
         return [p for p, hb in self.peer_table.items() if hb.reachability != OUTBOUND_ONLY and not hb.leaving]
 
     def outbound_peers(self) -> set[str]:
         """Live peers whose heartbeats say nobody can dial them: they serve no state and reduce no part."""
-        from locoswarm.node.swarm.reachability import OUTBOUND_ONLY
 
         return {p for p, hb in self.peer_table.items() if hb.reachability == OUTBOUND_ONLY}
 
@@ -362,7 +374,6 @@ class Node(SwarmView):
 
     def _announced_port(self) -> int:
         """The TCP port peers should dial: the first ``--announce`` address's, else the one p2pd listens on."""
-        from locoswarm.node.swarm.dht import maddr_port, visible_maddrs
 
         for addr in [*(self.opts.announce or []), *visible_maddrs(self.dht)]:
             port = maddr_port(addr)
@@ -372,7 +383,6 @@ class Node(SwarmView):
 
     def _restart_dht(self, start: Callable[[int, bool], None], port: int) -> None:
         """Stop the client-mode DHT and start it again as a DHT server on the same port and identity."""
-        from locoswarm.node.swarm.dht import tcp_port_free
 
         self.runtime.stop()
         self.dht.shutdown()
@@ -386,7 +396,6 @@ class Node(SwarmView):
     def _listen_port(self) -> int:
         """``--port``, or (0: any) the port this state dir listened on last time when it is free: a restarted
         node keeps its address, so the join command it printed before still works."""
-        from locoswarm.node.swarm.dht import tcp_port_free
 
         o = self.opts
         if o.port:
@@ -401,8 +410,6 @@ class Node(SwarmView):
         return 0
 
     def _remember_port(self) -> None:
-        from locoswarm.node.fsutil import atomic_write_text
-        from locoswarm.node.swarm.dht import maddr_port
 
         ports = {maddr_port(a) for a in self.maddrs} - {None}
         if len(ports) == 1:
@@ -414,17 +421,12 @@ class Node(SwarmView):
         certificate, a taken port, the device, the fragments the model splits into (on a ``meta`` copy: names
         without memory), the data's files and their first text. A bad flag or setting fails here, before a DHT
         starts or a join command prints; the data itself loads after the swarm accepted this node (``_load``)."""
-        from locoswarm.node.data import check_data_paths, load_tokenizer
-        from locoswarm.node.fsutil import prepare_state_dir
-        from locoswarm.node.model import build_meta_model, resolve_device
-        from locoswarm.node.partition import partition
 
         o, cfg = self.opts, self.cfg
         if self.ranks is None or self.ranks.is_leader:  # the state dir is rank 0's alone
             self._state_lock = prepare_state_dir(o.state_dir)
             self._admit_self()
             if o.port:  # a taken --port is told now, not after the data has loaded (tens of seconds)
-                from locoswarm.node.swarm.dht import check_port_free
 
                 check_port_free(o.host, o.port)
         if o.threads:
@@ -438,10 +440,6 @@ class Node(SwarmView):
     def _load(self) -> None:
         """The local half of the node: the data, the model and its fragments, the inner optimizer (tens of
         seconds for a large corpus: a wrong swarm is told before it, by ``_start_network``)."""
-        from locoswarm.node.data import eval_batches, load_corpus, load_tokenizer
-        from locoswarm.node.inner import InnerOptimizer
-        from locoswarm.node.model import build_model
-        from locoswarm.node.partition import partition
 
         o, cfg = self.opts, self.cfg
         tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -470,7 +468,6 @@ class Node(SwarmView):
     def _admit_self(self) -> None:
         """A closed swarm (``[swarm] owner_key``): this node's certificate must admit its own peer id, checked
         before anything starts (``locoswarm.node.swarm.admission``)."""
-        from locoswarm.node.errors import UserError
         from locoswarm.node.swarm.admission import Admission
         from locoswarm.node.swarm.records import identity_key, peer_id_of
 
@@ -491,14 +488,7 @@ class Node(SwarmView):
     def _build(self) -> None:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
-        from locoswarm.node.core.compress import wire_codec
-        from locoswarm.node.core.judge import LossJudge
-        from locoswarm.node.core.outer_loop import OuterLoop
-        from locoswarm.node.data import TrainBatches, judge_batches
         from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
-        from locoswarm.node.swarm.clock import SwarmClock
-        from locoswarm.node.swarm.reputation import Reputation
-        from locoswarm.node.swarm.state_sync import StateClient, StateServer
 
         o, cfg = self.opts, self.cfg
         self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
@@ -556,7 +546,6 @@ class Node(SwarmView):
 
     def _resume(self) -> dict | None:
         """Load the state dir's checkpoint, if any; its meta (None without one)."""
-        from locoswarm.node.checkpoint import load_checkpoint
 
         doc = load_checkpoint(self.opts.state_dir, model=self.model, inner=self.saved_inner, outer=self.outer,
                               fingerprint=self.fingerprint)
@@ -691,7 +680,6 @@ class Node(SwarmView):
         return next(self.model.parameters()).device
 
     def _train(self) -> None:
-        from locoswarm.node.checkpoint import save_checkpoint
 
         o = self.opts
         self.state = "training"
@@ -791,7 +779,6 @@ class Node(SwarmView):
                     matchmaking_s=ev.matchmaking_s or None, round_s=ev.round_s or None)
 
     def _evaluate(self) -> float:
-        from locoswarm.node.data import evaluate
 
         if self.theta_sync is not None:
             self.theta_sync.refresh()
@@ -800,7 +787,6 @@ class Node(SwarmView):
     def _publish(self, fragment: int) -> None:
         """An immutable snapshot for the state server (read from the network thread), and its digest for the
         heartbeats (``locoswarm.node.swarm.versions.state_digest``)."""
-        from locoswarm.node.swarm.versions import state_digest
 
         snap = tamper.installed().published(self.outer.snapshot(fragment), self.outer)
         self._digests[fragment] = state_digest(snap.phi, snap.momentum)
@@ -844,7 +830,6 @@ class Node(SwarmView):
     def pace_peers(self) -> list[str]:
         """Live peers that keep the swarm's pace (``membership.pace_set``: the same set on every member),
         the ones a round waits for."""
-        from locoswarm.node.swarm.membership import pace_set
 
         rates = {p: float(hb.tokens_per_s) for p, hb in self.peer_table.items() if hb.has_state}
         rates[self.peer_id] = self.tokens_per_s  # as our heartbeat announces it
@@ -881,7 +866,6 @@ class Node(SwarmView):
 
     def version_bound(self) -> int:
         """The most outer versions a fragment can hold at the swarm's clock (``locoswarm.node.swarm.versions``)."""
-        from locoswarm.node.swarm.versions import version_bound
 
         o = self.cfg.outer
         sends = 1 if o.schedule == "fixed" else (o.sends_per_h or o.fragments)
@@ -895,8 +879,6 @@ class Node(SwarmView):
         lately (``Reputation.offended``: colluding liars corroborate each other's claims), nor a claim its own
         rounds contradict (``RoundClaims``: a claim of a state it does not hold); its claimant is banned after
         ``LIES_BAN`` such claims that its rounds never backed (``RoundClaims.liar``)."""
-        from locoswarm.node.swarm.membership import heartbeat_age
-        from locoswarm.node.swarm.versions import Claim, absurd_version, believe
 
         bound = self.version_bound()
         round_claims = self.transport.round_claims
@@ -1041,7 +1023,6 @@ class Node(SwarmView):
         now = time.time()
         if self.outer is None:  # not built yet
             return NodeStatus(peer_id=self.peer_id, addrs=list(self.maddrs), state=self.state, now=now)
-        from locoswarm.node.swarm.membership import fragment_spread
 
         own = self._fragment_statuses()
         spread: dict[int, dict] = {}
@@ -1083,7 +1064,6 @@ class Node(SwarmView):
     def _memory(self) -> MemoryStatus:
         """This process's memory now (``/proc/self/statm``), its peak (``getrusage``), and PyTorch's allocator
         on a CUDA training device: what a user sizes a preset and ``[outer] offload`` by."""
-        import resource
 
         rss = 0
         with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
@@ -1128,7 +1108,6 @@ class Node(SwarmView):
         return out
 
     def _write_status(self) -> None:
-        from locoswarm.node.fsutil import atomic_write_text
 
         atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self.status_snapshot().to_json(), indent=1))
 
@@ -1138,7 +1117,6 @@ class Node(SwarmView):
 
     # ---- leaving ----------------------------------------------------------------------------------
     def _leave(self) -> None:
-        from locoswarm.node.checkpoint import save_checkpoint
 
         self.state = "leaving"
         log.info("leaving: finishing %d in-flight round(s)", self.outer.in_flight())
