@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     from locoswarm.node.bench import register as register_bench
     from locoswarm.node.commands import admit, config, data, partition, run
     from locoswarm.node.commands.export import register_export, register_generate
+    from locoswarm.node.commands.simulate import register as register_sim
     from locoswarm.node.control.cli import register as register_status
-    from locoswarm.node.sim import register as register_sim
 
     for register in (run.register, config.register, partition.register, data.register, register_sim, register_bench,
                      plan.register, register_export, register_generate, register_status, admit.register):

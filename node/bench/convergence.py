@@ -90,8 +90,7 @@ DEFAULT_TUNE_FRACTION = 0.02
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_config_args
-    from locoswarm.node.sim import add_data_args
+    from locoswarm.node.commands import add_config_args, add_data_args
 
     p = sub.add_parser("convergence", help="all methods side by side: tuned on a tuning split, run over seeds",
                        description=describe(__doc__))
@@ -434,7 +433,7 @@ def run_convergence(args: argparse.Namespace) -> int:
                    warmup=cfg.inner.warmup)
     device = str(resolve_device(args.device))
     console = Console(stderr=True)
-    from locoswarm.node.sim import data_paths
+    from locoswarm.node.commands import data_paths
 
     with console.status("loading data"):
         ctx = BenchContext.load(cfg, data_paths(args), prof, device, args.tune_fraction)

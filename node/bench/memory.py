@@ -41,7 +41,7 @@ BASE_SWARM: dict[str, dict] = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.sim import add_data_args
+    from locoswarm.node.commands import add_data_args
 
     p = sub.add_parser("memory", help="peak memory of real nodes per preset and offload setting (JSON + md + PNG)",
                        description=describe(__doc__))
@@ -178,9 +178,9 @@ def run_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from locoswarm.node.bench import keep_logs, local_swarm_runs
+    from locoswarm.node.commands import data_paths
     from locoswarm.node.config import PRESET_NAMES
     from locoswarm.node.model import resolve_device
-    from locoswarm.node.sim import data_paths
     from locoswarm.node.sizing import preset_params
 
     presets = _choices(args.presets, PRESET_NAMES, "--presets")

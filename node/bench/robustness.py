@@ -533,7 +533,7 @@ def _clock_at(clocks: list[list[float]], t: float) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.sim import add_data_args
+    from locoswarm.node.commands import add_data_args
 
     p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
                        description=describe(__doc__))
@@ -583,7 +583,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from locoswarm.node.bench import keep_logs, local_swarm_runs
-    from locoswarm.node.sim import data_paths
+    from locoswarm.node.commands import data_paths
 
     if args.render:
         return render_again(Path(args.out))

@@ -20,3 +20,20 @@ def load_config_from_args(args: argparse.Namespace):
     from locoswarm.node.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that trains: the data and the device."""
+    parser.add_argument("--data", nargs="*", default=None, metavar="PATH",
+                        help="text files, directories or globs (env LOCOSWARM_DATA, ':'-separated; "
+                             "default: this Python's standard-library sources)")
+    parser.add_argument("--device", default=os.environ.get("LOCOSWARM_DEVICE", "auto"),
+                        help="auto, cpu, cuda or cuda:N (env LOCOSWARM_DEVICE)")
+
+
+def data_paths(args: argparse.Namespace) -> list[str]:
+    """The data paths of ``--data``, else of LOCOSWARM_DATA (empty: the default corpus)."""
+    if args.data is not None:
+        return list(args.data)
+    env = os.environ.get("LOCOSWARM_DATA", "")
+    return [p for p in env.split(":") if p]

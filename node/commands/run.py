@@ -17,7 +17,7 @@ from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.sim import add_data_args
+    from locoswarm.node.commands import add_data_args
 
     env = os.environ.get
     p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from locoswarm.node.sim import data_paths
+    from locoswarm.node.commands import data_paths
     from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
 
     rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # a node's rank

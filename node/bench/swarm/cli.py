@@ -42,7 +42,7 @@ HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
 def register(sub: argparse._SubParsersAction) -> None:
     from locoswarm.node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
-    from locoswarm.node.sim import add_data_args
+    from locoswarm.node.commands import add_data_args
 
     p = sub.add_parser("swarm", help="real nodes in network namespaces on shaped links (needs root)",
                        description=describe(__doc__))
@@ -128,9 +128,9 @@ def run_swarm(args: argparse.Namespace) -> int:
     from locoswarm.node.bench.swarm import netns, spec
     from locoswarm.node.bench.swarm.report import write_report
     from locoswarm.node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
+    from locoswarm.node.commands import data_paths
     from locoswarm.node.config import to_toml
     from locoswarm.node.plan import recommend, utilization
-    from locoswarm.node.sim import data_paths
 
     # ---- every flag first: one clear line, exit 2 ----
     configs = spec.parse_configs(args.configs)
