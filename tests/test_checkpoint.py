@@ -37,7 +37,8 @@ class Node:
         self.model = build_model(ModelSection(), VOCAB)
         self.inner = InnerOptimizer(self.model, InnerSection())
         hub = InProcessHub(get_codec("fp4"), 2)
-        self.outer = OuterLoop(self.model, partition(self.model, 2), OuterSection(), hub.transport(0))
+        self.outer = OuterLoop(self.model, partition(self.model, 2), OuterSection(), hub.transport(0),
+                               expected_group_size=2)
 
     def train(self, steps: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)

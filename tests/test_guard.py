@@ -182,7 +182,8 @@ def _pair(method: str = "replace", judge_target: torch.Tensor | None = None):
     models = [copy.deepcopy(base) for _ in range(2)]
     transports = [PoisoningTransport(hub.transport(i)) for i in range(2)]
     judges = [QuadraticJudge(judge_target) if judge_target is not None else None for _ in models]
-    loops = [OuterLoop(m, fragments, outer, t, judge=j) for m, t, j in zip(models, transports, judges, strict=True)]
+    loops = [OuterLoop(m, fragments, outer, t, judge=j, expected_group_size=2)
+             for m, t, j in zip(models, transports, judges, strict=True)]
     for i, loop in enumerate(loops):
         hub.register_state(i, loop.version, loop.snapshot)
     gens = [torch.Generator().manual_seed(7 + i) for i in range(2)]
@@ -339,7 +340,7 @@ def _far_behind_node(served: set[int], new_loss: float = 1.0, relative: float = 
     fragments = partition(model, 2)
     snaps: dict[int, FragmentSnapshot | None] = {}
     transport = _FarAheadSwarm(snaps)
-    loop = OuterLoop(model, fragments, outer, transport)
+    loop = OuterLoop(model, fragments, outer, transport, expected_group_size=2)
     assert loop.adopt([FragmentSnapshot(p, start, loop.snapshot(p).phi.clone(), loop.snapshot(p).momentum.clone())
                        for p in range(2)], keep_progress=False) == {}
     for p in range(2):
@@ -439,7 +440,8 @@ def test_the_pooled_loss_is_the_mean_over_every_held_out_batch_and_leaves_the_mo
     model = build_model(ModelSection(), VOCAB)
     fragments = partition(model, 1)
     loop = OuterLoop(model, fragments, OuterSection(method="replace", h=2, fragments=1, tau=0, codec="fp32",
-                                                    error_feedback=False), _FarAheadSwarm({0: None}))
+                                                    error_feedback=False), _FarAheadSwarm({0: None}),
+                     expected_group_size=2)
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(3)]
     judge = LossJudge(model, batches, "cpu", relative_tolerance=1.0)

@@ -275,7 +275,8 @@ class _Group:
         self.hub = InProcessHub(wire_codec(outer), n)
         self.models = [copy.deepcopy(base) for _ in range(n)]
         fragments = partition(base, outer.fragments)
-        self.loops = [OuterLoop(m, fragments, outer, self.hub.transport(i)) for i, m in enumerate(self.models)]
+        self.loops = [OuterLoop(m, fragments, outer, self.hub.transport(i), expected_group_size=2)
+                      for i, m in enumerate(self.models)]
         for i, loop in enumerate(self.loops):
             self.hub.register_state(i, loop.version, loop.snapshot)  # a worker behind catches up from the others
         self.drop = drop
@@ -367,7 +368,7 @@ def test_a_checkpoint_keeps_the_bases_and_ranks(tiny_model, tmp_path: Path) -> N
         model = copy.deepcopy(tiny_model)
         hub = InProcessHub(wire_codec(cfg.outer), 1)
         return model, InnerOptimizer(model, InnerSection()), OuterLoop(model, partition(model, 2), cfg.outer,
-                                                                       hub.transport(0))
+                                                                       hub.transport(0), expected_group_size=2)
 
     model, inner, outer = node()
     comp = outer.compressor

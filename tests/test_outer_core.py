@@ -1699,7 +1699,8 @@ def test_advance_takes_each_crossed_slot_once_at_its_latest_and_merges_what_is_d
     once, at its latest crossed slot (16 for fragment 1, 20 for fragment 0), with every token since its last
     send, and both merge in that call."""
     transport = _BackgroundTransport()
-    loop = OuterLoop(copy.deepcopy(base_model), partition(base_model, 2), _outer(h=8, fragments=2), transport)
+    loop = OuterLoop(copy.deepcopy(base_model), partition(base_model, 2), _outer(h=8, fragments=2), transport,
+                     expected_group_size=2)
     kinds = [(e.kind, e.fragment) for e in loop.advance(3, 4, 10.0)]
     assert transport.rounds == [(0, 4, 10.0)]
     assert kinds == [("sent", 0), ("merged", 0)]

@@ -295,7 +295,8 @@ class OuterLoop:
         outer: the ``[outer]`` settings.
         transport: where averages happen.
         expected_group_size: group size assumed for the eager rule's own share before a group result
-            has told the real share.
+            has told the real share (``[network] group_size``, at most the workers there are; no default here:
+            the config holds it).
         wait_timeout: seconds to wait for a due result before counting the round as failed.
         state_device: where phi, momentum and the residual live (default: the model's device); all outer
             arithmetic happens there, the model only sees theta copied in and out.
@@ -306,7 +307,7 @@ class OuterLoop:
     """
 
     def __init__(self, model: torch.nn.Module, fragments: Sequence, outer: OuterSection, transport: Transport,
-                 *, expected_group_size: int = 2, wait_timeout: float | None = None,
+                 *, expected_group_size: int, wait_timeout: float | None = None,
                  limits: GuardLimits | None = None, state_device: torch.device | None = None,
                  theta_access: ThetaAccess | None = None, judge: EffectJudge | None = None) -> None:
         self.cfg = outer
