@@ -95,7 +95,7 @@ from locoswarm.node.swarm.offences import (
 )
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
-from locoswarm.node.swarm.reputation import EveryNth
+from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.standing import StandingMembers
 from locoswarm.node.swarm.versions import RoundClaims, absurd_version, plausible_version
@@ -480,7 +480,11 @@ def kin_share(lineages: Mapping[str, int], own: int) -> float:
 
 
 class SwarmTransport(Transport):
-    """Averaging with peers found in the DHT (see module docstring).
+    """Averaging with peers found in the DHT (see module docstring): the exchange of a round's parts, serving
+    other members' parts, and the ``Transport`` face the outer loop calls. It delegates who is in a round to its
+    ``Matchmaker`` (``matchmaking``), the judgement of what members send to its ``PartJudge`` (``judging``), the
+    counting of refusals and the bans it follows to its ``OffenceBook`` (``offences``), catch-ups to its
+    ``CatchUp`` (``catchup``) and a lone node's solo steps to its ``LonePolicy`` (``lone``).
 
     Args:
         runtime: the node's network thread (DHT + P2P replica).
@@ -517,7 +521,7 @@ class SwarmTransport(Transport):
                  group_size: int, matchmaking_timeout: float, round_timeout: float,
                  view: SwarmView | None = None, states: StateSource | None = None,
                  robust: RobustSection | None = None,
-                 reputation=None,
+                 reputation: Reputation | None = None,
                  subkey: str | None = None, standing_members: bool = True,
                  admission: Admission | None = None, certificate: bytes = b"",
                  reachability: Reachability | None = None,
