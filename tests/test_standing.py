@@ -277,3 +277,53 @@ def test_with_a_drift_ceiling_a_member_the_others_keep_apart_is_in_none_of_their
         assert [t.standing_rounds() for t in transports[:3]] == [1, 1, 1], "the second round took the standing members"
     finally:
         _stop(transports, runtimes, dhts)
+
+
+def test_apart_by_trust_names_a_round_where_an_exclusion_involves_the_node() -> None:
+    """A node alone in its group because it bans (or shuns) another member, or another member bans it, failed its
+    round over a trust decision; one left over by placement alone (three members in pairs) did not."""
+    from locoswarm.node.swarm.averaging import apart_by_trust
+
+    members = ["QmA", "QmB", "QmC"]
+    assert apart_by_trust("QmA", members, {"QmA": ["QmB"]})
+    assert apart_by_trust("QmA", members, {"QmC": ["QmA"]})
+    assert not apart_by_trust("QmA", members, {"QmB": ["QmC"]})  # an exclusion between the others
+    assert not apart_by_trust("QmA", members, {})
+    assert not apart_by_trust("QmA", ["QmA"], {"QmA": ["QmGone"]})  # no other member: not a round kept apart
+
+
+@pytest.mark.timeout(180)
+def test_two_members_kept_apart_by_a_ban_fail_their_round_as_a_refusal(tmp_path) -> None:
+    """A member that bans the other (a ban, or an alarm's shunning) is alone in its group, and so is the banned
+    one: both rounds fail as refusals (``AverageResult.refused``), so that each node's outer loop folds the progress
+    they carried into its phi instead of dropping it every ``max_carry`` rounds (a 2 + 2 drift run: honest nodes
+    alone for a minute trained for nothing). Without the ban the same two members average."""
+    from locoswarm.node.swarm.reputation import Reputation
+
+    dhts, runtimes, transports = [], [], []
+    try:
+        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
+        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / "b.key"))
+        runtimes = [NetworkRuntime(d) for d in dhts]
+        ids = [r.peer_id for r in runtimes]
+        codec = get_codec("fp32", 64)
+        reputations = [Reputation(), Reputation()]
+        for i, runtime in enumerate(runtimes):
+            transports.append(SwarmTransport(
+                runtime, swarm_key="locoswarm/apart-test/fp/", fingerprint="fp", codec=codec, group_size=2,
+                matchmaking_timeout=5.0, round_timeout=20.0, view=_Peers([ids[1 - i]]), reputation=reputations[i],
+                standing_members=False))
+
+        def round_(number: int) -> list:
+            handles = [t.start_average(AverageRequest(
+                fragment=0, round=number, chunks=encode_chunks(codec, torch.full((100,), float(i + 1) + number / 100)),
+                numel=100, weight=1.0, version=1)) for i, t in enumerate(transports)]
+            return [h.result(60) for h in handles]
+
+        together = round_(10)
+        assert all(r.ok for r in together), [r.error for r in together]
+        reputations[0].refuse(ids[1], "direction", "mean -0.4 over its last 2", conclusive=True)
+        apart = round_(20)
+        assert not any(r.ok for r in apart) and all(r.refused for r in apart), [(r.error, r.refused) for r in apart]
+    finally:
+        _stop(transports, runtimes, dhts)
