@@ -231,6 +231,8 @@ def apart_by_trust(own: str, members: Sequence[str], apart: Mapping[str, Iterabl
     involves ``own``: it bans or shuns another member, or another member bans or shuns it. Where ``own`` is then
     alone in its group, its round failed over a trust decision, not for want of peers, and the failure is a refusal
     (``AverageResult.refused``): the outer loop folds the progress such rounds carried into phi rather than drop it.
+    So is a round this node is alone in because it keeps a live peer out (``SwarmTransport._average_timed``), and
+    one whose every other member excludes it (``EXCLUDED_BY_ALL``).
     Why: in a 2 + 2 drift run both honest nodes, alarmed, shunned the drifters and each other and were alone in every
     round for a minute; each dropped its progress every 4 rounds and trained for nothing (+36% at equal progress,
     robustness bench, 537b541)."""
@@ -715,7 +717,7 @@ class SwarmTransport(Transport):
             self._not_in_round(req.fragment, req.round)
             view = self.matchmaker.view_of(req.fragment, req.round)
             if view is not None and view.cut.endswith(SHUNNED_CUT):
-                return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight)
+                return AverageResult.failed(EXCLUDED_BY_ALL, own_weight=req.weight, refused=True)  # apart_by_trust
             return AverageResult.failed(LATE_FOR_ROUND, own_weight=req.weight)
         members, versions, excluded, bases, doubted, declared_outbound, undialable = matched
         if req.digest:  # a consensus round: only the members at the round's common version (consensus_members)
@@ -738,8 +740,10 @@ class SwarmTransport(Transport):
                 await self.matchmaker.explain(req, "outbound-only members alone")  # the public ones: late, or never
                 return AverageResult.failed(f"{NO_PEER_IN_GROUP}: every member of the round is outbound only "
                                             "(behind NAT): none can open a stream to another", own_weight=req.weight)
-            return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight,
-                                        refused=apart_by_trust(self.peer_id, members, trusted_apart))
+            # alone over a trust decision: an exclusion in the round involves this node, or it keeps a live peer out
+            # (one every member excludes is dropped from the member list before the groups are cut)
+            refused = apart_by_trust(self.peer_id, members, trusted_apart) or bool(set(banned) & self.lone.live())
+            return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight, refused=refused)
         agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
         if agreed is None:
             self._not_in_round(req.fragment, req.round)
