@@ -96,6 +96,16 @@ def _stop(transports: list, runtimes: list, dhts: list) -> None:
             d.shutdown()
 
 
+def _start_swarm(tmp_path, n: int, dhts: list, runtimes: list) -> list[str]:
+    """``n`` DHTs on loopback, each bootstrapped from the first, with their network threads; their peer ids. Appends
+    to ``dhts`` and ``runtimes`` as each starts, so that ``_stop`` in the caller's ``finally`` stops whatever did."""
+    dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
+    for i in range(1, n):
+        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
+    runtimes.extend(NetworkRuntime(d) for d in dhts)
+    return [r.peer_id for r in runtimes]
+
+
 @pytest.mark.timeout(180)
 def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_path) -> None:
     """A round that skips the DHT has no match entries to read versions from. It once took its own version
@@ -103,10 +113,7 @@ def test_a_standing_round_learns_its_members_versions_from_their_headers(tmp_pat
     version was its own, so it never caught up, and the survivors of a CI run never agreed on phi."""
     dhts, runtimes, transports = [], [], []
     try:
-        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
-        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / "b.key"))
-        runtimes = [NetworkRuntime(d) for d in dhts]
-        ids = [r.peer_id for r in runtimes]
+        ids = _start_swarm(tmp_path, 2, dhts, runtimes)
         codec = get_codec("fp32", 64)
         for i, runtime in enumerate(runtimes):
             other = ids[1 - i]
@@ -144,11 +151,7 @@ def test_a_round_a_reducer_completed_without_a_member_leaves_no_list_standing(tm
     its part in every round)."""
     dhts, runtimes, transports = [], [], []
     try:
-        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
-        for name in ("b", "c"):
-            dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{name}.key"))
-        runtimes = [NetworkRuntime(d) for d in dhts]
-        ids = [r.peer_id for r in runtimes]
+        ids = _start_swarm(tmp_path, 3, dhts, runtimes)
         codec = get_codec("fp32", 64)
         for i, runtime in enumerate(runtimes):
             others = [p for p in ids if p != ids[i]]
@@ -197,11 +200,7 @@ def _three_doubt_the_fourth(tmp_path, swarm_key: str, rounds: int, dhts: list, r
     """Four real transports in one DHT, room for all in one group; the first three have judged the fourth's standing
     drift ``rounds`` times (fed to their memories as the reductions would). Fills the lists (the caller stops them)
     and returns the peer ids, the fourth the drifter's."""
-    dhts.append(start_dht([], identity_path=tmp_path / "0.key"))
-    for i in range(1, 4):
-        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / f"{i}.key"))
-    runtimes.extend(NetworkRuntime(d) for d in dhts)
-    ids = [r.peer_id for r in runtimes]
+    ids = _start_swarm(tmp_path, 4, dhts, runtimes)
     for i, runtime in enumerate(runtimes):
         others = [p for p in ids if p != ids[i]]
         transports.append(SwarmTransport(
@@ -302,10 +301,7 @@ def test_two_members_kept_apart_by_a_ban_fail_their_round_as_a_refusal(tmp_path)
 
     dhts, runtimes, transports = [], [], []
     try:
-        dhts.append(start_dht([], identity_path=tmp_path / "a.key"))
-        dhts.append(start_dht(visible_maddrs(dhts[0]), identity_path=tmp_path / "b.key"))
-        runtimes = [NetworkRuntime(d) for d in dhts]
-        ids = [r.peer_id for r in runtimes]
+        ids = _start_swarm(tmp_path, 2, dhts, runtimes)
         codec = get_codec("fp32", 64)
         reputations = [Reputation(), Reputation()]
         for i, runtime in enumerate(runtimes):
