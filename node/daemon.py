@@ -767,6 +767,8 @@ class Node(SwarmView):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
+            if ev.round_s:  # a slow failure holds its fragment's next sync (late_window): say how slow
+                detail += f" [matched in {ev.matchmaking_s:.1f} s, failed after {ev.round_s:.1f} s]"
             if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
                 log.debug("%s", detail)
                 return

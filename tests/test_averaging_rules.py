@@ -332,6 +332,11 @@ def test_a_match_view_explains_which_members_another_view_may_have_had() -> None
     assert "formed [AAAAAa BBBBBb] (grace, 1.50 s after the first arrival)" in line
     assert "arrived late [EEEEEe+1.0s]" in line and "in time but unseen then [CCCCCc]" in line
     assert "never [DDDDDd]" in line
+    # without a DHT read: what kept a lone member waiting
+    alone = MatchView(["QmAAAAAAa"], {"QmAAAAAAa", "QmCCCCCCc"}, first=100.0, window_end=113.0, decided=113.0,
+                      cut="window")
+    assert alone.summary() == ("closed on window 13.0 s after the first arrival, window 13.0 s; members 1, "
+                               "awaited in vain [CCCCCc]")
 
 
 def test_members_wait_for_whom_any_trusted_member_expects() -> None:

@@ -743,7 +743,9 @@ class SwarmTransport(Transport):
             # alone over a trust decision: an exclusion in the round involves this node, or it keeps a live peer out
             # (one every member excludes is dropped from the member list before the groups are cut)
             refused = apart_by_trust(self.peer_id, members, trusted_apart) or bool(set(banned) & self.lone.live())
-            return AverageResult.failed(NO_PEER_IN_GROUP, own_weight=req.weight, refused=refused)
+            view = self.matchmaker.view_of(req.fragment, req.round)
+            why = f" ({view.summary()})" if view is not None else ""
+            return AverageResult.failed(NO_PEER_IN_GROUP + why, own_weight=req.weight, refused=refused)
         agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
         if agreed is None:
             self._not_in_round(req.fragment, req.round)

@@ -69,6 +69,14 @@ class MatchView:
     decided: float         # DHT time at which this node stopped waiting
     cut: str               # why it stopped: "all expected", "grace" or "window" (+ SHUNNED_CUT)
 
+    def summary(self) -> str:
+        """One line, from this view alone (no DHT read): why and when this node closed the round, and whom it
+        waited for in vain (a lone member's failure says what kept it waiting)."""
+        absent = sorted(p[-6:] for p in self.expected - set(self.members))
+        return (f"closed on {self.cut} {self.decided - self.first:.1f} s after the first arrival, "
+                f"window {self.window_end - self.first:.1f} s; members {len(self.members)}, "
+                f"awaited in vain [{' '.join(absent)}]")
+
     def explain(self, entries: Mapping[str, float]) -> str:
         """One line: this view next to ``entries`` (peer -> arrival) the round's key holds now."""
         def ids(peers: Iterable[str]) -> str:
