@@ -335,7 +335,7 @@ def test_a_match_view_explains_which_members_another_view_may_have_had() -> None
     # without a DHT read: what kept a lone member waiting
     alone = MatchView(["QmAAAAAAa"], {"QmAAAAAAa", "QmCCCCCCc"}, first=100.0, window_end=113.0, decided=113.0,
                       cut="window")
-    assert alone.summary() == ("closed on window 13.0 s after the first arrival, window 13.0 s; members 1, "
+    assert alone.summary() == ("closed 13.0 s after the first arrival (window), window 13.0 s; members 1, "
                                "awaited in vain [CCCCCc]")
 
 

@@ -73,7 +73,7 @@ class MatchView:
         """One line, from this view alone (no DHT read): why and when this node closed the round, and whom it
         waited for in vain (a lone member's failure says what kept it waiting)."""
         absent = sorted(p[-6:] for p in self.expected - set(self.members))
-        return (f"closed on {self.cut} {self.decided - self.first:.1f} s after the first arrival, "
+        return (f"closed {self.decided - self.first:.1f} s after the first arrival ({self.cut}), "
                 f"window {self.window_end - self.first:.1f} s; members {len(self.members)}, "
                 f"awaited in vain [{' '.join(absent)}]")
 
