@@ -182,6 +182,7 @@ class Node(SwarmView):
         self.tokens = 0
         self.started = time.time()
         self.compute_seconds = 0.0
+        self.computed_steps = 0              # inner steps timed in compute_seconds (local_step may be resumed)
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self._alone = False
@@ -696,6 +697,7 @@ class Node(SwarmView):
             window_tokens += node_tokens
             step_time = time.monotonic() - t0
             self.compute_seconds += step_time
+            self.computed_steps += 1
             if o.throttle > 1:
                 time.sleep(step_time * (o.throttle - 1))
             prev = self.clock
@@ -849,7 +851,11 @@ class Node(SwarmView):
         rate = self.swarm_clock.rate()
         if rate and rate > 0 and math.isfinite(rate):
             return 1.0 / rate
-        return self.compute_seconds / max(1, self.local_step) * self.opts.throttle
+        return self.compute_step_time()
+
+    def compute_step_time(self) -> float:
+        """Seconds this node computes per inner step (throttled as it trains), without its waits for rounds."""
+        return self.compute_seconds / self.computed_steps * self.opts.throttle if self.computed_steps else 0.0
 
     def _trains(self, peer: str) -> bool:
         """Whether ``peer`` is a member that trains (its heartbeat has state): served state first."""

@@ -915,7 +915,9 @@ def test_a_download_whose_source_was_banned_while_it_ran_is_discarded() -> None:
 
 
 def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> None:
-    """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round."""
+    """Members reach a slot up to a step or two apart: with 4.9 s steps a fixed 5 s window merged no round. A step
+    is the shorter of the swarm's measured one and this node's compute: a swarm slowed by its waits for failed
+    rounds does not lengthen the windows that made it wait."""
     from locoswarm.node.config import MAX_WINDOW_S
     from locoswarm.node.swarm.lone import LonePolicy
     from locoswarm.node.swarm.matchmaking import WINDOW_STEPS, Matchmaker
@@ -924,15 +926,21 @@ def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> N
     from locoswarm.node.swarm.view import SwarmView
 
     class Paced(SwarmView):
-        def __init__(self, step: float) -> None:
-            self.step = step
+        def __init__(self, step: float, compute: float) -> None:
+            self.step, self.compute = step, compute
 
         def step_time(self) -> float:
             return self.step
 
-    for step, expected in [(0.0, 5.0), (float("nan"), 5.0), (0.26, 5.0), (4.9, WINDOW_STEPS * 4.9),
-                           (1e6, MAX_WINDOW_S)]:
-        view = Paced(step)
+        def compute_step_time(self) -> float:
+            return self.compute
+
+    for step, compute, expected in [(0.0, 0.0, 5.0), (float("nan"), 0.0, 5.0), (0.26, 0.26, 5.0),
+                                    (4.9, 4.9, WINDOW_STEPS * 4.9), (4.9, 0.0, WINDOW_STEPS * 4.9),
+                                    (0.0, 4.9, WINDOW_STEPS * 4.9), (1e6, 1e6, MAX_WINDOW_S),
+                                    (3.3, 0.14, 5.0),   # stalled swarm, fast compute: no longer window
+                                    (0.14, 3.3, 5.0)]:  # a slow node in a fast swarm: the swarm's window
+        view = Paced(step, compute)
         matchmaker = Matchmaker(None, "QmA", swarm_key="swarm", subkey="QmA", matchmaking_timeout=5.0, view=view,
                                 lone=LonePolicy(view), deviations=DeviationMemory(), dial_failures=DialFailures(),
                                 book=OffenceBook("QmA", None, RoundClaims(), spread_ban=SPREAD_BAN),

@@ -351,11 +351,18 @@ class Matchmaker:
 
     def window(self) -> float:
         """Seconds a round's matchmaking stays open after its first arrival: ``matchmaking_timeout``, or
-        ``WINDOW_STEPS`` of the swarm's inner steps where those are longer (at most ``MAX_WINDOW_S``)."""
-        step = self.view.step_time()
-        if not (step > 0 and math.isfinite(step)):
+        ``WINDOW_STEPS`` of the swarm's inner steps where those are longer (at most ``MAX_WINDOW_S``).
+
+        A step here is the shorter of the swarm's measured one and this node's compute per step. The measured
+        step includes the waits for rounds, and the window fed on it: rounds that failed after the whole window
+        stalled training, the swarm's step rate fell, and the next windows grew (a 2 + 2 robustness run: after two
+        joins, windows of 3, 6 and 9.5 s in a row, rounds failing alone after 13-18 s, training near a stop for a
+        minute). A swarm whose steps are slow to compute still gets its long windows; a fast node in it takes the
+        slow members' longer windows from their entries (``agreed_window``)."""
+        steps = [s for s in (self.view.step_time(), self.view.compute_step_time()) if s > 0 and math.isfinite(s)]
+        if not steps:
             return self.matchmaking_timeout
-        return max(self.matchmaking_timeout, min(WINDOW_STEPS * step, MAX_WINDOW_S))
+        return max(self.matchmaking_timeout, min(WINDOW_STEPS * min(steps), MAX_WINDOW_S))
 
     def standing_round(self, req: AverageRequest, banned: list[str]) -> Matched | None:
         """The round's members without the DHT, where the fragment's last merged round left them standing

@@ -37,6 +37,10 @@ class SwarmView:
         """Seconds per inner step of the swarm (0: unknown)."""
         return 0.0
 
+    def compute_step_time(self) -> float:
+        """Seconds this node computes per inner step, without its waits for rounds (0: unknown)."""
+        return 0.0
+
     def in_rounds(self) -> bool:
         """Whether the swarm's members count this node in their rounds yet (they have seen its heartbeat)."""
         return True
