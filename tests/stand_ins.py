@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +20,8 @@ from locoswarm.node.swarm.view import StateSource
 def catch_up(*, peer_id: str = "QmMe", reputation: Reputation | None = None, view: Any = None,
              states: Any = None, round_claims: RoundClaims | None = None, pauses: SourcePauses | None = None,
              dial_failures: DialFailures | None = None, deviations: DeviationMemory | None = None,
-             recent: dict[int, tuple[int, list[str]]] | None = None) -> CatchUp:
+             recent: dict[int, tuple[int, list[str]]] | None = None,
+             now: Callable[[], float] = time.monotonic) -> CatchUp:
     """A node's ``CatchUp`` as ``SwarmTransport`` builds it: ``view`` (default: no outbound peers) and ``states``
     (default: serves nothing) stand in for the node and the network; ``recent``: the rounds it merged."""
     claims = round_claims if round_claims is not None else RoundClaims()
@@ -27,7 +30,7 @@ def catch_up(*, peer_id: str = "QmMe", reputation: Reputation | None = None, vie
                     book=OffenceBook(peer_id, reputation, claims, spread_ban=SPREAD_BAN), round_claims=claims,
                     pauses=pauses if pauses is not None else SourcePauses(),
                     dial_failures=dial_failures if dial_failures is not None else DialFailures(),
-                    deviations=deviations if deviations is not None else DeviationMemory())
+                    deviations=deviations if deviations is not None else DeviationMemory(), now=now)
     for fragment, (version, group) in (recent or {}).items():
         catch.merged(fragment, version, group)
     return catch

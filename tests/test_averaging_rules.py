@@ -586,12 +586,12 @@ def test_a_member_whose_contribution_alone_is_harmful_is_blamed_like_a_reducer_o
     serves no catch-up for a while; and the offence counts toward following the round's majority in a ban."""
     from locoswarm.node.core.transport import MemberShare
 
-    book = _RecordingBook()
-    judge, refusals, values = _part_judge(book=book), book.calls, torch.zeros(8)
+    book, pauses = _RecordingBook(), SourcePauses()
+    judge, refusals, values = _part_judge(book=book, pauses=pauses), book.calls, torch.zeros(8)
     judge.harmful_member(MemberShare("QmFlip", values), "harm")
     judge.harmful_member(MemberShare("QmMe", values), "harm")
     assert refusals == [("QmFlip:harmful_contribution", True)]
-    assert "QmFlip" in judge.pauses and "QmMe" not in judge.pauses
+    assert pauses.paused("QmFlip") and not pauses.paused("QmMe")
     refusals.clear()
     for _ in range(UNLINED_HARM):
         judge.harmful_member(MemberShare("QmJoin", values, same_lineage=False), "harm")
@@ -1186,7 +1186,7 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
             break
         assert refused is None
     assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
-    assert "QmD" in hostile.pauses
+    assert hostile.pauses.paused("QmD")
 
     # the same parts from a reducer that names another phi (an honest joiner mixes its own contribution from that
     # phi in): judged against SPREAD_BAN_OTHER_PHI, not banned at this spread; much louder ones are
@@ -1215,7 +1215,7 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     assert not disputed.reputation.is_banned("QmD")
     with pytest.raises(PartRefused, match="no evidence against the reducer"):
         disputed.spreads(part("QmMe", 0)._replace(disputed=frozenset({"QmX"})), [part("QmD", 2, 4.0)], None)
-    assert not disputed.reputation.is_banned("QmD") and "QmD" in disputed.pauses
+    assert not disputed.reputation.is_banned("QmD") and disputed.pauses.paused("QmD")
     self_disputed = transport()  # the disputed member is the reducer itself: its parts are evidence as before
     for r in range(2 * SPREAD_WINDOW):
         own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmD"}))
@@ -1322,7 +1322,7 @@ def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence
         if hostile.reputation.is_banned("QmD"):
             break
     assert hostile.reputation.is_banned("QmD") and len(ratios) <= 12, len(ratios)
-    assert "QmD" in hostile.pauses
+    assert hostile.pauses.paused("QmD")
     assert not hostile.reputation.is_banned("QmB") and not hostile.reputation.is_banned("QmC")
     assert sorted(ratios)[len(ratios) // 2] < SPREAD_BAN  # what the spread check alone lets through
 

@@ -37,11 +37,11 @@ def _states(fetch: Callable, fetch_steps: Callable | None = None) -> SimpleNames
     return SimpleNamespace(fetch=fetch, fetch_steps=fetch_steps or (lambda *args: None))
 
 
-def _transport(belief: Belief, states: StateSource | None = None) -> CatchUp:
+def _transport(belief: Belief, states: StateSource | None = None, **kwargs) -> CatchUp:
     """A node's ``CatchUp`` (``tests.stand_ins.catch_up``) with ``belief`` as the heartbeats' and ``states`` as its
     state source: a fresh ``RoundClaims``, no reputation or suspicions."""
     return catch_up(states=states, view=SimpleNamespace(outbound_peers=set, latest_versions=lambda fragment: belief,
-                                                        kin=lambda source, fragment: True))
+                                                        kin=lambda source, fragment: True), **kwargs)
 
 
 def test_the_clock_bounds_the_versions_any_fragment_can_hold() -> None:
@@ -124,14 +124,16 @@ def test_a_lone_newer_claim_is_unconfirmed_not_believed() -> None:
 def test_the_transport_probes_a_lone_claimant_once_a_while() -> None:
     from locoswarm.node.swarm.catchup import PROBE_INTERVAL_S
 
-    fetched = []
+    fetched, clock = [], [100.0]
     stub = _transport(Belief(40, b"g", ["h0"], {"ahead": Claim(42, b"x")}),
-                      states=_states(lambda *args: fetched.append(args)))
+                      states=_states(lambda *args: fetched.append(args)), now=lambda: clock[0])
     assert stub.newest(0).version == 42
     stub.fetch(0)
     assert fetched == [(0, ["ahead"], 42, b"x")]
     assert stub.newest(0).version == 40  # probed: not again for a while
-    stub._probed[(0, "ahead")] -= PROBE_INTERVAL_S
+    clock[0] += PROBE_INTERVAL_S - 0.1
+    assert stub.newest(0).version == 40
+    clock[0] += 0.1
     assert stub.newest(0).version == 42
 
 

@@ -110,12 +110,14 @@ class CatchUp:
         pauses: the catch-up sources paused for a while (shared with the judge of reduced parts).
         dial_failures: peers this node could not dial lately.
         deviations: whom this node mutes for their standing drift.
+        now: the clock of probes and replay pauses (seconds; tests pass their own).
     """
 
     def __init__(self, peer_id: str, *, view: SwarmView, states: StateSource, reputation: Reputation | None,
                  book: OffenceBook, round_claims: RoundClaims, pauses: SourcePauses, dial_failures: DialFailures,
-                 deviations: DeviationMemory) -> None:
+                 deviations: DeviationMemory, now: Callable[[], float] = time.monotonic) -> None:
         self.peer_id = peer_id
+        self.now = now
         self.view = view
         self.states = states
         self.reputation = reputation
@@ -173,7 +175,7 @@ class CatchUp:
         that is newer (heartbeats lag behind fast rounds; no digest is announced for it yet), or a probe of a
         newer claim nobody corroborates (at most one per claimant every ``PROBE_INTERVAL_S``)."""
         belief = self.view.latest_versions(fragment)
-        now = time.monotonic()
+        now = self.now()
         for peer, claim in sorted(belief.unconfirmed.items()):
             if self.may_serve(peer) and now - self._probed.get((fragment, peer), -math.inf) >= PROBE_INTERVAL_S:
                 return Belief(claim.version, claim.digest, [peer])
@@ -205,7 +207,7 @@ class CatchUp:
         if not belief.holders:
             return None
         for peer in belief.holders:  # a probe's claimant is not probed again for a while, whatever it serves
-            self._probed[(fragment, peer)] = time.monotonic()
+            self._probed[(fragment, peer)] = self.now()
         while len(self._probed) > MAX_TRACKED:
             self._probed.pop(next(iter(self._probed)))
         order = holder_order(self.peer_id, fragment, belief.holders)
@@ -234,7 +236,7 @@ class CatchUp:
         the digest of the believed version; None where a replay is not possible or not worth asking. With it, the
         holder whose steps contradicted the announced digest, if one did."""
         if (have is None or not 0 < belief.version - have <= REPLAY_DEPTH
-                or time.monotonic() < self._no_replay.get(fragment, -math.inf)):
+                or self.now() < self._no_replay.get(fragment, -math.inf)):
             return None, None
         snapshot = self.states.fetch_steps(fragment, holders, have, belief.version)
         if snapshot is None:
@@ -258,7 +260,7 @@ class CatchUp:
         (a digest that does not match is nobody's proven fault: another device's arithmetic, a step of its own)."""
         log.info("replay of fragment %d from %s not taken: %s; downloading the state instead for %.0f s",
                  snapshot.fragment, snapshot.source[:12], reason, NO_REPLAY_S)
-        self._no_replay[snapshot.fragment] = time.monotonic() + NO_REPLAY_S
+        self._no_replay[snapshot.fragment] = self.now() + NO_REPLAY_S
 
     def start(self, fragment: int, have: int | None = None) -> FetchHandle:
         """Download in a background thread (one at a time: they share the link): a catch-up of a few MB

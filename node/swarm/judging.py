@@ -138,13 +138,6 @@ class SourcePauses:
         """Whether ``peer`` is paused now."""
         return time.monotonic() < self._until.get(peer, -math.inf)
 
-    def __contains__(self, peer: object) -> bool:
-        """Whether ``peer`` was ever paused here (and is still held), now or before."""
-        return peer in self._until
-
-    def __len__(self) -> int:
-        return len(self._until)
-
 
 class RoundView(Protocol):
     """What the judge asks of the round a part belongs to (``averaging._Reduction``)."""
