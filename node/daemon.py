@@ -117,6 +117,8 @@ log = logging.getLogger("locoswarm.node")
 PORT_FILE = "listen_port"  # in the state dir: the libp2p port to listen on again after a restart
 # Failed rounds a peer's token claim may carry, at least (its own max_carry is not ours to know).
 MIN_CARRY_ALLOWANCE = 8
+# A round that took this long (seconds) logs its timing: a slow one holds its fragment's next sync (late_window).
+SLOW_ROUND_S = 1.0
 
 
 @dataclass
@@ -764,12 +766,14 @@ class Node(SwarmView):
         if ev.kind == "merged":
             self._alone = False
             detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
+            if ev.round_s >= SLOW_ROUND_S:
+                detail += f" [matched in {ev.matchmaking_s:.1f} s, merged after {ev.round_s:.1f} s]"
         elif (ev.kind in ("refused", "diverged", "dropped", "folded", "bounded", "catch_up_loop")
               or (ev.kind == "caught_up" and ev.error)):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
             detail += f": {ev.error}"
-            if ev.round_s:  # a slow failure holds its fragment's next sync (late_window): say how slow
+            if ev.round_s >= SLOW_ROUND_S:
                 detail += f" [matched in {ev.matchmaking_s:.1f} s, failed after {ev.round_s:.1f} s]"
             if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
                 log.debug("%s", detail)

@@ -220,6 +220,13 @@ def test_window_metrics_and_failure_reasons() -> None:
     assert node_metrics(before, {**after, "eval_curve": [[0, 5.0]]}, events)["eval_loss"] is None
     assert (m["matchmaking_s"], m["round_s"]) == (pytest.approx(0.3), pytest.approx(1.5))
     assert failure_reason({"kind": "failed", "error": "no peer in group"}) == "no peer in group"
+    lone = [{"kind": "failed", "detail": f"fragment 0 round v{v}: no peer in group (closed {s} s after the first "
+                                         f"arrival (window), window 3.0 s; members 1, awaited in vain [{who}]) "
+                                         f"[matched in {s} s, failed after {s} s]"}
+            for v, s, who in ((3, 3.1, "AbCdEf"), (4, 3.3, "AbCdEf GhIjKl"))]
+    assert failure_reason(lone[0]) == failure_reason(lone[1]) == (
+        "no peer in group (closed <n> s after the first arrival (window), window <n> s; members <n>, awaited in vain "
+        "[…]) […]")
 
 
 def test_report_files(tmp_path: Path) -> None:

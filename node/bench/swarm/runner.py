@@ -146,16 +146,17 @@ def read_status(state_dir: Path) -> dict:
 
 _PEER_RE = re.compile(r"\b(?:Qm[1-9A-HJ-NP-Za-km-z]{6,}|12D3Koo[1-9A-HJ-NP-Za-km-z]{6,}|[0-9a-f]{12,})\b(?:…|\.\.\.)?")
 _NUM_RE = re.compile(r"\b\d+(?:\.\d+)?\b")
+_LIST_RE = re.compile(r"\[[^\]]*\]")  # a list of peers (a round's group, whom it awaited) or the round's timing
 
 
 def failure_reason(event: dict) -> str:
-    """The reason of a ``failed`` event, with peer ids and numbers replaced so that equal reasons count
-    together (``peer <peer> sent <n> of <n> reduced chunks``)."""
+    """The reason of a ``failed`` event, with peer ids, numbers and bracketed lists replaced so that equal reasons
+    count together (``peer <peer> sent <n> of <n> reduced chunks``)."""
     text = str(event.get("error") or "")
     if not text:
         detail = str(event.get("detail", ""))
         text = detail.split(": ", 1)[1] if ": " in detail else detail
-    text = _PEER_RE.sub("<peer>", text)
+    text = _LIST_RE.sub("[…]", _PEER_RE.sub("<peer>", text))
     return _NUM_RE.sub("<n>", text).strip()[:160] or "unknown"
 
 
