@@ -109,7 +109,8 @@ if TYPE_CHECKING:
     from locoswarm.node.fsutil import StateDirLock
     from locoswarm.node.partition import Fragment
     from locoswarm.node.swarm.admission import Admission
-    from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
+    from locoswarm.node.swarm.averaging import SwarmTransport
+    from locoswarm.node.swarm.exchange import ByteCounters
     from locoswarm.node.swarm.versions import Belief
 
 log = logging.getLogger("locoswarm.node")
@@ -491,7 +492,8 @@ class Node(SwarmView):
     def _build(self) -> None:
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
-        from locoswarm.node.swarm.averaging import ByteCounters, SwarmTransport
+        from locoswarm.node.swarm.averaging import SwarmTransport
+        from locoswarm.node.swarm.exchange import ByteCounters
 
         o, cfg = self.opts, self.cfg
         self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())

@@ -21,12 +21,11 @@ from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
     SwarmTransport,
-    _Reduction,
-    group_hash,
     idle_reducers,
     plausible_version,
 )
 from locoswarm.node.swarm.dial_failures import DialFailures
+from locoswarm.node.swarm.exchange import Exchange, Reduction, group_hash
 from locoswarm.node.swarm.judging import (
     SPREAD_BAN,
     SPREAD_BAN_OTHER_PHI,
@@ -59,7 +58,8 @@ from locoswarm.node.swarm.reputation import EveryNth, Reputation
 from locoswarm.node.swarm.versions import RoundClaims
 from locoswarm.node.transport.groups import PROBE_EVERY, consensus_members, form_groups, is_probe_round, kept_apart
 from locoswarm.node.transport.reduce import PartContribution
-from tests.stand_ins import catch_up
+from locoswarm.protocol import swarm_pb2
+from tests.stand_ins import catch_up, exchange
 
 PEERS = [f"Qm{c}" for c in "abcdefghij"]
 
@@ -131,12 +131,12 @@ def test_each_in_process_members_own_part_carries_the_others_contributions_to_it
 
 
 def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_decoded() -> None:
-    """``SwarmTransport._member_shares``: the contributions this node's session reduced, decoded over its part's
+    """``Exchange._member_shares``: the contributions this node's session reduced, decoded over its part's
     range, each with whether it came from this node's phi; not its own, not a refused one; none in a pair (unless
     another member of the round excludes the partner), for a round of phi itself or of low-rank coefficients, or
     while the reduction has not finished."""
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import _Reduced
+    from locoswarm.node.swarm.exchange import Reduced
 
     codec, numel = get_codec("fp32", 64), 8 * 1024
     bounds = chunk_bounds(numel, 64)
@@ -149,28 +149,28 @@ def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_de
     async def session(members: list[str], finished: bool = True, accused: tuple[str, ...] = ()) -> SimpleNamespace:
         done = asyncio.get_running_loop().create_future()
         if finished:
-            done.set_result(_Reduced({}, 3.0, [], {"QmBad": ("bad_weight", "too heavy", False)}))
+            done.set_result(Reduced({}, 3.0, [], {"QmBad": ("bad_weight", "too heavy", False)}))
         return SimpleNamespace(members=members, part=part, done=done, lineages={"QmMe": 7, "QmB": 7, "QmC": 9},
                                accused=frozenset(accused),
                                contributions={m: (PartContribution(m, 1.0, {c: encoded[m][c] for c in part}), [])
                                               for m in members})
 
-    stub = SimpleNamespace(peer_id="QmMe")
+    shares_of = exchange(codec, peer_id="QmMe")._member_shares
     req = AverageRequest(fragment=0, round=1, chunks=encoded["QmMe"], numel=numel, weight=1.0, version=1,
                          lineage=7)
     group = asyncio.run(session(["QmMe", "QmB", "QmC", "QmBad"]))
-    shares = SwarmTransport._member_shares(stub, group, req, codec, bounds)
+    shares = shares_of(group, req, codec, bounds)
     assert [(s.member, s.same_lineage) for s in shares] == [("QmB", True), ("QmC", False)]
     for share in shares:
         assert torch.equal(share.values, deltas[share.member][lo:hi])
     pair = asyncio.run(session(["QmMe", "QmB"]))
-    assert SwarmTransport._member_shares(stub, pair, req, codec, bounds) == ()
+    assert shares_of(pair, req, codec, bounds) == ()
     accused_pair = asyncio.run(session(["QmMe", "QmB"], accused=("QmB",)))  # another member of the round excludes it
-    assert [s.member for s in SwarmTransport._member_shares(stub, accused_pair, req, codec, bounds)] == ["QmB"]
+    assert [s.member for s in shares_of(accused_pair, req, codec, bounds)] == ["QmB"]
     running = asyncio.run(session(["QmMe", "QmB", "QmC"], finished=False))
-    assert SwarmTransport._member_shares(stub, running, req, codec, bounds) == ()
-    assert SwarmTransport._member_shares(stub, group, replace(req, digest=b"phi"), codec, bounds) == ()
-    assert SwarmTransport._member_shares(stub, group, replace(req, basis=b"ranks"), codec, bounds) == ()
+    assert shares_of(running, req, codec, bounds) == ()
+    assert shares_of(group, replace(req, digest=b"phi"), codec, bounds) == ()
+    assert shares_of(group, replace(req, basis=b"ranks"), codec, bounds) == ()
 
 
 def test_holders_are_asked_in_an_order_of_the_downloader_own() -> None:
@@ -401,11 +401,11 @@ def _contribution(sender: str, values: torch.Tensor, weight: float = 100.0) -> P
     return PartContribution(sender, weight, dict(enumerate(encode_chunks(CODEC, values))))
 
 
-def _session(members: list[str], settings: RobustSection | None = None) -> _Reduction:
+def _session(members: list[str], settings: RobustSection | None = None) -> Reduction:
     bounds = chunk_bounds(NUMEL, CODEC.block_size)
     sizes = {c: b - a for c, (a, b) in enumerate(bounds)}
-    return _Reduction((0, 1, b"h"), members[0], CODEC, members, range(len(bounds)), sizes,
-                      settings or RobustSection(), consensus=False)
+    return Reduction((0, 1, b"h"), members[0], CODEC, members, range(len(bounds)), sizes,
+                     settings or RobustSection(), consensus=False)
 
 
 COMMON = torch.randn(NUMEL, generator=torch.Generator().manual_seed(12345))
@@ -417,7 +417,7 @@ def _honest(seed: int) -> torch.Tensor:
     return (COMMON + torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))) * 0.01
 
 
-def _reduced(session: _Reduction) -> torch.Tensor:
+def _reduced(session: Reduction) -> torch.Tensor:
     res = session.done.result()
     return decode_chunks(CODEC, [res.chunks[c] for c in sorted(res.chunks)], NUMEL)
 
@@ -536,6 +536,84 @@ def test_the_wire_seam_is_the_identity_and_an_installed_tamper_rewrites_the_redu
     assert seam.contribution("QmR", req, range(1), [(0, 1)], CODEC) is req and seam.sender("QmR", "QmMe") == "QmMe"
 
 
+# ---- one exchange, driven without a network ----------------------------------------------------------
+
+def _header(**fields) -> swarm_pb2.AverageRequest:
+    return swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(**fields))
+
+
+async def _served(node: Exchange, remote: str, messages: list[swarm_pb2.AverageRequest]) -> list:
+    """What ``node`` answers on a stream from ``remote`` (its authenticated peer id) that carries ``messages``."""
+    async def requests():
+        for msg in messages:
+            yield msg
+    return [reply async for reply in node.serve_part(remote, requests())]
+
+
+def test_an_exchange_reduces_the_whole_fragment_with_an_outbound_only_partner_and_serves_it_the_same_average():
+    """``Exchange.run`` with ``Exchange.serve_part`` on a real exchange: a partner that peers cannot dial reduces no
+    part and is sent no stream, so this node reduces every chunk; the partner's contribution streams in, its
+    reply is the very average this node applies, its header's version claim counts toward the round's, and the
+    bytes are counted for it."""
+    from locoswarm.node.core.transport import AverageRequest
+
+    node = exchange(CODEC, fingerprint="swarm")
+    group, outbound = ["QmMe", "QmOut"], frozenset({"QmOut"})
+    mine, theirs = encode_chunks(CODEC, _honest(0)), encode_chunks(CODEC, _honest(1))
+    req = AverageRequest(fragment=2, round=9, chunks=mine, numel=NUMEL, weight=100.0, version=4, lineage=7)
+    header = _header(fingerprint="swarm", fragment=2, round=9, group_hash=group_hash(group, outbound),
+                     sender="QmOut", weight=100.0, version=5, n_chunks=len(theirs), lineage=7)
+    chunks = [swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=d)) for c, d in enumerate(theirs)]
+
+    async def run() -> tuple:
+        round_ = asyncio.create_task(node.run(req, group, {"QmMe": 4}, idle=outbound, unreachable=outbound))
+        await asyncio.sleep(0)  # its session is open now
+        busy = node.exchanging()
+        replies = await _served(node, "QmOut", [header, *chunks])
+        return busy, replies, await round_
+    busy, replies, result = asyncio.run(run())
+    assert busy and not node.exchanging()
+    assert result.ok, result.error
+    assert result.group_size == 2 and result.total_weight == 200.0 and result.max_version == 5 and result.kin == 1.0
+    assert [(p.reducer, p.start, p.end) for p in result.parts] == [("QmMe", 0, NUMEL)]
+    assert replies[0].header.ok and replies[0].header.version == 4 and replies[0].header.n_chunks == len(mine)
+    assert tuple(r.chunk.data for r in replies[1:]) == result.encoded.chunks  # the partner gets what we apply
+
+    async def reduced_alone() -> torch.Tensor:  # the same two contributions, reduced by a session of their own
+        alone = _session(group)
+        alone.add(_contribution("QmMe", _honest(0)), [])
+        alone.add(_contribution("QmOut", _honest(1)), [])
+        return _reduced(alone)
+    assert torch.equal(result.average, asyncio.run(reduced_alone()))
+    assert result.bytes_sent > 0 and result.bytes_received > sum(map(len, theirs))
+
+
+def test_an_exchange_refuses_a_forged_sender_at_once_and_a_stream_for_a_round_it_skipped_without_blame() -> None:
+    """``Exchange.serve_part``: a header from another swarm, and a stream for a round this node takes no part in
+    (``Exchange.not_in_round``), are refused without an offence; a header naming another sender than the
+    stream's authenticated peer id is an offence."""
+    from locoswarm.node.core.transport import NOT_IN_ROUND
+    from locoswarm.node.swarm.wire import WireError
+
+    book = _RecordingBook()
+    node = exchange(CODEC, fingerprint="swarm", book=book)
+    node.not_in_round(3, 11)
+
+    async def run() -> None:
+        with pytest.raises(WireError, match="fingerprint mismatch"):
+            await _served(node, "QmOther", [_header(fingerprint="another", fragment=3, round=11, sender="QmOther",
+                                                    weight=1.0, n_chunks=1)])
+        with pytest.raises(WireError, match=NOT_IN_ROUND):
+            await _served(node, "QmLate", [_header(fingerprint="swarm", fragment=3, round=11, sender="QmLate",
+                                                   weight=1.0, n_chunks=1)])
+        with pytest.raises(WireError, match="sender"):
+            await _served(node, "QmLiar", [_header(fingerprint="swarm", fragment=3, round=12, sender="QmHonest",
+                                                   weight=1.0, n_chunks=1)])
+    asyncio.run(run())
+    assert book.calls == [("QmOther:fingerprint", False), ("QmLate:not_in_round", False),
+                          ("QmLiar:forged_sender", True)]
+
+
 def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not() -> None:
     # The stream-cap callback on a stand-in transport: the open streams are what the server's gate says.
     open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}
@@ -606,7 +684,7 @@ def _consensus_parts(own: torch.Tensor, partner: torch.Tensor, codec) -> tuple:
     second half (the momenta, which the partner reduces), as an honest reducer makes them."""
     from locoswarm.node.core.consensus import state_digest
     from locoswarm.node.core.transport import AverageRequest
-    from locoswarm.node.swarm.averaging import check_reduced_part
+    from locoswarm.node.swarm.exchange import check_reduced_part
 
     req = AverageRequest(fragment=3, round=40, chunks=encode_chunks(codec, own), numel=own.numel(), weight=1.0,
                          version=7, codec="fp32", digest=state_digest(own))
@@ -1620,7 +1698,7 @@ def test_a_match_entry_carries_whom_its_author_doubts_bounded() -> None:
 
 
 def test_behind_the_others_names_the_member_whose_version_every_other_member_has_left() -> None:
-    from locoswarm.node.swarm.averaging import behind_the_others
+    from locoswarm.node.swarm.exchange import behind_the_others
 
     assert behind_the_others("QmJoiner", {"QmJoiner": 3, "QmA": 5, "QmB": 4})
     assert not behind_the_others("QmJoiner", {"QmJoiner": 3, "QmA": 5, "QmB": 3})  # an honest partner at 3
@@ -1713,23 +1791,23 @@ def test_a_node_is_stale_only_where_the_swarms_corroborated_version_is_ahead_too
     from locoswarm.node.swarm.versions import Belief
 
     believed = [5]
-    stub = SimpleNamespace(peer_id="QmMe", view=SimpleNamespace(latest_versions=lambda fragment: Belief(believed[0])))
+    swarm = SimpleNamespace(latest_versions=lambda fragment: Belief(believed[0]))
     view = SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5})
     req = AverageRequest(fragment=0, round=100, chunks={}, numel=8, weight=1.0, version=3)
-    stale = SwarmTransport._stale_here
-    assert stale(stub, req, 5, view)
+    stale = exchange(CODEC, peer_id="QmMe", view=swarm)._stale_here
+    assert stale(req, 5, view)
     believed[0] = 3  # nobody corroborates the reducer's claim: a liar ahead of the swarm
-    assert not stale(stub, req, 5, view)
+    assert not stale(req, 5, view)
     believed[0] = 5
-    assert not stale(stub, req, 3, view)  # the reducer is not ahead of this node
-    assert not stale(stub, req, 5, SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5, "QmPartner": 3}))
-    assert not stale(stub, req, 5, None)
+    assert not stale(req, 3, view)  # the reducer is not ahead of this node
+    assert not stale(req, 5, SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5, "QmPartner": 3}))
+    assert not stale(req, 5, None)
 
 
 def test_the_share_of_a_rounds_members_of_this_nodes_phi_says_whether_it_is_in_step() -> None:
     """``kin_share`` (``AverageResult.kin``): the members that sent from this node's phi, itself included, over all
     whose lineage is known; 1.0 where none is (a fragment is in step where more than half are)."""
-    from locoswarm.node.swarm.averaging import kin_share
+    from locoswarm.node.swarm.exchange import kin_share
 
     assert kin_share({}, 7) == 1.0
     assert kin_share({"me": 7, "a": 7, "b": 7}, 7) == 1.0

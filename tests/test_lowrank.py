@@ -9,7 +9,6 @@ import dataclasses
 import math
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,11 +43,16 @@ from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
 from locoswarm.node.sim.methods import method_config
 from locoswarm.node.sim.simulator import SimSpec, simulate
-from locoswarm.node.swarm.averaging import SwarmTransport, _Reduction
+from locoswarm.node.swarm.averaging import SwarmTransport
+from locoswarm.node.swarm.exchange import Reduction
+from locoswarm.node.swarm.judging import SPREAD_BAN
 from locoswarm.node.swarm.matchmaking import match_entry
+from locoswarm.node.swarm.offences import OffenceBook
+from locoswarm.node.swarm.versions import RoundClaims
 from locoswarm.node.swarm.wire import WireError
 from locoswarm.node.transport.inprocess import InProcessHub
 from locoswarm.protocol import swarm_pb2
+from tests.stand_ins import exchange
 
 VOCAB = 257
 BLOCK = 64
@@ -411,19 +415,18 @@ def test_the_swarm_re_encodes_only_when_the_groups_tags_differ_and_at_the_leader
 
 
 def test_a_reducer_refuses_a_part_on_another_basis() -> None:
-    async def run() -> list[tuple[str, str]]:
-        offences: list[tuple[str, str]] = []
+    async def run() -> list[str]:
         codec = get_codec("int8", BLOCK)
-        session = _Reduction((0, 6, b"g"), "QmA", codec, ["QmA", "QmB"], range(1), {0: 100}, RobustSection(),
-                             consensus=False, basis=b"agreed")
-        stub = SimpleNamespace(codec=codec, _offence=lambda peer, kind, detail, offence=True: offences.append(
-            (peer, kind)))
+        session = Reduction((0, 6, b"g"), "QmA", codec, ["QmA", "QmB"], range(1), {0: 100}, RobustSection(),
+                            consensus=False, basis=b"agreed")
+        book = OffenceBook("QmA", None, RoundClaims(), spread_ban=SPREAD_BAN)
+        node = exchange(codec, peer_id="QmA", book=book)
 
         def header(basis: bytes) -> swarm_pb2.AverageHeader:
             return swarm_pb2.AverageHeader(group_hash=b"g", sender="QmB", weight=1.0, n_chunks=1, basis=basis)
 
-        assert SwarmTransport._check_membership(stub, session, "QmB", header(b"agreed")) is session
+        assert node._check_membership(session, "QmB", header(b"agreed")) is session
         with pytest.raises(WireError, match="basis"):
-            SwarmTransport._check_membership(stub, session, "QmB", header(b"other"))
-        return offences
-    assert asyncio.run(run()) == [("QmB", "bad_header")]
+            node._check_membership(session, "QmB", header(b"other"))
+        return list(book.refusals)
+    assert asyncio.run(run()) == ["QmB: bad_header: codec, chunk count, extras or basis do not match the round"]

@@ -744,7 +744,7 @@ class InjectClient(HostileClient):
         import torch
 
         from locoswarm.node.core.payload import chunk_bounds
-        from locoswarm.node.swarm.averaging import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
+        from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
         from locoswarm.node.swarm.wire import PeerRefused, WireError, open_stream
         from locoswarm.node.transport.reduce import part_ranges
         from locoswarm.protocol import swarm_pb2
@@ -805,7 +805,7 @@ class FloodClient(HostileClient):
     async def one_stream(self, peer: str, with_header: bool) -> None:
         from hivemind.p2p import PeerID
 
-        from locoswarm.node.swarm.averaging import AVERAGE_HANDLER
+        from locoswarm.node.swarm.exchange import AVERAGE_HANDLER
         from locoswarm.protocol import swarm_pb2
 
         _, reader, writer = await self.runtime.p2p.call_binary_stream_handler(PeerID.from_base58(peer),

@@ -140,7 +140,7 @@ class SourcePauses:
 
 
 class RoundView(Protocol):
-    """What the judge asks of the round a part belongs to (``averaging._Reduction``)."""
+    """What the judge asks of the round a part belongs to (``exchange.Reduction``)."""
 
     def judges_reduced_part(self, reducer: str) -> bool:
         """Whether ``reducer``'s part is evidence in this round (not in a pair without an accuser)."""
@@ -209,7 +209,7 @@ class PartResult(NamedTuple):
     # ``agreement_floor``): the round had a sender that may have turned another reducer's part (``PartJudge.spreads``)
     disputed: frozenset[str] = frozenset()
     # why the part is not applied, where it points against this member's contribution (``PartJudge.reduced_direction``):
-    # the round fails once every part's spread and persistence were judged (``_exchange_parts``)
+    # the round fails once every part's spread and persistence were judged (``Exchange.run``)
     refused: str = ""
 
     def turned_by_another(self, reducer: str) -> bool:
@@ -287,7 +287,7 @@ class PartJudge:
         half the difference of the two, so when rounds come every step or two two honest members' contributions
         point against each other (cosines of -0.5 to -0.9 in a two-node test, which then banned each other).
         Such a part is still refused: the round fails and nothing is applied. It is evidence in a pair where
-        another member of the round excludes the reducer (``_Reduction.accused``).
+        another member of the round excludes the reducer (``Reduction.accused``).
 
         Where this node is ``stale`` (its version below every other member's of the round), a part of another phi
         is not judged against its own contribution at all: that contribution is the odd one, made from a phi the

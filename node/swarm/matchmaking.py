@@ -396,7 +396,7 @@ class Matchmaker:
         members = list(standing.members)
         self._keep_view(req.fragment, req.round, MatchView(members, expected, now, now, now, "standing"))
         excluded = {p: list(standing.excluded.get(p, ())) for p in members}
-        # Only our own version is known here: the members' come with their headers (``_exchange``). Taking
+        # Only our own version is known here: the members' come with their headers (``Exchange.run``). Taking
         # ours for theirs kept a member a version behind for good with the same phi (its "group version"
         # was its own, so it never learnt it was behind; a CI run: survivors never agreed on phi).
         return Matched(members, {self.peer_id: req.version}, excluded, {p: b"" for p in members},
