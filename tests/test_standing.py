@@ -289,6 +289,7 @@ def test_apart_by_trust_names_a_round_where_an_exclusion_involves_the_node() -> 
     assert not apart_by_trust("QmA", members, {"QmB": ["QmC"]})  # an exclusion between the others
     assert not apart_by_trust("QmA", members, {})
     assert not apart_by_trust("QmA", ["QmA"], {"QmA": ["QmGone"]})  # no other member: not a round kept apart
+    assert apart_by_trust("QmA", ["QmA"], {}, kept_out={"QmLive"})  # a live peer it keeps out is no member
 
 
 @pytest.mark.timeout(180)

@@ -33,7 +33,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from locoswarm.node.config import RobustSection, longest_round_s
@@ -122,16 +122,20 @@ def unreachable_idle(group: list[str], idle: frozenset[str], outbound: Iterable[
     return both if len(both) < len(group) else unreachable
 
 
-def apart_by_trust(own: str, members: Sequence[str], apart: Mapping[str, Iterable[str]]) -> bool:
-    """Whether an exclusion of the round (``apart``: each member's bans, and the doubts that keep members apart)
-    involves ``own``: it bans or shuns another member, or another member bans or shuns it. Where ``own`` is then
-    alone in its group, its round failed over a trust decision, not for want of peers, and the failure is a refusal
+def apart_by_trust(own: str, members: Sequence[str], apart: Mapping[str, Iterable[str]],
+                   kept_out: Collection[str] = ()) -> bool:
+    """Whether ``own`` is apart from the round's others over trust: an exclusion of the round (``apart``: each
+    member's bans, and the doubts that keep members apart) involves it (it bans or shuns another member, or another
+    member bans or shuns it), or it keeps a live peer out of its rounds (``kept_out``: such a peer is no member, as
+    its exclusion drops it from the member list before groups are cut). Where ``own`` is then alone in its group,
+    its round failed over a trust decision, not for want of peers, and the failure is a refusal
     (``AverageResult.refused``): the outer loop folds the progress such rounds carried into phi rather than drop it.
-    So is a round this node is alone in because it keeps a live peer out (``SwarmTransport._average_timed``), and
-    one whose every other member excludes it (``EXCLUDED_BY_ALL``).
+    So is a round whose every other member excludes it (``EXCLUDED_BY_ALL``).
     Why: in a 2 + 2 drift run both honest nodes, alarmed, shunned the drifters and each other and were alone in every
     round for a minute; each dropped its progress every 4 rounds and trained for nothing (+36% at equal progress,
     robustness bench, 537b541)."""
+    if kept_out:
+        return True
     mine = set(apart.get(own, ()))
     return any(m != own and (m in mine or own in set(apart.get(m, ()))) for m in members)
 
@@ -405,7 +409,7 @@ class SwarmTransport(Transport):
                                             "(behind NAT): none can open a stream to another", own_weight=req.weight)
             # alone over a trust decision: an exclusion in the round involves this node, or it keeps a live peer out
             # (one every member excludes is dropped from the member list before the groups are cut)
-            refused = apart_by_trust(self.peer_id, members, trusted_apart) or bool(set(banned) & self.lone.live())
+            refused = apart_by_trust(self.peer_id, members, trusted_apart, kept_out=set(banned) & self.lone.live())
             view = self.matchmaker.view_of(req.fragment, req.round)
             why = f" ({view.summary()})" if view is not None else ""
             return AverageResult.failed(NO_PEER_IN_GROUP + why, own_weight=req.weight, refused=refused)

@@ -73,7 +73,7 @@ SPREAD_BAN_OTHER_PHI = SPREAD_REFUSE
 SPREAD_FLOOR = 0.15
 # A reducer's residual (its part's component orthogonal to this member's contribution, ``PartGeometry.residuals``)
 # persists round after round as much as the members' data differ, about equally for every honest reducer; a fixed
-# pattern added to the part persists more (``SwarmTransport._judge_persistence``). Measured in robustness-bench runs
+# pattern added to the part persists more (``PartJudge.persistence``). Measured in robustness-bench runs
 # of real nodes (3 + 0 and 3 + 1, tiny preset, standing levels after the first minute): honest reducers at most 0.13
 # above the median of the reducers' levels (99% within 0.10); ``reducenudge`` (0.8x its part's rms) 0.3-0.36 above it
 # in its first minute, later less as the honest members' progress corrects the pattern it added. A reducer whose
@@ -112,7 +112,7 @@ TURNED_SOURCE_S = 20.0
 # sender's intent, STALE_GRACE times per STALE_GRACE_S per sender: an honest node catches up within a round or two,
 # and a sender that stays the odd stale one (a flipper whose own rounds fail) is judged again after that. Where this
 # node is the stale one it does not judge the group's parts against its own progress
-# (``SwarmTransport._check_reduced_direction``): refusing them, and pausing their reducers as catch-up sources,
+# (``PartJudge.reduced_direction``): refusing them, and pausing their reducers as catch-up sources,
 # discarded a stale NATed node's every catch-up (three in 60 s) from the only holders it could reach; it stayed four
 # versions behind until it folded. With both rules the same bench merged 49 of 50 rounds and banned nobody (the code
 # before: 29 of 48 with a ban; 48 of 53 with a node stuck four versions behind).

@@ -95,7 +95,7 @@ class NoShows:
     ``NO_SHOW_ROUNDS`` rounds this node was in at all (a clock far from the swarm's, a broken or hostile
     node) is no longer waited for: without this every round would wait the whole matchmaking window for
     it. It is still a member of any round it does enter in time, and entering a round, even too late,
-    clears its record (``SwarmTransport._record_no_shows``): a straggler is waited for again."""
+    clears its record (``Matchmaker._record_no_shows``): a straggler is waited for again."""
 
     def __init__(self, rounds: int = NO_SHOW_ROUNDS) -> None:
         self.rounds = rounds
