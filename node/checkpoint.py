@@ -45,9 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from locoswarm.node.config import SwarmConfig
+from locoswarm.node.config import SwarmConfig, to_dict
+from locoswarm.node.config import fingerprint as swarm_fingerprint
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.inner import InnerOptimizer
+from locoswarm.node.model import build_model
+from locoswarm.node.partition import fragment_params, partition
 
 if TYPE_CHECKING:
     from locoswarm.node.core.outer_loop import OuterLoop
@@ -424,10 +428,6 @@ def load_trained_model(state_dir: Path, cfg: SwarmConfig, vocab_size: int, *,
     """The checkpoint's model on CPU: ``use="outer"`` loads phi, the consensus the swarm agreed on (the
     same on every peer at equal versions); ``use="live"`` this node's own live params theta. Returns the
     model and the checkpoint pair it came from. Raises ``UserError`` without a usable checkpoint."""
-    from locoswarm.node.config import fingerprint as swarm_fingerprint
-    from locoswarm.node.model import build_model
-    from locoswarm.node.partition import fragment_params, partition
-
     if use not in ("outer", "live"):
         raise UserError(f"use = {use!r}; choose 'outer' (consensus phi) or 'live' (this node's theta)")
     state_dir = Path(state_dir)
@@ -472,10 +472,6 @@ def export_model(state_dir: Path, out_dir: Path, cfg: SwarmConfig, tokenizer, *,
     beside it so ``AutoTokenizer.from_pretrained`` loads it too, and the end-of-document token as the
     model's eos. Also writes ``out_dir/locoswarm.json`` (fingerprint, fragment versions, the checkpoint's
     meta) so the export can be traced to its swarm. Returns ``out_dir``."""
-    from locoswarm.node.config import fingerprint as swarm_fingerprint
-    from locoswarm.node.config import to_dict
-    from locoswarm.node.fsutil import atomic_write_text
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file; give a directory to write the model into")

@@ -10,6 +10,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from locoswarm.node import plan
+from locoswarm.node.bench import register as register_bench
+from locoswarm.node.commands import admit, config, data, partition, run
+from locoswarm.node.commands.export import register_export, register_generate
+from locoswarm.node.commands.simulate import register as register_sim
+from locoswarm.node.control.cli import register as register_status
 from locoswarm.node.errors import Stopped, UserError
 from locoswarm.node.helptext import describe
 
@@ -25,13 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="locoswarm", description=describe(__doc__))
     parser.add_argument("--version", action="version", version="locoswarm 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    from locoswarm.node import plan
-    from locoswarm.node.bench import register as register_bench
-    from locoswarm.node.commands import admit, config, data, partition, run
-    from locoswarm.node.commands.export import register_export, register_generate
-    from locoswarm.node.commands.simulate import register as register_sim
-    from locoswarm.node.control.cli import register as register_status
-
     for register in (run.register, config.register, partition.register, data.register, register_sim, register_bench,
                      plan.register, register_export, register_generate, register_status, admit.register):
         register(sub)

@@ -578,6 +578,7 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
 
     w = where("swarm.owner_key")
     if s.owner_key:
+        # lazy: swarm.admission loads cryptography (~15 ms at every CLI start, measured)
         from locoswarm.node.swarm.admission import AdmissionError, load_public_key
 
         try:

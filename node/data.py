@@ -566,6 +566,7 @@ def _carve_tune_tail(corpus: Corpus, fraction: float) -> Corpus:
 def _load_prepared(directory: Path, data_cfg: DataSection, tokenizer, min_train_tokens: int,
                    start: float) -> Corpus:
     """A directory written by ``locoswarm data prepare``: its shards, read a window at a time."""
+    # lazy: import circle (locoswarm.node.shards imports this module at its head)
     from locoswarm.node.shards import load_prepared
 
     train, eval_, index = load_prepared(directory, tokenizer, tokenizer.spec)

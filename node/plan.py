@@ -133,10 +133,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from locoswarm.node.config import ModelSection, OuterSection
 from locoswarm.node.core.codec_table import CODECS
 from locoswarm.node.core.codec_table import codec_bits as table_bits
 from locoswarm.node.core.late_window import AUTO, late_window
 from locoswarm.node.errors import UserError
+from locoswarm.node.sizing import (
+    DEFAULT_MFU,
+    DEFAULT_TOKENS_PER_STEP,
+    GPUS,
+    estimate,
+    gpu_class,
+    preset_params,
+    sizes_table,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Constants
@@ -429,11 +439,10 @@ def lowrank_bits(params: float, preset: str | None = None, arch: str = "llama") 
     """Wire bits per parameter of ``codec = "lowrank"`` (the default ``[outer]`` ranks and factor codec) at
     its initial and at its largest rank, labelled ``lr<rank>``. They depend on the matrices' shapes: those of
     ``preset``, or of the preset nearest in size to ``params`` (the ratio follows the widths, not the count)."""
-    from locoswarm.node.config import ModelSection, OuterSection
+    # lazy: locoswarm.node.core.codecs, .core.lowrank and .model import torch (~1 s, measured); this module does not
     from locoswarm.node.core.codecs import get_codec
     from locoswarm.node.core.lowrank import lowrank_bits_per_element
     from locoswarm.node.model import PRESETS, build_meta_model
-    from locoswarm.node.sizing import preset_params
 
     if preset is None:
         preset = min(PRESETS, key=lambda p: abs(math.log(preset_params(p, arch) / max(params, 1.0))))
@@ -633,8 +642,6 @@ def _finite(x: float) -> float | None:
 
 
 def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from locoswarm.node.sizing import DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP
-
     return {"arch": getattr(args, "arch", "llama") or "llama",
             "tokens_per_step": int(parse_count(str(getattr(args, "tokens_per_step", None)
                                                    or DEFAULT_TOKENS_PER_STEP), "--tokens-per-step")),
@@ -644,8 +651,8 @@ def _sizing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _model_inputs(args: argparse.Namespace) -> tuple[float, float, dict[str, Any] | None]:
     """(params, step time, sizing) from --params/--step-time, or from --preset and --gpu (estimated)."""
+    # lazy: locoswarm.node.model imports torch (~1 s, measured); this module does not
     from locoswarm.node.model import PRESETS
-    from locoswarm.node.sizing import estimate, preset_params
 
     preset, gpu = getattr(args, "preset", None), getattr(args, "gpu", None)
     if preset is not None and preset not in PRESETS:
@@ -785,8 +792,8 @@ def _print_plan(plan: dict[str, Any]) -> None:
 
 def build_sizes(args: argparse.Namespace) -> dict[str, Any]:
     """Every preset on every GPU class (``--sizes``; ``--preset``/``--gpu`` narrow it)."""
+    # lazy: locoswarm.node.model imports torch (~1 s, measured); this module does not
     from locoswarm.node.model import PRESETS
-    from locoswarm.node.sizing import GPUS, estimate, gpu_class, sizes_table
 
     presets = [args.preset] if getattr(args, "preset", None) else list(PRESETS)
     if presets[0] not in PRESETS:
@@ -805,8 +812,6 @@ def _print_sizes(sizes: dict[str, Any]) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
-
-    from locoswarm.node.sizing import GPUS
 
     kw = sizes["inputs"]
     console = Console(highlight=False)

@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 from locoswarm.node.core.state import tensor_crc
 from locoswarm.node.errors import UserError
+from locoswarm.node.model import resolve_device
+from locoswarm.node.swarm.process import die_with_parent
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
@@ -142,8 +144,6 @@ class RankGroup:
     def resolve_device(self, spec: str) -> torch.device:
         """This rank's device: ``auto`` and ``cuda`` mean ``cuda:LOCAL_RANK`` when CUDA exists (one GPU
         per rank), ``cpu`` the CPU."""
-        from locoswarm.node.model import resolve_device
-
         value = (spec or "").strip().lower()
         if value in ("auto", "cuda") and torch.cuda.is_available():
             value = f"cuda:{self.local_rank}"
@@ -573,8 +573,6 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
 
 def _die_with_parent() -> None:
     """In a launched rank (before exec): SIGTERM when the launcher dies, so no rank outlives it."""
-    from locoswarm.node.swarm.process import die_with_parent
-
     die_with_parent(signal.SIGTERM)
 
 

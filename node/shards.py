@@ -39,6 +39,7 @@ from locoswarm.node.data import (
     tokenize_bytes,
 )
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
 
 FORMAT = "locoswarm-tokens-1"
 INDEX = "index.json"
@@ -311,7 +312,6 @@ def prepare(paths: Sequence[str], out: Path, data_cfg, tokenizer, tokenizer_spec
         "sources": [str(p) for p in paths], "files": stats.files, "skipped_binary": stats.skipped_binary,
         "skipped_lines": stats.skipped_lines, "bytes": stats.bytes,
     }
-    from locoswarm.node.fsutil import atomic_write_text
 
     atomic_write_text(out / INDEX, json.dumps(index, indent=1) + "\n")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -84,6 +84,7 @@ def gpu_class(name: str) -> GpuClass:
 
 def preset_params(preset: str, arch: str = "llama", vocab_size: int = 257) -> int:
     """Parameter count of ``preset`` (built on the meta device: no memory, no init)."""
+    # lazy: locoswarm.node.model imports torch (~1 s, measured); this module does not
     from locoswarm.node.model import build_meta_model, count_params
 
     return count_params(build_meta_model(ModelSection(arch=arch, preset=preset), vocab_size))
@@ -93,6 +94,7 @@ def estimate(preset: str, gpu: str, *, arch: str = "llama", tokens_per_step: int
              seq_len: int = 1024, mfu: float = DEFAULT_MFU, outer_on_device: bool = False,
              vocab_size: int = 257) -> Sizing:
     """The expected step time and memory of ``preset`` on ``gpu`` (see the module docstring)."""
+    # lazy: locoswarm.node.model imports torch (~1 s, measured); this module does not
     from locoswarm.node.model import resolved_shape
 
     g = gpu_class(gpu)

@@ -11,8 +11,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from locoswarm.node.fsutil import atomic_write_bytes
+
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # lazy: circle (the benchmark modules import this package's helpers at their heads)
     from locoswarm.node.bench import codecs, convergence, memory, robustness
     from locoswarm.node.bench import swarm as swarm_bench
 
@@ -32,8 +35,6 @@ def write_png(fig, path: Path) -> None:
     import io
 
     import matplotlib.pyplot as plt
-
-    from locoswarm.node.fsutil import atomic_write_bytes
 
     fig.tight_layout()
     buf = io.BytesIO()

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from locoswarm.node.bench import write_png
 from locoswarm.node.core.codecs import CODECS, get_codec
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.helptext import describe
 
 #: The issue's bar: every codec at least this fraction of a memory pass.
@@ -168,8 +170,6 @@ def plot(path: Path, report: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from locoswarm.node.bench import write_png
-
     devs = list(report["results"])
     fig, axes = plt.subplots(1, len(devs), figsize=(6.5 * len(devs), 4.2), squeeze=False)
     for ax, dev in zip(axes[0], devs, strict=True):
@@ -190,8 +190,6 @@ def plot(path: Path, report: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from locoswarm.node.fsutil import atomic_write_text
 
     for flag, value, low in (("--numel", args.numel, 1), ("--repeats", args.repeats, 1), ("--threads", args.threads, 1),
                              ("--block-size", args.block_size, 1)):

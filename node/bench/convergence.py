@@ -41,9 +41,11 @@ from locoswarm.node.bench.convergence_report import (  # re-exported: the tests 
     write_report,
 )
 from locoswarm.node.bench.tuning import DEFAULT_GRIDS, Settings, Sweep, parse_fixed, parse_grids, run_sweeps
+from locoswarm.node.commands import add_config_args, add_data_args, data_paths, load_config_from_args
+from locoswarm.node.config import named_settings, validate
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.sim.methods import METHODS
+from locoswarm.node.sim.methods import METHODS, method_config, tuned_settings
 
 if TYPE_CHECKING:
     from locoswarm.node.config import SwarmConfig
@@ -90,8 +92,6 @@ DEFAULT_TUNE_FRACTION = 0.02
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_config_args, add_data_args
-
     p = sub.add_parser("convergence", help="all methods side by side: tuned on a tuning split, run over seeds",
                        description=describe(__doc__))
     add_config_args(p)
@@ -188,9 +188,6 @@ def _check_counts(args: argparse.Namespace) -> None:
 def base_config(args: argparse.Namespace, prof: Profile):
     """The user's config (or defaults) with the profile's model, inner and schedule settings, except those the
     user set (a ``--set robust.clip_factor=3`` must not also change the profile's sequence length)."""
-    from locoswarm.node.commands import load_config_from_args
-    from locoswarm.node.config import named_settings, validate
-
     cfg = load_config_from_args(args)
     named = named_settings(args.config, args.overrides)
     profile = {**{("model", k): v for k, v in prof.model_overrides.items()},
@@ -242,6 +239,7 @@ class BenchContext:
     @classmethod
     def load(cls, cfg: SwarmConfig, data: list[str], prof: Profile, device: str,
              tune_fraction: float) -> BenchContext:
+        # lazy: locoswarm.node.data imports torch (~1 s, measured); this module does not
         from locoswarm.node.data import load_corpus, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -253,9 +251,6 @@ class BenchContext:
 
     def method_config(self, method: str, settings: Settings) -> SwarmConfig:
         """The method's config at ``settings`` (outer lr, momentum, alpha, lambda0), validated."""
-        from locoswarm.node.config import validate
-        from locoswarm.node.sim.methods import method_config
-
         cfg = method_config(self.cfg, method, self.profile.tau)
         for key, value in settings.items():
             setattr(cfg.outer, key, value)
@@ -264,6 +259,7 @@ class BenchContext:
 
     def run(self, job: Job, progress=None) -> dict:
         """Simulate ``job``; its record for the report (final loss and curve on the job's split, bytes)."""
+        # lazy: locoswarm.node.core.compress and .sim.simulator import torch (~1 s, measured); this module does not
         from locoswarm.node.core.compress import wire_codec
         from locoswarm.node.sim.simulator import SimSpec, simulate, simulate_dp
 
@@ -417,6 +413,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    # lazy, as torch above: locoswarm.node.model imports it (~1 s, measured); this module does not
     from locoswarm.node.model import resolve_device
 
     if args.render_only:
@@ -433,7 +430,6 @@ def run_convergence(args: argparse.Namespace) -> int:
                    warmup=cfg.inner.warmup)
     device = str(resolve_device(args.device))
     console = Console(stderr=True)
-    from locoswarm.node.commands import data_paths
 
     with console.status("loading data"):
         ctx = BenchContext.load(cfg, data_paths(args), prof, device, args.tune_fraction)
@@ -486,8 +482,6 @@ def run_convergence(args: argparse.Namespace) -> int:
 
 
 def _knobs(ctx: BenchContext, method: str) -> tuple[str, ...]:
-    from locoswarm.node.sim.methods import tuned_settings
-
     return tuned_settings(method, ctx.method_config(method, {}))
 
 

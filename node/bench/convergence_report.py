@@ -13,6 +13,9 @@ import math
 import statistics
 from pathlib import Path
 
+from locoswarm.node.bench import write_png
+from locoswarm.node.fsutil import atomic_write_text
+
 FORMAT = 2
 TARGET_METHOD = "diloco"               # the default target of steps-to-target: DiLoCo's mean final eval loss
 OVERLAP_METHOD = "streaming-overlap"   # CoCoDC's claim is against it, at its own final loss
@@ -203,8 +206,6 @@ def _bytes_claims(c: _Claims, setup: dict) -> None:
 def write_report(out: Path, doc: dict) -> dict:
     """Aggregate ``doc['methods']``' runs, check the claims, and write results.json, report.md and loss.png.
     ``doc`` holds ``setup``, ``methods`` (each with its ``runs``), ``tuning`` and ``wall_seconds``."""
-    from locoswarm.node.fsutil import atomic_write_text
-
     results = doc["methods"]
     doc["target"] = default_target(results, doc["setup"].get("fixed_target"))
     for entry in results.values():
@@ -368,8 +369,6 @@ def plot(path: Path, results: dict[str, dict], setup: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
-
-    from locoswarm.node.bench import write_png
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2, 1]})
     for name, r in results.items():

@@ -24,9 +24,15 @@ import time
 import tomllib
 from pathlib import Path
 
+from locoswarm.node.bench import keep_logs, local_swarm_runs, write_png
 from locoswarm.node.bench.robustness import LocalProc
+from locoswarm.node.commands import add_data_args, data_paths
+from locoswarm.node.config import PRESET_NAMES, InnerSection
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.helptext import describe
+from locoswarm.node.model import resolve_device
+from locoswarm.node.sizing import estimate, preset_params
 
 OFFLOADS = ("off", "cpu", "auto")
 MB = 1e6
@@ -41,8 +47,6 @@ BASE_SWARM: dict[str, dict] = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_data_args
-
     p = sub.add_parser("memory", help="peak memory of real nodes per preset and offload setting (JSON + md + PNG)",
                        description=describe(__doc__))
     add_data_args(p)
@@ -95,9 +99,6 @@ def _write_config(path: Path, base: dict[str, dict], preset: str, offload: str) 
 
 def _predicted_gib(preset: str, offload: str, device: str, inner: dict) -> float:
     """The planner's device memory for this preset, batch and offload (``locoswarm.node.sizing``)."""
-    from locoswarm.node.config import InnerSection
-    from locoswarm.node.sizing import estimate
-
     defaults = InnerSection()
     batch, seq = int(inner.get("batch_size", defaults.batch_size)), int(inner.get("seq_len", defaults.seq_len))
     on_device = offload == "off" or (offload == "auto" and not device.startswith("cuda"))
@@ -177,12 +178,6 @@ def _node_row(st: dict) -> dict:
 def run_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from locoswarm.node.bench import keep_logs, local_swarm_runs
-    from locoswarm.node.commands import data_paths
-    from locoswarm.node.config import PRESET_NAMES
-    from locoswarm.node.model import resolve_device
-    from locoswarm.node.sizing import preset_params
-
     presets = _choices(args.presets, PRESET_NAMES, "--presets")
     offloads = _choices(args.offload, OFFLOADS, "--offload")
     if not 2 <= args.nodes <= 8:
@@ -253,8 +248,6 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 
 def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
-    from locoswarm.node.fsutil import atomic_write_text
-
     doc = {"setup": setup, "configurations": results, "wall_seconds": round(wall, 1)}
     atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
     table = markdown_table(results)
@@ -274,8 +267,6 @@ def plot(path: Path, results: dict[str, dict]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from locoswarm.node.bench import write_png
 
     names = list(results)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names) + 2), 4.5))

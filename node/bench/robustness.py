@@ -28,12 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from locoswarm.node.bench import keep_logs, local_swarm_runs, write_png
 from locoswarm.node.bench.hostile import CARRIED_OUT_AT
-from locoswarm.node.config import DataSection
+from locoswarm.node.commands import add_data_args, data_paths
+from locoswarm.node.config import DataSection, load_config
 from locoswarm.node.core.outer_loop import HEALTHY_SLACK
 from locoswarm.node.core.transport import UNSENT_FAILURES
+from locoswarm.node.data import discover_files, stdlib_dir
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.helptext import describe
+from locoswarm.node.swarm.process import descendants, kill_groups, tree_groups
 
 OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
 IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
@@ -60,8 +65,6 @@ def split_data(paths: Sequence[str], parts: int, extensions: Sequence[str] | Non
     entries directly inside each directory of ``paths`` (the standard library's when none: its sub-packages and
     modules), dealt out by the bytes of their data files, largest first, each to the share smallest so far. Each
     share is a corpus of its own topics (asyncio to one node, email to another), the data a volunteer brings."""
-    from locoswarm.node.data import discover_files, stdlib_dir
-
     extensions = DataSection().extensions if extensions is None else extensions
     roots = [Path(p) for p in paths] or [stdlib_dir()]
     entries: list[Path] = []
@@ -142,8 +145,6 @@ class LocalProc:
 
     def rss_mb(self) -> float:
         """Resident memory of the process and its descendants (DHT child, p2pd), in MB."""
-        from locoswarm.node.swarm.process import descendants
-
         total = 0
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:
             with contextlib.suppress(OSError, ValueError, IndexError):
@@ -154,8 +155,6 @@ class LocalProc:
 
     def stop(self) -> None:
         """Kill the process, its group and the groups of its descendants; wait until they are gone."""
-        from locoswarm.node.swarm.process import kill_groups, tree_groups
-
         kill_groups(tree_groups(self.proc.pid), self.proc)
         self._log.close()
 
@@ -313,8 +312,6 @@ class ScenarioRun:
 
     def slots_per_step(self) -> float:
         """Rounds a node takes part in per step of the swarm clock: F fragments, each every H steps."""
-        from locoswarm.node.config import load_config
-
         try:
             outer = load_config(self.config).outer
         except Exception:
@@ -533,8 +530,6 @@ def _clock_at(clocks: list[list[float]], t: float) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_data_args
-
     p = sub.add_parser("robustness", help="honest nodes against hostile peers of each kind (multi-process)",
                        description=describe(__doc__))
     add_data_args(p)
@@ -581,9 +576,6 @@ def _scenarios(kinds_text: str, counts_text: str) -> list[Scenario]:
 
 def run_robustness(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from locoswarm.node.bench import keep_logs, local_swarm_runs
-    from locoswarm.node.commands import data_paths
 
     if args.render:
         return render_again(Path(args.out))
@@ -822,8 +814,6 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
 
 
 def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
-    from locoswarm.node.fsutil import atomic_write_text
-
     doc = {"setup": setup, "scenarios": results, "wall_seconds": wall}
     atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
     table = markdown_table(results)
@@ -837,8 +827,6 @@ def plot(path: Path, results: dict[str, dict]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from locoswarm.node.bench import write_png
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     for name, r in results.items():

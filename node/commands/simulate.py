@@ -7,6 +7,8 @@ import json
 
 from locoswarm.node.commands import add_config_args, add_data_args, data_paths, load_config_from_args
 from locoswarm.node.errors import UserError
+from locoswarm.node.fsutil import atomic_write_text
+from locoswarm.node.sim.methods import METHODS, method_config
 
 
 def parse_speeds(text: str | None, workers: int) -> list[float] | None:
@@ -28,8 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_data_args(p)
     p.add_argument("--workers", type=int, default=4, help="number of simulated workers (default 4)")
     p.add_argument("--steps", type=int, default=200, help="swarm clock steps (default 200)")
-    from locoswarm.node.sim.methods import METHODS
-
     p.add_argument("--method", default=None, metavar="METHOD",
                    help=f"apply a benchmark method preset: {', '.join(METHODS)} (default: the config's "
                         "[outer] settings)")
@@ -51,10 +51,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.table import Table
 
+    # lazy: locoswarm.node.data, .model and .sim.simulator import torch (~1 s, measured); this module does not
     from locoswarm.node.data import load_corpus, load_tokenizer
-    from locoswarm.node.fsutil import atomic_write_text
     from locoswarm.node.model import resolve_device
-    from locoswarm.node.sim.methods import METHODS, method_config
     from locoswarm.node.sim.simulator import SimSpec, check_spec, simulate, simulate_dp
 
     cfg = load_config_from_args(args)

@@ -18,6 +18,7 @@ import os
 from collections.abc import Collection
 
 from locoswarm.node.errors import UserError
+from locoswarm.node.swarm.dht import check_port_free
 
 DEFAULT_CONTROL_PORT = 7615
 DEFAULT_CONTROL_HOST = "127.0.0.1"
@@ -69,8 +70,6 @@ def check_control_options(host: str, ports: dict[str, int], allow_remote: bool,
     warning to print for a non-loopback host, None otherwise; raises :class:`UserError` naming a bad
     host, port, or a port already in use.
     """
-    from locoswarm.node.swarm.dht import check_port_free
-
     if host != "localhost":
         try:
             ipaddress.ip_address(host.strip("[]"))

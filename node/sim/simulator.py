@@ -23,6 +23,7 @@ from locoswarm.node.core.judge import LossJudge
 from locoswarm.node.core.outer_loop import OuterLoop
 from locoswarm.node.core.state import outer_state_device
 from locoswarm.node.data import Corpus, TrainBatches, eval_batches, evaluate, judge_batches
+from locoswarm.node.errors import UserError
 from locoswarm.node.inner import InnerOptimizer
 from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
@@ -93,8 +94,6 @@ class _Worker:
 
 
 def check_spec(spec: SimSpec) -> None:
-    from locoswarm.node.errors import UserError
-
     if spec.workers < 1:
         raise UserError(f"--workers {spec.workers} must be >= 1")
     if spec.steps < 1:

@@ -372,6 +372,7 @@ def _with_record_validators(identity_path: Path, kwargs: dict) -> dict:
     (unless the caller passes its own ``record_validators``). They sign with the libp2p identity, so the
     identity file is created here when missing, as hivemind would create it; hivemind skips its
     "identity already taken" probe (an extra p2pd) for a key it just generated, and so do we."""
+    # lazy: swarm.records imports hivemind (~0.35 s at every CLI start, measured)
     from locoswarm.node.swarm.records import record_validators
 
     if "record_validators" in kwargs:

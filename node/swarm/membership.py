@@ -183,6 +183,7 @@ class Membership:
     def _owner_subkey(self) -> str | None:
         """This node's owner subkey (see :mod:`locoswarm.node.swarm.records`); None without an identity key."""
         if self._subkey is None:
+            # lazy: swarm.records imports hivemind (~0.35 s at every CLI start, measured)
             from locoswarm.node.swarm.records import dht_identity, owner_subkey
 
             identity = self._identity or dht_identity(self.dht)
@@ -198,6 +199,7 @@ class Membership:
         of another fingerprint, marked ``leaving``, or not published by the peer they name (the entry's
         owner subkey must be bound to the heartbeat's peer id). On a DHT failure: the last known table, minus
         what has expired since."""
+        # lazy: swarm.records imports hivemind (~0.35 s at every CLI start, measured)
         from locoswarm.node.swarm.records import subkey_peer
 
         entries = self._get("peers", self.peers_key)
@@ -227,6 +229,7 @@ class Membership:
         """Whether ``peer_id`` has a live heartbeat of this swarm in the DHT now, published by itself: read on
         the caller's loop (the network runtime's), for a requester this node's table does not know yet (a state
         server, ``locoswarm.node.swarm.state_sync``)."""
+        # lazy: swarm.records imports hivemind (~0.35 s at every CLI start, measured)
         from locoswarm.node.swarm.records import subkey_peer
 
         found = await self.dht.get(self.peers_key, latest=True, return_future=True)

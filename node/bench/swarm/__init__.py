@@ -13,6 +13,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # lazy: circle (.cli imports .spec from this package); the peer and proxy programs skip ~17 ms (measured)
     from locoswarm.node.bench.swarm.cli import register as _register
 
     _register(sub)

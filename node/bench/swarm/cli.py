@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 
 from locoswarm.node.bench import children_scratch
+from locoswarm.node.bench.swarm import spec
+from locoswarm.node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
+from locoswarm.node.commands import add_data_args, data_paths
+from locoswarm.node.config import load_config, to_toml
+from locoswarm.node.core.late_window import late_window
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
 from locoswarm.node.plan import (
@@ -35,15 +40,14 @@ from locoswarm.node.plan import (
     LINK_EFFICIENCY,
     ROUND_OVERHEAD_S,
     hivemind_utilization,
+    recommend,
+    utilization,
 )
 
 HIVEMIND_MODULE = ["locoswarm.node.bench.swarm.peers", "hivemind"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from locoswarm.node.bench.swarm.spec import CONFIGS, DEFAULT_CONFIGS, PRESETS
-    from locoswarm.node.commands import add_data_args
-
     p = sub.add_parser("swarm", help="real nodes in network namespaces on shaped links (needs root)",
                        description=describe(__doc__))
     add_data_args(p)
@@ -97,9 +101,6 @@ class _Interrupt:
 
 
 def _base_config(args: argparse.Namespace):
-    from locoswarm.node.bench.swarm.spec import PRESETS
-    from locoswarm.node.config import load_config
-
     if args.preset not in PRESETS:
         raise UserError(f"--preset: cannot use {args.preset!r}; choose one of {', '.join(PRESETS)}")
     if args.config and not Path(args.config).is_file():
@@ -111,6 +112,7 @@ def _base_config(args: argparse.Namespace):
 
 
 def _params(cfg) -> int:
+    # lazy: locoswarm.node.data and .model import torch (~1 s, measured); this module does not
     from locoswarm.node.data import load_tokenizer
     from locoswarm.node.model import build_meta_model, count_params
 
@@ -125,12 +127,10 @@ def run_swarm(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from locoswarm.node.bench.swarm import netns, spec
+    # lazy: netns, report and runner cost ~10 ms at every CLI start (measured)
+    from locoswarm.node.bench.swarm import netns
     from locoswarm.node.bench.swarm.report import write_report
     from locoswarm.node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
-    from locoswarm.node.commands import data_paths
-    from locoswarm.node.config import to_toml
-    from locoswarm.node.plan import recommend, utilization
 
     # ---- every flag first: one clear line, exit 2 ----
     configs = spec.parse_configs(args.configs)
@@ -253,7 +253,7 @@ def _predict(conf: dict, cfg, params: int, link, workers: int, utilization) -> N
     own, ``locoswarm.node.plan.hivemind_utilization``: one fp32 all-reduce of all parameters per epoch that its
     local steps wait for while the epoch clock runs on. The model leaves out its state loads (a peer that fell
     an epoch behind downloads parameters and optimizer state before it steps on)."""
-    from locoswarm.node.core.late_window import late_window
+    # lazy: locoswarm.node.core.merge imports torch (~1 s, measured); this module does not
     from locoswarm.node.core.merge import make_merge_rule
 
     o = cfg.outer

@@ -49,6 +49,9 @@ import time
 from functools import partial
 from pathlib import Path
 
+from locoswarm.node.config import load_config
+from locoswarm.node.fsutil import atomic_write_text
+
 log = logging.getLogger("locoswarm.bench.hivemind")
 
 
@@ -159,9 +162,8 @@ def run_hivemind(argv: list[str]) -> int:
     import hivemind
     import torch
 
-    from locoswarm.node.config import load_config
+    # lazy, as hivemind and torch above: locoswarm.node.data and .model import torch (~1 s, measured)
     from locoswarm.node.data import TrainBatches, eval_batches, evaluate, load_corpus, load_tokenizer
-    from locoswarm.node.fsutil import atomic_write_text
     from locoswarm.node.model import build_model
 
     started = time.time()

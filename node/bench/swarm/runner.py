@@ -30,6 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from locoswarm.node.bench.swarm.netns import Topology
+from locoswarm.node.swarm.process import (
+    PR_SET_PDEATHSIG,
+    _prctl,
+    cleanup_ipc_files,
+    descendants,
+    ipc_files,
+    kill_groups,
+    proc_stat,
+    tree_groups,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 NODE_PORT = 31337
@@ -44,8 +54,6 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the bench dies, even by SIGKILL (its own session
     puts it out of reach of a signal to the bench's group; the setting survives ``ip netns exec``).
     The stop signals the spawner blocked are unblocked again (a blocked mask survives exec)."""
-    from locoswarm.node.swarm.process import PR_SET_PDEATHSIG, _prctl
-
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -84,15 +92,11 @@ class BenchProc:
 
     def groups(self) -> set[int]:
         """Process groups of this process and its descendants (the DHT child leads its own)."""
-        from locoswarm.node.swarm.process import tree_groups
-
         return tree_groups(self.pid)
 
     def kill(self) -> None:
         """SIGKILL every process group of this process tree, wait until they are gone, remove the IPC
         files (hivemind sockets, torch shared memory) the killed processes leave behind."""
-        from locoswarm.node.swarm.process import kill_groups
-
         kill_groups(self.groups(), self.proc)
 
     def close(self) -> None:
@@ -106,8 +110,6 @@ def stop_all(procs: list[BenchProc], grace_s: float = 12.0) -> list[str]:
     ``grace_s`` for all of them together, then kill whatever is left by process group. The IPC files
     of the process trees (recorded before) that outlive them are removed; returns those that could
     not be (normally none)."""
-    from locoswarm.node.swarm.process import cleanup_ipc_files, descendants, ipc_files, proc_stat
-
     pids = [q for p in procs if p.alive() for q in (p.pid, *descendants(p.pid))]
     started = {pid: st[4] for pid in pids if (st := proc_stat(pid)) is not None}
     files = ipc_files(pids)

@@ -179,6 +179,7 @@ def config_for(name: str, base: SwarmConfig, pick: PlannerPick | None = None) ->
     cfg = copy.deepcopy(base)
     cfg.swarm = dataclasses.replace(cfg.swarm, name=f"{base.swarm.name}-{name}"[:64], bootstrap=[])
     o = cfg.outer
+    # lazy: locoswarm.node.core.merge imports torch (~1 s, measured); this module does not
     from locoswarm.node.core.merge import make_merge_rule
 
     if name == "diloco":
