@@ -110,7 +110,7 @@ if TYPE_CHECKING:
     from locoswarm.node.partition import Fragment
     from locoswarm.node.swarm.admission import Admission
     from locoswarm.node.swarm.averaging import SwarmTransport
-    from locoswarm.node.swarm.exchange import ByteCounters
+    from locoswarm.node.swarm.counters import ByteCounters
     from locoswarm.node.swarm.versions import Belief
 
 log = logging.getLogger("locoswarm.node")
@@ -493,7 +493,7 @@ class Node(SwarmView):
         """The networked half: this node's data shard (seeded by its peer id), the transport, the outer
         loop, the state server."""
         from locoswarm.node.swarm.averaging import SwarmTransport
-        from locoswarm.node.swarm.exchange import ByteCounters
+        from locoswarm.node.swarm.counters import ByteCounters
 
         o, cfg = self.opts, self.cfg
         self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
@@ -756,6 +756,9 @@ class Node(SwarmView):
             if self.theta_sync is not None:
                 self.theta_sync.reset_inner()
         detail = f"fragment {ev.fragment} round v{ev.version}"
+        # a slow round, merged or failed, holds its fragment's next sync (late_window): say how slow
+        timing = (f" [matched in {ev.matchmaking_s:.1f} s, {ev.kind} after {ev.round_s:.1f} s]"
+                  if ev.kind in ("merged", "failed") and ev.round_s >= SLOW_ROUND_S else "")
         if ev.kind == "merged" and ev.group_size == 1:
             # Alone in the swarm: an outer step on our own progress (see ``LonePolicy.solo``), counted by
             # the core (``OuterStats.solo_steps``) and announced once per stretch alone, so that it does not
@@ -767,16 +770,12 @@ class Node(SwarmView):
             return
         if ev.kind == "merged":
             self._alone = False
-            detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B"
-            if ev.round_s >= SLOW_ROUND_S:
-                detail += f" [matched in {ev.matchmaking_s:.1f} s, merged after {ev.round_s:.1f} s]"
+            detail += f" group {ev.group_size} sent {ev.bytes_sent} B received {ev.bytes_received} B{timing}"
         elif (ev.kind in ("refused", "diverged", "dropped", "folded", "bounded", "catch_up_loop")
               or (ev.kind == "caught_up" and ev.error)):
             detail += f": {ev.error}"
         elif ev.kind == "failed":
-            detail += f": {ev.error}"
-            if ev.round_s >= SLOW_ROUND_S:
-                detail += f" [matched in {ev.matchmaking_s:.1f} s, failed after {ev.round_s:.1f} s]"
+            detail += f": {ev.error}{timing}"
             if ev.error.startswith("joining:"):  # expected for a second or so after joining; not news
                 log.debug("%s", detail)
                 return

@@ -45,7 +45,7 @@ from locoswarm.node.status import (
     StatusEvent,
     SwarmView,
 )
-from locoswarm.node.swarm.exchange import ByteCounters
+from locoswarm.node.swarm.counters import ByteCounters
 from locoswarm.node.swarm.reputation import Reputation
 from locoswarm.protocol import swarm_pb2
 

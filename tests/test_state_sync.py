@@ -45,7 +45,7 @@ FP = "fp-test"
 
 
 class ByteCounters:
-    """The two members of exchange.ByteCounters the state protocol uses."""
+    """The two members of counters.ByteCounters the state protocol uses."""
 
     def __init__(self) -> None:
         self.sent_bytes = self.received_bytes = 0

@@ -167,7 +167,7 @@ def test_node_status_snapshot(tmp_path):
     from locoswarm.node.config import load_config
     from locoswarm.node.core.transport import FragmentSnapshot
     from locoswarm.node.daemon import Node, NodeOptions
-    from locoswarm.node.swarm.exchange import ByteCounters
+    from locoswarm.node.swarm.counters import ByteCounters
     from locoswarm.node.swarm.reputation import Reputation
 
     node = Node(load_config(None, []), NodeOptions(state_dir=tmp_path, control_port=7615, metrics_port=9615))

@@ -57,8 +57,9 @@ from locoswarm.node.core.transport import (
 )
 from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.catchup import CatchUp
+from locoswarm.node.swarm.counters import ByteCounters
 from locoswarm.node.swarm.dial_failures import DialFailures
-from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, ByteCounters, Exchange
+from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, Exchange
 from locoswarm.node.swarm.judging import SPREAD_BAN, PartJudge, SourcePauses
 from locoswarm.node.swarm.lone import LonePolicy
 from locoswarm.node.swarm.matchmaking import SHUNNED_CUT, Matchmaker, ScheduleHint, own_subkey

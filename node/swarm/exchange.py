@@ -17,7 +17,8 @@ group it formed for that (fragment, round), only after it formed it, and each me
 codec's chunk size (``locoswarm.node.swarm.wire``); a refused contribution is dropped from the round (its sender
 gets the reason) and the round completes for the others. A payload seen in an earlier round is refused as a replay
 (``locoswarm.node.swarm.replay``). Offences go to the node's ``OffenceBook`` (``locoswarm.node.swarm.offences``).
-Bytes sent and received are counted here (``ByteCounters``), per peer and per fragment.
+Bytes sent and received are counted in the node's ``ByteCounters`` (``locoswarm.node.swarm.counters``), per peer and
+per fragment.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,6 +51,7 @@ from locoswarm.node.core.transport import (
     PartOrigin,
 )
 from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm.counters import ByteCounters
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.judging import PartJudge, PartRefused, PartResult, part_geometry
 from locoswarm.node.swarm.matchmaking import MAX_BASIS_TAG, MAX_EXPECTED, MAX_VIEWS, Matchmaker
@@ -92,41 +94,6 @@ class RoundRefused(RuntimeError):
     def __init__(self, kind: str, text: str) -> None:
         super().__init__(text)
         self.kind = kind
-
-
-@dataclass
-class ByteCounters:
-    """Bytes on the wire (serialized protocol messages), per peer and per fragment."""
-
-    sent_by_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    received_by_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    sent_by_fragment: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    received_by_fragment: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-
-    by_round: dict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-
-    def sent(self, peer: str, fragment: int, round_: int, n: int) -> None:
-        self.sent_by_peer[peer] += n
-        self.sent_by_fragment[fragment] += n
-        self.by_round[(fragment, round_)][0] += n
-
-    def received(self, peer: str, fragment: int, round_: int, n: int) -> None:
-        self.received_by_peer[peer] += n
-        self.received_by_fragment[fragment] += n
-        self.by_round[(fragment, round_)][1] += n
-
-    def received_unmatched(self, peer: str, n: int) -> None:
-        """Bytes of a message not (yet) tied to one of this node's rounds: per peer only, so that made-up
-        (fragment, round) pairs never grow the per-round table."""
-        self.received_by_peer[peer] += n
-
-    @property
-    def total_sent(self) -> int:
-        return sum(self.sent_by_peer.values())
-
-    @property
-    def total_received(self) -> int:
-        return sum(self.received_by_peer.values())
 
 
 def behind_the_others(member: str, versions: Mapping[str, int]) -> bool:

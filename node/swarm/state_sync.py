@@ -96,7 +96,7 @@ from locoswarm.node.swarm.reputation import EveryNth
 from locoswarm.protocol import swarm_pb2
 
 if TYPE_CHECKING:  # pragma: no cover (types only: the averaging protocol is not needed to move state)
-    from locoswarm.node.swarm.exchange import ByteCounters
+    from locoswarm.node.swarm.counters import ByteCounters
     from locoswarm.node.swarm.runtime import NetworkRuntime
 
 log = logging.getLogger("locoswarm.state")
