@@ -359,6 +359,12 @@ def test_robustness_report_compares_with_the_clean_run_at_equal_progress() -> No
     results["far x2"]["attack_carried_out"], results["slow x2"]["attack_carried_out"] = 1, 2
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}
     assert rows["far x2"][10] == "3 (attack ran in 1/2 hostile nodes)" and rows["slow x2"][10] == "3"
+    # honest extra members (``control``): compared with clean like an attack; a ban of one is a false positive,
+    # and none is no missing ban
+    results["control x2"] = scenario("control", 2, [clean, clean]) | {"max_seconds_to_ban": None}
+    row = {line.split(" | ")[0][2:]: line.split(" | ") for line in markdown_table(results).splitlines()[2:]}[
+        "control x2"]
+    assert row[4] == "+0.0%" and row[11] == "2/2 (false positives)" and row[12] == "-"
 
 
 def test_robustness_report_counts_the_rounds_to_a_ban_from_the_attackers_first_round() -> None:

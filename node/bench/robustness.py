@@ -3,10 +3,13 @@
 Each scenario is a short multi-process swarm on loopback (real ``locoswarm run`` processes, real
 DHTs and p2pd): ``--honest`` honest nodes train until they have averaged together, then an attack
 scenario adds ``N`` hostile peers of one kind (``python -m locoswarm.node.bench.hostile``: a node with the attack
-patched in, or a client that never joins) and ``clean`` adds ``N`` bystanders instead, for each ``N``
+patched in, or a client that never joins), ``clean`` adds ``N`` bystanders instead, for each ``N``
 of ``--counts``: nodes that train as hard as a hostile node but in a swarm of their own, so the honest
 nodes share the machine's cores as they do under attack but average only with each other, as they do
-when every attacker's contribution is refused. For ``--seconds`` the honest nodes are sampled: eval
+when every attacker's contribution is refused; ``control`` adds ``N`` honest members that read what an
+attacker reads (all the data), the attack's setup without the attack: against ``clean`` it measures what an extra
+member costs or gains the honest nodes by itself (with ``--split-data``, one that trains on all of it), and its
+refusals and bans are false positives. For ``--seconds`` the honest nodes are sampled: eval
 loss, rounds merged and failed, memory. The report compares the honest nodes' eval loss per scenario
 with the clean one of the same ``N`` and lists what they refused of the attackers and whether they
 banned them. Writes ``results.json``, ``report.md`` and
@@ -43,7 +46,8 @@ from locoswarm.node.swarm.process import descendants, kill_groups, tree_groups
 OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge", "inject", "flood", "download")
 IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
             "statenoise", "versionliar", "replayliar")
-KINDS = ("clean", *OUT_OF_BOUND, *IN_BOUND)
+CONTROL = "control"  # extra members that are honest (module docstring)
+KINDS = ("clean", CONTROL, *OUT_OF_BOUND, *IN_BOUND)
 SPLIT_SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__"})  # never a share (``split_data``)
 CLIENT_KINDS = ("inject", "flood", "download")
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
@@ -161,8 +165,8 @@ class LocalProc:
 
 @dataclass
 class Scenario:
-    kind: str        # "clean" or an attack of locoswarm.node.bench.hostile
-    hostile: int     # peers added: hostile ones, or bystanders (another swarm) for "clean"
+    kind: str        # "clean", "control" or an attack of locoswarm.node.bench.hostile
+    hostile: int     # peers added: hostile ones, bystanders (another swarm) for "clean", honest members for "control"
 
     @property
     def name(self) -> str:
@@ -341,6 +345,10 @@ class ScenarioRun:
                 self.extra.append(self.spawn(f"bystander{i}", ["locoswarm.node.cli", "run"],
                                              [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"],
                                              self.nice_others))
+        elif kind == CONTROL:
+            for i in range(n):
+                self.extra.append(self.spawn(f"control{i}", ["locoswarm.node.cli", "run"],
+                                             [*self.node_args(), "--bootstrap", boot], self.nice_others))
         elif kind in CLIENT_KINDS:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
@@ -408,7 +416,7 @@ class ScenarioRun:
     def carried_out(self) -> int | None:
         """Hostile nodes whose attack really ran: a patch that no longer fits the node fails inside its tasks
         and leaves an honest node, whose scenario would read as a perfect defence."""
-        if self.scenario.kind == "clean" or self.scenario.kind in CLIENT_KINDS:
+        if self.scenario.kind in ("clean", CONTROL) or self.scenario.kind in CLIENT_KINDS:
             return None
         return sum(1 for p in self.extra if carried_out_at(p.log_path) is not None)
 
@@ -548,7 +556,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "change of the report's columns)")
     p.add_argument("--split-data", action="store_true",
                    help="give each honest node a disjoint share of the data (not identically distributed: the "
-                        "entries of each data directory dealt out by size); attackers and bystanders read all of it")
+                        "entries of each data directory dealt out by size); attackers, bystanders and control "
+                        "members read all of it")
     p.add_argument("--nice-others", type=int, default=0, metavar="N",
                    help="run the added peers (attackers and bystanders alike) at nice N, so that on a small machine "
                         "the honest nodes keep the cores as they would with the attackers on machines of their own "
@@ -754,6 +763,8 @@ def markdown_table(results: dict[str, dict]) -> str:
         rel_worst = "-" if worst is None else f"{100 * worst:+.1f}%"
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
+        if r["kind"] == CONTROL:  # honest extra members: any ban of one is a false positive
+            banned = f"{r['banned_by']}/{len(r['honest'])} (false positives)"
         ran = r.get("attack_carried_out")
         if attack and ran is not None and ran < r["hostile"]:
             refused += f" (attack ran in {ran}/{r['hostile']} hostile nodes)"
@@ -761,7 +772,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         if attack and r.get("max_seconds_to_ban") is not None:
             rounds = r.get("max_rounds_to_ban")
             to_ban = f"{r['max_seconds_to_ban']:.0f} / " + ("-" if rounds is None else f"{rounds:.0f}")
-        elif attack:
+        elif attack and r["kind"] != CONTROL:
             to_ban = "not all"
         hh = r.get("honest_refusals") or {}
         honest_hh = f"{hh.get('judged', 0)} / {hh.get('offences', 0)} / {hh.get('protocol', 0)}"
@@ -782,7 +793,8 @@ def render_markdown(setup: dict, results: dict[str, dict], table: str, wall: flo
         f"{setup['honest']} honest nodes per scenario (real processes on loopback); an attack scenario adds N "
         "hostile peers of one kind (`python -m locoswarm.node.bench.hostile`; `xN` in its name, 1 if none), `clean` "
         "adds N bystanders instead (nodes training as hard, each in a swarm of its own: the same share of the "
-        f"machine's cores, no contribution); vs clean compares with the clean run of the same N. "
+        "machine's cores, no contribution), `control` adds N honest members reading all the data as attackers do "
+        "(their refusals and bans are false positives); vs clean compares with the clean run of the same N. "
         f"{setup['seconds']:.0f} s of attack per scenario, once the hostile node trains; "
         + (f"the added peers (attackers and bystanders alike) ran at nice {setup['nice_others']}; "
            if setup.get("nice_others") else "") +
