@@ -38,6 +38,7 @@ from locoswarm.node.swarm.judging import (
 )
 from locoswarm.node.swarm.matchmaking import (
     NO_SHOW_ROUNDS,
+    STATED_WINDOW_SPREAD,
     MatchView,
     NoShows,
     agreed_window,
@@ -1058,6 +1059,10 @@ def test_members_close_the_round_on_the_longest_trusted_window() -> None:
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB", "QmL"}) == MAX_WINDOW_S  # trusted: capped
     entries["QmB"].window = float("nan")
     assert agreed_window(18.0, entries, trusted={"QmA", "QmB"}) == 18.0
+    # a member stating the longest window allowed holds a round of 3 s windows open for 8x that, not a minute
+    assert STATED_WINDOW_SPREAD == 8.0
+    assert agreed_window(3.0, entries, trusted={"QmA", "QmL"}) == 24.0
+    assert agreed_window(3.0, {"QmA": entries["QmA"]}, trusted={"QmA"}) == 18.0  # a 6x slower member: its own
 
 
 def _closed_lists(arrivals: dict[str, float], windows: dict[str, float]) -> dict[str, list[str]]:

@@ -52,6 +52,12 @@ MAX_BASIS_TAG = 4096         # bytes of a low-rank basis tag (2 per matrix of a 
 # a few steps apart in wall time (their swarm clocks differ by a step or two), and with a 26M-parameter model on
 # a small machine (5-6 s per step) a fixed 5 s window merged 0 of 17 rounds, unshaped; 3 steps merged 5 of 13.
 WINDOW_STEPS = 4.0
+# A member's stated window counts in a round at most this many times this node's own (and never above
+# MAX_WINDOW_S): honest members' windows follow their step times, and volunteers' hardware differs by about 5x
+# (issue 30: a node 5x slower than the median must still merge its rounds), so 8x keeps every honest spread
+# measured, while a member that states the longest window allowed can no longer hold every round of its group
+# open for a minute where the group's own windows are seconds (``docs/security.md``, liveness).
+STATED_WINDOW_SPREAD = 8.0
 NO_SHOW_ROUNDS = 2           # rounds in a row a live peer missed after which matchmaking stops waiting for it
 MAX_VIEWS = 64               # rounds whose matchmaking view is kept to explain a group mismatch
 ENTRY_TTL_S = 300.0          # how long a round's match entries stay in the DHT
@@ -178,14 +184,15 @@ def awaited(own: set[str], entries: Mapping[str, swarm_pb2.MatchEntry], trusted:
 
 
 def agreed_window(own: float, entries: Mapping[str, swarm_pb2.MatchEntry], trusted: set[str]) -> float:
-    """The round's window: the longest of ours and the trusted entries' (finite, at most ``MAX_WINDOW_S``).
-    Each member's own window follows its view of the swarm's step time, and those differ by a second or two;
-    members that closed on their own windows formed different member lists ("window" on one, "all
-    expected" on another, 18-21 s after the first arrival, small preset)."""
+    """The round's window: the longest of ours and the trusted entries' (finite, at most ``MAX_WINDOW_S`` and at
+    most ``STATED_WINDOW_SPREAD`` times ours). Each member's own window follows its view of the swarm's step time,
+    and those differ by a second or two; members that closed on their own windows formed different member lists
+    ("window" on one, "all expected" on another, 18-21 s after the first arrival, small preset)."""
     window = own
+    cap = max(own, min(MAX_WINDOW_S, STATED_WINDOW_SPREAD * own))
     for peer, entry in entries.items():
         if peer in trusted and math.isfinite(entry.window):
-            window = max(window, min(entry.window, max(own, MAX_WINDOW_S)))
+            window = max(window, min(entry.window, cap))
     return window
 
 
