@@ -59,7 +59,7 @@ def exchange(codec: Codec, *, peer_id: str = "QmMe", fingerprint: str = "swarm",
                             lone=LonePolicy(view), deviations=deviations, dial_failures=dial_failures, book=book,
                             standing=StandingMembers(True))
     return Exchange(None, peer_id, fingerprint=fingerprint, codec=codec, round_timeout=round_timeout,
-                    stream_timeout=2 * round_timeout, robust=robust, view=view, matchmaker=matchmaker,
+                    stream_timeout=2 * round_timeout, robust=robust, view=view, matching=matchmaker,
                     judge=PartJudge(peer_id, reputation, book, robust, SourcePauses()), book=book,
                     deviations=deviations, round_claims=claims, dial_failures=dial_failures,
                     counters=ByteCounters(), plausible=lambda c: plausible_version(c, own=peer_id))

@@ -253,7 +253,7 @@ class SwarmTransport(Transport):
         # each round's exchange of parts, and the serving of the others' (``locoswarm.node.swarm.exchange``)
         self.exchange = Exchange(
             runtime.p2p, self.peer_id, fingerprint=fingerprint, codec=codec, round_timeout=round_timeout,
-            stream_timeout=stream_timeout, robust=self.robust, view=self.view, matchmaker=self.matchmaker,
+            stream_timeout=stream_timeout, robust=self.robust, view=self.view, matching=self.matchmaker,
             judge=self.judge, book=self.book, deviations=self.deviations, round_claims=self.round_claims,
             dial_failures=self.dial_failures, counters=self.counters, plausible=self._plausible)
         self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap

@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -54,7 +54,7 @@ from locoswarm.node.swarm import tamper
 from locoswarm.node.swarm.counters import ByteCounters
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.judging import PartJudge, PartRefused, PartResult, part_geometry
-from locoswarm.node.swarm.matchmaking import MAX_BASIS_TAG, MAX_EXPECTED, MAX_VIEWS, Matchmaker
+from locoswarm.node.swarm.matchmaking import MAX_BASIS_TAG, MAX_EXPECTED, MAX_VIEWS, MatchView
 from locoswarm.node.swarm.offences import OffenceBook
 from locoswarm.node.swarm.replay import ReplayMemory
 from locoswarm.node.swarm.replay import conclusive as replay_conclusive
@@ -86,6 +86,19 @@ MAX_HEADER_BYTES = 64 * 1024
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
+
+
+class Matching(Protocol):
+    """What the exchange asks of this node's matchmaking (``matchmaking.Matchmaker``): how long a round's window
+    stays open, and how this node formed a round's member list."""
+
+    def window(self) -> float:
+        """Seconds a round's matchmaking stays open after its first arrival."""
+        ...
+
+    def view_of(self, fragment: int, round_: int) -> MatchView | None:
+        """How this node formed the round's member list (None: it kept no view of it)."""
+        ...
 
 
 class RoundRefused(RuntimeError):
@@ -348,7 +361,8 @@ class Exchange:
         robust: the ``[robust]`` settings (screening and the aggregator).
         view: the swarm as this node sees it (``SwarmView``: the weight a sender's throughput allows, the swarm's
             version belief).
-        matchmaker: the rounds' windows, and the member lists that explain a group mismatch.
+        matching: the rounds' windows, and the member lists that explain a group mismatch (the node's
+            ``Matchmaker``).
         judge: judges each contribution this node reduces and each reduced part it receives.
         book: where every refusal of a peer is counted.
         deviations: what this node's reductions saw of each sender's deviations.
@@ -360,7 +374,7 @@ class Exchange:
     """
 
     def __init__(self, p2p: P2P, peer_id: str, *, fingerprint: str, codec: Codec, round_timeout: float,
-                 stream_timeout: float, robust: RobustSection, view: SwarmView, matchmaker: Matchmaker,
+                 stream_timeout: float, robust: RobustSection, view: SwarmView, matching: Matching,
                  judge: PartJudge, book: OffenceBook, deviations: DeviationMemory, round_claims: RoundClaims,
                  dial_failures: DialFailures, counters: ByteCounters,
                  plausible: Callable[[dict[str, int]], int]) -> None:
@@ -371,7 +385,7 @@ class Exchange:
         self.round_timeout = round_timeout
         self.robust = robust
         self.view = view
-        self.matchmaker = matchmaker
+        self.matching = matching
         self.judge = judge
         self.book = book
         self.deviations = deviations
@@ -696,7 +710,7 @@ class Exchange:
             self.book.refuse(remote, "bad_header", "weight, extras, codec or basis tag out of bounds")
             self._drop_from_round(remote, h.fragment, h.round)
             raise WireError("refused: header fields out of bounds")
-        session = await self._await_view(h.fragment, h.round, 2 * self.matchmaker.window() + 2.0)
+        session = await self._await_view(h.fragment, h.round, 2 * self.matching.window() + 2.0)
         if session is None:
             self.book.refuse(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
             raise WireError(f"{NOT_IN_ROUND} (it arrived after the window or had no group)")
@@ -789,7 +803,7 @@ class Exchange:
         self._explained.add((fragment, round_))
         while len(self._explained) > MAX_VIEWS:
             self._explained.pop()
-        view = self.matchmaker.view_of(fragment, round_)
+        view = self.matching.view_of(fragment, round_)
         how = "no view kept" if view is None else f"its member list {sorted(p[-6:] for p in view.members)} ({view.cut})"
         log.info("group mismatch: fragment %d round %d: refused %s: this node's group %s, from %s", fragment, round_,
                  remote[-6:], sorted(p[-6:] for p in session.members), how)
