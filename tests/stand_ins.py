@@ -13,7 +13,7 @@ from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.catchup import CatchUp
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.exchange import ByteCounters, Exchange
-from locoswarm.node.swarm.judging import SPREAD_BAN, PartJudge, SourcePauses
+from locoswarm.node.swarm.judging import PartJudge, SourcePauses
 from locoswarm.node.swarm.lone import LonePolicy
 from locoswarm.node.swarm.matchmaking import Matchmaker
 from locoswarm.node.swarm.offences import OffenceBook
@@ -33,7 +33,7 @@ def catch_up(*, peer_id: str = "QmMe", reputation: Reputation | None = None, vie
     claims = round_claims if round_claims is not None else RoundClaims()
     catch = CatchUp(peer_id, view=view if view is not None else SimpleNamespace(outbound_peers=set),
                     states=states if states is not None else StateSource(), reputation=reputation,
-                    book=OffenceBook(peer_id, reputation, claims, spread_ban=SPREAD_BAN), round_claims=claims,
+                    book=OffenceBook(peer_id, reputation, claims), round_claims=claims,
                     pauses=pauses if pauses is not None else SourcePauses(),
                     dial_failures=dial_failures if dial_failures is not None else DialFailures(),
                     deviations=deviations if deviations is not None else DeviationMemory(), now=now)
@@ -52,7 +52,7 @@ def exchange(codec: Codec, *, peer_id: str = "QmMe", fingerprint: str = "swarm",
     view = view if view is not None else SwarmView()
     robust = robust if robust is not None else RobustSection()
     claims = RoundClaims()
-    book = book if book is not None else OffenceBook(peer_id, reputation, claims, spread_ban=SPREAD_BAN)
+    book = book if book is not None else OffenceBook(peer_id, reputation, claims)
     deviations = DeviationMemory(ceiling=robust.drift_ceiling)
     dial_failures = DialFailures()
     matchmaker = Matchmaker(None, peer_id, swarm_key="test", subkey="test", matchmaking_timeout=1.0, view=view,

@@ -27,7 +27,6 @@ from locoswarm.node.swarm.averaging import (
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.exchange import Exchange, Reduction, group_hash
 from locoswarm.node.swarm.judging import (
-    SPREAD_BAN,
     SPREAD_BAN_OTHER_PHI,
     SPREAD_WINDOW,
     UNLINED_HARM,
@@ -52,6 +51,7 @@ from locoswarm.node.swarm.offences import (
     FOLLOWED_SHARE,
     FOLLOWED_SPREAD,
     FOLLOWED_VOTERS,
+    SPREAD_BAN,
     OffenceBook,
     majority_excluded,
 )
@@ -380,7 +380,7 @@ class _RecordingBook(OffenceBook):
     """An offence book that also lists each refusal as ``("peer:kind", offence)``."""
 
     def __init__(self, reputation: Reputation | None = None) -> None:
-        super().__init__("QmMe", reputation, RoundClaims(), spread_ban=SPREAD_BAN)
+        super().__init__("QmMe", reputation, RoundClaims())
         self.calls: list[tuple[str, bool]] = []
 
     def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
@@ -392,7 +392,7 @@ class _RecordingBook(OffenceBook):
 def _part_judge(reputation: Reputation | None = None, *, book: OffenceBook | None = None,
                 robust: RobustSection | None = None, pauses: SourcePauses | None = None, **kwargs) -> PartJudge:
     """Node QmMe's judge as ``SwarmTransport`` builds it, on ``reputation``."""
-    book = book if book is not None else OffenceBook("QmMe", reputation, RoundClaims(), spread_ban=SPREAD_BAN)
+    book = book if book is not None else OffenceBook("QmMe", reputation, RoundClaims())
     return PartJudge("QmMe", reputation, book, robust or RobustSection(),
                      pauses if pauses is not None else SourcePauses(), **kwargs)
 NUMEL = 3000
@@ -1022,7 +1022,7 @@ def test_the_matchmaking_window_is_at_least_three_swarm_steps_and_bounded() -> N
         view = Paced(step, compute)
         matchmaker = Matchmaker(None, "QmA", swarm_key="swarm", subkey="QmA", matchmaking_timeout=5.0, view=view,
                                 lone=LonePolicy(view), deviations=DeviationMemory(), dial_failures=DialFailures(),
-                                book=OffenceBook("QmA", None, RoundClaims(), spread_ban=SPREAD_BAN),
+                                book=OffenceBook("QmA", None, RoundClaims()),
                                 standing=StandingMembers(True))
         assert matchmaker.window() == pytest.approx(expected), step
 
@@ -1429,7 +1429,7 @@ def test_a_turned_reduced_part_is_never_applied_and_its_reducer_is_banned_whatev
     from locoswarm.node.swarm.reputation import Reputation
 
     rep = Reputation()
-    book = OffenceBook("QmMe", rep, RoundClaims(), spread_ban=SPREAD_BAN)
+    book = OffenceBook("QmMe", rep, RoundClaims())
     check = _part_judge(rep, book=book).reduced_direction
     for same in (True, False):
         check("QmHonest", REDUCED_AGREEMENT + 0.06, same_lineage=same)  # -0.04: the honest minimum measured
@@ -1530,7 +1530,7 @@ def test_a_node_that_never_met_two_colluders_follows_an_overwhelming_majority_bu
     would never gather evidence). The same two colluders excluding an honest member ban nobody here, and with two
     honest members and two colluders the colluders' votes ban nobody without this node's own evidence."""
     rep = Reputation(threshold=3)
-    stub = OffenceBook("h4", rep, RoundClaims(), spread_ban=SPREAD_BAN)
+    stub = OffenceBook("h4", rep, RoundClaims())
     members = ["h1", "h2", "h3", "h4", "f1", "f2"]
     framing = {"h1": [], "h2": [], "h3": [], "h4": [], "f1": ["h1"], "f2": ["h1"]}
     stub.follow_majority_bans(members, framing, banned=[])
@@ -1552,7 +1552,7 @@ def test_a_node_that_caught_a_state_liar_once_follows_the_others_ban_of_it() -> 
 
     for lied in (False, True):
         rep, claims = Reputation(threshold=3), RoundClaims()
-        stub = OffenceBook("h3", rep, claims, spread_ban=SPREAD_BAN)
+        stub = OffenceBook("h3", rep, claims)
         if lied:  # claimed v12 while its rounds, before and after the claim was seen, named v10
             claims.record(0, "liar", 10)
             claims.doubted(0, "liar", 12)
@@ -1577,7 +1577,7 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     parts (which colluders can turn), or where the offences were before its last ban ended."""
     clock = [0.0]
     rep = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub = OffenceBook("h3", rep, RoundClaims(), spread_ban=SPREAD_BAN)
+    stub = OffenceBook("h3", rep, RoundClaims())
     members = ["h1", "h2", "h3", "a"]
     excluded = {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}
     rep.refuse("a", "bad_weight", "token weight 40 is more than 10x its bound 4")
@@ -1593,7 +1593,7 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     framed = {"h1": [], "h2": [], "f1": ["h1"], "f2": ["h1"]}
     four = ["h1", "h2", "f1", "f2"]
     rep3 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub = OffenceBook("h2", rep3, RoundClaims(), spread_ban=SPREAD_BAN)
+    stub = OffenceBook("h2", rep3, RoundClaims())
     rep3.refuse("h1", "bad_contribution", "norm 4x the reference (an honest joiner's first delta)")
     rep3.refuse("h1", "bad_reduction", "reduced part points against its own contribution")
     stub.follow_majority_bans(four, framed, banned=[])
@@ -1607,7 +1607,7 @@ def test_a_node_one_offence_short_follows_the_majority_and_a_reduced_part_or_one
     assert rep3.banned() == ["h1"]                             # two of its own: the majority makes the ban
     # offences that earned a ban are spent: after it ends, the colluders' votes need two new ones
     rep4 = Reputation(threshold=3, cooldown_s=60.0, window_s=600.0, now=lambda: clock[0])
-    stub = OffenceBook("h2", rep4, RoundClaims(), spread_ban=SPREAD_BAN)
+    stub = OffenceBook("h2", rep4, RoundClaims())
     for _ in range(3):
         rep4.refuse("f1", "bad_weight", "token weight 40 is more than 10x its bound 4")
     assert rep4.banned() == ["f1"]
@@ -1636,7 +1636,7 @@ def test_a_node_whose_parts_of_a_reducer_spread_far_follows_the_others_ban_and_h
                       good_from=-math.log(SPREAD_BAN) / 2, accumulate=True)
 
     def stub_for(rep: Reputation, me: str) -> OffenceBook:
-        return OffenceBook(me, rep, RoundClaims(), spread_ban=SPREAD_BAN)
+        return OffenceBook(me, rep, RoundClaims())
 
     assert set(FOLLOWED_SPREAD) == {"reduction_spread", "reduction_spread_other_phi"}
     members, excluded = ["h1", "h2", "h3", "a"], {"h1": ["a"], "h2": ["a"], "h3": [], "a": []}

@@ -45,7 +45,6 @@ from locoswarm.node.sim.methods import method_config
 from locoswarm.node.sim.simulator import SimSpec, simulate
 from locoswarm.node.swarm.averaging import SwarmTransport
 from locoswarm.node.swarm.exchange import Reduction
-from locoswarm.node.swarm.judging import SPREAD_BAN
 from locoswarm.node.swarm.matchmaking import match_entry
 from locoswarm.node.swarm.offences import OffenceBook
 from locoswarm.node.swarm.versions import RoundClaims
@@ -419,7 +418,7 @@ def test_a_reducer_refuses_a_part_on_another_basis() -> None:
         codec = get_codec("int8", BLOCK)
         session = Reduction((0, 6, b"g"), "QmA", codec, ["QmA", "QmB"], range(1), {0: 100}, RobustSection(),
                             consensus=False, basis=b"agreed")
-        book = OffenceBook("QmA", None, RoundClaims(), spread_ban=SPREAD_BAN)
+        book = OffenceBook("QmA", None, RoundClaims())
         node = exchange(codec, peer_id="QmA", book=book)
 
         def header(basis: bytes) -> swarm_pb2.AverageHeader:

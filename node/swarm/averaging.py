@@ -60,7 +60,7 @@ from locoswarm.node.swarm.catchup import CatchUp
 from locoswarm.node.swarm.counters import ByteCounters
 from locoswarm.node.swarm.dial_failures import DialFailures
 from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, Exchange
-from locoswarm.node.swarm.judging import SPREAD_BAN, PartJudge, SourcePauses
+from locoswarm.node.swarm.judging import PartJudge, SourcePauses
 from locoswarm.node.swarm.lone import LonePolicy
 from locoswarm.node.swarm.matchmaking import SHUNNED_CUT, Matchmaker, ScheduleHint, own_subkey
 from locoswarm.node.swarm.offences import (
@@ -232,7 +232,7 @@ class SwarmTransport(Transport):
         # what members' round headers name of their versions, held against their heartbeats (``versions``, rule 5)
         self.round_claims = RoundClaims()
         # every refusal of a peer, and the bans this node follows from the others' exclusions
-        self.book = OffenceBook(self.peer_id, reputation, self.round_claims, spread_ban=SPREAD_BAN)
+        self.book = OffenceBook(self.peer_id, reputation, self.round_claims)
         self.lone = LonePolicy(self.view)  # when this node is a swarm of one and steps alone
         self.pauses = SourcePauses()  # peers not asked for state for a while (``CatchUp.may_serve``)
         # what this node's reductions saw of each sender's deviations (``locoswarm.node.core.persistence``)

@@ -25,7 +25,7 @@ from locoswarm.node.config import RobustSection
 from locoswarm.node.core.codecs import Codec
 from locoswarm.node.core.persistence import DeviationMemory, sample_index
 from locoswarm.node.core.transport import AverageRequest, MemberShare, PartOrigin
-from locoswarm.node.swarm.offences import STALE_DIRECTION, OffenceBook
+from locoswarm.node.swarm.offences import SPREAD_BAN, STALE_DIRECTION, OffenceBook
 from locoswarm.node.swarm.reputation import Allowance, EveryNth
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,9 +59,9 @@ UNLINED_TURNED = -0.5
 # last SPREAD_WINDOW parts spread more than SPREAD_BAN times as much on the whole (the log ratio's sum,
 # accumulated: two parts at 6.25x, three at 3.97x, four at 2.5x; ``Reputation.judge``) are banned; a part beyond
 # SPREAD_REFUSE is not applied (the round fails). An own part that spreads less than SPREAD_FLOOR (its members
-# nearly agreed with ours; 1% of own parts spread less than 0.32) counts as SPREAD_FLOOR.
+# nearly agreed with ours; 1% of own parts spread less than 0.32) counts as SPREAD_FLOOR. SPREAD_BAN is defined in
+# ``offences``, which this module imports: the offence book follows the round's majority on it too.
 SPREAD_WINDOW = 4
-SPREAD_BAN = 2.5
 SPREAD_REFUSE = 4.0
 # A reducer whose header names another phi mixes its own contribution, made from that phi, into its part, so the
 # part spreads further from ours than an honest reducer of our phi would: an honest low-rank joiner's parts

@@ -28,15 +28,21 @@ if TYPE_CHECKING:
 STALE_DIRECTION = "direction_stale"  # the kind of a stale contribution's direction score (``STALE_GRACE``)
 FOLLOWED_EVIDENCE = ("direction", STALE_DIRECTION)
 # ... and the spread of the peer's reduced parts (``judging.PartJudge.spreads``), where its last parts judged here
-# spread more than the spread ban (``averaging.SPREAD_BAN``) times as far as this node's own on the whole (the geometric
+# spread more than the spread ban (``SPREAD_BAN``, below) times as far as this node's own on the whole (the geometric
 # mean, at least ``MIN_EVIDENCE`` parts): unlike a part's agreement, the spread is not judged in a round where another
 # member's contribution to this node's own part had no pull, and what a member sends a reducer moves its part by at most
 # its share of the weight times the clip radius. Honest parts of 4 + 2 runs, under attack, reached 2.80x as the
-# geometric mean of two in a row, 2.00x of four (SPREAD_BAN's comment). Why: in 3 + 1, once two honest nodes banned a
-# reducer that adds a fixed pattern (``reducedrift``), placement put the third with it in pairs; the two excluders are
-# too few voters to follow without evidence, and the third banned it 4 s later, 14 rounds after its first attack, with
-# its first two parts at 4.00x and 3.4x in hand (robustness bench, 318e346).
+# geometric mean of two in a row, 2.00x of four (the spread bounds' comment in ``judging``). Why: in 3 + 1, once two
+# honest nodes banned a reducer that adds a fixed pattern (``reducedrift``), placement put the third with it in pairs;
+# the two excluders are too few voters to follow without evidence, and the third banned it 4 s later, 14 rounds after
+# its first attack, with its first two parts at 4.00x and 3.4x in hand (robustness bench, 318e346).
 FOLLOWED_SPREAD = ("reduction_spread", "reduction_spread_other_phi")
+# A reducer whose last ``judging.SPREAD_WINDOW`` parts spread more than this many times as far as this node's own
+# part on the whole is banned (``judging.PartJudge.spreads``; the measurements that set it are the comment on the
+# spread bounds in ``judging``), and beyond it this node's own judgements of a reducer are evidence for following the
+# round's majority in a ban (``FOLLOWED_SPREAD``). It is defined here, not in ``judging``, because ``judging``
+# imports this module.
+SPREAD_BAN = 2.5
 # A member that more than this share of at least FOLLOWED_VOTERS of the round's other voters exclude is banned here
 # without evidence of this node's own. Judge and judged are not voters, so c colluders framing an honest member
 # before h - 2 other honest voters reach the share only if c > 2 (h - 2) while c < h: never with at least 3
@@ -78,16 +84,13 @@ def majority_excluded(members: list[str], excluded: Mapping[str, Iterable[str]],
 class OffenceBook:
     """This node's refusals of peers and the bans it follows (module docstring). ``reputation``: where offences
     are counted and bans looked up (None: nothing is counted, nobody banned); ``round_claims``: what members'
-    round headers named of their versions (a lie found there is evidence for following a ban); ``spread_ban``:
-    the spread beyond which this node's own judgements of a reducer's parts are evidence
-    (``averaging.SPREAD_BAN``)."""
+    round headers named of their versions (a lie found there is evidence for following a ban). The spread beyond
+    which this node's own judgements of a reducer's parts are evidence is ``SPREAD_BAN``."""
 
-    def __init__(self, peer_id: str, reputation: Reputation | None, round_claims: RoundClaims, *,
-                 spread_ban: float) -> None:
+    def __init__(self, peer_id: str, reputation: Reputation | None, round_claims: RoundClaims) -> None:
         self.peer_id = peer_id
         self.reputation = reputation
         self.round_claims = round_claims
-        self.spread_ban = spread_ban
         self.refusals: deque[str] = deque(maxlen=50)
 
     def refuse(self, peer: str, kind: str, detail: str, *, offence: bool = True, conclusive: bool = False,
@@ -106,7 +109,7 @@ class OffenceBook:
                               banned: Iterable[str]) -> None:
         """Ban a member that most of the round's other members exclude (``majority_excluded``) where this node's
         own judgements of it lean against it too (``Reputation.suspects``: its contributions' directions, or its
-        reduced parts' spread beyond ``spread_ban``, ``FOLLOWED_SPREAD``) or it counted all but the last of the
+        reduced parts' spread beyond ``SPREAD_BAN``, ``FOLLOWED_SPREAD``) or it counted all but the last of the
         offences that would ban it here (``FOLLOWED_OFFENCES``) or one of its claims was a lie here
         (``RoundClaims.lied``); their exclusions alone never ban, unless more
         than ``FOLLOWED_SHARE`` of at least ``FOLLOWED_VOTERS`` voters exclude it. The ban takes effect from the
@@ -119,9 +122,9 @@ class OffenceBook:
             if self.reputation.suspects(peer, FOLLOWED_EVIDENCE):
                 self.refuse(peer, "majority_ban", "excluded by most of the round's other members, and this "
                                                 "node's own judgements of it lean against it", conclusive=True)
-            elif self.reputation.suspects(peer, FOLLOWED_SPREAD, below=-math.log(self.spread_ban)):
+            elif self.reputation.suspects(peer, FOLLOWED_SPREAD, below=-math.log(SPREAD_BAN)):
                 self.refuse(peer, "majority_ban", "excluded by most of the round's other members, and its reduced "
-                                                f"parts spread more than {self.spread_ban:g}x as far as this node's "
+                                                f"parts spread more than {SPREAD_BAN:g}x as far as this node's "
                                                 "own here", conclusive=True)
             elif peer in overwhelming:
                 self.refuse(peer, "majority_ban", f"excluded by more than {FOLLOWED_SHARE} of at least "
