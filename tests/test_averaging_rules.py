@@ -871,10 +871,12 @@ def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> No
             met = RoundClaims()  # both met in rounds: only the muting makes a doubt here
             for peer in ("QmDrifter", "QmHonest"):
                 met.record(0, peer, 3)
+            # the heartbeats name both holders of v3; the stand-in state source answers as ``source`` whoever is
+            # asked (with a ceiling, ``may_serve`` leaves the drifter out of the holders): the marking is the test
+            view = SimpleNamespace(kin=lambda peer, fragment: peer == "QmHonest", outbound_peers=set,
+                                   latest_versions=lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"]))
             stub = catch_up(peer_id="QmSelf", deviations=memory, states=SimpleNamespace(fetch=served),
-                            round_claims=met, view=SimpleNamespace(kin=lambda peer, fragment: peer == "QmHonest"))
-            # the holders as if the drifter may serve (with a ceiling, ``may_serve`` would leave it out)
-            stub.newest = lambda fragment: Belief(3, b"", ["QmDrifter", "QmHonest"])
+                            round_claims=met, view=view)
             snapshot = stub.fetch(0)
             assert snapshot.doubted is doubted, (ceiling, source)
             assert snapshot.kin is (source == "QmHonest")  # FragmentSnapshot.kin: as the daemon's view says
@@ -945,11 +947,12 @@ def test_a_reducer_whose_part_this_node_refused_serves_it_no_catch_up_for_a_whil
 
     now = [1000.0]
     monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
-    stub = catch_up(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
+    pauses = SourcePauses()  # shared by the catch-up's rule and the judge, as ``SwarmTransport`` builds them
+    stub = catch_up(peer_id="QmMe", reputation=None, pauses=pauses,
                            view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(),
                            deviations=DeviationMemory())
-    judge = _part_judge(pauses=stub.pauses)
+    judge = _part_judge(pauses=pauses)
     source = lambda peer: stub.may_serve(peer)  # noqa: E731
     check = judge.reduced_direction
     check("QmHonest", 0.4, same_lineage=True)
@@ -1243,8 +1246,8 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
         req, chunks = _spread_round(seed, 4, drift)
         return PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, chunk_bounds(NUMEL, 64)))
 
-    def transport() -> PartJudge:
-        return _part_judge(Reputation())
+    def transport(pauses: SourcePauses | None = None) -> PartJudge:
+        return _part_judge(Reputation(), pauses=pauses)
 
     def judge(t: PartJudge, r: int, *others: PartResult, view=None) -> str | None:
         try:
@@ -1261,7 +1264,8 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
     drifted = part("QmD", 1, drift=2.0)
     assert drifted.geometry.agreement > REDUCED_AGREEMENT  # what the direction check alone lets through
     assert 2.0 < spread_ratio(drifted.geometry, part("QmMe", 3).geometry) < SPREAD_REFUSE
-    hostile = transport()
+    hostile_pauses = SourcePauses()
+    hostile = transport(hostile_pauses)
     for r in range(SPREAD_WINDOW):
         refused = judge(hostile, r, part("QmB", 3 * r + 1), part("QmD", 3 * r + 2, 2.0))
         if hostile.reputation.is_banned("QmD"):
@@ -1269,7 +1273,7 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
             break
         assert refused is None
     assert hostile.reputation.is_banned("QmD") and not hostile.reputation.is_banned("QmB")
-    assert hostile.pauses.paused("QmD")
+    assert hostile_pauses.paused("QmD")
 
     # the same parts from a reducer that names another phi (an honest joiner mixes its own contribution from that
     # phi in): judged against SPREAD_BAN_OTHER_PHI, not banned at this spread; much louder ones are
@@ -1291,14 +1295,15 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
 
     # a round where another member's contribution to our own part had no pull (a flipper that may have turned
     # QmD's part): no evidence against QmD, however many such rounds; a part beyond SPREAD_REFUSE is still refused
-    disputed = transport()
+    disputed_pauses = SourcePauses()
+    disputed = transport(disputed_pauses)
     for r in range(3 * SPREAD_WINDOW):
         own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmX"}))
         disputed.spreads(own, [part("QmD", 3 * r + 2, 2.0)], None)
     assert not disputed.reputation.is_banned("QmD")
     with pytest.raises(PartRefused, match="no evidence against the reducer"):
         disputed.spreads(part("QmMe", 0)._replace(disputed=frozenset({"QmX"})), [part("QmD", 2, 4.0)], None)
-    assert not disputed.reputation.is_banned("QmD") and disputed.pauses.paused("QmD")
+    assert not disputed.reputation.is_banned("QmD") and disputed_pauses.paused("QmD")
     self_disputed = transport()  # the disputed member is the reducer itself: its parts are evidence as before
     for r in range(2 * SPREAD_WINDOW):
         own = part("QmMe", 3 * r)._replace(disputed=frozenset({"QmD"}))
@@ -1389,8 +1394,8 @@ def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence
     whose members' data differ persistently are never banned over many rounds, nor is anyone judged in a pair."""
     from locoswarm.node.swarm.judging import spread_ratio
 
-    def transport() -> PartJudge:
-        return _part_judge(Reputation())
+    def transport(pauses: SourcePauses | None = None) -> PartJudge:
+        return _part_judge(Reputation(), pauses=pauses)
 
     honest = transport()
     for req, parts in _persistence_rounds(60, nudge=0.0):
@@ -1398,14 +1403,15 @@ def test_a_reducer_that_adds_a_small_fixed_pattern_is_banned_for_its_persistence
     assert honest.part_drift.reference() is not None  # it judged: the reducers' median is known
     assert not any(honest.reputation.is_banned(p) for p in ("QmB", "QmC", "QmD"))
 
-    hostile, ratios = transport(), []
+    hostile_pauses = SourcePauses()
+    hostile, ratios = transport(hostile_pauses), []
     for req, parts in _persistence_rounds(30, nudge=0.8, seed=1):
         ratios.append(spread_ratio(parts[3].geometry, parts[0].geometry))
         hostile.persistence(req, parts, None)
         if hostile.reputation.is_banned("QmD"):
             break
     assert hostile.reputation.is_banned("QmD") and len(ratios) <= 12, len(ratios)
-    assert hostile.pauses.paused("QmD")
+    assert hostile_pauses.paused("QmD")
     assert not hostile.reputation.is_banned("QmB") and not hostile.reputation.is_banned("QmC")
     assert sorted(ratios)[len(ratios) // 2] < SPREAD_BAN  # what the spread check alone lets through
 
@@ -1754,11 +1760,12 @@ def test_a_stale_node_does_not_judge_a_part_of_the_groups_phi_against_its_own_st
 
     now = [1000.0]
     monkeypatch.setattr(judging.time, "monotonic", lambda: now[0])
-    stub = catch_up(peer_id="QmMe", reputation=None, pauses=SourcePauses(),
+    pauses = SourcePauses()  # shared by the catch-up's rule and the judge, as ``SwarmTransport`` builds them
+    stub = catch_up(peer_id="QmMe", reputation=None, pauses=pauses,
                            view=SimpleNamespace(outbound_peers=set),
                            dial_failures=DialFailures(), deviations=DeviationMemory())
     rep = Reputation()
-    judge = _part_judge(rep, pauses=stub.pauses)
+    judge = _part_judge(rep, pauses=pauses)
 
     def judged() -> list[str]:  # the reducers whose parts' direction was evidence here
         return sorted(p for p, r in rep.snapshot()["peers"].items()
