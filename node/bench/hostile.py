@@ -79,9 +79,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from locoswarm.node.config import fingerprint, load_config
 from locoswarm.node.swarm import tamper
+from locoswarm.node.swarm.dht import start_dht
+from locoswarm.node.swarm.membership import Membership, swarm_key
+from locoswarm.node.swarm.reputation import Reputation
+from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.tamper import Tamper
+from locoswarm.node.swarm.wire import PeerRefused, WireError, open_stream
+from locoswarm.protocol import swarm_pb2
 
+# The modules that import torch or hivemind are imported where they are used ("# lazy:"): torch takes seconds to
+# import (measured), which --help and the argument errors do without, and hivemind reads HIVEMIND_LOGLEVEL once, at
+# its import, which run_client sets first (none of the modules above imports either).
 if TYPE_CHECKING:
     import torch
 
@@ -105,6 +115,7 @@ class HostileError(Exception):
 
 def absurd_chunk(codec, numel: int) -> bytes:
     """``numel`` values of 1e30, encoded with ``codec`` (finite: they pass the codec's own checks)."""
+    # lazy: torch (seconds to import, measured)
     import torch
 
     return codec.encode(torch.full((numel,), ABSURD))
@@ -113,6 +124,7 @@ def absurd_chunk(codec, numel: int) -> bytes:
 def nan_chunk(codec, numel: int) -> bytes:
     """Bytes of the exact codec size that decode to NaN: NaN block scales for the block codecs (fp4,
     int8), raw NaN for fp32 and bf16. A codec's encoder refuses NaN, so these are written by hand."""
+    # lazy: torch (seconds to import, measured)
     import torch
 
     if codec.name == "fp32":
@@ -154,8 +166,6 @@ class NodeAttack(Tamper, ABC):
         one, ban every honest node, exclude them in its match entries and so leave their groups (isolated,
         harmless, and never judged again)."""
         if self.keeps_peers:
-            from locoswarm.node.swarm.reputation import Reputation
-
             Reputation.is_banned = lambda self, peer: False
             Reputation.banned = lambda self: []
             Reputation.offended = lambda self, peer, kind: False
@@ -223,6 +233,7 @@ class StateAttack(NodeAttack):
     help = "heartbeats claim version +1000 of every fragment; the state server serves NaN phi"
 
     def published(self, snapshot, outer):
+        # lazy: torch, and core.transport imports it (seconds, measured)
         import torch
 
         from locoswarm.node.core.transport import FragmentSnapshot
@@ -286,6 +297,7 @@ class _RequestAttack(NodeAttack):
         self.started = time.monotonic()
 
     def apply(self) -> None:
+        # lazy: swarm.averaging imports torch and hivemind (seconds, measured)
         from locoswarm.node.swarm.averaging import SwarmTransport
 
         original = SwarmTransport.start_average
@@ -310,6 +322,7 @@ class _RequestAttack(NodeAttack):
         return handle
 
     def rewrite(self, transport, req):
+        # lazy: torch, and core.codecs and .payload import it (seconds, measured)
         import torch
 
         from locoswarm.node.core.codecs import get_codec
@@ -386,6 +399,7 @@ class DriftAttack(_RequestAttack):
     help = "its own progress plus 2x its rms times a fixed sign pattern, every round"
 
     def values(self, req, own):
+        # lazy: torch (seconds to import, measured)
         import torch
 
         gen = torch.Generator().manual_seed(1000 + req.fragment)
@@ -422,6 +436,7 @@ class ReplayAttack(NodeAttack):
         return chunks
 
     def apply(self) -> None:
+        # lazy: swarm.averaging imports torch and hivemind (seconds, measured)
         from locoswarm.node.swarm.averaging import SwarmTransport
 
         original_start = SwarmTransport.start_average
@@ -476,6 +491,7 @@ class ReduceDriftAttack(_PartAttack):
 
     @classmethod
     def turn(cls, fragment: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
+        # lazy: torch (seconds to import, measured)
         import torch
 
         # the same pattern for this chunk of this fragment in every round: its effect adds up
@@ -499,6 +515,7 @@ class StateLiarAttack(NodeAttack):
     keeps_peers = True
 
     def published(self, snapshot, outer):
+        # lazy: core.transport imports torch (seconds, measured)
         from locoswarm.node.core.transport import FragmentSnapshot
 
         self.carried_out()
@@ -516,6 +533,7 @@ class StateNoiseAttack(StateLiarAttack):
 
     @staticmethod
     def poison(phi: torch.Tensor, version: int) -> torch.Tensor:
+        # lazy: torch (seconds to import, measured)
         import torch
 
         noise = torch.randn(phi.shape, generator=torch.Generator().manual_seed(version), dtype=phi.dtype)
@@ -542,6 +560,7 @@ class ReplayLiarAttack(StateLiarAttack):
         self.block_size = transport.codec.block_size
 
     def published(self, snapshot, outer):
+        # lazy: core.codecs, .payload, .state and .transport import torch (seconds, measured)
         from locoswarm.node.core.codecs import get_codec
         from locoswarm.node.core.payload import decode_chunks, encode_chunks
         from locoswarm.node.core.state import state_digest
@@ -593,8 +612,6 @@ class HostileClient(ABC):
     help: str
 
     def __init__(self, opts: ClientOptions) -> None:
-        from locoswarm.node.config import fingerprint, load_config
-
         self.opts = opts
         self.cfg = load_config(opts.config, [])
         self.fingerprint = fingerprint(self.cfg)
@@ -611,10 +628,6 @@ class HostileClient(ABC):
                 kept.append(text[:200])
 
     def run(self) -> dict:
-        from locoswarm.node.swarm.dht import start_dht
-        from locoswarm.node.swarm.membership import Membership, swarm_key
-        from locoswarm.node.swarm.runtime import NetworkRuntime
-
         self.dht = start_dht(self.opts.bootstrap, identity_path=self.opts.state_dir / "identity.key", attempts=5,
                              log=lambda line: log.warning(line), stop=self.stop)
         try:
@@ -653,6 +666,7 @@ class InjectClient(HostileClient):
 
     def __init__(self, opts: ClientOptions) -> None:
         super().__init__(opts)
+        # lazy: core.codecs, .schedule, data, model and partition import torch (seconds, measured)
         from locoswarm.node.core.codecs import get_codec
         from locoswarm.node.core.schedule import make_schedule
         from locoswarm.node.data import load_tokenizer
@@ -692,8 +706,8 @@ class InjectClient(HostileClient):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def entries(self, fragment: int, round_: int) -> dict:
+        # lazy: swarm.records imports torch and hivemind (seconds, measured; HIVEMIND_LOGLEVEL: see the head)
         from locoswarm.node.swarm.records import subkey_peer
-        from locoswarm.protocol import swarm_pb2
 
         found = await self.dht.get(f"{self.swarm_key}/match/{fragment}/{round_}", latest=True, return_future=True)
         out = {}
@@ -706,6 +720,7 @@ class InjectClient(HostileClient):
         return out
 
     async def inject_round(self, fragment: int, round_: int) -> None:
+        # lazy: transport.groups imports torch (seconds, measured)
         from locoswarm.node.transport.groups import form_groups, kept_apart
 
         entries = await self.entries(fragment, round_)
@@ -741,13 +756,13 @@ class InjectClient(HostileClient):
             self.own_answered.set()
 
     async def send_part(self, fragment: int, round_: int, group: list[str], j: int, sender: str, entry) -> None:
+        # lazy: torch, and core.payload, swarm.exchange and transport.reduce import it (seconds, measured);
+        # swarm.exchange imports hivemind too (HIVEMIND_LOGLEVEL: see the head)
         import torch
 
         from locoswarm.node.core.payload import chunk_bounds
         from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
-        from locoswarm.node.swarm.wire import PeerRefused, WireError, open_stream
         from locoswarm.node.transport.reduce import part_ranges
-        from locoswarm.protocol import swarm_pb2
 
         bounds = chunk_bounds(self.numel[fragment], self.codec.block_size)
         part = part_ranges(len(bounds), len(group))[j]
@@ -803,10 +818,10 @@ class FloodClient(HostileClient):
             await asyncio.sleep(0.05)
 
     async def one_stream(self, peer: str, with_header: bool) -> None:
+        # lazy: hivemind, and swarm.exchange imports it and torch (seconds, measured; HIVEMIND_LOGLEVEL: see the head)
         from hivemind.p2p import PeerID
 
         from locoswarm.node.swarm.exchange import AVERAGE_HANDLER
-        from locoswarm.protocol import swarm_pb2
 
         _, reader, writer = await self.runtime.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
                                                                                AVERAGE_HANDLER)
@@ -839,10 +854,10 @@ class DownloadClient(HostileClient):
     help = "requests full state downloads of every fragment from every live peer, in a loop"
 
     async def attack(self, deadline: float) -> None:
+        # lazy: hivemind, and swarm.state_sync imports torch (seconds, measured; HIVEMIND_LOGLEVEL: see the head)
         from hivemind.p2p import PeerID
 
         from locoswarm.node.swarm.state_sync import STATE_HANDLER
-        from locoswarm.protocol import swarm_pb2
 
         while self.active(deadline):
             peers = await self.peers_async()
@@ -932,6 +947,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_hostile_node(args: argparse.Namespace, rest: list[str]) -> int:
     """Patch this process for the attack, then run the ordinary node with the other arguments."""
+    # lazy: locoswarm.node.cli imports torch (seconds, measured)
     from locoswarm.node.cli import main as cli_main
 
     # The client flags parsed above belong to 'locoswarm run' as well: hand them back.
@@ -956,6 +972,7 @@ def run_client(args: argparse.Namespace) -> int:
     if args.config and not Path(args.config).is_file():
         raise HostileError(f"--config {args.config}: no such file")
     if args.threads:
+        # lazy: torch (seconds to import, measured)
         import torch
 
         torch.set_num_threads(args.threads)
