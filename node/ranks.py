@@ -76,7 +76,6 @@ from locoswarm.node.model import resolve_device
 from locoswarm.node.swarm.process import die_with_parent
 
 LAUNCHED_ENV = "LOCOSWARM_LAUNCHED"  # set by RankLauncher: the ranks leave signal handling to the launcher
-DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer (a hung rank) fails
 # Keys of the rendezvous store, per torchrun restart (its agent's store outlives a restart of the ranks):
 _START_KEY = "locoswarm/{restart}/start"    # set by rank 0 when it has joined the swarm
 _CLOSED_KEY = "locoswarm/{restart}/closed"  # counts the ranks > 0 that left the process group (see close)
@@ -105,10 +104,10 @@ class RankGroup:
 
     Args:
         rank, world_size, local_rank: as torchrun sets them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
-        timeout_s: how long a collective may wait for a rank before it fails.
+        timeout_s: how long a collective may wait for a rank before it fails (``locoswarm run --rank-timeout``).
     """
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, rank: int, world_size: int, local_rank: int, timeout_s: float,
                  parallel: str = "ddp") -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} of world size {world_size}: need a world size >= 2 and 0 <= rank < it")
@@ -123,7 +122,7 @@ class RankGroup:
         self._start_key = self._closed_key = ""  # set by start()
 
     @classmethod
-    def from_env(cls, timeout_s: float = DEFAULT_TIMEOUT_S, parallel: str = "ddp") -> RankGroup | None:
+    def from_env(cls, timeout_s: float, parallel: str = "ddp") -> RankGroup | None:
         """The group torchrun (or :class:`RankLauncher`) describes in the environment; None for a
         single-process node (no ``WORLD_SIZE``, or 1)."""
         env = os.environ

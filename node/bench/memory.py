@@ -31,7 +31,6 @@ from locoswarm.node.config import PRESET_NAMES, InnerSection
 from locoswarm.node.errors import UserError
 from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.helptext import describe
-from locoswarm.node.model import resolve_device
 from locoswarm.node.sizing import estimate, preset_params
 
 OFFLOADS = ("off", "cpu", "auto")
@@ -186,6 +185,9 @@ def run_memory(args: argparse.Namespace) -> int:
         raise UserError(f"--rounds {args.rounds} is not allowed; use 1..100")
     if not 10 <= args.timeout <= 7200:
         raise UserError(f"--timeout {args.timeout} is not allowed; use 10..7200 seconds")
+    # lazy: locoswarm.node.model imports torch (~1 s, measured); this module does not
+    from locoswarm.node.model import resolve_device
+
     args.device = str(resolve_device(args.device))  # auto -> cuda or cpu, once for every node
     base = _base_config(args.config)
     out = Path(args.out)

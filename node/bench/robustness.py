@@ -35,9 +35,6 @@ from locoswarm.node.bench import keep_logs, local_swarm_runs, write_png
 from locoswarm.node.bench.hostile import CARRIED_OUT_AT
 from locoswarm.node.commands import add_data_args, data_paths
 from locoswarm.node.config import DataSection, load_config
-from locoswarm.node.core.outer_loop import HEALTHY_SLACK
-from locoswarm.node.core.transport import UNSENT_FAILURES
-from locoswarm.node.data import discover_files, stdlib_dir
 from locoswarm.node.errors import UserError
 from locoswarm.node.fsutil import atomic_write_text
 from locoswarm.node.helptext import describe
@@ -53,15 +50,19 @@ CLIENT_KINDS = ("inject", "flood", "download")
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
 REPO = Path(__file__).resolve().parents[2]
 
-# A tiny, fast swarm (as in the multi-process tests): rounds every few hundred milliseconds.
-TINY_SWARM = {
-    "swarm": {"name": "robustness-bench"},
-    "model": {"preset": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64},
-    "inner": {"batch_size": 4, "seq_len": 32, "warmup": 5, "lr": 3e-3},
-    "outer": {"method": "compensate", "h": 8, "fragments": 2, "tau": 2, "codec": "fp4"},
-    "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 10.0, "heartbeat_interval": 0.5},
-    "robust": {"health_slack": HEALTHY_SLACK},  # off by default (node/core/outer_loop.py); measured with it on
-}
+def tiny_swarm() -> dict[str, dict]:
+    """A tiny, fast swarm (as in the multi-process tests): rounds every few hundred milliseconds."""
+    # lazy: locoswarm.node.core.outer_loop imports torch (~1 s, measured); this module does not
+    from locoswarm.node.core.outer_loop import HEALTHY_SLACK
+
+    return {
+        "swarm": {"name": "robustness-bench"},
+        "model": {"preset": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64},
+        "inner": {"batch_size": 4, "seq_len": 32, "warmup": 5, "lr": 3e-3},
+        "outer": {"method": "compensate", "h": 8, "fragments": 2, "tau": 2, "codec": "fp4"},
+        "network": {"group_size": 8, "matchmaking_timeout": 3.0, "round_timeout": 10.0, "heartbeat_interval": 0.5},
+        "robust": {"health_slack": HEALTHY_SLACK},  # off by default (node/core/outer_loop.py); measured with it on
+    }
 
 
 def split_data(paths: Sequence[str], parts: int, extensions: Sequence[str] | None = None) -> list[list[str]]:
@@ -69,6 +70,9 @@ def split_data(paths: Sequence[str], parts: int, extensions: Sequence[str] | Non
     entries directly inside each directory of ``paths`` (the standard library's when none: its sub-packages and
     modules), dealt out by the bytes of their data files, largest first, each to the share smallest so far. Each
     share is a corpus of its own topics (asyncio to one node, email to another), the data a volunteer brings."""
+    # lazy: locoswarm.node.data imports torch (~1 s, measured); this module does not
+    from locoswarm.node.data import discover_files, stdlib_dir
+
     extensions = DataSection().extensions if extensions is None else extensions
     roots = [Path(p) for p in paths] or [stdlib_dir()]
     entries: list[Path] = []
@@ -99,7 +103,7 @@ def split_data(paths: Sequence[str], parts: int, extensions: Sequence[str] | Non
 
 def write_tiny_config(path: Path) -> Path:
     lines = []
-    for name, values in TINY_SWARM.items():
+    for name, values in tiny_swarm().items():
         lines.append(f"[{name}]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -467,6 +471,9 @@ class ScenarioRun:
 
 def attack_round(event: dict) -> bool:
     """Whether a hostile node's status event is a round whose contributions reached an honest member."""
+    # lazy: locoswarm.node.core.transport imports torch (~1 s, measured); this module does not
+    from locoswarm.node.core.transport import UNSENT_FAILURES
+
     kind = event.get("kind")
     if kind == "merged":
         return True
@@ -603,7 +610,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     data = [str(Path(d).resolve()) for d in data_paths(args)]
     shares = split_data(data, args.honest) if args.split_data else None
     setup = {"honest": args.honest, "seconds": args.seconds, "nice_others": args.nice_others,
-             "config": args.config or TINY_SWARM,
+             "config": args.config or tiny_swarm(),
              "data": data or "the node's default corpus", "scenarios": [s.name for s in scenarios]}
     if shares is not None:
         setup["split_data"] = shares

@@ -6,13 +6,15 @@ import argparse
 import json
 
 from locoswarm.node.commands import add_config_args, load_config_from_args
-from locoswarm.node.data import load_tokenizer
-from locoswarm.node.model import build_meta_model, count_params
-from locoswarm.node.partition import partition, partition_json, partition_table
 
 
 def _handler(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    # lazy: locoswarm.node.data, .model and .partition import torch (~1 s, measured); this module does not
+    from locoswarm.node.data import load_tokenizer
+    from locoswarm.node.model import build_meta_model, count_params
+    from locoswarm.node.partition import partition, partition_json, partition_table
 
     cfg = load_config_from_args(args)
     tokenizer = load_tokenizer(cfg.model.tokenizer)

@@ -1,4 +1,8 @@
-"""``locoswarm run``: the node daemon's command line (flags and environment -> ``NodeOptions``)."""
+"""``locoswarm run``: the node daemon.
+
+This module is its command line (flags and environment -> ``NodeOptions``); the daemon itself
+(``locoswarm.node.daemon``) and the node's ranks (``locoswarm.node.ranks``) are imported when the command runs.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,20 @@ import logging
 import os
 from pathlib import Path
 
-from locoswarm.node import daemon
 from locoswarm.node.commands import add_config_args, add_data_args, data_paths, load_config_from_args
 from locoswarm.node.control import check_control_options, control_port_from_args
 from locoswarm.node.errors import UserError
 from locoswarm.node.helptext import describe
-from locoswarm.node.ranks import DEFAULT_TIMEOUT_S, ENGINES, RankGroup, RankLauncher, check_nproc
 from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
 from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
+
+DEFAULT_RANK_TIMEOUT_S = 300.0  # --rank-timeout: a collective of the node's ranks that waits longer (a hung rank) fails
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     env = os.environ.get
     p = sub.add_parser("run", help="run a node: join (or start) a swarm and train",
-                       description=describe(daemon.__doc__))
+                       description=describe(__doc__))
     add_config_args(p)
     add_data_args(p)
     p.add_argument("--state-dir", default=env("LOCOSWARM_STATE_DIR", "locoswarm-state"),
@@ -67,9 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how the node's ranks hold the model (env LOCOSWARM_PARALLEL): ddp (default; every rank "
                         "holds it all) or fsdp (each rank holds 1/N of the parameters, gradients and AdamW state, "
                         "for a model that does not fit one device; rank 0 keeps a full copy of theta on the CPU)")
-    p.add_argument("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT_S,
                    help=f"seconds a collective of the node's ranks may wait for a rank before the node leaves "
-                        f"(default {DEFAULT_TIMEOUT_S:.0f}; at least the network's matchmaking and round timeouts "
+                        f"(default {DEFAULT_RANK_TIMEOUT_S:.0f}; at least the network's matchmaking and round timeouts "
                         "plus 60: rank 0's longest pause between steps; a dead rank is noticed at once)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     p.set_defaults(func=run_node)
@@ -92,6 +96,11 @@ def run_node(args: argparse.Namespace) -> int:
         raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
+    # lazy: locoswarm.node.daemon and .ranks import torch (~1 s, measured); this module does not, and the checks
+    # above fail at once without it
+    from locoswarm.node import daemon
+    from locoswarm.node.ranks import ENGINES, RankGroup, RankLauncher, check_nproc
+
     check_nproc(args.nproc, args.device)
     if args.parallel not in ENGINES:
         raise UserError(f"--parallel {args.parallel!r} is not allowed; use one of {', '.join(ENGINES)}")
