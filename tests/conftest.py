@@ -86,7 +86,8 @@ def _single_thread():
 # ones marked ``slow`` by hand. A test is in the ``swarm`` tier when it starts processes or network daemons: it uses
 # a fixture that does, or its body (or a helper it calls, of its module or of the suite's helper modules) names one
 # of the calls below. Marked at collection, so that a new test lands in the right tier without anyone remembering
-# to mark it.
+# to mark it. A test marked ``quick_process`` by hand starts one short python process that only imports (no node,
+# no daemon, no socket) and stays in the fast tier.
 _PROCESS_FIXTURES = frozenset({"honest", "daemon", "fake_peer", "live", "swarm", "pair", "net"})
 _PROCESS_CALLS = ("NodeProc", "subprocess", "Popen", "start_dht", "P2P.create", "start_p2ps", "p2p_nodes", "netns",
                   "docker", "sys.executable", "cli(", 'get_context("spawn")', "mp.Process(")
@@ -125,7 +126,7 @@ def pytest_collection_modifyitems(config, items):
     helpers: dict[str, frozenset[str]] = {}
     for item in items:
         function, module = getattr(item, "function", None), getattr(item, "module", None)
-        if function is None or module is None:
+        if function is None or module is None or item.get_closest_marker("quick_process"):
             continue
         if module.__name__ not in helpers:
             helpers[module.__name__] = _process_helpers(module)

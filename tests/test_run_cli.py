@@ -181,6 +181,20 @@ def test_every_help_text_is_plain_and_every_option_explained() -> None:
     assert seen > 10
 
 
+@pytest.mark.quick_process
+def test_building_the_command_line_imports_no_torch() -> None:
+    """``locoswarm --help``, ``locoswarm status`` and argument errors start without torch (1.6 s of CPU, measured) or
+    the other heavy packages: a command imports its torch modules when it runs. In a fresh interpreter, which no
+    other test's imports reach."""
+    code = ("import sys\n"
+            "from locoswarm.node.cli import build_parser\n"
+            "build_parser()\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'hivemind', 'transformers'}))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", f"building the command line imports {res.stdout.strip()}"
+
+
 DOMAIN = ["locoswarm.node.config", "locoswarm.node.partition", "locoswarm.node.checkpoint", "locoswarm.node.daemon",
           "locoswarm.node.data", "locoswarm.node.model", "locoswarm.node.plan",
           "locoswarm.node.core.outer_loop", "locoswarm.node.swarm.averaging"]
