@@ -589,6 +589,36 @@ def test_an_exchange_reduces_the_whole_fragment_with_an_outbound_only_partner_an
     assert result.bytes_sent > 0 and result.bytes_received > sum(map(len, theirs))
 
 
+def test_a_partner_most_of_the_round_mutes_has_no_pull_in_this_nodes_part_and_still_gets_the_average() -> None:
+    """``Exchange.run`` with ``muted``: a partner that most of the round mutes for its standing drift (idle, and here
+    nobody streams to it) whose progress agrees with ours, so this reducer's own measure would give it full pull.
+    The round merges, the average is this node's own contribution alone (its weight alone), the partner is still
+    served that average, and its contribution is still judged."""
+    from locoswarm.node.core.transport import AverageRequest
+
+    node = exchange(CODEC, fingerprint="swarm")
+    group, muted = ["QmDrift", "QmMe"], frozenset({"QmDrift"})
+    mine, theirs = encode_chunks(CODEC, _honest(0)), encode_chunks(CODEC, _honest(1))
+    req = AverageRequest(fragment=2, round=9, chunks=mine, numel=NUMEL, weight=100.0, version=4, lineage=7)
+    header = _header(fingerprint="swarm", fragment=2, round=9, group_hash=group_hash(group, muted),
+                     sender="QmDrift", weight=100.0, version=4, n_chunks=len(theirs), lineage=7)
+    chunks = [swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=d)) for c, d in enumerate(theirs)]
+
+    async def run(mutes: frozenset[str]) -> tuple:
+        round_ = asyncio.create_task(node.run(req, group, {"QmMe": 4}, idle=muted, unreachable=muted, muted=mutes))
+        await asyncio.sleep(0)
+        replies = await _served(node, "QmDrift", [header, *chunks])
+        return replies, await round_
+    replies, result = asyncio.run(run(muted))
+    assert result.ok, result.error
+    assert result.total_weight == 100.0 and torch.equal(result.average, decode_chunks(CODEC, mine, NUMEL))
+    assert replies[0].header.ok and tuple(r.chunk.data for r in replies[1:]) == result.encoded.chunks
+    # the same round without the round's mute: the partner's agreeing progress has its full pull
+    node = exchange(CODEC, fingerprint="swarm")
+    _, plain = asyncio.run(run(frozenset()))
+    assert plain.ok and plain.total_weight == 200.0
+
+
 def test_an_exchange_refuses_a_forged_sender_at_once_and_a_stream_for_a_round_it_skipped_without_blame() -> None:
     """``Exchange.serve_part``: a header from another swarm, and a stream for a round this node takes no part in
     (``Exchange.not_in_round``), are refused without an offence; a header naming another sender than the

@@ -361,6 +361,26 @@ def test_a_drift_that_agrees_is_clipped_to_the_groups_radius() -> None:
     assert float((avg - sum(xs) / 3).norm()) < 0.6 * unclipped
 
 
+def test_a_member_most_of_the_round_mutes_has_no_pull_in_a_pair_whose_reducer_would_give_it_some() -> None:
+    """A drifter that most of the round mutes for its standing drift (``round_mutes``) in a pair with a reducer
+    whose own measure gives it full pull (its progress agrees): no pull there, the part is the reducer's own
+    contribution, and it is still judged (its agreement score is kept as evidence). The reducer's own contribution
+    is never muted so, and a consensus round (phi itself) ignores it."""
+    codec = get_codec("fp32", 64)
+    own, drifter = _members(2)
+    sizes, cons = _part(codec, [own, drifter], [100.0, 100.0])
+    plain = screen_part(codec, cons, sizes, S, trusted=0)
+    assert plain.factors == [1.0, 1.0] and plain.muted == [None, None]
+    why = "most of the round mutes it for its standing drift"
+    sc = screen_part(codec, cons, sizes, S, trusted=0, round_mutes={"p1": why, "p0": why})
+    assert sc.factors == [1.0, 0.0] and sc.muted == [None, why] and sc.scores[1] is not None
+    reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S))
+    assert_close(decode_chunks(codec, [reduced[c] for c in sorted(reduced)], own.numel()), own)
+    centers = {c: own[a:b] for c, (a, b) in enumerate(chunk_bounds(own.numel(), 64))}
+    consensus = screen_part(codec, cons, sizes, S, trusted=0, centers=centers, round_mutes={"p1": why})
+    assert consensus.muted[1] != why
+
+
 # ---- parts: the passes over codec bytes ----
 
 

@@ -101,7 +101,8 @@ def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], grou
 
     Muted by the honest reducers, a drifter still reduced its own part, with its own contribution at full pull:
     3 + 1 (robustness bench, d5dd674) ended 6.9% above clean at equal progress although every honest node muted
-    it in nearly every round. Idle, it still contributes (muted) and receives the group's average. Every member
+    it in nearly every round. Idle, it still contributes, with no pull in any part (``Reduction.round_mutes``),
+    and receives the group's average. Every member
     computes this from the same entries (the ``group_hash`` names the idle ones, so members that disagree fail
     the round at once rather than exchange wrong parts), and no minority reaches the share against an honest
     member (``FOLLOWED_SHARE``), so colluders cannot take honest members' parts: at worst, voting against each
@@ -432,12 +433,12 @@ class SwarmTransport(Transport):
         claims = {p: versions[p] for p in group if p in versions}
         accused = [p for p in group if p != self.peer_id
                    and any(p in excluded.get(m, ()) for m in members if m not in (p, self.peer_id))]
-        idle = idle_reducers(members, doubted, group)
-        if idle:
-            log.info("fragment %d round %d: %s reduce no part: most of the round mutes them for their standing drift",
-                     req.fragment, req.round, ", ".join(p[:12] for p in sorted(idle)))
-        idle = unreachable_idle(group, idle, outbound)
-        result = await self.exchange.run(req, group, claims, accused, idle, idle & outbound)
+        muted = idle_reducers(members, doubted, group)
+        if muted:
+            log.info("fragment %d round %d: %s reduce no part and have no pull: most of the round mutes them for "
+                     "their standing drift", req.fragment, req.round, ", ".join(p[:12] for p in sorted(muted)))
+        idle = unreachable_idle(group, muted, outbound)
+        result = await self.exchange.run(req, group, claims, accused, idle, idle & outbound, muted)
         if result.ok:
             max_version = result.max_version
         result.max_version = max_version

@@ -70,7 +70,8 @@ class PartContribution:
 def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: Mapping[int, int],
                 settings: RobustSection, *, trusted: int | None = None,
                 centers: Mapping[int, torch.Tensor] | None = None,
-                memory: DeviationMemory | None = None, fragment: int = 0) -> Screening:
+                memory: DeviationMemory | None = None, fragment: int = 0,
+                round_mutes: Mapping[str, str] | None = None) -> Screening:
     """Screen a part's contributions, judge their directions and clip scales (``locoswarm.node.core.robust``).
 
     With ``centers`` (rounds that average phi itself) deviations are measured from them and directions are
@@ -78,7 +79,9 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
     below ``consensus_tolerance`` times the center's own norm are normal drift (the floor of the screening and
     of the clipping radius). With ``memory`` (the reducer's, of rounds of pseudo-gradients of ``fragment``) a
     sender whose deviation from the centre persists round after round gets a smaller radius
-    (``locoswarm.node.core.persistence``)."""
+    (``locoswarm.node.core.persistence``). ``round_mutes``: senders that most of the round mutes for their standing
+    drift (``locoswarm.node.swarm.averaging.idle_reducers``), with why: no pull here either, though this reducer's
+    own memory would give them some (they are still judged, so a probe round still gathers evidence of them)."""
     part = sorted(sizes)
     stats = []
     for con in contributions:
@@ -117,6 +120,12 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
     if memory is not None and centers is None and settings.persistence_clip and t_acc is not None:
         _mute_standing_drift(memory, fragment, [contributions[i].sender for i in accepted], part, rows, t_acc,
                              screening)
+    if round_mutes and centers is None:
+        for k, i in enumerate(accepted):
+            why = round_mutes.get(contributions[i].sender)
+            if why is not None and k != t_acc and not screening.muted[k]:
+                screening.factors[k] = 0.0
+                screening.muted[k] = why
     live = [f > 0 for f in screening.factors]
     persistence = None
     if memory is not None and centers is None and settings.persistence_clip and len(accepted) >= 2:
