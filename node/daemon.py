@@ -95,6 +95,7 @@ from locoswarm.node.swarm.runtime import NetworkRuntime
 from locoswarm.node.swarm.state_sync import StateClient, StateServer
 from locoswarm.node.swarm.versions import Claim, absurd_version, believe, state_digest, version_bound
 from locoswarm.node.swarm.view import SwarmView
+from locoswarm.node.synthetic import SyntheticCompute, swarm_seed
 from locoswarm.protocol import swarm_pb2
 
 # For annotations only. The averaging transport, records, admission and the control server are imported where first
@@ -140,6 +141,7 @@ class NodeOptions:
     eval_every: int = 100
     eval_batches: int = 4
     throttle: float = 1.0          # >1 makes this node that many times slower (tests, demos)
+    synthetic_step: float = 0.0    # >0: synthetic compute, seconds per inner step (benchmarks only; node/synthetic.py)
     threads: int | None = None
     config_path: str | None = None
     seed: int | None = None        # data sampling seed of this node (default: from its peer id)
@@ -211,6 +213,9 @@ class Node(SwarmView):
         self.fragments: list[Fragment] = []
         self.inner: InnerOptimizer | None = None
         self.saved_inner: InnerOptimizer | None = None
+        # what an inner step runs: the inner optimizer's step, or synthetic compute (``_build``: it needs the seed)
+        self._step: Callable[[list[torch.Tensor]], float | None] | None = None
+        self.synthetic: SyntheticCompute | None = None
         # ``_build``: this node's data shard, the transport, the outer loop and the state client
         self.data_seed = 0
         self.batches: TrainBatches | None = None
@@ -463,6 +468,7 @@ class Node(SwarmView):
         if self.ranks is not None:
             self.theta_sync = ThetaSync(self.ranks, self.model, self.train_model, [f.names for f in self.fragments])
         self.inner = InnerOptimizer(self.train_model, cfg.inner)
+        self._step = self.inner.step
         # What checkpoints save and load: the inner optimizer itself, unless its state is sharded over the
         # ranks (FSDP): then one over rank 0's full model, filled by the engine before each save.
         sharded = self.ranks is not None and self.ranks.engine.shards_optimizer
@@ -499,6 +505,11 @@ class Node(SwarmView):
         self.data_seed = o.seed if o.seed is not None else zlib.crc32(self.peer_id.encode())
         self.batches = TrainBatches(self.corpus.train, 0, self.world, cfg.inner.batch_size, cfg.inner.seq_len,
                                     self.data_seed)
+        if o.synthetic_step > 0:  # benchmarks only: chosen here, once (the seeds are known now)
+            self.synthetic = SyntheticCompute(self.inner, o.synthetic_step, common_seed=swarm_seed(self.fingerprint),
+                                              node_seed=self.data_seed, stop=self.stop)
+            self._step = self.synthetic.step
+            log.warning("%s", self.synthetic.describe())
         codec = wire_codec(cfg.outer)  # what the reducers average (codec lowrank: its factors' block codec)
         self.counters = ByteCounters()
         rb = cfg.robust  # refusals and bans per peer
@@ -666,11 +677,12 @@ class Node(SwarmView):
         log.info("rank %d stops at step %d with parameters crc32 %08x", self.ranks.rank, step,
                  self.ranks.engine.digest(self.model, self.train_model))
 
-    def _inner_step(self, batch: torch.Tensor) -> float:
+    def _inner_step(self, batch: torch.Tensor) -> float | None:
+        """One inner step; its loss (None under synthetic compute, which has none)."""
         if self.ranks is None:
-            return self.inner.step([batch])
+            return self._step([batch])
         with self.ranks.guard("an inner step"):  # the gradients' all-reduce: a dead rank fails it
-            return self.inner.step([batch])
+            return self._step([batch])
 
     def _gather_inner(self) -> None:
         """The ranks' optimizer state and theta into rank 0's copies before a checkpoint (FSDP; else
@@ -713,7 +725,8 @@ class Node(SwarmView):
                 self.outer.add_tokens(node_tokens)
             self._realign_schedule()
             self.loss = loss
-            if o.eval_every and self.local_step % o.eval_every == 0:
+            # no periodic evaluation of a synthetic model: its loss means nothing and costs the CPU the mode saves
+            if o.eval_every and self.synthetic is None and self.local_step % o.eval_every == 0:
                 self.eval_curve.append((self.clock, self._evaluate()))
             if o.checkpoint_every and self.local_step % o.checkpoint_every == 0:
                 self._gather_inner()
@@ -726,8 +739,8 @@ class Node(SwarmView):
             if now - last_log >= 10.0:
                 last_log = now
                 self._check_round_period()
-                log.info("step=%d clock=%d loss=%.3f tok/s=%.0f peers=%d sent=%s", self.local_step, self.clock,
-                         loss, self.tokens_per_s, len(self.peer_table),
+                log.info("step=%d clock=%d loss=%s tok/s=%.0f peers=%d sent=%s", self.local_step, self.clock,
+                         "synthetic" if loss is None else f"{loss:.3f}", self.tokens_per_s, len(self.peer_table),
                          self.counters.total_sent)
 
     def _check_round_period(self) -> None:
@@ -1072,7 +1085,7 @@ class Node(SwarmView):
             refusals=list(self.transport.refusals)[-20:],
             reputation=reputation,
             events=self.events[-50:], now=now, control_port=self.opts.control_port,
-            metrics_port=self.opts.metrics_port)
+            metrics_port=self.opts.metrics_port, synthetic_step_s=self.opts.synthetic_step)
 
     def _memory(self) -> MemoryStatus:
         """This process's memory now (``/proc/self/statm``), its peak (``getrusage``), and PyTorch's allocator

@@ -443,6 +443,7 @@ class NodeStatus(Record):
     loss: float | None = None
     tokens_per_s: float = 0.0
     compute_utilization: float = 0.0         # share of wall time spent in inner steps
+    synthetic_step_s: float = 0.0            # > 0: synthetic compute (benchmarks only), seconds per inner step
     eval_curve: list[EvalPoint] = field(default_factory=list)
     loss_history: list[LossSample] = field(default_factory=list)
     fragments: list[FragmentStatus] = field(default_factory=list)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from locoswarm.node.helptext import describe
 from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
 from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
 
+# --synthetic-step's range (0 = off); node/synthetic.py holds the same bounds, this module imports no torch
+SYNTHETIC_MIN_S, SYNTHETIC_MAX_S = 0.01, 600.0
 DEFAULT_RANK_TIMEOUT_S = 300.0  # --rank-timeout: a collective of the node's ranks that waits longer (a hung rank) fails
 
 
@@ -50,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=100, help="inner steps between held-out evaluations (0=off)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of each evaluation (default 4)")
     p.add_argument("--throttle", type=float, default=1.0, help="run this many times slower (tests, demos)")
+    p.add_argument("--synthetic-step", type=float, default=0.0, metavar="SECONDS",
+                   help="benchmarks only: synthetic compute, no forward/backward pass; each inner step sleeps "
+                        "SECONDS (times --throttle) after a cheap deterministic update of the real parameters, and "
+                        "the node takes no periodic evaluation (default 0 = off: real training)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=None, help="data sampling seed (default: from the peer id)")
     p.add_argument("--control-port", type=int, default=None,
@@ -94,6 +101,7 @@ def run_node(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} {value} is not allowed; it must be >= {low}")
     if not 1.0 <= args.throttle <= 100.0:
         raise UserError(f"--throttle {args.throttle} is not allowed; use a slowdown factor in [1, 100]")
+    check_synthetic_step(args.synthetic_step, args.nproc)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port; use 0..65535 (0 = any free port)")
     # lazy: locoswarm.node.daemon and .ranks import torch (~1 s, measured); this module does not, and the checks
@@ -129,7 +137,7 @@ def run_node(args: argparse.Namespace) -> int:
         bootstrap=bootstrap_from_env_and_args(cfg.swarm.bootstrap, args.bootstrap),
         bootstrap_attempts=args.bootstrap_attempts, max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
-        throttle=args.throttle,
+        throttle=args.throttle, synthetic_step=args.synthetic_step,
         threads=args.threads, config_path=args.config, seed=args.seed, control_host=args.control_host,
         control_port=control_port, control_port_default=control_port_default,
         allow_remote_control=args.allow_remote_control, metrics_port=args.metrics_port)
@@ -137,6 +145,19 @@ def run_node(args: argparse.Namespace) -> int:
     if ranks is not None:
         _exit_rank(code)
     return code
+
+
+def check_synthetic_step(seconds: float, nproc: int = 1) -> None:
+    """``--synthetic-step``: 0 (off) or seconds per inner step in the synthetic range, on one process (a node's
+    ranks would each need the same synthetic update: not built, benchmarks need no --nproc)."""
+    if seconds == 0:
+        return
+    if not (math.isfinite(seconds) and SYNTHETIC_MIN_S <= seconds <= SYNTHETIC_MAX_S):
+        raise UserError(f"--synthetic-step {seconds:g} is not allowed; use 0 (off, the default) or seconds per inner "
+                        f"step from {SYNTHETIC_MIN_S:g} to {SYNTHETIC_MAX_S:g}")
+    if nproc != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        raise UserError("--synthetic-step runs a node as one process; drop --nproc (and torchrun) or drop "
+                        "--synthetic-step")
 
 
 def _exit_rank(code: int) -> None:

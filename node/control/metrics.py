@@ -77,6 +77,8 @@ def render_metrics(st: NodeStatus) -> str:
           st.eval_curve[-1].loss if st.eval_curve else None)
     w.one("locoswarm_compute_utilization_ratio", "gauge", "Share of wall time spent in inner steps (0..1).",
           st.compute_utilization)
+    w.one("locoswarm_synthetic_step_seconds", "gauge", "Synthetic compute (benchmarks only): seconds per inner "
+          "step; 0 for a node that trains.", st.synthetic_step_s)
     m = st.memory
     w.one("locoswarm_memory_rss_bytes", "gauge", "Resident memory of the node's process (rank 0's with --nproc).",
           m.rss)

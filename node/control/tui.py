@@ -128,6 +128,9 @@ def _node_panel(st: NodeStatus, width: int) -> Panel:
     filled = max(0, min(bar_w, round(util * bar_w)))
     g.add_row("speed", Text.assemble(f"{human_count(st.tokens_per_s)} tok/s   compute ",
                                      ("█" * filled, "green"), ("░" * (bar_w - filled), "dim"), f" {util:.0%}"))
+    if st.synthetic_step_s > 0:  # a benchmark's node: its tokens/s and compute share are not a model's
+        g.add_row("compute", Text(f"synthetic: {st.synthetic_step_s:.2f} s/step (benchmarks only, no real training)",
+                                  style="bold magenta"))
     spark = sparkline([s.loss for s in st.loss_history], max(10, min(40, width // 2 - 36)))
     eval_text = f"   eval {st.eval_curve[-1].loss:.3f}" if st.eval_curve else ""
     g.add_row("loss", Text.assemble((_loss_text(st.loss), "bold"), " ", (spark, "cyan"), eval_text))
