@@ -726,3 +726,98 @@ def test_hivemind_rounds_are_counted_from_its_own_log_records() -> None:
     assert (got["syncs_ok"], got["syncs_failed"], got["catch_ups"]) == (1, 2, 1)
     assert [e["kind"] for e in got["events"]] == ["failed", "failed", "caught_up"]   # the newest 3 kept
     assert failure_reason(got["events"][0]).startswith("no peer in group")
+
+
+# ---- synthetic compute, per-node speeds, --nodes up to 32 (issue 30) -------------------------------------------
+
+
+def test_speeds_are_one_multiplier_per_node_from_1_to_100() -> None:
+    assert spec.parse_speeds("1,1,2,5", 4) == [1.0, 1.0, 2.0, 5.0]
+    assert spec.parse_speeds(" 1 , 1.5 ", 2) == [1.0, 1.5]
+    assert spec.parse_speeds("", 3) == [1.0, 1.0, 1.0]  # the default: every node at the same speed
+
+
+@pytest.mark.parametrize(("value", "nodes"), [("1,2", 4), ("1,1,1,1,1", 4), ("1,0.5", 2), ("1,101", 2),
+                                              ("1,x", 2), ("1,nan", 2), ("2", 4)])
+def test_bad_speeds_name_the_flag_the_value_and_how_many(value: str, nodes: int) -> None:
+    with pytest.raises(UserError) as err:
+        spec.parse_speeds(value, nodes)
+    text = str(err.value)
+    assert text.startswith(f"--speeds: cannot use {value!r}") and f"expected {nodes} comma-separated" in text
+    assert "from 1 to 100" in text and "\n" not in text
+
+
+def test_each_node_gets_its_synthetic_step_or_its_throttle() -> None:
+    """With synthetic compute a slow node's whole step is synthetic (it counts as compute); without it, --throttle."""
+    assert spec.node_compute_args(0.5, [1.0, 3.0]) == [["--synthetic-step", "0.5"], ["--synthetic-step", "1.5"]]
+    assert spec.node_compute_args(0.0, [1.0, 2.5]) == [[], ["--throttle", "2.5"]]
+
+
+def test_nodes_the_memory_cannot_hold_are_refused_with_the_estimate(tmp_path: Path) -> None:
+    est = spec.check_memory(4, "tiny", 10_000.0)
+    assert est["per_node_mb"] == spec.NODE_MEMORY_MB["tiny"] and est["max_nodes"] == int(9000 // est["per_node_mb"])
+    assert spec.check_memory(32, "tiny", None)["max_nodes"] is None  # unknown memory: not checked
+    with pytest.raises(UserError) as err:
+        spec.check_memory(32, "small", 20_000.0)
+    text = str(err.value)
+    assert text.startswith("--nodes 32: 32 small nodes need about 81.6 GB (2550 MB each, an estimate)")
+    assert "use --nodes 7 or fewer" in text and "\n" not in text
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684544 kB\nMemAvailable:   20000000 kB\n")
+    assert spec.available_memory_mb(str(meminfo)) == pytest.approx(20000000 * 1024 / 1e6)
+    assert spec.available_memory_mb(str(tmp_path / "none")) is None
+
+
+def test_first_merge_is_the_earliest_merged_round_after_the_start() -> None:
+    from locoswarm.node.bench.swarm.runner import first_merge
+
+    events = [{"kind": "failed", "time": 105.0}, {"kind": "merged", "time": 112.5}, {"kind": "merged", "time": 130.0}]
+    assert first_merge(events, 100.0) == 12.5
+    assert first_merge(events, 100.0, before=8.0) == 8.0  # seen at an earlier poll: kept
+    assert first_merge([{"kind": "failed", "time": 105.0}], 100.0) is None
+
+
+def test_node_metrics_read_the_resident_memory() -> None:
+    before = _status(10.0, 0.5, 100, 1, 0, 1000)
+    after = {**_status(30.0, 0.6, 300, 2, 0, 5000), "memory": {"rss": 700_000_000, "peak_rss": 750_000_000}}
+    m = node_metrics(before, after, [])
+    assert (m["rss_mb"], m["peak_rss_mb"]) == (700.0, 750.0)
+    assert node_metrics(before, _status(30.0, 0.6, 300, 2, 0, 5000), [])["rss_mb"] is None
+
+
+def test_the_report_says_compute_was_synthetic_and_shows_speeds_first_merges_and_memory(tmp_path: Path) -> None:
+    node = {"utilization": 0.9, "steps_per_s": 2.0, "step_time_s": 0.5, "rounds_ok": 3, "rounds_failed": 1,
+            "speed": 1.0, "first_merge_s": 12.3, "rss_mb": 700.4}
+    setup = {"nodes": 2, "seconds": 20, "warmup": 2, "preset": "tiny", "params": 1e6, "synthetic_step_s": 0.5,
+             "speeds": [1.0, 3.0], "memory_estimate": spec.check_memory(2, "tiny", 10_000.0)}
+    write_report(tmp_path, setup, {"recommended": {"nodes": [node, {**node, "speed": 3.0, "first_merge_s": None}]}})
+    md = (tmp_path / "report.md").read_text()
+    assert "**Compute was synthetic** (`--step-time 0.5`)" in md and "node 0 x1, node 1 x3" in md
+    assert "enough for about 10 nodes of this preset" in md
+    header = next(line for line in md.splitlines() if line.startswith("| configuration | node |"))
+    assert header.endswith("| speed | first merge (s) | RSS (MB) |")
+    rows = [line for line in md.split("## Per node")[1].splitlines() if line.startswith("| recommended | ")]
+    assert rows[0].endswith("| 1 | 12.3 | 700 |") and rows[1].endswith("| 3 | - | 700 |")
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["setup"]["synthetic_step_s"] == 0.5 and doc["setup"]["speeds"] == [1.0, 3.0]
+    real = {**setup, "synthetic_step_s": 0.0, "speeds": [1.0, 1.0]}
+    write_report(tmp_path, real, {"recommended": {"nodes": [node, node]}})
+    md = (tmp_path / "report.md").read_text()
+    assert "Compute was real" in md and "synthetic" not in md.split("## Per node")[0].lower()
+
+
+@pytest.mark.quick_process
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--nodes", "33"], "--nodes: cannot use 33; expected a node count from 2 to 32"),
+    (["--step-time", "0.001"], "--step-time: cannot use 0.001"),
+    (["--step-time", "61"], "--step-time: cannot use 61.0"),
+    (["--nodes", "3", "--speeds", "1,2"], "--speeds: cannot use '1,2'; expected 3 comma-separated"),
+    (["--configs", "unshaped,hivemind", "--step-time", "1"], "do not apply to the hivemind configuration"),
+])
+def test_bad_scale_flags_are_one_line_exit_2_before_anything_is_made(tmp_path: Path, args: list[str],
+                                                                      needle: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "bench", "swarm", "--out", str(tmp_path / "o"),
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()

@@ -52,7 +52,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=describe(__doc__))
     add_data_args(p)
     p.add_argument("--out", required=True, help="report directory (results.json, report.md, swarm.png)")
-    p.add_argument("--nodes", type=int, default=4, help="nodes per configuration (default 4)")
+    p.add_argument("--nodes", type=int, default=4,
+                   help="nodes per configuration, 2 to 32 (default 4; refused where this machine's memory, by an "
+                        "estimate per preset, would not hold them)")
+    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
+                   help="synthetic compute (benchmarks only): every node sleeps S seconds per inner step after a cheap "
+                        "update of the real parameters instead of training (run --synthetic-step), so many nodes fit "
+                        "few cores; 0.01 to 60 (default 0: real training)")
+    p.add_argument("--speeds", default="", metavar="M,M,...",
+                   help="per-node step-time multipliers, one per node, 1 to 100, e.g. 1,1,2,5: with --step-time a "
+                        "node's synthetic step is M x S, without it the node runs with --throttle M (default: all 1)")
     p.add_argument("--seconds", type=float, default=90.0, help="measured seconds per configuration (default 90)")
     p.add_argument("--warmup", type=float, default=10.0,
                    help="seconds between the swarm forming and the measurement (default 10)")
@@ -129,12 +138,19 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     # lazy: netns, report and runner cost ~10 ms at every CLI start (measured)
     from locoswarm.node.bench.swarm import netns
-    from locoswarm.node.bench.swarm.report import write_report
+    from locoswarm.node.bench.swarm.report import compute_sentence, write_report
     from locoswarm.node.bench.swarm.runner import ConfigRun, PeerLaunch, RunSettings
 
     # ---- every flag first: one clear line, exit 2 ----
     configs = spec.parse_configs(args.configs)
-    spec.check_range("--nodes", args.nodes, 2, 16, "a node count")
+    spec.check_range("--nodes", args.nodes, 2, spec.MAX_NODES, "a node count")
+    if args.step_time != 0:
+        spec.check_range("--step-time", args.step_time, 0.01, spec.MAX_STEP_TIME_S,
+                         "seconds per inner step (or 0: off)")
+    speeds = spec.parse_speeds(args.speeds, args.nodes)
+    if "hivemind" in configs and (args.step_time or any(s != 1 for s in speeds)):
+        raise UserError("--step-time and --speeds do not apply to the hivemind configuration (its peers train for "
+                        "real, unthrottled); drop hivemind from --configs or drop those flags")
     nat = spec.parse_nat(args.nat, args.nodes)
     cuts = spec.parse_cuts(args.cut, args.nodes)
     spec.check_range("--seconds", args.seconds, 5, 3600, "seconds")
@@ -151,6 +167,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory; give a directory for the report")
+    memory = spec.check_memory(args.nodes, args.preset, spec.available_memory_mb())
     netns.check_possible(loss=link.loss > 0, nat=nat > 0, cut=bool(cuts))
     netns.remove_stale()
 
@@ -162,6 +179,8 @@ def run_swarm(args: argparse.Namespace) -> int:
         "command": _command_line(sys.argv),
         "nodes": args.nodes, "nat": nat, "natted_nodes": netns.natted_nodes(args.nodes, nat),
         "cuts": [list(c) for c in cuts],
+        # synthetic compute (0: real training) and each node's step-time multiplier: the report states both
+        "synthetic_step_s": args.step_time, "speeds": speeds, "memory_estimate": memory,
         "seconds": args.seconds, "warmup": args.warmup, "preset": args.preset,
         "params": params, "workers_per_group": workers, "configs": configs,
         "link": {"upload_bps": up, "download_bps": down, "latency_ms": link.latency_ms, "loss": link.loss,
@@ -183,7 +202,8 @@ def run_swarm(args: argparse.Namespace) -> int:
             tasks = {name: progress.add_task(f"{name}: waiting", total=args.seconds) for name in configs}
             settings = RunSettings(nodes=args.nodes, seconds=args.seconds, warmup=args.warmup,
                                    ready_timeout=args.ready_timeout, work_dir=Path(tmp), data=data,
-                                   eval_every=args.eval_every, latency_ms=link.latency_ms)
+                                   eval_every=args.eval_every, latency_ms=link.latency_ms,
+                                   node_args=spec.node_compute_args(args.step_time, speeds))
             for name in configs:
                 conf = results[name]
                 shaped = name != "unshaped"
@@ -228,6 +248,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 run = ConfigRun(name, PeerLaunch(launch_module, cfg_path, extra), topo, settings, proxied=shaped,
                                 on_progress=on_progress)
                 conf.update(run.run())
+                for node, speed in zip(conf.get("nodes") or [], speeds, strict=False):
+                    node["speed"] = speed
                 if args.keep_logs:
                     _copy_logs(Path(tmp) / name, out / "logs" / name)
                 _predict(conf, cfg, params, link if shaped else None, workers, utilization)
@@ -241,6 +263,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     setup["load_average_end"] = os.getloadavg()
     summary = write_report(out, {**setup, "wall_s": time.monotonic() - started}, results)
     Console().print(summary)
+    Console().print(compute_sentence(setup))
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'swarm.png'}")
     return 0
 

@@ -136,15 +136,16 @@ def node_row(name: str, i: int, n: dict, predicted: float | None = None) -> str:
             f"{_f(n.get('step_time_s'), '.3f')} | {n.get('rounds_ok', 0)} / {n.get('rounds_failed', 0)} | "
             f"{n.get('standing_rounds', 0)} / {n.get('matchmade_rounds', 0)} | {n.get('dropped', 0)} | "
             f"{_f(sent, '.1f')} | {_f(recv, '.1f')} | {_f(relayed, '.1f')} | {n.get('undialable', 0)} | "
-            f"{n.get('catch_ups', 0)} | {_f(n.get('eval_loss'))} |")
+            f"{n.get('catch_ups', 0)} | {_f(n.get('eval_loss'))} | {_f(n.get('speed'), 'g')} | "
+            f"{_f(n.get('first_merge_s'), '.1f')} | {_f(n.get('rss_mb'), '.0f')} |")
 
 
 def node_table(configs: dict[str, dict]) -> str:
     """One row per node and configuration."""
     rows = ["| configuration | node | behind NAT | reachability | utilization | vs unshaped | predicted | steps/s | "
             "step time (s) | rounds ok / failed | standing / matchmade | dropped | sent kB/s | received kB/s | "
-            "relayed kB | undialable | catch-ups | eval loss |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "relayed kB | undialable | catch-ups | eval loss | speed | first merge (s) | RSS (MB) |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, conf in configs.items():
         for i, n in enumerate(conf.get("nodes") or []):
             rows.append(node_row(name, i, n, conf.get("predicted")))
@@ -174,6 +175,30 @@ def cut_sentence(setup: dict) -> str:
             "both their namespaces, as by a firewall between two particular peers.")
 
 
+def compute_sentence(setup: dict) -> str:
+    """The report's line on how the nodes computed: real training or synthetic compute (``--step-time``), and each
+    node's step-time multiplier (``--speeds``) where they differ."""
+    step = float(setup.get("synthetic_step_s") or 0.0)
+    speeds = [float(s) for s in setup.get("speeds") or []]
+    if step > 0:
+        text = (f"**Compute was synthetic** (`--step-time {step:g}`): no node trained; each inner step slept "
+                f"{step:g} s times the node's speed after a cheap deterministic update of the real parameters "
+                "(`locoswarm run --synthetic-step`), so rounds, codecs and bytes are those of the preset while "
+                "the step time is set, not measured, and eval losses are not taken.")
+    else:
+        text = "Compute was real: every node trained the model."
+    if speeds and any(s != 1.0 for s in speeds):
+        how = "a synthetic step of that multiple" if step > 0 else "`--throttle` by that factor"
+        text += (" Per-node step-time multipliers (`--speeds`): " + ", ".join(f"node {i} x{s:g}" for i, s in
+                                                                               enumerate(speeds)) + f" ({how}).")
+    m = setup.get("memory_estimate") or {}
+    if m.get("max_nodes") is not None:
+        text += (f" Memory: about {m['per_node_mb']:.0f} MB per node by estimate, {m['needed_mb'] / 1e3:.1f} GB for "
+                 f"{setup.get('nodes')} nodes; this machine had {m['available_mb'] / 1e3:.1f} GB available at the "
+                 f"start, enough for about {m['max_nodes']} nodes of this preset.")
+    return text
+
+
 def _load(avg: list[float] | tuple[float, ...] | None) -> str:
     return "-" if not avg else f"{avg[0]:.1f}"
 
@@ -190,6 +215,7 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         f"Machine: {setup.get('machine', '-')}, load average {_load(setup.get('load_average_start'))} at the start "
         f"and {_load(setup.get('load_average_end'))} at the end (other work on the machine slows every node alike "
         f"but makes short windows noisy). {nat_sentence(setup)}{cut_sentence(setup)}", "",
+        compute_sentence(setup), "",
         "*Utilization* is the share of wall time a node spends in inner steps over the window (its "
         "`compute_utilization` differenced between two statuses); *vs unshaped* divides it by the same node's "
         "utilization in the `unshaped` run of this session (same nodes and cores, no tc, no loss, no proxy): on a "
@@ -210,7 +236,9 @@ def render_markdown(setup: dict, configs: dict[str, dict]) -> str:
         "window's end (`reachability.undialable`: rounds keep it out of their groups); "
         "*standing / matchmade*: its rounds that took standing "
         "members and those that matchmade (merged + failed - standing); *dropped*: its `dropped` events (stale "
-        "progress thrown away).", "",
+        "progress thrown away); *speed*: its step-time multiplier (`--speeds`); *first merge (s)*: from its start to "
+        "its first round merged with peers; *RSS (MB)*: its node process's resident memory at the window's end "
+        "(its DHT child and p2pd not counted).", "",
         markdown_table(configs), "",
         "![relative utilization per configuration](swarm.png)", "",
         "## Per node", "", node_table(configs), "",

@@ -254,7 +254,25 @@ def node_metrics(before: dict, after: dict, events: list[dict]) -> dict:
         "eval_loss": float(curve[-1][1]) if len(curve) > 1 else None,
         "initial_eval_loss": float(curve[0][1]) if curve else None,
         "loss": after.get("loss"),
+        # the node process's resident memory at the window's end (its DHT child and p2pd not counted)
+        "rss_mb": _rss_mb(after),
+        "peak_rss_mb": _rss_mb(after, "peak_rss"),
     }
+
+
+def _rss_mb(st: dict, key: str = "rss") -> float | None:
+    """A status's ``memory.rss`` (or ``peak_rss``) in MB (10^6 bytes, as ``bench memory``); None where missing."""
+    value = (st.get("memory") or {}).get(key)
+    return round(float(value) / 1e6, 1) if isinstance(value, int | float) and value > 0 else None
+
+
+def first_merge(events: list[dict], since: float, before: float | None = None) -> float | None:
+    """Seconds from ``since`` (a node's start, wall clock) to the first ``merged`` event among ``events`` (a merged
+    round with peers: a lone node's outer steps make no such event); ``before``: the earliest already known."""
+    times = [float(e["time"]) for e in events if e.get("kind") == "merged" and isinstance(e.get("time"), int | float)]
+    if before is not None:
+        times.append(since + before)
+    return round(min(times) - since, 2) if times else None
 
 
 @dataclass
@@ -278,6 +296,7 @@ class RunSettings:
     data: list[str]
     eval_every: int
     latency_ms: float = 0.0
+    node_args: list[list[str]] = field(default_factory=list)  # node i's own flags (--synthetic-step, --throttle)
 
 
 class ConfigRun:
@@ -296,6 +315,8 @@ class ConfigRun:
         self.nodes: list[BenchProc] = []
         self.proxies: list[BenchProc] = []
         self.events: list[dict[tuple, dict]] = []
+        self.started_at: dict[int, float] = {}     # node i's start (wall clock, as its events' times)
+        self.first_merge: dict[int, float] = {}    # seconds from node i's start to its first merged round
 
     # ---- processes --------------------------------------------------------------------------------
     def state_dir(self, i: int) -> Path:
@@ -325,7 +346,8 @@ class ConfigRun:
         args = ["--config", str(self.launch.config_path), "--state-dir", str(self.state_dir(i)),
                 "--threads", "1", "--host", host, "--port", str(NODE_PORT), "--seed", str(i),
                 "--checkpoint-every", "0", "--eval-every", str(self.s.eval_every), "--control-port", "0",
-                "--device", "cpu", *self.launch.extra_args]
+                "--device", "cpu", *self.launch.extra_args,
+                *(self.s.node_args[i] if i < len(self.s.node_args) else [])]
         if self._proxied(i):
             args += ["--announce", f"/ip4/{self.topo.address(i)}/tcp/{PROXY_PORT}"]
         if bootstrap:
@@ -333,10 +355,19 @@ class ConfigRun:
         if self.s.data:
             args += ["--data", *self.s.data]
         argv = [*self.topo.exec_prefix(i), sys.executable, "-m", *self.launch.module, *args]
+        self.started_at[i] = time.time()
         BenchProc(f"{self.name}/node{i}", argv, self.root / f"node{i}.log", self.nodes, self._env())
 
     def statuses(self) -> list[dict]:
-        return [read_status(self.state_dir(i)) for i in range(len(self.nodes))]
+        """Every node's status now; each read also notes a node's first merged round (a status keeps only its
+        last events, so it is looked for at every poll from the start)."""
+        sts = [read_status(self.state_dir(i)) for i in range(len(self.nodes))]
+        for i, st in enumerate(sts):
+            if i in self.started_at:
+                t = first_merge(st.get("events") or [], self.started_at[i], self.first_merge.get(i))
+                if t is not None:
+                    self.first_merge[i] = t
+        return sts
 
     def _check_alive(self) -> None:
         for p in self.nodes + self.proxies:
@@ -398,8 +429,8 @@ class ConfigRun:
             # events of the window (a status lags its events by at most one heartbeat: 1 s of slack)
             window = [[e for e in seen[i].values() if float(e.get("time", 0.0)) >= window_start - 1.0]
                       for i in range(n)]
-            result["nodes"] = [{**node_metrics(before[i], after[i], window[i]), "behind_nat": self.topo.natted(i)}
-                               for i in range(n)]
+            result["nodes"] = [{**node_metrics(before[i], after[i], window[i]), "behind_nat": self.topo.natted(i),
+                                "first_merge_s": self.first_merge.get(i)} for i in range(n)]
         except Exception as exc:  # a configuration that could not run is reported; the others still run
             result["error"] = f"{type(exc).__name__}: {exc}"[:600]
         finally:

@@ -35,6 +35,15 @@ PRESETS: tuple[str, ...] = ("tiny", "small")
 MIN_RATE = 100e3  # bit/s: below this a round of even the tiny model takes minutes
 MAX_RATE = 100e9
 MAX_LATENCY_MS = 2000.0
+MAX_NODES = 32                   # the topology's limit (netns.MAX_NODES): one /24 of node addresses, one private
+#                                  /24 per NATed node
+MAX_SPEED = 100.0                # a node's step-time multiplier (--speeds), as --throttle allows
+MAX_STEP_TIME_S = 60.0           # --step-time
+# Resident memory of one node, per preset, in MB: the node process's peak RSS measured by `locoswarm bench memory`
+# on the CPU (reports/memory-cpu: 671-680 MB tiny, 2219-2400 MB small) plus about 150 MB for its DHT child and
+# p2pd (not measured there). An estimate: what --nodes is checked against, never a measurement of this run.
+NODE_MEMORY_MB: dict[str, float] = {"tiny": 830.0, "small": 2550.0}
+MEMORY_HEADROOM = 0.9            # of the memory available at the start: the rest for the bench, proxies and the OS
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,64 @@ def parse_cuts(value: str, nodes: int, flag: str = "--cut") -> tuple[tuple[int, 
         if pair not in pairs:
             pairs.append(pair)
     return tuple(pairs)
+
+
+def parse_speeds(value: str, nodes: int, flag: str = "--speeds") -> list[float]:
+    """Per-node step-time multipliers (``--speeds 1,1,2,5``): exactly ``nodes`` numbers from 1 to 100, node 0's
+    first ('' : every node 1). One per node rather than a list repeated: a run's speeds are then read off the
+    command line without counting."""
+    text = str(value).strip()
+    if not text:
+        return [1.0] * nodes
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        speeds = [float(p) for p in parts]
+    except ValueError:
+        speeds = []
+    if len(speeds) != nodes or not all(math.isfinite(s) and 1.0 <= s <= MAX_SPEED for s in speeds):
+        raise UserError(f"{flag}: cannot use {value!r}; expected {nodes} comma-separated step-time multipliers (one "
+                        f"per node, --nodes {nodes}) from 1 to {MAX_SPEED:g}, e.g. "
+                        f"{','.join(['1'] * (nodes - 1) + ['3'])}")
+    return speeds
+
+
+def node_compute_args(step_time: float, speeds: list[float]) -> list[list[str]]:
+    """Each node's compute flags: with synthetic compute (``step_time`` > 0) ``--synthetic-step`` of its own
+    multiple of the step time, so the whole of a slow node's step counts as compute (its utilization stays that of
+    a node that computes all the time); without it ``--throttle`` (a node sleeps ``speed - 1`` times its real step
+    after each, which its utilization does not count: compare a slow node with its own unshaped run)."""
+    if step_time > 0:
+        return [["--synthetic-step", f"{step_time * s:g}"] for s in speeds]
+    return [["--throttle", f"{s:g}"] if s != 1.0 else [] for s in speeds]
+
+
+def check_memory(nodes: int, preset: str, available_mb: float | None) -> dict:
+    """Whether ``nodes`` nodes of ``preset`` fit the memory available (MB; None: unknown, not checked): the
+    estimate as the report states it, or a one-line refusal naming the estimate and the most nodes that fit."""
+    per_node = NODE_MEMORY_MB.get(preset, NODE_MEMORY_MB["small"])
+    need = nodes * per_node
+    usable = None if available_mb is None else available_mb * MEMORY_HEADROOM
+    fit = None if usable is None else max(0, int(usable // per_node))
+    estimate = {"per_node_mb": per_node, "needed_mb": need, "available_mb": available_mb, "max_nodes": fit,
+                "basis": "peak RSS per node of `bench memory` (reports/memory-cpu) + about 150 MB for its DHT child "
+                         "and p2pd; nodes x that against 90% of MemAvailable at the start"}
+    if usable is not None and need > usable:
+        raise UserError(f"--nodes {nodes}: {nodes} {preset} nodes need about {need / 1e3:.1f} GB ({per_node:.0f} MB "
+                        f"each, an estimate), more than the {usable / 1e3:.1f} GB this machine can give them (90% of "
+                        f"{available_mb / 1e3:.1f} GB available); use --nodes {fit} or fewer, or more memory")
+    return estimate
+
+
+def available_memory_mb(meminfo: str = "/proc/meminfo") -> float | None:
+    """``MemAvailable`` in MB (10^6 bytes, as ``NODE_MEMORY_MB``; None where the kernel does not say)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # the kernel's kB are KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_range(flag: str, value: float, low: float, high: float, what: str) -> None:
