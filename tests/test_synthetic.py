@@ -128,3 +128,30 @@ def test_run_refuses_a_bad_synthetic_step_in_one_line_before_anything_starts(tmp
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "--synthetic-step 0.001" in proc.stderr
     assert "Traceback" not in proc.stderr and "listening on" not in proc.stdout + proc.stderr
+
+
+def test_a_synthetic_node_says_so_in_its_log_and_status_and_trains_no_loss(tmp_path) -> None:
+    """A real ``locoswarm run --synthetic-step``: the start log line, ``synthetic_step_s`` in status.json, no
+    training loss, no periodic evaluation, steps of at least the synthetic step's wall time, tokens counted."""
+    import json
+    import os
+
+    from swarm_util import write_config, write_corpus
+
+    config, data = write_config(tmp_path / "peers.toml"), write_corpus(tmp_path / "data", docs=3, lines=60)
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCOSWARM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "locoswarm.node.cli", "run", "--threads", "1", "--control-port", "0",
+                           "--config", str(config), "--data", str(data), "--state-dir", str(state),
+                           "--max-steps", "12", "--eval-every", "4", "--checkpoint-every", "0",
+                           "--synthetic-step", "0.2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "synthetic compute: 0.20 s/step" in out
+    assert time.monotonic() - t0 >= 12 * 0.2
+    st = json.loads((state / "status.json").read_text())
+    assert st["synthetic_step_s"] == 0.2 and st["inner_step"] == 12 and st["loss"] is None
+    assert len(st["eval_curve"]) == 1  # the evaluation at start only
+    assert st["tokens"] == 12 * 4 * 32  # batch_size x seq_len per step, as if trained
