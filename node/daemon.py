@@ -507,7 +507,7 @@ class Node(SwarmView):
                                     self.data_seed)
         if o.synthetic_step > 0:  # benchmarks only: chosen here, once (the seeds are known now)
             self.synthetic = SyntheticCompute(self.inner, o.synthetic_step, common_seed=swarm_seed(self.fingerprint),
-                                              node_seed=self.data_seed, stop=self.stop)
+                                              node_seed=self.data_seed, clock=lambda: self.clock, stop=self.stop)
             self._step = self.synthetic.step
             log.warning("%s", self.synthetic.describe())
         codec = wire_codec(cfg.outer)  # what the reducers average (codec lowrank: its factors' block codec)

@@ -9,12 +9,14 @@ is none; a node reports no training loss and takes no periodic evaluation) and t
 The update of parameter tensor ``p`` at inner step ``t`` is ``p -= lr(t) * u`` with ``lr(t)`` the inner optimizer's
 lr (its warmup included) and ``u`` of unit RMS per tensor, the size of an AdamW step at that lr::
 
-    u = sqrt(1/2) * (cos(a t) C1 + sin(a t) C2) + sqrt(1/2) * (w1(t) B1 + w2(t) B2),  w1^2 + w2^2 = 1
+    u = sqrt(1/2) * (cos(a t_s) C1 + sin(a t_s) C2) + sqrt(1/2) * (w1(t) B1 + w2(t) B2),  w1^2 + w2^2 = 1
 
 - ``C1``, ``C2``: a direction common to every node of the swarm, drawn once from the swarm's seed (its
   fingerprint), so that the nodes' pseudo-gradients agree as honest ones do and their average is meaningful. It
   turns slowly (a full turn every ``TURN_STEPS`` steps) so that the parameters do not drift without bound along
-  one direction over a long run, yet stays nearly constant over one outer round's H steps.
+  one direction over a long run, yet stays nearly constant over one outer round's H steps. It turns with the swarm
+  clock ``t_s``, not the node's own step count: a node that joined late or steps slowly then points the same way
+  as the others (by its own count, a joiner 1,000 steps behind would point against them).
 - ``B1``, ``B2``, ``w(t)``: this node's own part, drawn once from the node's seed (its data seed: ``--seed``, else
   from its peer id); the weights ``w(t)`` from the seed and the step.
 
@@ -77,13 +79,16 @@ class SyntheticCompute:
             its lr schedule (``lr_at``) and its step counter (``steps_done``, which checkpoints keep), advanced here.
         seconds: wall time of one inner step.
         common_seed: the swarm's seed (:func:`swarm_seed`); node_seed: this node's.
+        clock: the swarm clock now (the common direction turns with it); None: this node's step count.
         stop: an event that cuts a sleep short (a node that leaves does not wait out its step).
         sleep: how to wait (tests pass a fake clock).
     """
 
     def __init__(self, inner: InnerOptimizer, seconds: float, *, common_seed: int, node_seed: int,
-                 stop: threading.Event | None = None, sleep: Callable[[float], object] | None = None) -> None:
+                 clock: Callable[[], int] | None = None, stop: threading.Event | None = None,
+                 sleep: Callable[[float], object] | None = None) -> None:
         self.inner = inner
+        self.clock = clock
         self.params = [p for p in inner.params() if p.requires_grad]
         self.seconds = float(seconds)
         self.node_seed = int(node_seed)
@@ -98,9 +103,10 @@ class SyntheticCompute:
         # per basis, one list over the parameters: one fused add per basis and step
         self.bases = [[bases[k] for bases in per_param] for k in range(BASES)]
 
-    def coefficients(self, step: int) -> tuple[float, float, float, float]:
-        """The weights of C1, C2, B1, B2 at ``step`` (their squares sum to 1: the update has unit RMS)."""
-        angle = 2 * math.pi * step / TURN_STEPS
+    def coefficients(self, step: int, clock: int | None = None) -> tuple[float, float, float, float]:
+        """The weights of C1, C2, B1, B2 at this node's ``step`` and the swarm's ``clock`` (default: ``step``);
+        their squares sum to 1: the update has unit RMS."""
+        angle = 2 * math.pi * (step if clock is None else clock) / TURN_STEPS
         c = math.sqrt(COMMON_SHARE)
         rng = random.Random(self.node_seed * 1_000_003 + step)  # the node's own weights at this step
         w1, w2 = rng.gauss(0.0, 1.0), rng.gauss(0.0, 1.0)
@@ -109,10 +115,11 @@ class SyntheticCompute:
         return c * math.cos(angle), c * math.sin(angle), o * w1 / norm, o * w2 / norm
 
     def update(self, step: int) -> float:
-        """Apply step ``step``'s update in place; returns the lr it used."""
+        """Apply step ``step``'s update in place (at the swarm clock now); returns the lr it used."""
         lr = self.inner.lr_at(step)
+        clock = self.clock() if self.clock is not None else None
         with torch.no_grad():
-            for coef, basis in zip(self.coefficients(step), self.bases, strict=True):
+            for coef, basis in zip(self.coefficients(step, clock), self.bases, strict=True):
                 if coef:
                     torch._foreach_add_(self.params, basis, alpha=-lr * coef)
         return lr

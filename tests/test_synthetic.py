@@ -29,10 +29,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 
 def _synthetic(node_seed: int, *, seconds: float = 0.0, warmup: int = 0, common_seed: int = 7,
-               stop: threading.Event | None = None) -> SyntheticCompute:
+               stop: threading.Event | None = None, clock=None) -> SyntheticCompute:
     cfg = dataclasses.replace(load_config(None).inner, warmup=warmup)
     return SyntheticCompute(InnerOptimizer(_model(), cfg), seconds, common_seed=common_seed, node_seed=node_seed,
-                            stop=stop)
+                            stop=stop, clock=clock)
 
 
 def _params(s: SyntheticCompute) -> list[torch.Tensor]:
@@ -79,6 +79,18 @@ def test_two_nodes_agree_on_the_common_share_of_their_updates() -> None:
     cos = torch.nn.functional.cosine_similarity
     assert cos(ua, ub, dim=0).item() == pytest.approx(COMMON_SHARE, abs=0.03)  # 32k elements: +-0.01 by chance
     assert abs(cos(ua, us, dim=0).item()) < 0.03
+
+
+def test_the_common_direction_turns_with_the_swarm_clock_not_the_nodes_own_steps() -> None:
+    """A joiner (or a slow node) far behind in its own step count still agrees with the others: the common
+    direction follows the swarm clock; by its own count it would point elsewhere."""
+    a, late = _synthetic(1, clock=lambda: 1000), _synthetic(2, clock=lambda: 1000)
+    a.inner.steps_done = 1000  # 1,000 steps in; the joiner is at its first step
+    ua, ul = _updates(a)[0].flatten(), _updates(late)[0].flatten()
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(ua, ul, dim=0).item() == pytest.approx(COMMON_SHARE, abs=0.03)
+    own_count = _synthetic(2)  # no clock: its own step 0, half a turn (TURN_STEPS = 2000) from the swarm's 1000
+    assert cos(ua, _updates(own_count)[0].flatten(), dim=0).item() == pytest.approx(-COMMON_SHARE, abs=0.03)
 
 
 def test_a_step_sleeps_its_wall_time_and_burns_no_cpu() -> None:
