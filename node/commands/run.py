@@ -20,7 +20,7 @@ from locoswarm.node.helptext import describe
 from locoswarm.node.swarm.dht import bootstrap_from_env_and_args
 from locoswarm.node.swarm.reachability import MODES as REACHABILITY_MODES
 
-# --synthetic-step's range (0 = off); node/synthetic.py holds the same bounds, this module imports no torch
+# --synthetic-step's range (0 = off): checked here, before the daemon and torch are imported (node/synthetic.py)
 SYNTHETIC_MIN_S, SYNTHETIC_MAX_S = 0.01, 600.0
 DEFAULT_RANK_TIMEOUT_S = 300.0  # --rank-timeout: a collective of the node's ranks that waits longer (a hung rank) fails
 
