@@ -152,6 +152,28 @@ class NodeOptions:
     metrics_port: int = 0          # Prometheus text endpoint (0 = off)
 
 
+class RoundPeriodWarning:
+    """Warns once when a fragment's rounds come faster than one round's matchmaking window: h inner steps at the
+    swarm's pace against ``SwarmTransport.window``. Rounds of one fragment then overlap, a failed round holds its
+    node for the whole window while the others go on, and such a node drops progress and catches up in loops
+    (several multi-process runs at h = 8 on the tiny preset: 0.15-0.5 s between rounds, a 3 s window)."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def check(self, h: int, step: float, window: float) -> bool:
+        """Warn, unless warned before, if ``h`` inner steps of ``step`` seconds each (a step time not yet known is
+        not finite or not positive) take less than ``window`` seconds; whether it warned now."""
+        if self.warned or not (step > 0 and math.isfinite(step)) or h * step >= window:
+            return False
+        self.warned = True
+        log.warning("[outer] h = %d: each fragment's round comes every %.2f s at the swarm's %.3f s per inner step, "
+                    "shorter than a round's %.1f s matchmaking window; rounds will overlap, and a node held up by a "
+                    "failed one falls behind. Set [outer] h >= %d, or a shorter [network] matchmaking_timeout",
+                    h, h * step, step, window, math.ceil(2 * window / step))
+        return True
+
+
 class Node(SwarmView):
     """One swarm node, and its transport's view of the swarm (``SwarmView``: ``live_peers``, ``pace_peers``,
     ``latest_versions``, ...). ``ranks``: the node's process group when it runs over several GPUs or CPU ranks
@@ -191,7 +213,7 @@ class Node(SwarmView):
         self._rounds_from: float | None = None  # monotonic time from which we enter rounds
         self._realigned_at = -1    # slot of the last adaptive-schedule hint handled
         self._alone = False
-        self._warned_short_rounds = False    # the round period was found shorter than the matchmaking window
+        self._round_period = RoundPeriodWarning()  # once: rounds come faster than the matchmaking window
         # What the phases of ``run`` build, in order; None (or empty) until that phase ran. Whatever reads them
         # before (``status_snapshot``, ``_shutdown_network`` after a failed start) checks for None.
         # ``_prepare``: the state dir's lock (rank 0's), the training device
@@ -744,20 +766,11 @@ class Node(SwarmView):
                          self.counters.total_sent)
 
     def _check_round_period(self) -> None:
-        """Warn once when a fragment's rounds come faster than one round's matchmaking window: h inner steps at the
-        swarm's pace against ``SwarmTransport.window``. Rounds of one fragment then overlap, a failed round holds its
-        node for the whole window while the others go on, and such a node drops progress and catches up in loops
-        (several multi-process runs at h = 8 on the tiny preset: 0.15-0.5 s between rounds, a 3 s window)."""
-        if self._warned_short_rounds or self.local_step < 2 * self.cfg.outer.h or not self.peer_table:
+        """Once this node has taken two rounds' inner steps among peers, hold its round period at the swarm's pace
+        against ``SwarmTransport.window`` (``RoundPeriodWarning``: a warning at most once)."""
+        if self._round_period.warned or self.local_step < 2 * self.cfg.outer.h or not self.peer_table:
             return
-        step, window, h = self.step_time(), self.transport.window(), self.cfg.outer.h
-        if not (step > 0 and math.isfinite(step)) or h * step >= window:
-            return
-        self._warned_short_rounds = True
-        log.warning("[outer] h = %d: each fragment's round comes every %.2f s at the swarm's %.3f s per inner step, "
-                    "shorter than a round's %.1f s matchmaking window; rounds will overlap, and a node held up by a "
-                    "failed one falls behind. Set [outer] h >= %d, or a shorter [network] matchmaking_timeout",
-                    h, h * step, step, window, math.ceil(2 * window / step))
+        self._round_period.check(self.cfg.outer.h, self.step_time(), self.transport.window())
 
     def _on_sync(self, ev) -> None:
         if ev.kind in ("merged", "caught_up"):

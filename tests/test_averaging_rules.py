@@ -20,7 +20,7 @@ from locoswarm.node.core.payload import chunk_bounds, decode_chunks, encode_chun
 from locoswarm.node.core.persistence import DeviationMemory
 from locoswarm.node.swarm.averaging import (
     FLOOD_REFUSALS,
-    SwarmTransport,
+    StreamFloods,
     idle_reducers,
     plausible_version,
 )
@@ -132,7 +132,7 @@ def test_each_in_process_members_own_part_carries_the_others_contributions_to_it
 
 
 def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_decoded() -> None:
-    """``Exchange._member_shares``: the contributions this node's session reduced, decoded over its part's
+    """``Exchange.member_shares``: the contributions this node's session reduced, decoded over its part's
     range, each with whether it came from this node's phi; not its own, not a refused one; none in a pair (unless
     another member of the round excludes the partner), for a round of phi itself or of low-rank coefficients, or
     while the reduction has not finished."""
@@ -156,7 +156,7 @@ def test_the_swarm_reducers_own_part_names_each_accepted_members_contribution_de
                                contributions={m: (PartContribution(m, 1.0, {c: encoded[m][c] for c in part}), [])
                                               for m in members})
 
-    shares_of = exchange(codec, peer_id="QmMe")._member_shares
+    shares_of = exchange(codec, peer_id="QmMe").member_shares
     req = AverageRequest(fragment=0, round=1, chunks=encoded["QmMe"], numel=numel, weight=1.0, version=1,
                          lineage=7)
     group = asyncio.run(session(["QmMe", "QmB", "QmC", "QmBad"]))
@@ -646,21 +646,15 @@ def test_an_exchange_refuses_a_forged_sender_at_once_and_a_stream_for_a_round_it
 
 
 def test_a_stream_flood_becomes_offences_while_bursts_and_a_full_server_do_not() -> None:
-    # The stream-cap callback on a stand-in transport: the open streams are what the server's gate says.
-    open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}
-    offences: list[tuple[str, bool]] = []
-    stub = SimpleNamespace(_server=SimpleNamespace(open_streams=lambda peer: open_now.get(peer, 0)),
-                           robust=RobustSection(max_streams_per_peer=8), _over_cap=EveryNth(FLOOD_REFUSALS),
-                           _offence=lambda peer, kind, detail, offence: offences.append((peer, offence)))
-    for _ in range(3 * FLOOD_REFUSALS):
-        SwarmTransport._stream_refused(stub, "QmFlood", "too many streams: this peer already has 8 open")
-    for _ in range(3):  # an honest member's short burst over its cap
-        SwarmTransport._stream_refused(stub, "QmBurst", "too many streams: this peer already has 8 open")
-    for _ in range(3 * FLOOD_REFUSALS):  # refused because the server is full of others' streams
-        SwarmTransport._stream_refused(stub, "QmLate", "too many streams: the server has 80 open")
-    counted = {p: sum(1 for q, o in offences if q == p and o) for p in open_now}
+    """``StreamFloods``: every ``FLOOD_REFUSALS``-th stream refused while its peer holds its own cap is an offence;
+    a short burst over the cap and refusals because the server is full of others' streams are none."""
+    open_now: dict[str, int] = {"QmFlood": 8, "QmBurst": 8, "QmLate": 1}  # each peer's open streams, cap 8
+    floods = StreamFloods(8)
+    refusals = {"QmFlood": 3 * FLOOD_REFUSALS,
+                "QmBurst": 3,  # an honest member's short burst over its cap
+                "QmLate": 3 * FLOOD_REFUSALS}  # refused because the server is full of others' streams
+    counted = {p: sum(floods.offence(p, open_now[p]) for _ in range(n)) for p, n in refusals.items()}
     assert counted == {"QmFlood": 3, "QmBurst": 0, "QmLate": 0}
-    assert len(offences) == 6 * FLOOD_REFUSALS + 3  # every refusal is still counted as a refusal
 
 
 def test_every_nth_refusal_is_an_offence_and_the_tracked_peers_are_bounded() -> None:
@@ -860,28 +854,27 @@ def test_with_a_drift_ceiling_a_peer_muted_round_after_round_serves_no_catch_up(
 def test_during_an_alarm_a_peer_muted_round_after_round_is_excluded_as_a_banned_one_and_serves_no_state() -> None:
     """Without an honest majority the senders' median is the drifters': an alarm of the effect check (this node's loss
     climbing through rounds that each passed) caps the bound, and a drifter muted round after round is then listed
-    with the banned peers (``_shunned``: what the match entries name as excluded, so every member places the round
-    alike) and serves no catch-up, with no offence counted. The honest partner is neither; once the alarm lapses,
-    the drifter is no longer shunned."""
+    with the banned peers (``OffenceBook.shunned``: what the match entries name as excluded, so every member places
+    the round alike) and serves no catch-up, with no offence counted. The honest partner is neither; once the alarm
+    lapses, the drifter is no longer shunned."""
     from locoswarm.node.core.persistence import ALARM_S, DRIFT_ROUNDS, SUSTAINED_MUTES
 
     rep = Reputation(threshold=3)
     rep.refuse("QmBanned", "direction", "mean -0.3 over its last 2", conclusive=True)
-    stub = SimpleNamespace(reputation=rep, pauses=SourcePauses(), view=SimpleNamespace(outbound_peers=set),
-                           dial_failures=DialFailures(),
-                           deviations=DeviationMemory())
-    catch = catch_up(reputation=rep, deviations=stub.deviations)
+    deviations = DeviationMemory()
+    book = OffenceBook("QmMe", rep, RoundClaims())
+    catch = catch_up(reputation=rep, deviations=deviations)
     senders, levels = ["QmHonest", "QmD1", "QmD2"], [0.45, 0.9, 0.9]
     for _ in range(DRIFT_ROUNDS + 1):
-        stub.deviations.standing_drift(senders, levels)
-    assert SwarmTransport._shunned(stub) == ["QmBanned"] and catch.may_serve("QmD1")
-    SwarmTransport.alarm(stub, "fragment 0: a test")
+        deviations.standing_drift(senders, levels)
+    assert book.shunned(deviations.shunned()) == ["QmBanned"] and catch.may_serve("QmD1")
+    deviations.alarm()  # what ``SwarmTransport.alarm`` does, besides a log line
     for _ in range(SUSTAINED_MUTES):
-        stub.deviations.standing_drift(senders, levels)
-    assert SwarmTransport._shunned(stub) == ["QmBanned", "QmD1", "QmD2"]
+        deviations.standing_drift(senders, levels)
+    assert book.shunned(deviations.shunned()) == ["QmBanned", "QmD1", "QmD2"]
     assert not catch.may_serve("QmD1") and catch.may_serve("QmHonest")
     assert not rep.is_banned("QmD1") and rep.banned() == ["QmBanned"]  # shunned, not banned
-    assert stub.deviations.shunned(now=time.monotonic() + ALARM_S + 1) == []
+    assert deviations.shunned(now=time.monotonic() + ALARM_S + 1) == []
 
 
 def test_a_catch_up_from_a_peer_this_node_muted_lately_is_marked_doubted() -> None:
@@ -1065,16 +1058,14 @@ def test_the_node_warns_once_when_a_fragments_rounds_come_faster_than_the_window
     failed rounds several times a second). The warning names the setting and a value that fits; h = 120 fits."""
     import logging
 
-    from locoswarm.node.daemon import Node
+    from locoswarm.node.daemon import RoundPeriodWarning
 
     for h, warned in ((8, True), (120, False)):
         caplog.clear()
-        stub = SimpleNamespace(_warned_short_rounds=False, local_step=500, peer_table={"QmPeer": object()},
-                               cfg=SimpleNamespace(outer=SimpleNamespace(h=h)), step_time=lambda: 0.05,
-                               transport=SimpleNamespace(window=lambda: 3.0))
+        warning = RoundPeriodWarning()
         with caplog.at_level(logging.WARNING, logger="locoswarm"):
-            Node._check_round_period(stub)
-            Node._check_round_period(stub)
+            assert warning.check(h, 0.05, 3.0) is warned
+            assert not warning.check(h, 0.05, 3.0)
         lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(lines) == int(warned), lines
         if warned:
@@ -1836,7 +1827,7 @@ def test_a_node_is_stale_only_where_the_swarms_corroborated_version_is_ahead_too
     swarm = SimpleNamespace(latest_versions=lambda fragment: Belief(believed[0]))
     view = SimpleNamespace(versions={"QmMe": 3, "QmReducer": 5})
     req = AverageRequest(fragment=0, round=100, chunks={}, numel=8, weight=1.0, version=3)
-    stale = exchange(CODEC, peer_id="QmMe", view=swarm)._stale_here
+    stale = exchange(CODEC, peer_id="QmMe", view=swarm).stale_here
     assert stale(req, 5, view)
     believed[0] = 3  # nobody corroborates the reducer's claim: a liar ahead of the swarm
     assert not stale(req, 5, view)

@@ -94,6 +94,22 @@ FLOOD_REFUSALS = 32          # streams a peer opens over its own cap that make o
 MAX_TRACKED_FLOODERS = 4096  # peers whose over-cap streams are counted at once
 
 
+class StreamFloods:
+    """Which of the averaging handler's refused streams are offences. Alone a refused stream may be an honest peer's
+    burst, or the server being full because of someone else, so it is none; but every ``every``-th stream a peer
+    opens while it already holds its own ``cap`` is one: no honest member gets near that (it opens a few streams per
+    round), a flooder gets banned within seconds. At most ``limit`` peers are tracked (``EveryNth``)."""
+
+    def __init__(self, cap: int, *, every: int = FLOOD_REFUSALS, limit: int = MAX_TRACKED_FLOODERS) -> None:
+        self.cap = cap
+        self._over_cap = EveryNth(every, limit)
+
+    def offence(self, peer: str, open_streams: int) -> bool:
+        """Whether refusing a stream of ``peer``, which holds ``open_streams`` open already, is an offence; only
+        refusals at or over its cap are counted towards one."""
+        return open_streams >= self.cap and self._over_cap.offence(peer)
+
+
 def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], group: list[str]) -> frozenset[str]:
     """The members of ``group`` that reduce no part this round: those that more than ``FOLLOWED_SHARE`` of at
     least ``FOLLOWED_VOTERS`` of the round's other ``members`` doubt (mute for their standing drift,
@@ -257,7 +273,7 @@ class SwarmTransport(Transport):
             stream_timeout=stream_timeout, robust=self.robust, view=self.view, matching=self.matchmaker,
             judge=self.judge, book=self.book, deviations=self.deviations, round_claims=self.round_claims,
             dial_failures=self.dial_failures, counters=self.counters, plausible=self._plausible)
-        self._over_cap = EveryNth(FLOOD_REFUSALS, MAX_TRACKED_FLOODERS)  # streams refused over a peer's own cap
+        self._floods = StreamFloods(self.robust.max_streams_per_peer)  # which refused streams are offences
         self._server = runtime.call(serve(
             runtime.p2p, AVERAGE_HANDLER, self.exchange.serve_part, swarm_pb2.AverageRequest,
             max_request_bytes=self.exchange.max_message_bytes(), idle_timeout=stream_timeout,
@@ -276,14 +292,9 @@ class SwarmTransport(Transport):
         self.book.refuse(peer, kind, detail, offence=offence, conclusive=conclusive, forgivable=forgivable)
 
     def _stream_refused(self, peer: str, why: str) -> None:
-        """A stream refused by the caps. Alone it may be an honest peer's burst, or the server being full
-        because of someone else, so it is no offence; but every ``FLOOD_REFUSALS``-th stream a peer opens
-        while it already holds its own cap is one: no honest member gets near that (it opens a few streams
-        per round), a flooder gets banned within seconds."""
-        offence = False
-        if self._server.open_streams(peer) >= self.robust.max_streams_per_peer:
-            offence = self._over_cap.offence(peer)
-        self._offence(peer, "streams", why, offence=offence)
+        """A stream refused by the caps: always counted as a refusal, an offence only where ``StreamFloods`` finds
+        it part of a flood."""
+        self._offence(peer, "streams", why, offence=self._floods.offence(peer, self._server.open_streams(peer)))
 
     def _plausible(self, claims: dict[str, int]) -> int:
         """The group's corroborated version of members' ``claims`` within the swarm clock's bound
@@ -379,7 +390,7 @@ class SwarmTransport(Transport):
         if not self.view.in_rounds():
             return AverageResult.failed("joining: peers have not all seen this node's heartbeat yet",
                                         own_weight=req.weight)
-        banned = self._shunned()
+        banned = self.book.shunned(self.deviations.shunned())
         matched = self.matchmaker.standing_round(req, banned) or await self.matchmaker.matchmake(req, banned)
         timing["matched"] = time.monotonic() - started
         if matched is None:
@@ -496,11 +507,4 @@ class SwarmTransport(Transport):
                      reason, ALARM_S, ALARM_CEILING)
         self.deviations.alarm()
 
-    def _shunned(self) -> list[str]:
-        """Whom this node keeps out of its rounds and names as excluded in its match entries: the peers it bans, and
-        during an alarm the senders only the alarm's bound mutes round after round (no offence counted). A round
-        treats them all as banned here, so the others' exclusions of a shunned peer make this node no ban of it
-        (``OffenceBook.follow_majority_bans``) until the alarm lapses."""
-        banned = self.reputation.banned() if self.reputation is not None else []
-        return sorted(set(banned) | set(self.deviations.shunned()))
 

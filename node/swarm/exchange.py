@@ -509,7 +509,7 @@ class Exchange:
         average = decode_chunks(codec, [reduced[c] for c in range(len(bounds))], req.numel)
         kin = kin_share(session.lineages, req.lineage)
         one_lineage = kin == 1.0
-        shares = self._member_shares(session, req, codec, bounds)
+        shares = self.member_shares(session, req, codec, bounds)
         contested = bool(shares) and session.done.result().contested
         origins = [PartOrigin(group[j], bounds[parts[j].start][0], bounds[parts[j].stop - 1][1], one_lineage,
                               shares if j == me else (), contested and j == me)
@@ -527,8 +527,8 @@ class Exchange:
             basis=req.basis, max_version=self._plausible({**claims, **session.versions}),
             parts=origins, missing=sum(r.missing for r in results), kin=kin)
 
-    def _member_shares(self, session: Reduction, req: AverageRequest, codec: Codec,
-                       bounds: list[tuple[int, int]]) -> tuple[MemberShare, ...]:
+    def member_shares(self, session: Reduction, req: AverageRequest, codec: Codec,
+                      bounds: list[tuple[int, int]]) -> tuple[MemberShare, ...]:
         """Each other member's contribution to this node's own part, decoded (``PartOrigin.shares``), for the
         outer loop's judgement of each alone: those the screening took (muted ones included: it is what they
         sent). None in a pair (with the alpha merge an honest partner's contribution may point against ours,
@@ -635,7 +635,7 @@ class Exchange:
             try:
                 self.judge.reduced_direction(peer, geometry.agreement, same_lineage=int(h.lineage) == req.lineage,
                                              evidence=view is None or view.judges_reduced_part(peer),
-                                             stale=self._stale_here(req, int(h.version), view))
+                                             stale=self.stale_here(req, int(h.version), view))
             except PartRefused as exc:  # raised once the others' parts arrived and every spread was judged
                 refused = str(exc)
         if not refused:
@@ -644,7 +644,7 @@ class Exchange:
         return PartResult(peer, chunks, h.total_weight, list(h.extras), geometry, min(h.missing, MAX_EXPECTED),
                            same_lineage=int(h.lineage) == req.lineage, refused=refused)
 
-    def _stale_here(self, req: AverageRequest, reducer_version: int, view: Reduction | None) -> bool:
+    def stale_here(self, req: AverageRequest, reducer_version: int, view: Reduction | None) -> bool:
         """Whether this node is the stale member of ``req``'s round (``STALE_GRACE``): the reducer's version and every
         other member's this node knows are above its own, and so is the swarm's version that the heartbeats of two
         holders corroborate. A lone reducer's claim is not enough: an outbound-only node learns its round's versions

@@ -105,6 +105,15 @@ class OffenceBook:
         """Whether this node bans ``peer`` now."""
         return self.reputation is not None and self.reputation.is_banned(peer)
 
+    def shunned(self, drifting: Iterable[str]) -> list[str]:
+        """Whom this node keeps out of its rounds and names as excluded in its match entries, sorted: the peers it
+        bans, and ``drifting``, the senders that during an alarm only the alarm's bound mutes round after round
+        (``DeviationMemory.shunned``; no offence counted). A round treats them all as banned here, so the others'
+        exclusions of a shunned peer make this node no ban of it (``follow_majority_bans``) until the alarm
+        lapses."""
+        banned = self.reputation.banned() if self.reputation is not None else []
+        return sorted(set(banned) | set(drifting))
+
     def follow_majority_bans(self, members: list[str], excluded: Mapping[str, Iterable[str]],
                               banned: Iterable[str]) -> None:
         """Ban a member that most of the round's other members exclude (``majority_excluded``) where this node's
