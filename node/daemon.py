@@ -1,4 +1,5 @@
-"""``locoswarm run``: the node daemon.
+"""The node (``Node``) that ``locoswarm run`` starts. The command's description and flags have one home, its
+command line (``node/commands/run.py``; this module never imports it); this docstring says what the node does.
 
 Config -> model/data -> inner loop -> outer core -> transport, for one volunteer:
 

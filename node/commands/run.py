@@ -1,7 +1,8 @@
 """``locoswarm run``: the node daemon.
 
-This module is its command line (flags and environment -> ``NodeOptions``); the daemon itself
-(``locoswarm.node.daemon``) and the node's ranks (``locoswarm.node.ranks``) are imported when the command runs.
+This module is its command line (flags and environment -> ``NodeOptions``) and the one home of its description
+(the first line above is ``run --help``'s). The daemon itself (``locoswarm.node.daemon``, whose docstring says what
+the node does, step by step) and the node's ranks (``locoswarm.node.ranks``) are imported when the command runs.
 """
 
 from __future__ import annotations
