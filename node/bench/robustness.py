@@ -44,10 +44,40 @@ OUT_OF_BOUND = ("weight", "values", "nan", "reducer", "state", "clock", "forge",
 IN_BOUND = ("flip", "ipm", "drift", "sleeper", "replay", "badreduce", "reducedrift", "reducenudge", "stateliar",
             "statenoise", "versionliar", "replayliar")
 CONTROL = "control"  # extra members that are honest (module docstring)
-KINDS = ("clean", CONTROL, *OUT_OF_BOUND, *IN_BOUND)
-SPLIT_SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__"})  # never a share (``split_data``)
 CLIENT_KINDS = ("inject", "flood", "download")
+SPLIT_SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__"})  # never a share (``split_data``)
 SLEEPER_SHARE = 1 / 3  # a sleeper behaves for this share of the attack window, then turns
+
+
+@dataclass(frozen=True)
+class ScenarioKind:
+    """What a scenario kind's added peers are, looked up once by name (``scenario_kind``) where the bench starts,
+    samples and reports them. By default a hostile node (``locoswarm.node.bench.hostile``) with its attack patched
+    in from the window's start."""
+
+    name: str
+    baseline: bool = False  # "clean": bystanders in a swarm of their own, the baseline the others are compared with
+    honest: bool = False    # "control": honest members, so any refusal or ban of one is a false positive
+    client: bool = False    # a client of the swarm that never joins it: it takes part in no rounds
+    turns: bool = False     # behaves for ``SLEEPER_SHARE`` of the window, then attacks (``--attack-period``)
+
+    @property
+    def patched(self) -> bool:
+        """Whether the added peers are nodes with an attack patched in, whose logs say whether it ran."""
+        return not (self.baseline or self.honest or self.client)
+
+
+SCENARIO_KINDS: dict[str, ScenarioKind] = {k.name: k for k in [
+    ScenarioKind("clean", baseline=True),
+    ScenarioKind(CONTROL, honest=True),
+    *(ScenarioKind(name, client=name in CLIENT_KINDS) for name in OUT_OF_BOUND),
+    *(ScenarioKind(name, turns=name == "sleeper") for name in IN_BOUND)]}
+KINDS = tuple(SCENARIO_KINDS)  # ``--kinds``, in this order
+
+
+def scenario_kind(name: str) -> ScenarioKind:
+    """The kind named ``name``; a name this bench no longer knows (an older report's) is a hostile node's attack."""
+    return SCENARIO_KINDS.get(name) or ScenarioKind(name)
 REPO = Path(__file__).resolve().parents[2]
 
 def tiny_swarm() -> dict[str, dict]:
@@ -175,6 +205,11 @@ class Scenario:
     @property
     def name(self) -> str:
         return self.kind if self.hostile <= 1 else f"{self.kind} x{self.hostile}"
+
+    @property
+    def traits(self) -> ScenarioKind:
+        """What its added peers are (``scenario_kind``)."""
+        return scenario_kind(self.kind)
 
 
 @dataclass
@@ -309,7 +344,7 @@ class ScenarioRun:
                 banned_at = {a: node["reputation"].get(a, {}).get("first_banned") for a in outcome.attackers}
                 outcome.honest.append(node | judged(
                     i, honest_ids, outcome.attackers, outcome.samples, self.turn_after(), slots,
-                    in_rounds=self.scenario.kind not in CLIENT_KINDS,
+                    in_rounds=not self.scenario.traits.client,
                     banned_at={a: t - started for a, t in banned_at.items() if t is not None}))
         except Exception as exc:  # a scenario that could not run is reported, the others still run
             outcome.error = f"{type(exc).__name__}: {exc}"[:400]
@@ -341,36 +376,36 @@ class ScenarioRun:
         return boot
 
     def start_extra(self, boot: str) -> None:
-        kind, n = self.scenario.kind, self.scenario.hostile
-        if kind == "clean":
+        kind, n, traits = self.scenario.kind, self.scenario.hostile, self.scenario.traits
+        if traits.baseline:
             # Bystanders: as much CPU as a hostile node, none of its (refused) contributions; an honest
             # extra member would make the baseline a larger swarm that learns faster than the one attacked.
             for i in range(n):
                 self.extra.append(self.spawn(f"bystander{i}", ["locoswarm.node.cli", "run"],
                                              [*self.node_args(), "--set", f"swarm.name=robustness-bystander-{i}"],
                                              self.nice_others))
-        elif kind == CONTROL:
+        elif traits.honest:
             for i in range(n):
                 self.extra.append(self.spawn(f"control{i}", ["locoswarm.node.cli", "run"],
                                              [*self.node_args(), "--bootstrap", boot], self.nice_others))
-        elif kind in CLIENT_KINDS:
+        elif traits.client:
             for i in range(n):
                 args = ["--config", str(self.config), "--bootstrap", boot, "--seconds", str(self.seconds + 5),
                         "--report", str(self.root / f"hostile{i}.json")]
                 self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind], args,
                                              self.nice_others))
         else:
-            period = ["--attack-period", f"{self.turn_after():.1f}"] if kind == "sleeper" else []
+            period = ["--attack-period", f"{self.turn_after():.1f}"] if traits.turns else []
             for i in range(n):
                 self.extra.append(self.spawn(f"hostile{i}", ["locoswarm.node.bench.hostile", "--attack", kind, *period],
                                              [*self.node_args(), "--bootstrap", boot], self.nice_others))
-        if kind not in CLIENT_KINDS:
+        if not traits.client:
             for proc in self.extra:
                 proc.wait_for(lambda s: s.get("state") == "training", 120, "training")
 
     def turn_after(self) -> float:
         """Seconds after the attack window opens at which the attack itself begins (a sleeper's turn)."""
-        return SLEEPER_SHARE * self.seconds if self.scenario.kind == "sleeper" else 0.0
+        return SLEEPER_SHARE * self.seconds if self.scenario.traits.turns else 0.0
 
     def sample(self, started: float) -> list[Sample]:
         task = self.progress.add_task(f"  {self.scenario.name}", total=self.seconds) if self.progress else None
@@ -379,7 +414,7 @@ class ScenarioRun:
         first: dict[str, float] = {}
         while (elapsed := time.monotonic() - t0) < self.seconds:
             statuses = [p.status() for p in self.honest]
-            hostile = [(p, p.status()) for p in self.extra] if self.scenario.kind != "clean" else []
+            hostile = [(p, p.status()) for p in self.extra] if not self.scenario.traits.baseline else []
             for proc, st in hostile:
                 if st.get("peer_id") and st["peer_id"] not in first:
                     start = attack_start(st.get("events", []), carried_out_at(proc.log_path), started)
@@ -406,9 +441,9 @@ class ScenarioRun:
     def attacker_ids(self) -> list[str]:
         ids = []
         for i, proc in enumerate(self.extra):
-            if self.scenario.kind == "clean":
+            if self.scenario.traits.baseline:
                 continue
-            if self.scenario.kind in CLIENT_KINDS:
+            if self.scenario.traits.client:
                 with contextlib.suppress(Exception):  # the client may still be writing its report
                     proc.proc.wait(30)
                 with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
@@ -420,7 +455,7 @@ class ScenarioRun:
     def carried_out(self) -> int | None:
         """Hostile nodes whose attack really ran: a patch that no longer fits the node fails inside its tasks
         and leaves an honest node, whose scenario would read as a perfect defence."""
-        if self.scenario.kind in ("clean", CONTROL) or self.scenario.kind in CLIENT_KINDS:
+        if not self.scenario.traits.patched:
             return None
         return sum(1 for p in self.extra if carried_out_at(p.log_path) is not None)
 
@@ -668,7 +703,7 @@ def clean_baseline(results: dict[str, dict], r: dict) -> float | None:
 
 def _clean_of(results: dict[str, dict], r: dict) -> dict | None:
     for other in results.values():
-        if other["kind"] == "clean" and other["hostile"] == r["hostile"] and not other["error"]:
+        if scenario_kind(other["kind"]).baseline and other["hostile"] == r["hostile"] and not other["error"]:
             return other
     return None
 
@@ -760,7 +795,8 @@ def markdown_table(results: dict[str, dict]) -> str:
         if r["error"]:
             rows.append(f"| {name} | could not run: {r['error'][:80]} | | | | | | | | | | | | | |")
             continue
-        attack = r["kind"] != "clean"
+        traits = scenario_kind(r["kind"])
+        attack = not traits.baseline
         clean = clean_baseline(results, r)
         rel = (f"{100 * (r['final_eval'] - clean) / clean:+.1f}%" if clean and r["final_eval"] is not None
                and attack else "-")
@@ -770,7 +806,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         rel_worst = "-" if worst is None else f"{100 * worst:+.1f}%"
         refused = str(r["attacker_refused"]) if attack else "-"
         banned = f"{r.get('banned_by_all', r['banned_by'])}/{len(r['honest'])}" if attack else "-"
-        if r["kind"] == CONTROL:  # honest extra members: any ban of one is a false positive
+        if traits.honest:  # honest extra members: any ban of one is a false positive
             banned = f"{r['banned_by']}/{len(r['honest'])} (false positives)"
         ran = r.get("attack_carried_out")
         if attack and ran is not None and ran < r["hostile"]:
@@ -779,7 +815,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         if attack and r.get("max_seconds_to_ban") is not None:
             rounds = r.get("max_rounds_to_ban")
             to_ban = f"{r['max_seconds_to_ban']:.0f} / " + ("-" if rounds is None else f"{rounds:.0f}")
-        elif attack and r["kind"] != CONTROL:
+        elif attack and not traits.honest:
             to_ban = "not all"
         hh = r.get("honest_refusals") or {}
         honest_hh = f"{hh.get('judged', 0)} / {hh.get('offences', 0)} / {hh.get('protocol', 0)}"
@@ -852,16 +888,17 @@ def plot(path: Path, results: dict[str, dict]) -> None:
         points = [(s["t"], sum(v for v in s["evals"] if v is not None) / len([v for v in s["evals"] if v is not None]))
                   for s in r["samples"] if any(v is not None for v in s["evals"])]
         points = [(t, v) for t, v in points if math.isfinite(v)]
+        baseline = scenario_kind(r["kind"]).baseline
         if points:
             ax.plot([t for t, _ in points], [v for _, v in points], label=name,
-                    lw=2.5 if r["kind"] == "clean" else 1.2, color="black" if r["kind"] == "clean" else None,
-                    ls="--" if r["kind"] == "clean" and r["hostile"] > 1 else "-")
+                    lw=2.5 if baseline else 1.2, color="black" if baseline else None,
+                    ls="--" if baseline and r["hostile"] > 1 else "-")
     ax.set_xlabel("seconds since the attack started")
     ax.set_ylabel("honest nodes' eval loss (mean)")
     ax.set_title("eval loss of the honest nodes")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    names = [n for n, r in results.items() if r["kind"] != "clean"]
+    names = [n for n, r in results.items() if not scenario_kind(r["kind"]).baseline]
     ys = range(len(names))
     bx.barh([y - 0.2 for y in ys], [results[n]["attacker_refused"] for n in names], height=0.4, label="refused")
     bx.barh([y + 0.2 for y in ys], [results[n]["banned_by"] for n in names], height=0.4, label="banned by (nodes)")
