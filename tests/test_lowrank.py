@@ -43,7 +43,7 @@ from locoswarm.node.model import build_model
 from locoswarm.node.partition import partition
 from locoswarm.node.sim.methods import method_config
 from locoswarm.node.sim.simulator import SimSpec, simulate
-from locoswarm.node.swarm.averaging import SwarmTransport
+from locoswarm.node.swarm.averaging import agree_on_basis
 from locoswarm.node.swarm.exchange import Reduction
 from locoswarm.node.swarm.matchmaking import match_entry
 from locoswarm.node.swarm.offences import OffenceBook
@@ -405,11 +405,11 @@ def test_the_swarm_re_encodes_only_when_the_groups_tags_differ_and_at_the_leader
 
     req = AverageRequest(fragment=0, round=6, chunks=[], numel=0, weight=1.0, version=0, basis=b"mine",
                          reencode=reencode)
-    assert asyncio.run(SwarmTransport._agree_on_basis(req, [b"mine", b"mine"])) is req and not asked
-    agreed = asyncio.run(SwarmTransport._agree_on_basis(req, [b"leader", b"mine", b"other"]))
+    assert asyncio.run(agree_on_basis(req, [b"mine", b"mine"])) is req and not asked
+    agreed = asyncio.run(agree_on_basis(req, [b"leader", b"mine", b"other"]))
     assert agreed is not None and agreed.basis == b"seeded:leader" and asked == [b"leader"]
     block = dataclasses.replace(req, reencode=None)
-    assert asyncio.run(SwarmTransport._agree_on_basis(block, [b"leader", b"mine"])) is None
+    assert asyncio.run(agree_on_basis(block, [b"leader", b"mine"])) is None
     assert match_entry("QmA", req, 1.0).basis == b"mine"
 
 
@@ -424,8 +424,8 @@ def test_a_reducer_refuses_a_part_on_another_basis() -> None:
         def header(basis: bytes) -> swarm_pb2.AverageHeader:
             return swarm_pb2.AverageHeader(group_hash=b"g", sender="QmB", weight=1.0, n_chunks=1, basis=basis)
 
-        assert node._check_membership(session, "QmB", header(b"agreed")) is session
+        assert node.check_membership(session, "QmB", header(b"agreed")) is session
         with pytest.raises(WireError, match="basis"):
-            node._check_membership(session, "QmB", header(b"other"))
+            node.check_membership(session, "QmB", header(b"other"))
         return list(book.refusals)
     assert asyncio.run(run()) == ["QmB: bad_header: codec, chunk count, extras or basis do not match the round"]

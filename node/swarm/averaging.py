@@ -110,6 +110,18 @@ class StreamFloods:
         return open_streams >= self.cap and self._over_cap.offence(peer)
 
 
+async def agree_on_basis(req: AverageRequest, tags: list[bytes]) -> AverageRequest | None:
+    """The request as the group sends it: as it is when the members' low-rank basis tags (from their match
+    entries, in member order) agree, else re-encoded on the seeded basis of the round at the leader's
+    ranks (``group_basis``; off the network loop: it projects the whole fragment). None: it cannot."""
+    leader = group_basis(tags)
+    if leader is None:
+        return req
+    if req.reencode is None:
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, req.reencode, leader)
+
+
 def idle_reducers(members: list[str], doubted: Mapping[str, Iterable[str]], group: list[str]) -> frozenset[str]:
     """The members of ``group`` that reduce no part this round: those that more than ``FOLLOWED_SHARE`` of at
     least ``FOLLOWED_VOTERS`` of the round's other ``members`` doubt (mute for their standing drift,
@@ -426,7 +438,7 @@ class SwarmTransport(Transport):
             view = self.matchmaker.view_of(req.fragment, req.round)
             why = f" ({view.summary()})" if view is not None else ""
             return AverageResult.failed(NO_PEER_IN_GROUP + why, own_weight=req.weight, refused=refused)
-        agreed = await self._agree_on_basis(req, [bases.get(p, b"") for p in group])
+        agreed = await agree_on_basis(req, [bases.get(p, b"") for p in group])
         if agreed is None:
             self.exchange.not_in_round(req.fragment, req.round)
             return AverageResult.failed(f"{BASIS_MISMATCH}: cannot re-encode on the group's basis",
@@ -467,18 +479,6 @@ class SwarmTransport(Transport):
         if result.ok:
             self.catch_up.merged(req.fragment, max_version + 1, group)
         return result
-
-    @staticmethod
-    async def _agree_on_basis(req: AverageRequest, tags: list[bytes]) -> AverageRequest | None:
-        """The request as the group sends it: as it is when the members' low-rank basis tags (from their match
-        entries, in member order) agree, else re-encoded on the seeded basis of the round at the leader's
-        ranks (``group_basis``; off the network loop: it projects the whole fragment). None: it cannot."""
-        leader = group_basis(tags)
-        if leader is None:
-            return req
-        if req.reencode is None:
-            return None
-        return await asyncio.get_running_loop().run_in_executor(None, req.reencode, leader)
 
     def standing_rounds(self) -> int:
         """Rounds that took a standing member list instead of matchmaking (``locoswarm.node.swarm.standing``)."""

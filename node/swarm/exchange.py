@@ -727,7 +727,7 @@ class Exchange:
         if session is None:
             self.book.refuse(remote, "not_in_round", f"fragment {h.fragment} round {h.round}", offence=False)
             raise WireError(f"{NOT_IN_ROUND} (it arrived after the window or had no group)")
-        session = self._check_membership(session, remote, h)
+        session = self.check_membership(session, remote, h)
         self.counters.received(remote, h.fragment, h.round, first.ByteSize())
         chunks = await self._read_part(session, remote, h, requests)
         self._refuse_replay(session, remote, chunks)
@@ -821,8 +821,10 @@ class Exchange:
         log.info("group mismatch: fragment %d round %d: refused %s: this node's group %s, from %s", fragment, round_,
                  remote[-6:], sorted(p[-6:] for p in session.members), how)
 
-    def _check_membership(self, session: Reduction, remote: str, h: swarm_pb2.AverageHeader) -> Reduction:
-        """The stream's sender must be a member of the group this node formed for the round, once."""
+    def check_membership(self, session: Reduction, remote: str, h: swarm_pb2.AverageHeader) -> Reduction:
+        """``session``, if ``remote``'s stream with header ``h`` may contribute to it: the sender must be a member of
+        the group this node formed for the round, once, with a header that matches the round; else the refusal is
+        counted and ``WireError`` raised."""
         if session.key[2] != bytes(h.group_hash):
             if remote in session.members:  # it formed another group: its part will not come
                 session.drop(remote, "it formed another group")
