@@ -146,7 +146,7 @@ class FakeNode:
 @pytest.fixture
 def fake():
     node = FakeNode()
-    source = StatusSource(node)
+    source = StatusSource(node, cache_s=0.0)  # no cache: each snapshot shows the changes a test just made
     for i in range(6):
         node.loss = 3.2 - 0.1 * i
         node.local_step += 1
@@ -173,7 +173,6 @@ def test_status_source_samples_history_rates_and_peer_churn(fake):
     source.sample(now=time.time() + 100)
     node.peer_table[PEER] = hb
     source.sample(now=time.time() + 101)
-    source._cache = None
     events = source.snapshot().events
     assert [(e.kind, e.peer_id) for e in events[-2:]] == [("peer_left", PEER), ("peer_joined", PEER)]
     assert [e.kind for e in events[:3]] == ["joined", "merged", "failed"]  # the node's own, in time order
@@ -222,7 +221,6 @@ def test_tui_shows_refused_and_banned_peers(fake, width):
     node, source = fake
     for kind in ("bad_weight", "bad_weight", "impossible_clock"):  # PEER, a member with a heartbeat, banned too
         node.reputation.refuse(PEER, kind, "token weight 1e30 > bound 4.1e5")
-    source._cache = None
     text = text_of(NodeStatus.from_proto(source.snapshot().to_proto()), width)
     assert max(len(line) for line in text.splitlines()) <= width
     assert "peers  9 refused   2 banned" in text  # the network panel's totals
