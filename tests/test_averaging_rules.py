@@ -551,20 +551,28 @@ async def _served(node: Exchange, remote: str, messages: list[swarm_pb2.AverageR
     return [reply async for reply in node.serve_part(remote, requests())]
 
 
+def _pair_round(group: list[str], partner: str, idle: frozenset[str], *, partner_version: int) -> tuple:
+    """A round of fragment 2 (round 9) for ``exchange`` "QmMe" in a pair with ``partner``: this node's request (its
+    honest progress, version 4), its encoded chunks, and the partner's stream (header and chunks, its own honest
+    progress) as the partner would send it for a group hash naming ``idle``."""
+    from locoswarm.node.core.transport import AverageRequest
+
+    mine, theirs = encode_chunks(CODEC, _honest(0)), encode_chunks(CODEC, _honest(1))
+    req = AverageRequest(fragment=2, round=9, chunks=mine, numel=NUMEL, weight=100.0, version=4, lineage=7)
+    header = _header(fingerprint="swarm", fragment=2, round=9, group_hash=group_hash(group, idle),
+                     sender=partner, weight=100.0, version=partner_version, n_chunks=len(theirs), lineage=7)
+    chunks = [swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=d)) for c, d in enumerate(theirs)]
+    return req, mine, header, chunks
+
+
 def test_an_exchange_reduces_the_whole_fragment_with_an_outbound_only_partner_and_serves_it_the_same_average():
     """``Exchange.run`` with ``Exchange.serve_part`` on a real exchange: a partner that peers cannot dial reduces no
     part and is sent no stream, so this node reduces every chunk; the partner's contribution streams in, its
     reply is the very average this node applies, its header's version claim counts toward the round's, and the
     bytes are counted for it."""
-    from locoswarm.node.core.transport import AverageRequest
-
     node = exchange(CODEC, fingerprint="swarm")
     group, outbound = ["QmMe", "QmOut"], frozenset({"QmOut"})
-    mine, theirs = encode_chunks(CODEC, _honest(0)), encode_chunks(CODEC, _honest(1))
-    req = AverageRequest(fragment=2, round=9, chunks=mine, numel=NUMEL, weight=100.0, version=4, lineage=7)
-    header = _header(fingerprint="swarm", fragment=2, round=9, group_hash=group_hash(group, outbound),
-                     sender="QmOut", weight=100.0, version=5, n_chunks=len(theirs), lineage=7)
-    chunks = [swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=d)) for c, d in enumerate(theirs)]
+    req, mine, header, chunks = _pair_round(group, "QmOut", outbound, partner_version=5)
 
     async def run() -> tuple:
         round_ = asyncio.create_task(node.run(req, group, {"QmMe": 4}, idle=outbound, unreachable=outbound))
@@ -586,7 +594,7 @@ def test_an_exchange_reduces_the_whole_fragment_with_an_outbound_only_partner_an
         alone.add(_contribution("QmOut", _honest(1)), [])
         return _reduced(alone)
     assert torch.equal(result.average, asyncio.run(reduced_alone()))
-    assert result.bytes_sent > 0 and result.bytes_received > sum(map(len, theirs))
+    assert result.bytes_sent > 0 and result.bytes_received > sum(len(c.chunk.data) for c in chunks)
 
 
 def test_a_partner_most_of_the_round_mutes_has_no_pull_in_this_nodes_part_and_still_gets_the_average() -> None:
@@ -594,15 +602,9 @@ def test_a_partner_most_of_the_round_mutes_has_no_pull_in_this_nodes_part_and_st
     nobody streams to it) whose progress agrees with ours, so this reducer's own measure would give it full pull.
     The round merges, the average is this node's own contribution alone (its weight alone), the partner is still
     served that average, and its contribution is still judged."""
-    from locoswarm.node.core.transport import AverageRequest
-
     node = exchange(CODEC, fingerprint="swarm")
     group, muted = ["QmDrift", "QmMe"], frozenset({"QmDrift"})
-    mine, theirs = encode_chunks(CODEC, _honest(0)), encode_chunks(CODEC, _honest(1))
-    req = AverageRequest(fragment=2, round=9, chunks=mine, numel=NUMEL, weight=100.0, version=4, lineage=7)
-    header = _header(fingerprint="swarm", fragment=2, round=9, group_hash=group_hash(group, muted),
-                     sender="QmDrift", weight=100.0, version=4, n_chunks=len(theirs), lineage=7)
-    chunks = [swarm_pb2.AverageRequest(chunk=swarm_pb2.Chunk(index=c, data=d)) for c, d in enumerate(theirs)]
+    req, mine, header, chunks = _pair_round(group, "QmDrift", muted, partner_version=4)
 
     async def run(mutes: frozenset[str]) -> tuple:
         round_ = asyncio.create_task(node.run(req, group, {"QmMe": 4}, idle=muted, unreachable=muted, muted=mutes))
