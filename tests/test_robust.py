@@ -24,7 +24,13 @@ from locoswarm.node.core.robust import (
     pull_factor,
     screen,
 )
-from locoswarm.node.transport.reduce import PartContribution, combine_part, reduce_group, screen_part
+from locoswarm.node.transport.reduce import (
+    ROUND_MUTES,
+    PartContribution,
+    combine_part,
+    reduce_group,
+    screen_part,
+)
 
 S = RobustSection()
 
@@ -371,14 +377,13 @@ def test_a_member_most_of_the_round_mutes_has_no_pull_in_a_pair_whose_reducer_wo
     sizes, cons = _part(codec, [own, drifter], [100.0, 100.0])
     plain = screen_part(codec, cons, sizes, S, trusted=0)
     assert plain.factors == [1.0, 1.0] and plain.muted == [None, None]
-    why = "most of the round mutes it for its standing drift"
-    sc = screen_part(codec, cons, sizes, S, trusted=0, round_mutes={"p1": why, "p0": why})
-    assert sc.factors == [1.0, 0.0] and sc.muted == [None, why] and sc.scores[1] is not None
+    sc = screen_part(codec, cons, sizes, S, trusted=0, round_mutes={"p1", "p0"})
+    assert sc.factors == [1.0, 0.0] and sc.muted == [None, ROUND_MUTES] and sc.scores[1] is not None
     reduced = combine_part(codec, cons, sc, sizes, make_aggregator(S))
     assert_close(decode_chunks(codec, [reduced[c] for c in sorted(reduced)], own.numel()), own)
     centers = {c: own[a:b] for c, (a, b) in enumerate(chunk_bounds(own.numel(), 64))}
-    consensus = screen_part(codec, cons, sizes, S, trusted=0, centers=centers, round_mutes={"p1": why})
-    assert consensus.muted[1] != why
+    consensus = screen_part(codec, cons, sizes, S, trusted=0, centers=centers, round_mutes={"p1"})
+    assert consensus.muted[1] != ROUND_MUTES
 
 
 # ---- parts: the passes over codec bytes ----

@@ -78,6 +78,8 @@ KINDS = tuple(SCENARIO_KINDS)  # ``--kinds``, in this order
 def scenario_kind(name: str) -> ScenarioKind:
     """The kind named ``name``; a name this bench no longer knows (an older report's) is a hostile node's attack."""
     return SCENARIO_KINDS.get(name) or ScenarioKind(name)
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 def tiny_swarm() -> dict[str, dict]:

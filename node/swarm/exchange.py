@@ -86,7 +86,6 @@ MAX_HEADER_BYTES = 64 * 1024
 # guard (16x the whole contribution) still refuses, without blame, results merely too large to trust.
 REDUCED_RATIO = 1000.0
 CONSENSUS_RATIO = 0.5     # a consensus part may move our outer state by at most this share of it
-ROUND_MUTES = "most of the round mutes it for its standing drift"  # why a ``Reduction.round_mutes`` member has no pull
 
 
 class Matching(Protocol):
@@ -315,7 +314,7 @@ class Reduction:
             centers = {c: self.codec.decode(own[c], self.sizes[c]) for c in self.part}
         screening = screen_part(self.codec, cons, self.sizes, self.settings, trusted=trusted, centers=centers,
                                 memory=self.memory, fragment=self.key[0],
-                                round_mutes={p: ROUND_MUTES for p in self.round_mutes})
+                                round_mutes=self.round_mutes)
         reduced = combine_part(self.codec, cons, screening, self.sizes, make_aggregator(self.settings),
                                centers=centers)
         total = screening.total_weight

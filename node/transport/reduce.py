@@ -57,6 +57,9 @@ def reducer_parts(n_chunks: int, members: Sequence[str], idle: Collection[str] =
     return [next(ranges) if m in reducing else range(0) for m in members]
 
 
+# Why a member that most of the round mutes for its standing drift has no pull (``screen_part``'s ``round_mutes``).
+ROUND_MUTES = "most of the round mutes it for its standing drift"
+
 @dataclass
 class PartContribution:
     """One member's chunks of one part, as the reducer holds them (exact codec bytes, sizes checked)."""
@@ -71,7 +74,7 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
                 settings: RobustSection, *, trusted: int | None = None,
                 centers: Mapping[int, torch.Tensor] | None = None,
                 memory: DeviationMemory | None = None, fragment: int = 0,
-                round_mutes: Mapping[str, str] | None = None) -> Screening:
+                round_mutes: Collection[str] = ()) -> Screening:
     """Screen a part's contributions, judge their directions and clip scales (``locoswarm.node.core.robust``).
 
     With ``centers`` (rounds that average phi itself) deviations are measured from them and directions are
@@ -80,8 +83,9 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
     of the clipping radius). With ``memory`` (the reducer's, of rounds of pseudo-gradients of ``fragment``) a
     sender whose deviation from the centre persists round after round gets a smaller radius
     (``locoswarm.node.core.persistence``). ``round_mutes``: senders that most of the round mutes for their standing
-    drift (``locoswarm.node.swarm.averaging.idle_reducers``), with why: no pull here either, though this reducer's
-    own memory would give them some (they are still judged, so a probe round still gathers evidence of them)."""
+    drift (``locoswarm.node.swarm.averaging.idle_reducers``): no pull here either (``ROUND_MUTES`` says why),
+    though this reducer's own memory would give them some (they are still judged, so a probe round still gathers
+    evidence of them)."""
     part = sorted(sizes)
     stats = []
     for con in contributions:
@@ -122,10 +126,9 @@ def screen_part(codec: Codec, contributions: Sequence[PartContribution], sizes: 
                              screening)
     if round_mutes and centers is None:
         for k, i in enumerate(accepted):
-            why = round_mutes.get(contributions[i].sender)
-            if why is not None and k != t_acc and not screening.muted[k]:
+            if contributions[i].sender in round_mutes and k != t_acc and not screening.muted[k]:
                 screening.factors[k] = 0.0
-                screening.muted[k] = why
+                screening.muted[k] = ROUND_MUTES
     live = [f > 0 for f in screening.factors]
     persistence = None
     if memory is not None and centers is None and settings.persistence_clip and len(accepted) >= 2:
