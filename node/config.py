@@ -292,7 +292,8 @@ SECTIONS: dict[str, type] = {
 # ---- loading, validation and fingerprint below (owned by the config module) ----
 
 #: Bumped whenever the meaning of the fingerprinted settings changes (not when a value changes).
-FINGERPRINT_FORMAT = 2  # 2: payload chunking by size (core.payload), centred clipping, direction screening
+# 2: payload chunking by size (core.payload), centred clipping, direction screening; 3: reducers' parts turn each round
+FINGERPRINT_FORMAT = 3
 
 _INIT_HINT = "create one with 'locoswarm config --init > peers.toml'"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")

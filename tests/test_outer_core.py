@@ -365,16 +365,32 @@ def test_part_ranges_partition_chunk_indices(n_chunks: int, n_members: int) -> N
 
 @pytest.mark.parametrize(("n_chunks", "members", "idle"), [(7, "abcd", "d"), (7, "abcd", "bd"), (2, "abc", "a"),
                                                           (5, "abc", "abc"), (6, "ab", "")])
+@pytest.mark.parametrize("round_", [0, 1, 5])
 def test_reducer_parts_leave_idle_members_no_part_and_cover_every_chunk(n_chunks: int, members: str,
-                                                                          idle: str) -> None:
-    parts = reducer_parts(n_chunks, list(members), set(idle))
-    assert [c for r in parts for c in r] == list(range(n_chunks)), "every chunk reduced once, in order"
+                                                                          idle: str, round_: int) -> None:
+    parts = reducer_parts(n_chunks, list(members), set(idle), round_)
+    assert sorted(c for r in parts for c in r) == list(range(n_chunks)), "every chunk reduced once"
     if set(idle) == set(members):
-        assert parts == part_ranges(n_chunks, len(members)), "nobody idle where everybody would be"
+        assert sorted(map(tuple, parts)) == sorted(map(tuple, part_ranges(n_chunks, len(members)))), \
+            "nobody idle where everybody would be"
     else:
         assert all(not parts[j] for j, m in enumerate(members) if m in idle)
         busy = [len(parts[j]) for j, m in enumerate(members) if m not in idle]
         assert sorted(busy) == sorted(len(r) for r in part_ranges(n_chunks, len(busy)))
+
+
+@pytest.mark.parametrize(("n_chunks", "members", "idle"), [(12, "abc", ""), (7, "abcd", "c"), (10, "abcde", "")])
+def test_over_consecutive_rounds_every_reducer_covers_every_chunk(n_chunks: int, members: str, idle: str) -> None:
+    """Parts turn each round, so that no reducer is judged for one range's nature (``reducer_parts``)."""
+    reducing = [m for m in members if m not in idle]
+    for start in (0, 7):
+        covered = {m: [] for m in members}
+        for round_ in range(start, start + len(reducing)):
+            for m, part in zip(members, reducer_parts(n_chunks, list(members), set(idle), round_), strict=True):
+                covered[m].extend(part)
+        for m in members:
+            assert sorted(covered[m]) == ([] if m in idle else list(range(n_chunks))), m
+    assert reducer_parts(n_chunks, list(members), set(idle), 3) != reducer_parts(n_chunks, list(members), set(idle), 4)
 
 
 def reduce_group(codec, payloads, weights, numel, aggregator: str = "clipped_mean"):

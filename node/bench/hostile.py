@@ -762,10 +762,10 @@ class InjectClient(HostileClient):
 
         from locoswarm.node.core.payload import chunk_bounds
         from locoswarm.node.swarm.exchange import AVERAGE_HANDLER, MAX_HEADER_BYTES, group_hash
-        from locoswarm.node.transport.reduce import part_ranges
+        from locoswarm.node.transport.reduce import reducer_parts
 
         bounds = chunk_bounds(self.numel[fragment], self.codec.block_size)
-        part = part_ranges(len(bounds), len(group))[j]
+        part = reducer_parts(len(bounds), group, round_=round_)[j]
         header = swarm_pb2.AverageRequest(header=swarm_pb2.AverageHeader(
             fingerprint=self.fingerprint, fragment=fragment, round=round_, group_hash=group_hash(group),
             sender=sender, weight=max(1.0, entry.weight), version=entry.version, n_chunks=len(part)))

@@ -447,7 +447,7 @@ class Exchange:
         me = group.index(self.peer_id)
         codec = self.codec_for(req.codec)
         bounds = chunk_bounds(req.numel, codec.block_size)
-        parts = reducer_parts(len(bounds), group, idle)
+        parts = reducer_parts(len(bounds), group, idle, req.round)
         sizes = {c: bounds[c][1] - bounds[c][0] for c in parts[me]}
         key = (req.fragment, req.round, ghash)
         session = Reduction(key, self.peer_id, codec, group, parts[me], sizes, self.robust,

@@ -35,7 +35,7 @@ from locoswarm.node.core.transport import (
     Transport,
 )
 from locoswarm.node.transport.groups import consensus_members, form_groups, group_basis
-from locoswarm.node.transport.reduce import part_ranges, reduce_group
+from locoswarm.node.transport.reduce import reduce_group, reducer_parts
 
 # Per message besides codec chunks: weight (f64) + version (i64), then the fp32 extras vector and the
 # basis tag of low-rank payloads.
@@ -148,7 +148,7 @@ class InProcessHub:
         codec = get_codec(req.codec, self.codec.block_size) if req.codec else self.codec
         reduced, sent, received, entered = reduce_group(
             codec, [m.request.chunks for m in group], weights, numel, self.robust, self.aggregator,
-            senders=[f"w{m.worker:06d}" for m in group], fragment=req.fragment,
+            senders=[f"w{m.worker:06d}" for m in group], fragment=req.fragment, round_=req.round,
             memory=None if req.digest else self.deviations)  # phi's deviations (consensus) persist by nature
         average = decode_chunks(codec, reduced, numel)
         weights = [w if w > 0 else 0.0 for w in entered]
@@ -159,8 +159,8 @@ class InProcessHub:
         header = HEADER_BYTES + 4 * group[0].request.extras.numel() + len(group[0].request.basis)
         bounds = chunk_bounds(numel, codec.block_size)
         ids = [f"w{m.worker:06d}" for m in group]
-        spans = [(j, bounds[r.start][0], bounds[r.stop - 1][1]) for j, r in enumerate(part_ranges(len(bounds), n))
-                 if len(r)]
+        spans = [(j, bounds[r.start][0], bounds[r.stop - 1][1])
+                 for j, r in enumerate(reducer_parts(len(bounds), ids, round_=req.round)) if len(r)]
         # each member's own part carries the others' contributions to it, as the swarm's reducers do (not in a pair)
         decoded = (None if req.digest or req.basis or n < 3 else
                    [decode_chunks(codec, list(m.request.chunks), numel) if w > 0 else None
