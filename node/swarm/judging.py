@@ -72,20 +72,20 @@ SPREAD_REFUSE = 4.0
 SPREAD_BAN_OTHER_PHI = SPREAD_REFUSE
 SPREAD_FLOOR = 0.15
 # A reducer's residual (its part's component orthogonal to this member's contribution, ``PartGeometry.residuals``)
-# persists round after round as much as the members' data differ, about equally for every honest reducer; a fixed
-# pattern added to the part persists more (``PartJudge.persistence``). Measured in robustness-bench runs
-# of real nodes (3 + 0 and 3 + 1, tiny preset, standing levels after the first minute): honest reducers at most 0.13
-# above the median of the reducers' levels (99% within 0.10); ``reducenudge`` (0.8x its part's rms) 0.3-0.36 above it
-# in its first minute, later less as the honest members' progress corrects the pattern it added. A reducer whose
-# last PERSISTENCE_WINDOW levels exceed the median by more than PERSISTENCE_BAN on the whole (accumulated: two at
-# 0.36, three at 0.24) is banned.
-# Nothing is judged while that median is below PERSISTENCE_FLOOR: in a swarm's first minute residuals are mostly
-# noise and their persistence differs from chunk to chunk (a clean 4 + 2 run banned an honest reducer 53 s after
-# its start at 0.38 against a median of 0.14); later honest medians were 0.37-0.46, at the bans of hostile ones
-# 0.32-0.45.
+# persists from one of its parts to the next as much as the members' data differ, about equally for every honest
+# reducer since parts turn each round (``transport.reduce.reducer_parts``); a fixed pattern added to the part persists
+# more (``PartJudge.persistence``). Each chunk's memory is of the reducer's own earlier parts, which turned parts make
+# a group size's rounds apart: honest residuals decorrelate over that time, a fixed pattern does not. Measured in
+# robustness-bench runs of real nodes (tiny preset, 3 + 0 and 3 + 1, 90 s each): honest reducers' levels at most 0.13
+# above the median of the reducers' levels, 0.07 over four in a row (median levels 0.0-0.25); ``reducenudge`` (a
+# pattern of 0.8x its part's rms) 0.37-0.43 above it from its first parts. A reducer whose last PERSISTENCE_WINDOW
+# levels exceed the median by more than PERSISTENCE_BAN on the whole (accumulated: two at 0.36, three at 0.24) is
+# banned. Before parts turned, a member reduced the same chunk range round after round, and chunk ranges differ in
+# how their residuals persist (a clean 3-node run: 0.35 against 0.43 by position, the same from every observer): the
+# range's nature became the reducer's, and an honest joiner was banned 18 s after it joined (0.58 against a median
+# of 0.38).
 PERSISTENCE_WINDOW = 4
 PERSISTENCE_BAN = 0.18
-PERSISTENCE_FLOOR = 0.25
 # A contribution of fewer tokens than this share of the reducer's own is not judged for the agreement ban: a
 # member that just joined, caught up or dropped its carry has a step or two of progress, whose direction is
 # mostly noise (it has little pull anyway).
@@ -398,7 +398,7 @@ class PartJudge:
             obs.commit()
         self.part_drift.fold(reducers, persistence)
         ref = self.part_drift.reference()
-        if ref is None or ref < PERSISTENCE_FLOOR:
+        if ref is None:
             return
         for reducer in reducers:
             level = self.part_drift.level(reducer)
