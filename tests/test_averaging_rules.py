@@ -1347,10 +1347,12 @@ def test_a_reducer_whose_parts_spread_far_more_than_our_own_is_refused_and_banne
 def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
     """Rounds of four members (this node, QmB, QmC, QmD) whose contributions are a common direction, a bias of each
     member's own data (the same every round: why honest residuals persist) and minibatch noise; each member reduces
-    two of eight chunks honestly, except that QmD adds ``nudge`` times its part's rms in a fixed sign pattern (the
-    bench's ``reducenudge`` at 0.8). Yields (request, parts) per round, this node's own part first."""
+    two of eight chunks honestly, the pair turning each round as the swarm's parts do (``reducer_parts``), except that
+    QmD adds ``nudge`` times its part's rms in a fixed sign pattern (the bench's ``reducenudge`` at 0.8). Yields
+    (request, parts) per round, this node's own part first."""
     from locoswarm.node.core.transport import AverageRequest
     from locoswarm.node.swarm.judging import part_geometry
+    from locoswarm.node.transport.reduce import reducer_parts
 
     numel, members = 8 * 1024, ["QmMe", "QmB", "QmC", "QmD"]
     gen = torch.Generator().manual_seed(seed)
@@ -1363,13 +1365,13 @@ def _persistence_rounds(rounds: int, nudge: float, seed: int = 0):
         req = AverageRequest(fragment=0, round=r, chunks=encode_chunks(CODEC, contributions[0]), numel=numel,
                              weight=1.0, version=1)
         parts = []
-        for j, reducer in enumerate(members):
-            lo, hi = bounds[2 * j][0], bounds[2 * j + 1][1]
+        for reducer, part in zip(members, reducer_parts(len(bounds), members, round_=r), strict=True):
+            lo, hi = bounds[part.start][0], bounds[part.stop - 1][1]
             values = mean.clone()
             if reducer == "QmD":
                 values[lo:hi] += nudge * float(values[lo:hi].norm()) / (hi - lo) ** 0.5 * pattern[lo:hi]
             encoded = encode_chunks(CODEC, values)
-            chunks = {c: encoded[c] for c in (2 * j, 2 * j + 1)}
+            chunks = {c: encoded[c] for c in part}
             parts.append(PartResult(reducer, chunks, 4.0, [], part_geometry(CODEC, req, chunks, bounds)))
         yield req, parts
 
