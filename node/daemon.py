@@ -386,7 +386,7 @@ class Node(SwarmView):
         """Log (and record as an event) what this node's reachability means for it, once per state."""
         line = self.reachability.advice(self._announced_port())
         if line:
-            self._event("reachability", line)  # logged as "reachability: ..."
+            self.record_event("reachability", line)  # logged as "reachability: ..."
 
     def _dialable_peers(self) -> list[str]:
         """Live peers whose heartbeats say peers can dial them (the checkers a dial-back asks; an outbound-only
@@ -593,7 +593,7 @@ class Node(SwarmView):
             self.local_step = int(meta.get("local_step", 0))
             self.clock = int(meta.get("clock", 0))
             self.tokens = int(meta.get("tokens", 0))
-            self._event("resumed", f"from checkpoint at step {self.local_step}, clock {self.clock}")
+            self.record_event("resumed", f"from checkpoint at step {self.local_step}, clock {self.clock}")
         return meta
 
     def _start_heartbeats(self) -> None:
@@ -621,8 +621,9 @@ class Node(SwarmView):
                 if snap.source:
                     self.reputation.refuse(snap.source, "bad_state", refusal.reason, offence=refusal.offence,
                                            conclusive=refusal.conclusive, forgivable=False)
-                self._event("refused", f"fragment {p} state from {snap.source[:12] or 'a peer'}: {refusal.reason}",
-                            fragment=p, version=snap.version)
+                self.record_event("refused",
+                                  f"fragment {p} state from {snap.source[:12] or 'a peer'}: {refusal.reason}",
+                                  fragment=p, version=snap.version)
             # The servers' clocks as they sent the state: fresher than their heartbeats, which a joiner's DHT
             # reads could not refresh while the download filled the links (a 5 Mbit/s bench run saw joiners
             # take clock 0, their holder's heartbeat gone stale, while the holder was at 214).
@@ -631,9 +632,9 @@ class Node(SwarmView):
                     self.swarm_clock.observe(snap.source, snap.clock, snap.inner_step, snap.seen)
             self.clock = self.swarm_clock.join(self.clock)
             self._adopt_schedule_state()
-            self._event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
-                                  f"{len(holders)} peer(s) ({got / 1e6:.3f} MB, momentum in "
-                                  f"{self.cfg.network.state_momentum}); swarm clock {self.clock}")
+            self.record_event("joined", f"downloaded {len(fetched)}/{len(self.fragments)} fragments from "
+                                        f"{len(holders)} peer(s) ({got / 1e6:.3f} MB, momentum in "
+                                        f"{self.cfg.network.state_momentum}); swarm clock {self.clock}")
         else:
             self.clock = self.swarm_clock.join(self.clock)  # no peer trains: our own clock
         for p in range(self.outer.n_fragments):
@@ -666,7 +667,7 @@ class Node(SwarmView):
             if self.theta_sync is not None:
                 self.theta_sync.broken(exc)  # the leave's drain moves nothing between the ranks any more
             log.error("%s", exc)
-            self._event("rank_failed", "a rank of this node failed: leaving the swarm")
+            self.record_event("rank_failed", "a rank of this node failed: leaving the swarm")
 
     def _share_start(self) -> None:
         """Rank 0's data seed, step, theta and inner optimizer state to the other ranks (after resume/join)."""
@@ -792,8 +793,8 @@ class Node(SwarmView):
             # flood the log and events.
             if not self._alone:
                 self._alone = True
-                self._event("alone", f"no live peer: outer steps on this node's own progress (from {detail}) "
-                                     "until peers join", fragment=ev.fragment, version=ev.version)
+                self.record_event("alone", f"no live peer: outer steps on this node's own progress (from {detail}) "
+                                           "until peers join", fragment=ev.fragment, version=ev.version)
             return
         if ev.kind == "merged":
             self._alone = False
@@ -809,10 +810,10 @@ class Node(SwarmView):
             if not self.peer_table:  # alone in the swarm: every round fails; not news
                 log.debug("%s", detail)
                 return
-        self._event(ev.kind, detail, fragment=ev.fragment, round=ev.round, bytes_sent=ev.bytes_sent,
-                    bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version,
-                    own_weight=ev.own_weight, total_weight=ev.total_weight,
-                    matchmaking_s=ev.matchmaking_s or None, round_s=ev.round_s or None)
+        self.record_event(ev.kind, detail, fragment=ev.fragment, round=ev.round, bytes_sent=ev.bytes_sent,
+                          bytes_received=ev.bytes_received, group_size=ev.group_size, version=ev.version,
+                          own_weight=ev.own_weight, total_weight=ev.total_weight,
+                          matchmaking_s=ev.matchmaking_s or None, round_s=ev.round_s or None)
 
     def _evaluate(self) -> float:
 
@@ -855,8 +856,8 @@ class Node(SwarmView):
         if any(t is not None and t > hint.round for t in self.outer.schedule_state().last_send):
             return
         self.outer.adopt_schedule(hint.state, hint.fragment, hint.round)
-        self._event("realigned", f"adaptive schedule: took the state of slot leader {hint.leader[:12]} "
-                                 f"at slot {hint.round}")
+        self.record_event("realigned", f"adaptive schedule: took the state of slot leader {hint.leader[:12]} "
+                                       f"at slot {hint.round}")
 
     # ---- the swarm as the transport sees it (SwarmView) -------------------------------------------------
     def live_peers(self) -> list[str]:
@@ -1034,7 +1035,7 @@ class Node(SwarmView):
                 self._rounds_from = time.monotonic() + 1.5 * interval
             self.peer_table = self.membership.peers()
             self.swarm_clock.observe_table(self.peer_table)
-            self._write_status()
+            self.write_status()
         except Exception as exc:
             log.warning("heartbeat failed: %s", exc)
 
@@ -1049,7 +1050,7 @@ class Node(SwarmView):
         """Publish a heartbeat and refresh the peer table now instead of at the next interval."""
         self._beat.set()
 
-    def _event(self, kind: str, detail: str, **fields) -> None:
+    def record_event(self, kind: str, detail: str, **fields) -> None:
         """Record an event (``fields``: those of :class:`StatusEvent`) and log it."""
         entry = StatusEvent(time=time.time(), kind=kind, detail=detail, clock=self.clock, **fields)
         self.events.append(entry)
@@ -1147,8 +1148,8 @@ class Node(SwarmView):
                 banned=judged.banned)
         return out
 
-    def _write_status(self) -> None:
-
+    def write_status(self) -> None:
+        """Write :meth:`status_snapshot` to ``status.json`` in the state directory now (atomically)."""
         atomic_write_text(self.opts.state_dir / "status.json", json.dumps(self.status_snapshot().to_json(), indent=1))
 
     def _checkpoint_meta(self) -> dict:
@@ -1175,7 +1176,7 @@ class Node(SwarmView):
         except Exception as exc:
             log.warning("could not announce leaving: %s", exc)
         self.state = "stopped"
-        self._write_status()
+        self.write_status()
         log.info("left the swarm cleanly at step %d (checkpoint saved)", self.local_step)
 
     def _shutdown_network(self) -> None:

@@ -188,8 +188,8 @@ def test_node_status_snapshot(tmp_path):
         fragments=[swarm_pb2.FragmentStatus(fragment=0, version=7, phi_hash=zlib.crc32(phi.numpy().tobytes()),
                                             phi_norm=float(phi.norm()))])}
     node.eval_curve = [(0, 5.5), (100, 3.0)]
-    node._event("merged", "fragment 0 round v7", fragment=0, round=112, group_size=2, version=7, own_weight=8.0,
-                total_weight=16.0)
+    node.record_event("merged", "fragment 0 round v7", fragment=0, round=112, group_size=2, version=7,
+                      own_weight=8.0, total_weight=16.0)
     node.clock = 124
 
     st = node.status_snapshot()
@@ -207,7 +207,7 @@ def test_node_status_snapshot(tmp_path):
     assert (st.control_port, st.metrics_port, st.state, st.loss) == (7615, 9615, "training", 2.5)
     assert [(p.clock, p.loss) for p in st.eval_curve] == [(0, 5.5), (100, 3.0)]
     assert st.events[-1].own_weight == 8.0 and st.refusals == ["QmPeer: bad_weight: too heavy"]
-    node._write_status()
+    node.write_status()
     on_disk = json.loads((tmp_path / "status.json").read_text())
     assert on_disk["spread"]["0"]["holders"] == 2 and on_disk["fragments"][1]["phi_norm"] is None
     # what is measured anew at each write (time, utilization, the process's memory) comes from the file
