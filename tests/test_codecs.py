@@ -389,16 +389,15 @@ def test_cuda_round_trip(name: str) -> None:
 @pytest.mark.parametrize("name", CODECS)
 @pytest.mark.parametrize("numel", [1, 63, 4097, 3 * (1 << 18) + 5])  # odd, partial block, several CPU pieces
 def test_the_device_decode_path_gives_the_cpu_decode_bit_for_bit(name: str, numel: int) -> None:
-    """``decode(data, n, device)`` for a device decodes the wire bytes as a tensor on that device; run on
-    the CPU here (the same torch ops), it must equal the numpy-piecewise CPU decode exactly."""
-    from locoswarm.node.core.codecs import _bytes_on
-
+    """``decode(data, n, device)`` for a device decodes the wire bytes as a tensor on that device
+    (``decode_by_device``); run on the CPU here (the same torch ops), it must equal the numpy-piecewise CPU
+    decode exactly."""
     codec = get_codec(name)
     x = _randn(numel, seed=13) * 1e-3
     x[numel // 2] = 0.0
     data = codec.encode(x)
     reference = codec.decode(data, numel)
-    decoded = codec._decode_tensor(_bytes_on(data, torch.device("cpu")), numel)
+    decoded = codec.decode_by_device(data, numel, "cpu")
     assert decoded.dtype == torch.float32 and decoded.shape == (numel,)
     assert torch.equal(decoded, reference)
 

@@ -245,6 +245,16 @@ class Codec(ABC):
             return torch.zeros(0, dtype=torch.float32, device=device)
         if device.type == "cpu":
             return self._decode_checked(data, numel)
+        return self.decode_by_device(data, numel, device)
+
+    def decode_by_device(self, data: bytes, numel: int, device: torch.device | str) -> torch.Tensor:
+        """``decode`` by torch ops on ``device`` (the path ``decode`` takes off the CPU); on the CPU it is the
+        reference that ``decode``'s numpy pieces must equal bit for bit."""
+        _check_numel(numel)
+        _check_length(self, data, numel)
+        device = torch.device(device)
+        if numel == 0:
+            return torch.zeros(0, dtype=torch.float32, device=device)
         return self._decode_tensor(_bytes_on(data, device), numel)
 
     def _decode_tensor(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
