@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 import hivemind  # noqa: F401 (imported up front so the first test's timings exclude the import)
@@ -644,6 +644,16 @@ class _Writer:
         pass
 
 
+class _HandlerRegistry:
+    """The part of hivemind's P2P a server registers with: the binary stream handlers, by name."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Callable[..., Awaitable[None]]] = {}
+
+    async def add_binary_stream_handler(self, name: str, handler: Callable[..., Awaitable[None]]) -> None:
+        self.handlers[name] = handler
+
+
 def test_a_stream_task_cancelled_at_shutdown_ends_normally() -> None:
     """A node that leaves cancels its stream tasks; hivemind's done-callback reads task.exception(), which
     raised CancelledError and logged a traceback at every shutdown of the swarm bench. The handler now ends
@@ -653,10 +663,12 @@ def test_a_stream_task_cancelled_at_shutdown_ends_normally() -> None:
         async def handler(remote, requests):
             yield swarm_pb2.StateChunk()
 
-        server = wire.WireServer(None, "t", handler, swarm_pb2.StateRequest, max_request_bytes=64, idle_timeout=1.0,
+        p2p = _HandlerRegistry()
+        server = wire.WireServer(p2p, "t", handler, swarm_pb2.StateRequest, max_request_bytes=64, idle_timeout=1.0,
                                  max_streams_per_peer=1, max_streams=1, gatekeeper=lambda remote: "banned here")
+        await server.start()  # registers the stream handler hivemind calls for each incoming stream
         info = type("Info", (), {"peer_id": "QmPeer"})()
-        task = asyncio.create_task(server._on_stream(info, asyncio.StreamReader(), _Writer()))
+        task = asyncio.create_task(p2p.handlers["t"](info, asyncio.StreamReader(), _Writer()))
         await asyncio.sleep(0.1)  # inside the tarpit's hold
         task.cancel()
         await asyncio.wait([task], timeout=5)
