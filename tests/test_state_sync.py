@@ -416,7 +416,8 @@ def _first_reply(swarm: Swarm, server: P2P, request: swarm_pb2.StateRequest) -> 
     return swarm.run(ask(), timeout=30)
 
 
-def test_a_stranger_is_refused_whatever_heartbeat_it_presents_and_a_joiner_is_served_from_the_dht(swarm):
+def test_a_stranger_is_refused_whatever_heartbeat_it_presents_and_a_joiner_is_served_from_the_dht(swarm,
+                                                                                                  monkeypatch):
     """A heartbeat in the request is the requester's own word: anyone can make one (a stranger downloaded the
     whole state 96 times that way). A requester that is not in the server's table is looked up in the swarm's
     DHT (``confirm_live``): served when its heartbeat is there (a joiner the server has not read yet), refused
@@ -443,7 +444,7 @@ def test_a_stranger_is_refused_whatever_heartbeat_it_presents_and_a_joiner_is_se
         assert server.served == 0
         # its heartbeat reaches the DHT: once the cached answer has expired, it is served
         in_dht.add(me)
-        server._live_cache.clear()
+        monkeypatch.setattr(state_sync, "LIVE_CACHE_S", 0.0)  # every cached answer has expired
         assert _first_reply(swarm, swarm.good, swarm_pb2.StateRequest(fingerprint=FP, fragment=1)) == "data"
     finally:
         server.close()
