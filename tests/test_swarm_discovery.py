@@ -36,7 +36,7 @@ from locoswarm.node.swarm.dht import (
     validate_bootstrap,
     visible_maddrs,
 )
-from locoswarm.node.swarm.membership import Membership, fragment_spread, swarm_key
+from locoswarm.node.swarm.membership import Membership, fingerprints_key, fragment_spread, swarm_key
 from locoswarm.protocol import swarm_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -465,8 +465,9 @@ def test_fingerprint_refusal_names_the_difference(pair):
     # same fingerprint passes, a different swarm name is another swarm
     Membership(b, _cfg("fp-check", codec="fp4"), str(b.peer_id)).check_fingerprint()
     Membership(b, _cfg("fp-check-2", codec="int8"), str(b.peer_id)).check_fingerprint()
-    # the settings record stays small
-    assert len(ma._settings_json) < 8192
+    # the settings record it announced in the DHT stays small
+    record = a.get(fingerprints_key("fp-check"), latest=True).value[fingerprint(swarm)].value
+    assert json.loads(record) == ma.settings and len(record) < 8192
 
 
 # ---- swarm progress on synthetic heartbeats ----
