@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -45,6 +46,21 @@ def test_a_certificate_admits_exactly_its_peer_in_its_swarm_until_it_expires(own
     assert not admission.admits("QmA", cert) and admission.strangers == 1
 
 
+class _DHTHolding:
+    """A DHT whose every key holds ``entries`` (``{subkey: (value, expiration)}``), answered as hivemind's
+    ``get(key, latest=True, return_future=True)`` answers."""
+
+    def __init__(self, entries: dict[str, tuple[bytes, float]]) -> None:
+        self.entries = entries
+
+    def get(self, key: str, latest: bool = False, return_future: bool = False) -> concurrent.futures.Future:
+        found = SimpleNamespace(value={subkey: SimpleNamespace(value=value, expiration_time=exp)
+                                       for subkey, (value, exp) in self.entries.items()})
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(found)
+        return future
+
+
 def test_membership_of_a_closed_swarm_ignores_heartbeats_without_a_valid_certificate(owner) -> None:
     """The peer table of a closed swarm holds only certified peers; the others are counted as strangers."""
     from locoswarm.node.swarm.membership import Membership
@@ -52,7 +68,8 @@ def test_membership_of_a_closed_swarm_ignores_heartbeats_without_a_valid_certifi
     key, public = owner
     cfg = load_config(None, ["swarm.name=team"])
     admission = Admission(public, "team")
-    me = Membership(SimpleNamespace(), cfg, "QmMe", admission=admission)
+    entries: dict[str, tuple[bytes, float]] = {}
+    me = Membership(_DHTHolding(entries), cfg, "QmMe", admission=admission)
 
     def heartbeat(peer: str, cert: bytes) -> bytes:
         return swarm_pb2.Heartbeat(peer_id=peer, fingerprint=me.fingerprint, certificate=cert).SerializeToString()
@@ -60,10 +77,9 @@ def test_membership_of_a_closed_swarm_ignores_heartbeats_without_a_valid_certifi
     from locoswarm.node.swarm import records
 
     good = sign(key, "QmGood", "team", int(time.time()) + 3600).to_bytes()
-    entries = {"QmGood": (heartbeat("QmGood", good), time.time() + 60),
-               "QmStranger": (heartbeat("QmStranger", b""), time.time() + 60),
-               "QmThief": (heartbeat("QmThief", good), time.time() + 60)}  # QmGood's certificate, another id
-    me._get = lambda what, key: entries
+    entries.update({"QmGood": (heartbeat("QmGood", good), time.time() + 60),
+                    "QmStranger": (heartbeat("QmStranger", b""), time.time() + 60),
+                    "QmThief": (heartbeat("QmThief", good), time.time() + 60)})  # QmGood's certificate, another id
     original = records.subkey_peer
     records.subkey_peer = lambda subkey: subkey  # the test's subkeys are the peer ids themselves
     try:
