@@ -172,10 +172,9 @@ def test_a_natted_node_gets_no_announce_address_and_no_proxy(monkeypatch, tmp_pa
                                   eval_every=0, latency_ms=20)
     run = runner.ConfigRun("c", runner.PeerLaunch(["locoswarm.node.cli", "run"], tmp_path / "p.toml"), topo, settings,
                            proxied=True)
+    run.start_proxies()
     for i in range(3):
-        if run._proxied(i):
-            run._start_proxy(i)
-        run._start_peer(i, None if i == 0 else "/ip4/10.77.0.11/tcp/31338/p2p/Qmx")
+        run.start_peer(i, None if i == 0 else "/ip4/10.77.0.11/tcp/31338/p2p/Qmx")
     assert sorted(started) == ["c/node0", "c/node1", "c/node2", "proxy0", "proxy1"]
 
     def flag(argv: list[str], name: str) -> list[str]:

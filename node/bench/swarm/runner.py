@@ -328,6 +328,12 @@ class ConfigRun:
                    HIVEMIND_LOGLEVEL="WARNING", GOLOG_LOG_LEVEL="error")
         return env
 
+    def start_proxies(self) -> None:
+        """Start the latency proxy of every node that listens behind one (none when the run is not proxied)."""
+        for i in range(self.s.nodes):
+            if self._proxied(i):
+                self._start_proxy(i)
+
     def _start_proxy(self, i: int) -> None:
         argv = [*self.topo.exec_prefix(i), sys.executable, "-m", "locoswarm.node.bench.swarm.proxy",
                 "--listen", f"{self.topo.address(i)}:{PROXY_PORT}", "--target", f"127.0.0.1:{NODE_PORT}",
@@ -339,7 +345,9 @@ class ConfigRun:
         (its outbound connections cross the proxies of the public nodes they dial)."""
         return self.proxied and not self.topo.natted(i)
 
-    def _start_peer(self, i: int, bootstrap: str | None) -> None:
+    def start_peer(self, i: int, bootstrap: str | None) -> None:
+        """Start node ``i`` (in its namespace), dialing ``bootstrap`` first (None: the first node, which dials
+        nobody)."""
         # a NATed node listens on its private address and announces nothing else: no address that pretends
         # to be reachable (what it reports of its reachability is the node's own finding)
         host = "127.0.0.1" if self._proxied(i) else self.topo.address(i)
@@ -408,15 +416,13 @@ class ConfigRun:
         n = self.s.nodes
         result: dict = {"proxied": self.proxied}
         try:
-            for i in range(n):
-                if self._proxied(i):
-                    self._start_proxy(i)
+            self.start_proxies()
             self.on_progress("starting", 0.0)
-            self._start_peer(0, None)
+            self.start_peer(0, None)
             boot = self._wait_bootstrap(self.s.ready_timeout)
             result["bootstrap"] = boot
             for i in range(1, n):
-                self._start_peer(i, boot)
+                self.start_peer(i, boot)
             self._wait(lambda sts: all(st.get("state") == "training" and len(st.get("peers") or {}) >= n - 1
                                        for st in sts), self.s.ready_timeout, f"{n} training peers that see each other")
             self._poll_for(self.s.warmup, "warm-up")
