@@ -712,6 +712,64 @@ def test_a_socket_bound_after_the_watchdogs_last_poll_is_removed_after_sigkill(t
             os.unlink(sock)
 
 
+LEAN_WATCHDOG_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import torch  # noqa: F401 (a node has imported torch before it starts its watchdog)
+    from locoswarm.node.swarm.process import become_group_leader, start_watchdog
+    become_group_leader()
+    print(start_watchdog(poll_s=0.2), flush=True)
+    time.sleep(120)
+""")
+
+
+def _smaps_mb(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        name, value = line.split()[:2]
+        out[name.rstrip(":")] = int(value) / 1024
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_imports_no_torch_even_when_its_node_did(tmp_path):
+    """The watchdog is a fresh interpreter on the standard library: forked from a node that had imported
+    torch it held 100 MB PSS (70 MB of it its own). It maps no torch library and stays small, and it still
+    cleans up once its node is SIGKILLed."""
+    path = tmp_path / "lean.py"
+    path.write_text(LEAN_WATCHDOG_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(path), str(REPO)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 40)
+        assert ready, "the script did not start its watchdog"
+        watchdog = int(proc.stdout.readline())
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:  # until the fresh interpreter has started its watch
+            cmdline = Path(f"/proc/{watchdog}/cmdline").read_bytes().split(b"\0")
+            if b"--locoswarm-watchdog" in cmdline and _stat(watchdog)[0] == "locoswarm-watch":
+                break
+            time.sleep(0.05)
+        assert b"--locoswarm-watchdog" in cmdline, cmdline
+        time.sleep(0.5)  # a few polls
+        maps = Path(f"/proc/{watchdog}/maps").read_text()
+        assert "torch" not in maps and "libgomp" not in maps, "the watchdog maps torch's libraries"
+        mem = _smaps_mb(watchdog)
+        assert mem["Private_Clean"] + mem["Private_Dirty"] < 30, mem  # measured: about 8 MB
+        assert mem["Pss"] < 40, mem
+        start = _stat(watchdog)[4]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while _alive(watchdog, start) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(watchdog, start), "the watchdog outlived its node"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+
 OWNER_SCRIPT = textwrap.dedent("""
     import os, subprocess, sys, time
     open(f"/dev/shm/torch_{os.getpid()}_test_0", "w").close()  # as torch's shared memory leaves them

@@ -12,7 +12,8 @@ The remedy, in the order a node calls it:
    everything started in it); ``locoswarm.node.swarm.dht`` puts the DHT child and its p2pd in a group of their
    own, so a terminal's Ctrl+C (sent to the foreground group) does not kill p2pd before the node has
    left the swarm gracefully;
-2. :func:`start_watchdog` - forked right away, before anything heavy: a tiny process that notices the
+2. :func:`start_watchdog` - started right away: a lean process (a fresh
+   interpreter that imports only the standard library, however heavy the node already is) that notices the
    node's death (``PR_SET_PDEATHSIG`` plus polling ``getppid``), then SIGTERMs, and after a grace
    period SIGKILLs, the node's process group and every descendant it last saw, and removes their IPC
    files;
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 _WATCHDOG_NAME = b"locoswarm-watch"
+_WATCHDOG_ARG = "--locoswarm-watchdog"
 _HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
 
 
@@ -328,18 +330,24 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 
 
 def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
-    """Fork a watchdog that cleans up after this process if it dies (SIGKILL included).
+    """Start a watchdog that cleans up after this process if it dies (SIGKILL included).
 
-    Call it early (right after :func:`become_group_leader`, before importing torch/hivemind or
-    starting threads). When this process is gone, the watchdog SIGTERMs this process group (if this
-    process leads it), every descendant it saw at its last poll (``poll_s``) and the process groups
-    those descendants led (the DHT's), SIGKILLs whatever is
+    Call it early (right after :func:`become_group_leader`, before starting threads). When this process is
+    gone, the watchdog SIGTERMs this process group (if this process leads it), every descendant it saw at its
+    last poll (``poll_s``) and the process groups those descendants led (the DHT's), SIGKILLs whatever is
     left after ``grace_s``, removes their IPC files (:func:`cleanup_ipc_files`) and exits. It ignores
     SIGINT, SIGTERM and SIGHUP, so a Ctrl+C of the group lets the node shut down cleanly; it holds no
     inherited file descriptors except stdin/stdout/stderr. Returns the watchdog's pid; call
     :func:`stop_watchdog` after an orderly shutdown: the watchdog then leaves this process's session and
     group and only tidies up once this process has exited (torch's shared-memory files, which its
     ``torch_shm_manager`` does not always remove).
+
+    The watchdog is a lean process: the forked child sets up its signals and ``PR_SET_PDEATHSIG`` (both
+    survive ``execve``), closes the inherited descriptors and executes a fresh interpreter (``python -I -S``)
+    on this file, which imports nothing but the standard library. A plain fork kept the caller's pages: a
+    node forks it after importing torch, and such a watchdog held 100 MB PSS (70 MB of it its own) where
+    the fresh interpreter holds about 10 MB. Should the ``execve`` fail, the child watches in place (the
+    same behaviour, at the fork's memory).
     """
     parent = os.getpid()
     pgid = os.getpgrp()
@@ -347,11 +355,17 @@ def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), _WATCHDOG_ARG, str(parent),
+            str(pgid if kill_group else -1), repr(float(poll_s)), repr(float(grace_s))]
     pid = os.fork()
     if pid:
         return pid
     code = 0
     try:
+        _watchdog_setup()
+        if sys.executable:
+            with contextlib.suppress(OSError):
+                os.execv(sys.executable, argv)
         _watchdog(parent, pgid if kill_group else None, poll_s, grace_s)
     except BaseException:  # never let the child return into the caller's code
         code = 1
@@ -359,7 +373,10 @@ def start_watchdog(poll_s: float = 0.5, grace_s: float = 1.0) -> int:
         os._exit(code)
 
 
-def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> None:
+def _watchdog_setup() -> None:
+    """The watchdog's signals, name, parent-death signal and descriptors; the signal dispositions, the mask and
+    ``PR_SET_PDEATHSIG`` survive the ``execve`` of :func:`start_watchdog`, so no signal of the node's group
+    can reach the fresh interpreter before it has started."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     # SIGUSR1: the parent died (PDEATHSIG); SIGUSR2: the parent shut down in order (stop_watchdog).
@@ -369,6 +386,10 @@ def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> N
     _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
     with contextlib.suppress(OSError):
         os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096)
+
+
+def _watchdog(parent: int, pgid: int | None, poll_s: float, grace_s: float) -> None:
+    _watchdog_setup()  # again after the execve: the name, and PDEATHSIG once more (harmless)
     me = os.getpid()
     seen: dict[int, int] = {}  # pid -> starttime of the parent's descendants at the last poll
     groups: set[int] = set()  # process groups led by those descendants (e.g. the DHT's, see dht.py)
@@ -520,3 +541,22 @@ __all__ = [
     "stop_watchdog",
     "terminate_processes",
 ]
+
+
+def _watchdog_main(argv: list[str]) -> int:
+    """The watchdog's fresh interpreter (``python -I -S process.py --locoswarm-watchdog PARENT PGID POLL GRACE``,
+    from :func:`start_watchdog`): it imports nothing outside the standard library."""
+    if len(argv) != 5 or argv[0] != _WATCHDOG_ARG:
+        sys.stderr.write("usage: process.py --locoswarm-watchdog PARENT PGID POLL_S GRACE_S (started by the node)\n")
+        return 2
+    parent, pgid = int(argv[1]), int(argv[2])
+    code = 0
+    try:
+        _watchdog(parent, pgid if pgid > 0 else None, float(argv[3]), float(argv[4]))
+    except BaseException:
+        code = 1
+    return code
+
+
+if __name__ == "__main__":
+    os._exit(_watchdog_main(sys.argv[1:]))
