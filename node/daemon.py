@@ -476,6 +476,7 @@ class Node(SwarmView):
         o, cfg = self.opts, self.cfg
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.corpus = load_corpus(o.data, cfg.data, tokenizer)
+        process.release_free_heap()  # what tokenizing the corpus allocated and freed
         log.info("data: %s", self.corpus.description)
         for warning in self.corpus.warnings:
             log.warning("data: %s", warning)
