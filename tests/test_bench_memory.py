@@ -34,11 +34,19 @@ def test_bench_memory_measures_two_real_nodes_and_writes_json_markdown_and_png(t
             assert 30 < node["rss_mb"] <= node["peak_rss_mb"] < 20_000, node
             assert node["device"] == "cpu" and node["device_peak_mb"] is None, node
             assert node["rounds"] >= 1 and node["inner_steps"] > 0, node
+            # Its processes: the node first, its lean watchdog, the DHT child and p2pd (no torch_shm_manager).
+            names = [p["name"] for p in node["processes"]]
+            assert names[0] == "python" and "locoswarm-watch" in names and "p2pd" in names, names
+            assert "torch_shm_manag" not in names, names
+            watchdog = next(p for p in node["processes"] if p["name"] == "locoswarm-watch")
+            assert watchdog["uss_mb"] < 30, watchdog  # a fresh interpreter, no torch: about 6 MB
+            assert node["total_pss_mb"] == pytest.approx(sum(p["pss_mb"] for p in node["processes"]), abs=0.5)
     # The outer state on the device (off) is predicted to cost memory that offloading saves.
     runs = doc["configurations"]
     assert runs["tiny offload=off"]["predicted_device_gib"] > runs["tiny offload=cpu"]["predicted_device_gib"]
     table = (out / "report.md").read_text()
     assert "| tiny offload=off |" in table and "memory.png" in table
+    assert "| tiny offload=off | locoswarm-watch |" in table and "**total PSS**" in table
     assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list((out / "logs").glob("*/node*.log"))) == 4
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(tmp_path))]

@@ -7,6 +7,11 @@ memory is read from its ``status.json`` (``memory``: the resident memory of its 
 and on a CUDA device what PyTorch holds there now, its peak and the device's capacity), with its
 speed. The nodes share the machine (and its GPU), but each figure is one process's own.
 
+Each node's processes are measured too (:func:`process_memory`, from ``/proc/<pid>/smaps_rollup``): the node,
+its watchdog, the DHT child and its p2pd, with the proportional set size (PSS: shared pages split between
+the processes that map them, so the figures add up) and the unique set size (USS: pages no other process
+maps); the report gives the breakdown of each configuration's first node and every node's total PSS.
+
 Beside each measurement stands the planner's estimate of the training device's memory for the same
 preset (its standard shape), batch and offload setting (``locoswarm.node.sizing``: weights, gradients,
 AdamW, the outer state when it stays on the device, activations), so that a GPU run checks the estimate.
@@ -150,7 +155,8 @@ class Configuration:
                 if task is not None:
                     progress.update(task, advance=self.args.rounds)
             statuses = [proc.status() or st for proc, st in zip(self.procs, statuses, strict=True)]
-            result["nodes"] = [_node_row(st) for st in statuses]
+            result["nodes"] = [_with_processes(_node_row(st), process_memory(proc.proc.pid))
+                               for proc, st in zip(self.procs, statuses, strict=True)]
         except Exception as exc:  # a configuration that could not run is reported; the others still run
             result["error"] = f"{type(exc).__name__}: {exc}"[:400]
         finally:
@@ -158,6 +164,41 @@ class Configuration:
                 proc.stop()
         result["seconds"] = round(time.monotonic() - started, 1)
         return result
+
+
+def _smaps_rollup_kb(pid: int) -> dict[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            lines = fh.read().splitlines()[1:]
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            out[parts[0][:-1]] = int(parts[1])
+    return out
+
+
+def process_memory(pid: int) -> list[dict]:
+    """PSS and USS (MB) of the node process ``pid`` and of its living descendants (its watchdog, the DHT child,
+    p2pd), each as ``{"pid", "name", "pss_mb", "uss_mb", "rss_mb"}``, the node first. Empty off Linux."""
+    from locoswarm.node.swarm.process import descendants, proc_stat
+
+    rows = []
+    for p in [pid, *descendants(pid)]:
+        st, mem = proc_stat(p), _smaps_rollup_kb(p)
+        if st is None or mem is None:
+            continue
+        rows.append({"pid": p, "name": st[0], "pss_mb": round(mem.get("Pss", 0) / 1024, 1),
+                     "uss_mb": round((mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0)) / 1024, 1),
+                     "rss_mb": round(mem.get("Rss", 0) / 1024, 1)})
+    return rows
+
+
+def _with_processes(row: dict, procs: list[dict]) -> dict:
+    return {**row, "processes": procs,
+            "total_pss_mb": round(sum(p["pss_mb"] for p in procs), 1) if procs else None}
 
 
 def _node_row(st: dict) -> dict:
@@ -230,7 +271,8 @@ def _one_line(name: str, r: dict) -> str:
     if r["error"]:
         return f"{name}: failed: {r['error']}"
     return (f"{name}: peak RSS {_fmt(_peak(r, 'peak_rss_mb'))} MB, device peak {_fmt(_peak(r, 'device_peak_mb'))} MB "
-            f"(predicted {r['predicted_device_gib'] * 1024:.0f} MiB), {r['seconds']:.0f} s")
+            f"(predicted {r['predicted_device_gib'] * 1024:.0f} MiB), total PSS of a node's processes "
+            f"{_fmt(_peak(r, 'total_pss_mb'))} MB, {r['seconds']:.0f} s")
 
 
 def markdown_table(results: dict[str, dict]) -> str:
@@ -249,6 +291,22 @@ def markdown_table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def process_table(results: dict[str, dict]) -> str:
+    """Per configuration, the processes of its first node: PSS and USS in MB, and the total PSS."""
+    rows = ["| configuration | process | PSS (MB) | USS (MB) |", "|---|---|---:|---:|"]
+    for name, r in results.items():
+        procs = r["nodes"][0].get("processes") if r["nodes"] else None
+        if r["error"] or not procs:
+            continue
+        for i, p in enumerate(procs):
+            what = "node" if i == 0 else p["name"]
+            rows.append(f"| {name} | {what} | {p['pss_mb']:.1f} | {p['uss_mb']:.1f} |")
+        totals = ", ".join(_fmt(n.get("total_pss_mb")) for n in r["nodes"])
+        rows.append(f"| {name} | **total PSS** (each node: {totals}) | "
+                    f"**{_fmt(r['nodes'][0].get('total_pss_mb'), '.1f')}** | |")
+    return "\n".join(rows)
+
+
 def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) -> dict:
     doc = {"setup": setup, "configurations": results, "wall_seconds": round(wall, 1)}
     atomic_write_text(out / "results.json", json.dumps(doc, indent=1))
@@ -259,7 +317,12 @@ def write_report(out: Path, setup: dict, results: dict[str, dict], wall: float) 
         f"{setup['rounds']} rounds with a peer; each figure is one node process's own (`status.json` `memory`). "
         "The predicted column is the planner's estimate of the training device's memory "
         "(`locoswarm plan --sizes`); on the CPU there is no device column to compare it with.", "",
-        table, "", "![peak memory per configuration](memory.png)", "", f"Wall time: {wall:.0f} s.", ""]))
+        table, "", "## Each process of a node", "",
+        "The first node of each configuration, when it was measured: the node process, its watchdog, the DHT "
+        "child and its p2pd. PSS splits shared pages between the processes that map them (the figures add up); "
+        "USS counts the pages only that process maps.", "",
+        process_table(results), "",
+        "![peak memory per configuration](memory.png)", "", f"Wall time: {wall:.0f} s.", ""]))
     plot(out / "memory.png", results)
     return {"table_md": table, **doc}
 
@@ -275,7 +338,8 @@ def plot(path: Path, results: dict[str, dict]) -> None:
     xs = range(len(names))
     series = [("peak RSS", [_peak(results[n], "peak_rss_mb") for n in names]),
               ("device peak", [_peak(results[n], "device_peak_mb") for n in names]),
-              ("predicted device", [results[n]["predicted_device_gib"] * 1024**3 / MB for n in names])]
+              ("predicted device", [results[n]["predicted_device_gib"] * 1024**3 / MB for n in names]),
+              ("total PSS of a node's processes", [_peak(results[n], "total_pss_mb") for n in names])]
     width = 0.8 / len(series)
     for k, (label, values) in enumerate(series):
         ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], [v or 0 for v in values], width=width, label=label)
