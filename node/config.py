@@ -118,9 +118,10 @@ class OuterSection:
                              help="delay-compensation strength of the 'compensate' method")
     lr: float = setting(0.7, shared=True, min=0.0, max=10.0, min_exclusive=True, help="outer lr eta")
     momentum: float = setting(0.9, shared=True, min=0.0, max=1.0, help="outer Nesterov momentum mu")
-    codec: str = setting("fp4", shared=True, choices=(*CODECS, "lowrank"),
-                         help="payload codec of pseudo-gradients: a block codec, or lowrank (DiLoCoX's adaptive "
-                              "low-rank compression of matrices, coded with lowrank_codec)")
+    codec: str = setting("fp4", shared=True, choices=(*CODECS, "lowrank", "sparseloco"),
+                         help="payload codec of pseudo-gradients: a block codec, lowrank (DiLoCoX's adaptive "
+                              "low-rank compression of matrices, coded with lowrank_codec), or sparseloco "
+                              "(SparseLoCo: chunk-wise top-k of a decayed error-feedback accumulator, 2-bit)")
     block_size: int = setting(64, shared=True, min=8, max=65536, help="elements per codec scale block")
     error_feedback: bool = setting(True, shared=False, help="carry quantization error to the next sync")
     # Starts at the max: the first round's basis is a seeded random one, which holds only about rank / n of a
@@ -135,6 +136,16 @@ class OuterSection:
                                          "factors at this rank have fewer elements than the matrix")
     lowrank_codec: str = setting("int8", shared=True, choices=CODECS,
                                  help="codec lowrank: the block codec of the low-rank factors and the other tensors")
+    # SparseLoCo's defaults are the paper's (arXiv 2508.15706): chunks of 4096, top-64 (1.56% density), 2 bits.
+    sparse_chunk: int = setting(4096, shared=True, min=1, max=65536,
+                                help="codec sparseloco: elements per top-k chunk (indices are 16-bit within it)")
+    sparse_topk: int = setting(64, shared=True, min=1, max=65536,
+                               help="codec sparseloco: entries sent per chunk (density = sparse_topk / sparse_chunk)")
+    sparse_beta: float = setting(0.95, shared=True, min=0.0, max=1.0,
+                                 help="codec sparseloco: decay of the error-feedback accumulator, "
+                                      "e <- beta * e + Delta")
+    sparse_value_bits: int = setting(2, shared=True, choices=(2, 32),
+                                     help="codec sparseloco: bits per sent value (2, or 32 for full precision)")
     schedule: str = setting("fixed", shared=True, choices=("fixed", "adaptive"),
                             help="fixed (evenly spaced offsets) or adaptive (CoCoDC)")
     consensus_every: int = setting(10, shared=True, min=0, max=100000,
@@ -662,6 +673,17 @@ def _check_all(cfg: SwarmConfig, source_of: Callable[[Sequence[str]], str]) -> N
                     f"{w.assign('outer', 'lowrank_min_rank', o.lowrank_min_rank)} and "
                     f"{w.assign('outer', 'lowrank_max_rank', o.lowrank_max_rank)}; set lowrank_min_rank <= "
                     f"lowrank_rank <= lowrank_max_rank")
+
+    w = where("outer.sparse_topk", "outer.sparse_chunk")
+    if o.sparse_topk > o.sparse_chunk:
+        raise _fail(f"{w.source}: {w.assign('outer', 'sparse_topk', o.sparse_topk)} is larger than "
+                    f"{w.assign('outer', 'sparse_chunk', o.sparse_chunk)}; a chunk cannot send more entries "
+                    f"than it holds, so set sparse_topk <= {o.sparse_chunk}")
+    w = where("outer.codec", "outer.error_feedback")
+    if o.codec == "sparseloco" and not o.error_feedback:
+        raise _fail(f"{w.source}: {w.assign('outer', 'codec', o.codec)} needs "
+                    f"{w.assign('outer', 'error_feedback', o.error_feedback)} to be true; the error-feedback "
+                    f"residual is SparseLoCo's accumulator, so set error_feedback = true")
 
 
 def validate(cfg: SwarmConfig, source: str = "peers.toml") -> None:

@@ -10,7 +10,22 @@ SCALE_BITS = 32  # the block codecs' one little-endian float32 scale per block
 SCALED = frozenset({"int8", "fp4"})  # the codecs that carry one scale per block
 
 
-def codec_bits(codec: str, block_size: int) -> float:
-    """Wire bits per element of ``codec``, its block scales included (fp4 at block 64: 4.5). Raises ``KeyError``
-    for a name not in ``CODECS``."""
+SPARSE = "sparseloco"  # SparseLoCo's top-k codec (core/sparse.py): its cost depends on the chunk and k too
+SPARSE_INDEX_BITS = 16  # one little-endian uint16 index per kept entry, within its chunk
+
+
+def sparse_bits(chunk: int, topk: int, value_bits: int = 2) -> float:
+    """Wire bits per element of a SparseLoCo part: per chunk ``min(k, chunk)`` indices and values, plus one float32
+    scale with 2-bit values (chunk 4096, k 64: 0.289); the one tag byte per payload chunk is not counted."""
+    k = min(topk, chunk)
+    return (k * (SPARSE_INDEX_BITS + value_bits) + (SCALE_BITS if value_bits == 2 else 0)) / chunk
+
+
+def codec_bits(codec: str, block_size: int, *, topk: int = 64, value_bits: int = 2) -> float:
+    """Wire bits per element of ``codec``, its block scales included (fp4 at block 64: 4.5); for ``sparseloco``
+    ``block_size`` is the top-k chunk and ``topk``, ``value_bits`` its settings (what a member sends; a reducer's
+    average carries the union of the members' supports at 8 bits). Raises ``KeyError`` for another name not in
+    ``CODECS``."""
+    if codec == SPARSE:
+        return sparse_bits(block_size, topk, value_bits)
     return ELEMENT_BITS[codec] + (SCALE_BITS / block_size if codec in SCALED else 0.0)

@@ -231,6 +231,12 @@ class Codec(ABC):
     def encode(self, x: torch.Tensor) -> bytes:
         """Flatten ``x`` (any shape, float dtype, CPU or CUDA) and return its wire bytes."""
 
+    def encode_reduced(self, x: torch.Tensor) -> bytes:
+        """The bytes of a reducer's combination of the members' parts: :meth:`encode` for the dense codecs; a
+        sparse codec keeps the union of the members' supports instead of selecting again
+        (``locoswarm.node.core.sparse``)."""
+        return self.encode(x)
+
     @abstractmethod
     def _decode_checked(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode a payload whose length is already validated."""

@@ -8,6 +8,8 @@ such a vector and turns the group's mean of those vectors back into a dense aver
 - :class:`locoswarm.node.core.lowrank.LowRankCompressor` (``codec = "lowrank"``): the vector holds low-rank
   coefficients of the fragment's matrices on a basis the group shares, so that the group's mean of the
   coefficients is the compression of the mean (DiLoCoX's adaptive low-rank compression).
+- :class:`SparseLoCoCompressor` (``codec = "sparseloco"``): the vector is the chunk-wise top-k, 2-bit coded, of
+  a decayed error-feedback accumulator (SparseLoCo, ``locoswarm.node.core.sparse``).
 
 The outer loop chooses one once from the config (``outer_loop.make_compressor``) and asks it; it never tests the
 codec's name.
@@ -23,6 +25,7 @@ import torch
 from locoswarm.node.config import OuterSection
 from locoswarm.node.core.codecs import Codec, get_codec
 from locoswarm.node.core.payload import encode_with_feedback
+from locoswarm.node.core.sparse import SparseCodec
 
 
 @dataclass
@@ -101,7 +104,30 @@ class BlockCompressor(Compressor):
         return average
 
 
+class SparseLoCoCompressor(BlockCompressor):
+    """SparseLoCo (Sarfi, Therien, Lidin, Belilovsky 2025, arXiv 2508.15706): the error-feedback residual is the
+    accumulator ``e``; a sync decays it, ``e <- beta * e + Delta``, sends the :class:`SparseCodec` coding of
+    ``e`` (its chunk-wise top-k, 2-bit) and keeps ``e - sent``. The decay is what stands in for the outer
+    momentum (run it with ``[outer] momentum = 0``). Not replayable: the step-log replay rebuilds a codec by
+    name and block size, which cannot say the top-k."""
+
+    replayable = False
+
+    def __init__(self, codec: SparseCodec, beta: float) -> None:
+        super().__init__(codec)
+        self.beta = beta
+
+    def encode(self, fragment: int, delta: torch.Tensor, residual: torch.Tensor | None, round_: int) -> Encoded:
+        if residual is None:  # config validation requires error_feedback: without it there is no accumulator
+            raise ValueError("sparseloco needs the error-feedback accumulator ([outer] error_feedback = true)")
+        residual.mul_(self.beta)
+        chunks, own = encode_with_feedback(self.codec, delta, residual)
+        return Encoded(chunks, delta.numel(), own)
+
+
 def wire_codec(outer: OuterSection) -> Codec:
     """The block codec of the vectors a swarm's reducers average under these settings."""
+    if outer.codec == "sparseloco":
+        return SparseCodec(outer.sparse_chunk, outer.sparse_topk, outer.sparse_value_bits)
     inner = outer.lowrank_codec if outer.codec == "lowrank" else outer.codec
     return get_codec(inner, outer.block_size)

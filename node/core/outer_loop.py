@@ -41,7 +41,7 @@ import torch
 
 from locoswarm.node.config import OuterSection
 from locoswarm.node.core.codecs import get_codec
-from locoswarm.node.core.compress import BlockCompressor, Compressor, Encoded, wire_codec
+from locoswarm.node.core.compress import BlockCompressor, Compressor, Encoded, SparseLoCoCompressor, wire_codec
 from locoswarm.node.core.consensus import CONSENSUS_CODEC, StateConsensus, join_state, split_state, state_digest
 from locoswarm.node.core.guard import (
     GuardLimits,
@@ -283,6 +283,8 @@ def make_compressor(outer: OuterSection, fragments: Sequence[tuple[int, Sequence
     if outer.codec == "lowrank":
         return LowRankCompressor(fragments, wire_codec(outer), rank=outer.lowrank_rank,
                                  min_rank=outer.lowrank_min_rank, max_rank=outer.lowrank_max_rank)
+    if outer.codec == "sparseloco":
+        return SparseLoCoCompressor(wire_codec(outer), outer.sparse_beta)
     return BlockCompressor(wire_codec(outer))
 
 

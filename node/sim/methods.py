@@ -68,6 +68,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     Method("diloco-lowrank", "DiLoCoX's compression on DiLoCo",
            "F=1, blocking sync every H steps, adaptive low-rank compression with error feedback",
            _outer(fragments=1, tau=0, method="replace", codec="lowrank", error_feedback=True, schedule="fixed")),
+    # The paper's recipe: DiLoCo's blocking sync with the decayed accumulator in place of the outer momentum
+    # (momentum 0, outer lr 1, beta 0.95), top-64 of every 4096 entries at 2 bits.
+    Method("sparseloco", "SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706)",
+           "F=1, blocking sync every H steps, chunk-wise top-k (1.6%) 2-bit with a decayed error-feedback accumulator",
+           _outer(fragments=1, tau=0, method="replace", codec="sparseloco", error_feedback=True, schedule="fixed",
+                  lr=1.0, momentum=0.0, sparse_chunk=4096, sparse_topk=64, sparse_beta=0.95, sparse_value_bits=2)),
 ]}
 
 

@@ -3,7 +3,8 @@
 Members are ordered (by peer id); the payload's chunks are split into ``n`` contiguous parts and
 member ``j`` reduces part ``j``: it screens every member's chunks of that part, judges their directions,
 combines the accepted ones in fp32 around the group's centre with the swarm's robust aggregator
-(``locoswarm.node.core.robust``), and re-encodes the reduced chunks with the same codec. The reduced
+(``locoswarm.node.core.robust``), and re-encodes the reduced chunks with the same codec (``Codec.encode_reduced``:
+a sparse codec keeps the union of the members' supports, so its reduced chunks are larger than a part's). The reduced
 chunks are then all-gathered. Every member decodes the *same* reduced bytes, so the group's result is
 bit-identical on all members. Per member and sync this moves about ``2 (n-1)/n`` payloads each way, the
 exchange pattern of a ring/butterfly all-reduce.
@@ -188,7 +189,8 @@ def combine_part(codec: Codec, contributions: Sequence[PartContribution], screen
     reduced = {}
     for k, c in enumerate(part):
         rows = torch.stack([codec.decode(contributions[i].chunks[c], sizes[c]) for i in screening.accepted])
-        reduced[c] = codec.encode(aggregator.combine(rows, weights, centre(k, rows), scales))
+        # encode_reduced: a sparse codec's average (the union of the parts' supports) must not be top-k'ed again
+        reduced[c] = codec.encode_reduced(aggregator.combine(rows, weights, centre(k, rows), scales))
     return reduced
 
 
