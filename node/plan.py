@@ -113,6 +113,10 @@ does not reach the target on it): there fp4 comes first.
   and at the largest rank (codec ``lr<rank>``): its bits per parameter follow from the matrices' shapes
   (``locoswarm.node.core.lowrank``: each m x n matrix sends r·(m + n) factor values, the other tensors go raw), so the
   rows use the shapes of ``--preset`` or of the preset nearest in size to ``--params``.
+- sparseloco: SparseLoCo (arXiv 2508.15706), F = 1, tau = 0, the ``[outer] sparse_*`` defaults (chunk 4096,
+  top-64, 2 bits): a member's part costs ``sparse_bits`` (0.289 bits per parameter), a reducer's average carries
+  the union of the ``n`` members' supports at 16-bit index + int8 value each (``sparseloco_bits``: the
+  disjoint-support bound); the ring's two halves are the mean of the two (codec label ``sparse``).
 
 Calibration against Streaming DiLoCo's Table 4 (1B model, 95% utilization: 222 Gbit/s data-parallel,
 23.3 DiLoCo, 2.0 Streaming DiLoCo with overlap and FP4). The paper's exact simulator settings were
@@ -134,7 +138,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from locoswarm.node.config import ModelSection, OuterSection
-from locoswarm.node.core.codec_table import CODECS
+from locoswarm.node.core.codec_table import CODECS, SPARSE_INDEX_BITS, sparse_bits
 from locoswarm.node.core.codec_table import codec_bits as table_bits
 from locoswarm.node.core.late_window import AUTO, late_window
 from locoswarm.node.errors import UserError
@@ -418,8 +422,8 @@ def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = D
                 latency: float = 0.0, workers: int = DEFAULT_WORKERS, backward_overlap: float = 0.0,
                 baseline_codec: str = "fp32", block_size: int = BLOCK_SIZE, round_overhead: float = 0.0,
                 catch_up_rate: float = 0.0, lowrank: Sequence[tuple[str, float]] = ()) -> list[Row]:
-    """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm), and
-    a diloco-x row (F = 1, tau = H) per ``lowrank`` entry: (codec label, wire bits per parameter)."""
+    """The table: one ``Row`` per method (dp, diloco, streaming, streaming-overlap ×2, eager, locoswarm), a
+    diloco-x row (F = 1, tau = H) per ``lowrank`` entry: (codec label, wire bits per parameter), and sparseloco."""
     specs: list[tuple[str, int, int, int, str, float | None]] = [
         ("dp", 1, 1, 0, baseline_codec, None),
         ("diloco", h, 1, 0, baseline_codec, None),
@@ -428,11 +432,26 @@ def method_rows(params: float, step_time: float, bandwidth: float, *, h: int = D
         ("streaming-overlap", h, fragments, tau, "fp4", None),
         ("eager", h, 1, h, baseline_codec, None),
         ("locoswarm", h, fragments, tau, "fp4", None),
-    ] + [("diloco-x", h, 1, h, label, bits) for label, bits in lowrank]
+    ] + [("diloco-x", h, 1, h, label, bits) for label, bits in lowrank] + [
+        ("sparseloco", h, 1, 0, "sparse", sparseloco_bits(workers)),
+    ]
     return [_row(name, params, step_time, bandwidth, h=rh, fragments=rf, tau=rt, codec=rc, target=target,
                  latency=latency, workers=workers, backward_overlap=backward_overlap, block_size=block_size,
                  round_overhead=round_overhead, catch_up_rate=catch_up_rate, bits=bits)
             for name, rh, rf, rt, rc, bits in specs]
+
+
+def sparseloco_bits(workers: int, chunk: int | None = None, topk: int | None = None) -> float:
+    """Wire bits per parameter of ``codec = "sparseloco"`` averaged over a round's two halves: members send their
+    parts (``sparse_bits``), reducers send averages that keep the union of the ``workers`` supports (at most
+    ``workers * k`` entries a chunk, each a 16-bit index and an int8 value, plus a float32 scale and a uint32
+    count per chunk). Defaults: the ``[outer]`` settings' defaults."""
+    outer = OuterSection()
+    chunk = outer.sparse_chunk if chunk is None else chunk
+    topk = outer.sparse_topk if topk is None else topk
+    union = min(chunk, max(1, workers) * min(topk, chunk))
+    reduced = (union * (SPARSE_INDEX_BITS + 8) + 64) / chunk
+    return (sparse_bits(chunk, topk, outer.sparse_value_bits) + reduced) / 2
 
 
 def lowrank_bits(params: float, preset: str | None = None, arch: str = "llama") -> list[tuple[str, float]]:

@@ -25,11 +25,11 @@ def test_bench_codecs_writes_every_codec_next_to_the_memory_pass(tmp_path: Path)
     report = json.loads((tmp_path / "rep" / "results.json").read_text())
     cpu = report["results"]["cpu"]
     assert cpu["memory_pass_mb_s"] > 0 and cpu["copy_into_buffer_mb_s"] > 0
-    assert set(cpu["codecs"]) == set(CODECS)
+    assert set(cpu["codecs"]) == {*CODECS, "sparseloco"}
     for name, row in cpu["codecs"].items():
         assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
         assert abs(row["encode_ratio"] - row["encode_mb_s"] / cpu["memory_pass_mb_s"]) < 1e-9
-        assert row["bits_per_element"] >= {"fp32": 32, "bf16": 16, "int8": 8, "fp4": 4}[name]
+        assert row["bits_per_element"] >= {"fp32": 32, "bf16": 16, "int8": 8, "fp4": 4, "sparseloco": 0.28}[name]
     md = (tmp_path / "rep" / "report.md").read_text()
     assert all(f"| {name} |" in md for name in CODECS)
     assert (tmp_path / "rep" / "codecs.png").read_bytes()[:4] == b"\x89PNG"

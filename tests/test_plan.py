@@ -457,8 +457,9 @@ def test_cli_json() -> None:
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [m["method"] for m in data["methods"]] == [
-        "dp", "diloco", "streaming", "streaming-overlap", "streaming-overlap", "eager", "locoswarm", "diloco-x"]
-    assert [m["codec"] for m in data["methods"][-1:]] == ["lr32"]  # the default initial rank is the largest
+        "dp", "diloco", "streaming", "streaming-overlap", "streaming-overlap", "eager", "locoswarm", "diloco-x",
+        "sparseloco"]
+    assert [m["codec"] for m in data["methods"][-2:-1]] == ["lr32"]  # the default initial rank is the largest
     assert data["inputs"]["bandwidth_bit_s"] == 1e9 and data["inputs"]["latency_s"] == pytest.approx(0.05)
     assert data["methods"][0]["required_bandwidth"] is None  # dp: latency alone exceeds the budget
     rec = data["recommendation"]

@@ -286,3 +286,13 @@ def test_bytes_per_sync_are_as_computed() -> None:
     assert math.isclose(sparse_bits(4096, 64, 2), 148 * 8 / 4096)
     assert math.isclose(codec_bits("sparseloco", 4096, topk=64), sparse_bits(4096, 64, 2))
     assert codec_bits("fp4", 64) / sparse_bits(4096, 64, 2) > 15
+
+
+def test_the_planner_knows_the_bytes_of_a_round() -> None:
+    from locoswarm.node.plan import method_rows, sparseloco_bits
+
+    # two members: parts at 0.289 bits up, averages of the union (<= 128 of 4096, 24 bits each + 64 per chunk) down
+    assert sparseloco_bits(2) == pytest.approx((148 * 8 / 4096 + (128 * 24 + 64) / 4096) / 2)
+    assert sparseloco_bits(2) < sparseloco_bits(8) < codec_bits("fp4", 64)
+    rows = {r.method: r for r in method_rows(1e9, 0.1, 1e8, h=100, fragments=8, tau=1) if r.codec in ("sparse", "fp32")}
+    assert rows["sparseloco"].required_bandwidth < rows["diloco"].required_bandwidth / 20

@@ -8,8 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from locoswarm.node.core.codecs import CODECS, get_codec
+from locoswarm.node.core.codecs import CODECS, Codec, get_codec
+from locoswarm.node.core.sparse import SparseCodec
 from locoswarm.node.errors import UserError
+
+SPARSE_CHUNK, SPARSE_TOPK = 4096, 64  # the paper's settings, the [outer] sparse_* defaults
 
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -57,10 +60,12 @@ def measure(numel: int, repeats: int, devices: list[torch.device], block_size: i
         references = _references(base, x, memory, repeats, device)
         acc = torch.zeros(numel, dtype=torch.float32, device=device)
         rows: dict[str, dict] = {}
-        for name in CODECS:
+        # SparseLoCo's codec at the paper's chunk 4096 / top-64, 2 bits (its encode includes the top-k)
+        codecs: dict[str, Codec] = {name: get_codec(name, block_size) for name in CODECS}
+        codecs["sparseloco"] = SparseCodec(SPARSE_CHUNK, SPARSE_TOPK)
+        for name, codec in codecs.items():
             if progress is not None:
                 progress(f"{device.type} {name}")
-            codec = get_codec(name, block_size)
             data = codec.encode(x)
             enc = mb / _best_seconds(lambda codec=codec, x=x: codec.encode(x), repeats, device)
             if device.type == "cpu":

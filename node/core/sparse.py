@@ -1,6 +1,6 @@
 """SparseLoCo: chunk-wise top-k, 2-bit pseudo-gradients with a decayed error-feedback accumulator.
 
-Sarfi, Therien, Lidin, Belilovsky, "Communication-Efficient Distributed Training of LLMs with SparseLoCo"
+Sarfi, Therien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo"
 (2025, arXiv 2508.15706). Per fragment each member keeps an accumulator ``e`` (the error-feedback residual of
 the outer loop) and per sync::
 
@@ -213,7 +213,8 @@ class SparseCodec(Codec):
                 raise ValueError("sparse payload has an index outside its block")
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             increasing = np.diff(local) > 0
-            increasing[starts[1:][counts[1:] > 0] - 1] = True  # a block's first index follows the last block's
+            firsts = starts[1:][counts[1:] > 0]
+            increasing[firsts[firsts > 0] - 1] = True  # a block's first index may be below the last block's
             if not np.all(increasing):
                 raise ValueError("sparse payload's indices are not strictly increasing within a block")
         if bits == 2:
