@@ -296,3 +296,17 @@ def test_the_planner_knows_the_bytes_of_a_round() -> None:
     assert sparseloco_bits(2) < sparseloco_bits(8) < codec_bits("fp4", 64)
     rows = {r.method: r for r in method_rows(1e9, 0.1, 1e8, h=100, fragments=8, tau=1) if r.codec in ("sparse", "fp32")}
     assert rows["sparseloco"].required_bandwidth < rows["diloco"].required_bandwidth / 20
+
+
+def test_a_swarm_node_refuses_sparseloco_with_one_line_naming_the_setting(tmp_path, capsys) -> None:
+    """The swarm's exchange does not carry variable-length sparse averages yet: ``locoswarm run`` says so before
+    anything starts, on one line, with what is allowed (exit 2, no traceback)."""
+    import locoswarm.node.cli
+
+    config = tmp_path / "peers.toml"
+    config.write_text('[outer]\ncodec = "sparseloco"\n')
+    code = locoswarm.node.cli.main(["run", "--config", str(config), "--state-dir", str(tmp_path / "state")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert "codec = 'sparseloco' is not allowed in a swarm" in err and "use fp4" in err and "Traceback" not in err
+    assert not (tmp_path / "state").exists()

@@ -95,6 +95,11 @@ def run_node(args: argparse.Namespace) -> int:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
     cfg = load_config_from_args(args)
+    if cfg.outer.codec == "sparseloco":
+        # The simulator, the planner and the codec benchmark carry it; the swarm's exchange still checks every
+        # gathered average against the codec's fixed encoded size, and sparse averages vary in length.
+        raise UserError("[outer] codec = 'sparseloco' is not allowed in a swarm yet (simulator, plan and benchmarks "
+                        "only); use fp4, int8, bf16, fp32 or lowrank")
     for flag, value, low in (("--max-steps", args.max_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
                              ("--eval-every", args.eval_every, 0), ("--threads", args.threads, 1),
                              ("--eval-batches", args.eval_batches, 1)):
