@@ -21,12 +21,12 @@ from locoswarm.node.config import (
     config_from_dict,
     fingerprint,
 )
-from locoswarm.node.core.codec_table import codec_bits
+from locoswarm.node.core.codec_table import codec_bits, sparse_bits
 from locoswarm.node.core.compress import SparseLoCoCompressor, wire_codec
 from locoswarm.node.core.outer_loop import OuterLoop, make_compressor
 from locoswarm.node.core.payload import decode_chunks, encode_chunks, payload_size
 from locoswarm.node.core.robust import make_aggregator
-from locoswarm.node.core.sparse import REDUCED, SparseCodec, sparse_bits
+from locoswarm.node.core.sparse import REDUCED, SparseCodec
 from locoswarm.node.errors import ConfigError
 from locoswarm.node.inner import InnerOptimizer
 from locoswarm.node.model import build_model

@@ -35,13 +35,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from locoswarm.node.core.codec_table import sparse_bits  # noqa: F401 - the wire cost lives there
 from locoswarm.node.core.codecs import Codec, _check_numel, _flatten_fp32, _raise_non_finite
 
 SENT, REDUCED = 0, 1  # the layouts' tag bytes
 _LEVELS = torch.tensor([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0], dtype=torch.float32)
 _INT8_MAX = 127
 MAX_CHUNK = 1 << 16  # indices are uint16 within their block
+
+
+def _block_scales(vals: torch.Tensor, blk: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block the largest kept magnitude (the wire's scale; 0 for an all-zero block) and the same with zeros
+    replaced by 1 (what values are divided by)."""
+    scales = torch.zeros(n_blocks, dtype=torch.float32, device=vals.device)
+    scales.scatter_reduce_(0, blk, vals.abs(), reduce="amax")
+    return scales, torch.where(scales > 0, scales, torch.ones_like(scales))
 
 
 class SparseCodec(Codec):
@@ -121,10 +128,7 @@ class SparseCodec(Codec):
             _raise_non_finite(flat)
         parts = [np.array([SENT], dtype=np.uint8).tobytes()]
         if self.value_bits == 2:
-            nb = -(-flat.numel() // self.block_size)
-            scales = torch.zeros(nb, dtype=torch.float32, device=flat.device)
-            scales.scatter_reduce_(0, blk, vals.abs(), reduce="amax")
-            safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+            scales, safe = _block_scales(vals, blk, -(-flat.numel() // self.block_size))
             unit = vals / safe[blk]
             codes = ((unit + 1.0) * 1.5).round_().clamp_(0, 3).to(torch.uint8)
             pad = (-codes.numel()) % 4
@@ -154,9 +158,7 @@ class SparseCodec(Codec):
         vals = flat[nz]
         parts = [np.array([REDUCED], dtype=np.uint8).tobytes(), counts.cpu().numpy().astype("<u4").tobytes()]
         if self.value_bits == 2:
-            scales = torch.zeros(len(lengths), dtype=torch.float32, device=flat.device)
-            scales.scatter_reduce_(0, blk, vals.abs(), reduce="amax")
-            safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+            scales, safe = _block_scales(vals, blk, len(lengths))
             q = (vals / safe[blk] * _INT8_MAX).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
             parts += [scales.cpu().numpy().astype("<f4").tobytes(),
                       local.to(torch.int32).cpu().numpy().astype("<u2").tobytes(), q.cpu().numpy().tobytes()]
